@@ -1,0 +1,159 @@
+//! Element types. Data moves as bytes; a dtype only fixes the element size.
+
+use std::fmt;
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::Error;
+
+/// An element type, named as PyTorch names it (short forms).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub enum DType {
+    Bool,
+    U8,
+    I8,
+    Fp8E4M3,
+    Fp8E5M2,
+    Bf16,
+    F16,
+    I16,
+    U16,
+    F32,
+    I32,
+    U32,
+    F64,
+    I64,
+    U64,
+}
+
+impl DType {
+    /// Every dtype, in the order of the table in the design notes.
+    pub const ALL: [DType; 15] = [
+        DType::Bool,
+        DType::U8,
+        DType::I8,
+        DType::Fp8E4M3,
+        DType::Fp8E5M2,
+        DType::Bf16,
+        DType::F16,
+        DType::I16,
+        DType::U16,
+        DType::F32,
+        DType::I32,
+        DType::U32,
+        DType::F64,
+        DType::I64,
+        DType::U64,
+    ];
+
+    /// Size of one element in bytes.
+    pub const fn size(self) -> usize {
+        match self {
+            DType::Bool | DType::U8 | DType::I8 | DType::Fp8E4M3 | DType::Fp8E5M2 => 1,
+            DType::Bf16 | DType::F16 | DType::I16 | DType::U16 => 2,
+            DType::F32 | DType::I32 | DType::U32 => 4,
+            DType::F64 | DType::I64 | DType::U64 => 8,
+        }
+    }
+
+    /// The canonical short name (`bf16`, `fp8e4m3`, ...).
+    pub const fn name(self) -> &'static str {
+        match self {
+            DType::Bool => "bool",
+            DType::U8 => "u8",
+            DType::I8 => "i8",
+            DType::Fp8E4M3 => "fp8e4m3",
+            DType::Fp8E5M2 => "fp8e5m2",
+            DType::Bf16 => "bf16",
+            DType::F16 => "f16",
+            DType::I16 => "i16",
+            DType::U16 => "u16",
+            DType::F32 => "f32",
+            DType::I32 => "i32",
+            DType::U32 => "u32",
+            DType::F64 => "f64",
+            DType::I64 => "i64",
+            DType::U64 => "u64",
+        }
+    }
+}
+
+impl fmt::Display for DType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for DType {
+    type Err = Error;
+
+    /// Accepts the short names and the common long ones (`bfloat16`, `float32`, `torch.float16`).
+    fn from_str(s: &str) -> Result<Self, Error> {
+        let key = s.trim().to_ascii_lowercase();
+        let key = key.strip_prefix("torch.").unwrap_or(&key);
+        let dtype = match key {
+            "bool" => DType::Bool,
+            "u8" | "uint8" => DType::U8,
+            "i8" | "int8" => DType::I8,
+            "fp8e4m3" | "f8e4m3" | "float8_e4m3fn" | "fp8_e4m3" | "e4m3" => DType::Fp8E4M3,
+            "fp8e5m2" | "f8e5m2" | "float8_e5m2" | "fp8_e5m2" | "e5m2" => DType::Fp8E5M2,
+            "bf16" | "bfloat16" => DType::Bf16,
+            "f16" | "fp16" | "float16" | "half" => DType::F16,
+            "i16" | "int16" => DType::I16,
+            "u16" | "uint16" => DType::U16,
+            "f32" | "fp32" | "float32" | "float" => DType::F32,
+            "i32" | "int32" => DType::I32,
+            "u32" | "uint32" => DType::U32,
+            "f64" | "fp64" | "float64" | "double" => DType::F64,
+            "i64" | "int64" | "long" => DType::I64,
+            "u64" | "uint64" => DType::U64,
+            _ => {
+                return Err(Error::UnknownDType {
+                    value: s.to_string(),
+                });
+            }
+        };
+        Ok(dtype)
+    }
+}
+
+impl TryFrom<String> for DType {
+    type Error = Error;
+    fn try_from(s: String) -> Result<Self, Error> {
+        s.parse()
+    }
+}
+
+impl From<DType> for String {
+    fn from(d: DType) -> String {
+        d.name().to_string()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_round_trip() {
+        for d in DType::ALL {
+            assert_eq!(d.name().parse::<DType>().unwrap(), d);
+        }
+    }
+
+    #[test]
+    fn sizes() {
+        assert_eq!(DType::Bf16.size(), 2);
+        assert_eq!(DType::Fp8E4M3.size(), 1);
+        assert_eq!(DType::F64.size(), 8);
+        assert_eq!("torch.bfloat16".parse::<DType>().unwrap(), DType::Bf16);
+    }
+
+    #[test]
+    fn unknown_dtype_names_the_value() {
+        let err = "bf17".parse::<DType>().unwrap_err();
+        assert_eq!(err.to_string(), "--dtype: unknown dtype `bf17` (expected one of bool, u8, i8, fp8e4m3, fp8e5m2, bf16, f16, i16, u16, f32, i32, u32, f64, i64, u64)");
+    }
+}

@@ -1,0 +1,164 @@
+//! One error type for the whole crate: every variant carries the values that caused it, so the
+//! message names the field and the value without any formatting at the call site.
+
+use std::fmt;
+use std::time::Duration;
+
+use thiserror::Error;
+
+use crate::layout::Rank;
+
+/// Which side of a reshard a layout or buffer belongs to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Side {
+    /// The ranks that hold the tensor now (training).
+    Src,
+    /// The ranks that must hold it afterwards (inference).
+    Dst,
+}
+
+impl fmt::Display for Side {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Side::Src => "--src",
+            Side::Dst => "--dst",
+        })
+    }
+}
+
+/// Dimensions written the way users type them: `2x4`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Dims(pub Vec<u64>);
+
+impl fmt::Display for Dims {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.0.is_empty() {
+            return f.write_str("[]");
+        }
+        let parts: Vec<String> = self.0.iter().map(u64::to_string).collect();
+        f.write_str(&parts.join("x"))
+    }
+}
+
+/// Everything that can go wrong, from parsing a spec to a peer that stops answering.
+#[derive(Debug, Error)]
+pub enum Error {
+    #[error(
+        "--dtype: unknown dtype `{value}` (expected one of bool, u8, i8, fp8e4m3, fp8e5m2, bf16, f16, i16, u16, f32, i32, u32, f64, i64, u64)"
+    )]
+    UnknownDType { value: String },
+
+    #[error("{side}: {source}")]
+    Layout {
+        side: Side,
+        #[source]
+        source: LayoutError,
+    },
+
+    #[error("--shape: malformed shape `{value}`: {reason}")]
+    MalformedShape { value: String, reason: String },
+
+    #[error("--shape: the sides disagree: --src has shape {src}, --dst has shape {dst}")]
+    ShapeMismatch { src: Dims, dst: Dims },
+
+    #[error("--dtype: the sides disagree: --src is {src}, --dst is {dst}")]
+    DTypeMismatch { src: String, dst: String },
+
+    #[error("{side}: no local buffer given for rank {rank}")]
+    MissingBuffer { side: Side, rank: Rank },
+
+    #[error("{side}: rank {rank} is not part of this layout, yet a buffer was given for it")]
+    UnexpectedBuffer { side: Side, rank: Rank },
+
+    #[error("{side}: rank {rank}'s buffer has {got} bytes, but its shard {extent} needs {expected}")]
+    BufferSize {
+        side: Side,
+        rank: Rank,
+        extent: Dims,
+        expected: u64,
+        got: u64,
+    },
+
+    #[error("{field}: {value} is invalid: {reason}")]
+    InvalidOption {
+        field: &'static str,
+        value: String,
+        reason: String,
+    },
+
+    #[error("rank {rank}: peer rank {peer} is gone: {detail}")]
+    PeerGone {
+        rank: Rank,
+        peer: Rank,
+        detail: String,
+    },
+
+    #[error("rank {rank}: timed out after {waited:?} waiting for peer rank {peer}: {detail}")]
+    Timeout {
+        rank: Rank,
+        peer: Rank,
+        waited: Duration,
+        detail: String,
+    },
+
+    #[error("rank {rank}: transfer from rank {peer} is malformed: {detail}")]
+    Protocol {
+        rank: Rank,
+        peer: Rank,
+        detail: String,
+    },
+
+    #[error("the reshard did not complete: {}", .failures.iter().map(|e| e.to_string()).collect::<Vec<_>>().join("; "))]
+    Incomplete { failures: Vec<Error> },
+
+    #[error("verification failed: {mismatches} wrong bytes; first at rank {rank}, byte {offset} of its local buffer (expected {expected:#04x}, found {found:#04x})")]
+    VerifyFailed {
+        rank: Rank,
+        offset: u64,
+        expected: u8,
+        found: u8,
+        mismatches: u64,
+    },
+
+    #[error("{path}: {source}")]
+    Io {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// A layout that cannot exist. Carries no side: [`Error::Layout`] adds it.
+#[derive(Debug, Error, Clone, PartialEq, Eq)]
+pub enum LayoutError {
+    #[error("malformed layout spec `{spec}`: {reason}")]
+    MalformedSpec { spec: String, reason: String },
+
+    #[error("shape {shape} of {dtype} has more than 2^64 bytes")]
+    ShapeTooLarge { shape: Dims, dtype: String },
+
+    #[error("the mesh needs at least one axis")]
+    EmptyMesh,
+
+    #[error("mesh axis {axis} has size 0 (mesh {mesh})")]
+    ZeroSizeAxis { axis: usize, mesh: Dims },
+
+    #[error("mesh {mesh} has {expected} positions but ranks lists {got}")]
+    MeshSizeMismatch {
+        mesh: Dims,
+        expected: u64,
+        got: usize,
+    },
+
+    #[error("rank {rank} appears more than once in ranks")]
+    DuplicateRank { rank: Rank },
+
+    #[error("{got} placements for a {mesh_ndim}-D mesh (one per mesh axis)")]
+    PlacementCount { mesh_ndim: usize, got: usize },
+
+    #[error("Shard({dim}) is out of range for a {ndim}-D tensor (dims 0..{ndim})")]
+    ShardDimOutOfRange { dim: i64, ndim: usize },
+}
+
+/// The crate's result type.
+pub type Result<T, E = Error> = std::result::Result<T, E>;

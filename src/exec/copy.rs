@@ -1,0 +1,254 @@
+//! Strided copies between a region's place in one buffer and its place in another.
+//!
+//! A region of a rank's local shard is a set of equally long contiguous runs. Trailing dims
+//! that the region spans completely on both sides fold into one run, so a region that spans
+//! whole inner dims is a single `memcpy`. The same walker packs (shard -> stream), unpacks
+//! (stream -> shard) and copies directly (shard -> shard), for any byte range of the region's
+//! row-major stream, which is how transfers are cut into bounded chunks.
+
+use std::ops::Range;
+
+use crate::region::Region;
+
+/// Where a region's bytes sit on one side of a copy.
+#[derive(Clone, Copy, Debug)]
+pub enum Place<'a> {
+    /// Inside a dense row-major buffer holding the box `.0` (a rank's local shard).
+    Within(&'a Region),
+    /// In a buffer that holds a slice of the region's own row-major stream (a message).
+    Stream,
+}
+
+/// Byte offsets of a region on one side: a base and one stride per outer loop.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Strides {
+    base: usize,
+    outer: Vec<usize>,
+    /// Whether the buffer holds only the copied slice of the stream (subtract its start).
+    stream: bool,
+}
+
+/// The folded loop nest that copies one region between two places.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CopyGeometry {
+    /// Bytes per contiguous run.
+    run: usize,
+    /// Trip counts of the outer loops, outermost first.
+    counts: Vec<usize>,
+    src: Strides,
+    dst: Strides,
+    len: usize,
+}
+
+/// Row-major byte strides of a buffer of `extent` elements of `elem` bytes.
+fn dense_strides(extent: &[u64], elem: usize) -> Vec<usize> {
+    let mut strides = vec![0; extent.len()];
+    let mut s = elem;
+    for d in (0..extent.len()).rev() {
+        strides[d] = s;
+        s *= extent[d] as usize;
+    }
+    strides
+}
+
+fn place_strides(region: &Region, place: Place<'_>, elem: usize) -> (usize, Vec<usize>) {
+    match place {
+        Place::Stream => (0, dense_strides(&region.extent, elem)),
+        Place::Within(holder) => {
+            let strides = dense_strides(&holder.extent, elem);
+            let base = (0..region.ndim())
+                .map(|d| (region.offset[d] - holder.offset[d]) as usize * strides[d])
+                .sum();
+            (base, strides)
+        }
+    }
+}
+
+impl CopyGeometry {
+    /// The copy of `region` (of `elem`-byte elements) from `src` to `dst`. Boxes given in
+    /// [`Place::Within`] must contain `region`.
+    pub fn new(region: &Region, src: Place<'_>, dst: Place<'_>, elem: usize) -> CopyGeometry {
+        let (src_base, src_strides) = place_strides(region, src, elem);
+        let (dst_base, dst_strides) = place_strides(region, dst, elem);
+        let len = region.volume() as usize * elem;
+        let mut run = elem;
+        let mut counts = Vec::new();
+        let mut src_outer = Vec::new();
+        let mut dst_outer = Vec::new();
+        let mut folding = true;
+        for d in (0..region.ndim()).rev() {
+            let e = region.extent[d] as usize;
+            if e == 1 {
+                continue;
+            }
+            if folding && src_strides[d] == run && dst_strides[d] == run {
+                run *= e;
+                continue;
+            }
+            folding = false;
+            counts.push(e);
+            src_outer.push(src_strides[d]);
+            dst_outer.push(dst_strides[d]);
+        }
+        counts.reverse();
+        src_outer.reverse();
+        dst_outer.reverse();
+        CopyGeometry {
+            run,
+            counts,
+            src: Strides {
+                base: src_base,
+                outer: src_outer,
+                stream: matches!(src, Place::Stream),
+            },
+            dst: Strides {
+                base: dst_base,
+                outer: dst_outer,
+                stream: matches!(dst, Place::Stream),
+            },
+            len,
+        }
+    }
+
+    /// Total bytes of the region.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Bytes per contiguous run after folding.
+    pub fn run_bytes(&self) -> usize {
+        self.run
+    }
+
+    /// Number of contiguous runs.
+    pub fn runs(&self) -> usize {
+        self.counts.iter().product()
+    }
+
+    /// Copies bytes `range` of the region's stream from `src` to `dst`. A [`Place::Stream`]
+    /// side's buffer holds exactly that range; a [`Place::Within`] side's buffer is the whole
+    /// local shard.
+    ///
+    /// Panics if a buffer is too small: the executor checks sizes before any copy.
+    pub fn copy(&self, src: &[u8], dst: &mut [u8], range: Range<usize>) {
+        debug_assert!(range.end <= self.len);
+        if range.is_empty() {
+            return;
+        }
+        let shift = |s: &Strides| if s.stream { range.start } else { 0 };
+        let (src_shift, dst_shift) = (shift(&self.src), shift(&self.dst));
+        let run_index = range.start / self.run;
+        let mut intra = range.start % self.run;
+        // Odometer over the outer loops, positioned at `run_index`.
+        let n = self.counts.len();
+        let mut idx = vec![0usize; n];
+        let mut rest = run_index;
+        for k in (0..n).rev() {
+            idx[k] = rest % self.counts[k];
+            rest /= self.counts[k];
+        }
+        let mut s_off = self.src.base + dot(&idx, &self.src.outer);
+        let mut d_off = self.dst.base + dot(&idx, &self.dst.outer);
+        let mut pos = range.start;
+        while pos < range.end {
+            let len = (self.run - intra).min(range.end - pos);
+            let s = s_off + intra - src_shift;
+            let d = d_off + intra - dst_shift;
+            dst[d..d + len].copy_from_slice(&src[s..s + len]);
+            pos += len;
+            intra = 0;
+            // advance the odometer by one run
+            let mut k = n;
+            while k > 0 {
+                k -= 1;
+                idx[k] += 1;
+                s_off += self.src.outer[k];
+                d_off += self.dst.outer[k];
+                if idx[k] < self.counts[k] {
+                    break;
+                }
+                s_off -= self.src.outer[k] * self.counts[k];
+                d_off -= self.dst.outer[k] * self.counts[k];
+                idx[k] = 0;
+            }
+        }
+    }
+}
+
+fn dot(a: &[usize], b: &[usize]) -> usize {
+    a.iter().zip(b).map(|(x, y)| x * y).sum()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Copies element by element, the obvious way, to check the folded walker against.
+    fn naive(region: &Region, src_box: &Region, dst_box: &Region, src: &[u8], elem: usize) -> Vec<u8> {
+        let mut out = vec![0u8; dst_box.volume() as usize * elem];
+        let n = region.ndim();
+        for lin in 0..region.volume() {
+            let mut rest = lin;
+            let mut coord = vec![0u64; n];
+            for d in (0..n).rev() {
+                coord[d] = region.offset[d] + rest % region.extent[d];
+                rest /= region.extent[d];
+            }
+            let at = |b: &Region| {
+                (0..n).fold(0u64, |acc, d| acc * b.extent[d] + coord[d] - b.offset[d]) as usize * elem
+            };
+            let (s, d) = (at(src_box), at(dst_box));
+            out[d..d + elem].copy_from_slice(&src[s..s + elem]);
+        }
+        out
+    }
+
+    #[test]
+    fn folds_whole_inner_dims_into_one_run() {
+        let holder = Region::from_ranges(&[0..4, 0..8, 0..6]);
+        let rows = Region::from_ranges(&[1..3, 0..8, 0..6]);
+        let g = CopyGeometry::new(&rows, Place::Within(&holder), Place::Stream, 2);
+        assert_eq!((g.runs(), g.run_bytes()), (1, 2 * 8 * 6 * 2));
+        let cols = Region::from_ranges(&[0..4, 0..8, 2..4]);
+        let g = CopyGeometry::new(&cols, Place::Within(&holder), Place::Stream, 2);
+        assert_eq!((g.runs(), g.run_bytes()), (32, 4));
+        // a dim of extent 1 does not break folding
+        let one = Region::from_ranges(&[2..3, 3..4, 0..6]);
+        let g = CopyGeometry::new(&one, Place::Within(&holder), Place::Stream, 4);
+        assert_eq!((g.runs(), g.run_bytes()), (1, 24));
+    }
+
+    #[test]
+    fn pack_then_unpack_in_chunks_equals_direct_copy() {
+        let src_box = Region::from_ranges(&[2..9, 0..5, 1..8]);
+        let dst_box = Region::from_ranges(&[0..6, 1..5, 0..8]);
+        let region = src_box.intersect(&dst_box).unwrap();
+        let elem = 2;
+        let src: Vec<u8> = (0..src_box.volume() as usize * elem).map(|i| (i * 7 % 251) as u8).collect();
+        let want = naive(&region, &src_box, &dst_box, &src, elem);
+
+        let direct = CopyGeometry::new(&region, Place::Within(&src_box), Place::Within(&dst_box), elem);
+        let mut got = vec![0u8; want.len()];
+        direct.copy(&src, &mut got, 0..direct.len());
+        assert_eq!(got, want);
+
+        for chunk in [1, 3, 7, 16, 1000] {
+            let pack = CopyGeometry::new(&region, Place::Within(&src_box), Place::Stream, elem);
+            let unpack = CopyGeometry::new(&region, Place::Stream, Place::Within(&dst_box), elem);
+            let mut got = vec![0u8; want.len()];
+            let mut start = 0;
+            while start < pack.len() {
+                let end = (start + chunk).min(pack.len());
+                let mut msg = vec![0u8; end - start];
+                pack.copy(&src, &mut msg, start..end);
+                unpack.copy(&msg, &mut got, start..end);
+                start = end;
+            }
+            assert_eq!(got, want, "chunk {chunk}");
+        }
+    }
+}

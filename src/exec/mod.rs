@@ -1,0 +1,379 @@
+//! Runs a plan: cuts transfers into bounded chunks, hands them to a [`Transport`], copies the
+//! local parts straight from shard to shard, and reports what did not complete.
+//!
+//! Every rank runs [`run_rank`] with its own [`RankPlan`]: sends on one thread, local copies and
+//! receives on another, both in the plan's schedule order (one total order on rank pairs, so
+//! blocking transports cannot deadlock). [`run_local`] runs all ranks as threads of this process.
+
+pub mod copy;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::{Duration, Instant};
+
+use copy::{CopyGeometry, Place};
+
+use crate::error::{Dims, Error, Result, Side};
+use crate::layout::{Layout, Rank};
+use crate::plan::{Plan, RankPlan};
+use crate::region::Region;
+use crate::transport::{Fault, Incoming, LocalFabric, Outgoing, Transport};
+
+/// Knobs of the executor.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ExecOptions {
+    /// Largest chunk a transfer is cut into.
+    pub chunk_bytes: usize,
+    /// Bound on the staging memory of one rank; at least two chunks (one in, one out).
+    pub staging_bytes: usize,
+    /// How long a rank waits for a peer before failing.
+    pub timeout: Duration,
+}
+
+impl Default for ExecOptions {
+    fn default() -> Self {
+        ExecOptions {
+            chunk_bytes: 4 << 20,
+            staging_bytes: 64 << 20,
+            timeout: Duration::from_secs(60),
+        }
+    }
+}
+
+impl ExecOptions {
+    /// Rejects options that cannot hold their promises.
+    pub fn validate(&self) -> Result<()> {
+        if self.chunk_bytes == 0 {
+            return Err(Error::InvalidOption {
+                field: "--chunk-bytes",
+                value: "0".into(),
+                reason: "a chunk must hold at least one byte".into(),
+            });
+        }
+        if self.chunk_bytes.saturating_mul(2) > self.staging_bytes {
+            return Err(Error::InvalidOption {
+                field: "--chunk-bytes",
+                value: self.chunk_bytes.to_string(),
+                reason: format!(
+                    "two chunks must fit in the staging bound of {} bytes",
+                    self.staging_bytes
+                ),
+            });
+        }
+        if self.timeout.is_zero() {
+            return Err(Error::InvalidOption {
+                field: "--timeout",
+                value: "0".into(),
+                reason: "must be positive".into(),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// What one rank did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RankStats {
+    pub rank: Rank,
+    pub bytes_sent: u64,
+    pub bytes_received: u64,
+    pub bytes_local: u64,
+    pub chunks_sent: u64,
+    pub chunks_received: u64,
+    pub peak_staging_bytes: u64,
+}
+
+/// What a whole run did.
+#[derive(Clone, Debug, Default)]
+pub struct RunStats {
+    pub elapsed: Duration,
+    pub ranks: Vec<RankStats>,
+}
+
+impl RunStats {
+    pub fn bytes_remote(&self) -> u64 {
+        self.ranks.iter().map(|r| r.bytes_received).sum()
+    }
+
+    pub fn bytes_local(&self) -> u64 {
+        self.ranks.iter().map(|r| r.bytes_local).sum()
+    }
+
+    pub fn peak_staging_bytes(&self) -> u64 {
+        self.ranks.iter().map(|r| r.peak_staging_bytes).max().unwrap_or(0)
+    }
+}
+
+/// One rank's share of a run: its plan and its shards.
+pub struct RankJob<'buf, 'dst> {
+    pub plan: &'buf RankPlan,
+    pub elem_bytes: usize,
+    /// The rank's source box and shard, if it is a source.
+    pub src: Option<(&'buf Region, &'buf [u8])>,
+    /// The rank's destination box and shard, if it is a destination.
+    pub dst: Option<(&'buf Region, &'dst mut [u8])>,
+}
+
+/// Runs one rank's part of a plan over `transport`.
+pub fn run_rank<'buf, T: Transport<'buf>>(
+    job: RankJob<'buf, '_>,
+    transport: &T,
+    options: &ExecOptions,
+) -> Result<RankStats> {
+    let RankJob {
+        plan,
+        elem_bytes,
+        src,
+        dst,
+    } = job;
+    let rank = plan.rank;
+    let chunk = options.chunk_bytes;
+    let missing = |side| Error::MissingBuffer { side, rank };
+    if (!plan.sends.is_empty() || !plan.locals.is_empty()) && src.is_none() {
+        return Err(missing(Side::Src));
+    }
+    if (!plan.recvs.is_empty() || !plan.locals.is_empty()) && dst.is_none() {
+        return Err(missing(Side::Dst));
+    }
+    let mut stats = RankStats {
+        rank,
+        ..RankStats::default()
+    };
+
+    let send_all = || -> Result<(u64, u64)> {
+        let (mut bytes, mut chunks) = (0u64, 0u64);
+        let Some((src_box, src)) = src else {
+            return Ok((0, 0));
+        };
+        for t in &plan.sends {
+            let len = t.bytes(elem_bytes) as usize;
+            for start in (0..len).step_by(chunk) {
+                transport.send(Outgoing {
+                    from: rank,
+                    to: t.dst,
+                    src,
+                    src_box,
+                    region: &t.region,
+                    elem_bytes,
+                    range: start..(start + chunk).min(len),
+                })?;
+                chunks += 1;
+            }
+            bytes += len as u64;
+        }
+        Ok((bytes, chunks))
+    };
+
+    let receive_all = |stats: &mut RankStats| -> Result<()> {
+        let Some((dst_box, dst)) = dst else {
+            return Ok(());
+        };
+        if let Some((src_box, src)) = src {
+            for t in &plan.locals {
+                let g = CopyGeometry::new(&t.region, Place::Within(src_box), Place::Within(dst_box), elem_bytes);
+                g.copy(src, dst, 0..g.len());
+                stats.bytes_local += g.len() as u64;
+            }
+        }
+        for t in &plan.recvs {
+            let len = t.bytes(elem_bytes) as usize;
+            for start in (0..len).step_by(chunk) {
+                transport.recv(Incoming {
+                    from: t.src,
+                    to: rank,
+                    dst: &mut *dst,
+                    dst_box,
+                    region: &t.region,
+                    elem_bytes,
+                    range: start..(start + chunk).min(len),
+                })?;
+                stats.chunks_received += 1;
+            }
+            stats.bytes_received += len as u64;
+        }
+        Ok(())
+    };
+
+    let (sent, received) = std::thread::scope(|scope| {
+        let sender = scope.spawn(send_all);
+        let received = receive_all(&mut stats);
+        let sent = sender.join().unwrap_or_else(|_| {
+            Err(Error::PeerGone {
+                rank,
+                peer: rank,
+                detail: "the send thread panicked".into(),
+            })
+        });
+        (sent, received)
+    });
+    let (bytes_sent, chunks_sent) = sent?;
+    received?;
+    stats.bytes_sent = bytes_sent;
+    stats.chunks_sent = chunks_sent;
+    stats.peak_staging_bytes = transport.peak_staging_bytes();
+    Ok(stats)
+}
+
+/// Checks that every rank of `layout` has a buffer of exactly its shard's size, and no other
+/// rank has one.
+pub fn check_buffers(layout: &Layout, side: Side, buffers: &BTreeMap<Rank, Vec<u8>>) -> Result<()> {
+    for (position, &rank) in layout.mesh().ranks().iter().enumerate() {
+        let region = layout.region_at(position);
+        let expected = region.volume() * layout.dtype().size() as u64;
+        let got = buffers
+            .get(&rank)
+            .ok_or(Error::MissingBuffer { side, rank })?
+            .len() as u64;
+        if got != expected {
+            return Err(Error::BufferSize {
+                side,
+                rank,
+                extent: Dims(region.extent),
+                expected,
+                got,
+            });
+        }
+    }
+    if let Some(&rank) = buffers.keys().find(|&&r| !layout.mesh().contains(r)) {
+        return Err(Error::UnexpectedBuffer { side, rank });
+    }
+    Ok(())
+}
+
+/// Runs a whole plan with every rank as a thread of this process (the `local` transport).
+/// `src` holds every source rank's shard, `dst` every destination rank's shard (written in
+/// place). Buffers are checked before any byte moves; on failure the error lists every rank
+/// that did not complete.
+///
+/// ```
+/// use std::collections::BTreeMap;
+/// use reshard::{DType, Plan, exec, fill::Fill, layout::LayoutSpec};
+/// let shape = [8, 8];
+/// let src = LayoutSpec::parse("mesh=2 place=S(0)").unwrap().resolve(&shape, DType::Bf16, 0).unwrap();
+/// let dst = LayoutSpec::parse("mesh=4 place=S(1)").unwrap().resolve(&shape, DType::Bf16, 2).unwrap();
+/// let plan = Plan::new(src, dst).unwrap();
+/// let srcs = Fill::Index.shards(plan.src());
+/// let mut dsts = exec::zeroed_shards(plan.dst());
+/// exec::run_local(&plan, &srcs, &mut dsts, &exec::ExecOptions::default()).unwrap();
+/// assert!(Fill::Index.verify_shards(plan.dst(), &dsts).is_ok());
+/// ```
+pub fn run_local(
+    plan: &Plan,
+    src: &BTreeMap<Rank, Vec<u8>>,
+    dst: &mut BTreeMap<Rank, Vec<u8>>,
+    options: &ExecOptions,
+) -> Result<RunStats> {
+    run_local_with_faults(plan, src, dst, options, &[])
+}
+
+/// [`run_local`] with injected faults, for testing failure handling.
+pub fn run_local_with_faults(
+    plan: &Plan,
+    src: &BTreeMap<Rank, Vec<u8>>,
+    dst: &mut BTreeMap<Rank, Vec<u8>>,
+    options: &ExecOptions,
+    faults: &[Fault],
+) -> Result<RunStats> {
+    options.validate()?;
+    check_buffers(plan.src(), Side::Src, src)?;
+    check_buffers(plan.dst(), Side::Dst, dst)?;
+    let ranks = plan.ranks();
+    let rank_plans = plan.rank_plans();
+    let src_boxes: BTreeMap<Rank, Region> = regions(plan.src());
+    let dst_boxes: BTreeMap<Rank, Region> = regions(plan.dst());
+    let pairs: BTreeSet<(Rank, Rank)> = plan
+        .transfers()
+        .iter()
+        .filter(|t| !t.is_local())
+        .map(|t| (t.src, t.dst))
+        .collect();
+    let fabric = LocalFabric {
+        timeout: options.timeout,
+        faults: faults.to_vec(),
+    };
+    let mut endpoints = fabric.endpoints(&ranks, pairs);
+    let elem_bytes = plan.elem_bytes();
+    tracing::debug!(
+        ranks = ranks.len(),
+        transfers = plan.transfers().len(),
+        chunk_bytes = options.chunk_bytes,
+        "local run"
+    );
+
+    let started = Instant::now();
+    let mut dst_shards: BTreeMap<Rank, &mut Vec<u8>> = dst.iter_mut().map(|(&r, b)| (r, b)).collect();
+    let results: Vec<Result<RankStats>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = ranks
+            .iter()
+            .map(|&rank| {
+                let job = RankJob {
+                    plan: &rank_plans[&rank],
+                    elem_bytes,
+                    src: src_boxes.get(&rank).zip(src.get(&rank).map(Vec::as_slice)),
+                    dst: dst_boxes
+                        .get(&rank)
+                        .zip(dst_shards.remove(&rank).map(Vec::as_mut_slice)),
+                };
+                let endpoint = endpoints.remove(&rank);
+                scope.spawn(move || match endpoint {
+                    // the endpoint lives as long as the thread: a rank that fails closes its links
+                    Some(endpoint) => run_rank(job, &endpoint, options),
+                    None => Ok(RankStats::default()),
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .zip(&ranks)
+            .map(|(h, &rank)| {
+                h.join().unwrap_or_else(|_| {
+                    Err(Error::PeerGone {
+                        rank,
+                        peer: rank,
+                        detail: "the rank's thread panicked".into(),
+                    })
+                })
+            })
+            .collect()
+    });
+    let elapsed = started.elapsed();
+    let mut stats = RunStats {
+        elapsed,
+        ranks: Vec::new(),
+    };
+    let mut failures = Vec::new();
+    for r in results {
+        match r {
+            Ok(s) => stats.ranks.push(s),
+            Err(e) => failures.push(e),
+        }
+    }
+    if failures.is_empty() {
+        tracing::debug!(?elapsed, bytes = stats.bytes_remote(), "local run done");
+        Ok(stats)
+    } else {
+        Err(Error::Incomplete { failures })
+    }
+}
+
+fn regions(layout: &Layout) -> BTreeMap<Rank, Region> {
+    layout
+        .mesh()
+        .ranks()
+        .iter()
+        .enumerate()
+        .map(|(p, &r)| (r, layout.region_at(p)))
+        .collect()
+}
+
+/// A zero-filled local buffer for every rank of `layout`.
+pub fn zeroed_shards(layout: &Layout) -> BTreeMap<Rank, Vec<u8>> {
+    layout
+        .mesh()
+        .ranks()
+        .iter()
+        .map(|&r| (r, vec![0u8; layout.local_bytes(r) as usize]))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests;

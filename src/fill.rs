@@ -1,0 +1,244 @@
+//! Deterministic tensor contents, a pure function of an element's global index, so that any
+//! rank can fill its source shard and check its destination shard without seeing the rest.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::str::FromStr;
+
+use crate::error::{Error, Result};
+use crate::layout::{Layout, Rank};
+use crate::region::Region;
+
+/// How the global tensor is filled.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Fill {
+    /// Element `i` (row-major linear index) holds `i mod 2^(8 x elem_bytes)`, little-endian.
+    #[default]
+    Index,
+    /// Element `i` holds the low bytes of a 64-bit hash of `(seed, i)`: unlike `Index`, no
+    /// two nearby elements of a 1-byte dtype repeat, so misplaced bytes cannot hide.
+    Hash { seed: u64 },
+}
+
+impl fmt::Display for Fill {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Fill::Index => f.write_str("index"),
+            Fill::Hash { seed } => write!(f, "hash:{seed}"),
+        }
+    }
+}
+
+impl FromStr for Fill {
+    type Err = Error;
+
+    /// `index`, `hash` or `hash:SEED`.
+    fn from_str(s: &str) -> Result<Fill> {
+        let bad = || Error::InvalidOption {
+            field: "--fill",
+            value: s.to_string(),
+            reason: "expected `index`, `hash` or `hash:SEED`".into(),
+        };
+        match s.split_once(':') {
+            None if s == "index" => Ok(Fill::Index),
+            None if s == "hash" => Ok(Fill::Hash { seed: 0 }),
+            Some(("hash", seed)) => seed.parse().map(|seed| Fill::Hash { seed }).map_err(|_| bad()),
+            _ => Err(bad()),
+        }
+    }
+}
+
+/// SplitMix64's finalizer: a cheap, well-mixed 64-bit hash.
+fn mix(mut z: u64) -> u64 {
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+impl Fill {
+    /// The value of global element `index`, as 8 little-endian bytes (the low ones count).
+    pub fn value(self, index: u64) -> u64 {
+        match self {
+            Fill::Index => index,
+            Fill::Hash { seed } => mix(index ^ mix(seed.wrapping_add(0x9e37_79b9_7f4a_7c15))),
+        }
+    }
+
+    /// Calls `f(position_in_region_stream, global_index)` for every row of `region` (runs of
+    /// the innermost dim), in row-major order.
+    fn for_each_row(shape: &[u64], region: &Region, mut f: impl FnMut(u64, u64)) {
+        let n = shape.len();
+        if region.is_empty() {
+            return;
+        }
+        if n == 0 {
+            f(0, 0);
+            return;
+        }
+        let rows = region.volume() / region.extent[n - 1];
+        let mut idx = vec![0u64; n - 1];
+        for row in 0..rows {
+            let global = (0..n).fold(0u64, |acc, d| {
+                let c = region.offset[d] + if d < n - 1 { idx[d] } else { 0 };
+                acc * shape[d] + c
+            });
+            f(row * region.extent[n - 1], global);
+            for d in (0..n - 1).rev() {
+                idx[d] += 1;
+                if idx[d] < region.extent[d] {
+                    break;
+                }
+                idx[d] = 0;
+            }
+        }
+    }
+
+    /// Fills `buf`, the dense row-major buffer of box `region` of `layout`'s tensor.
+    pub fn fill_region(self, layout: &Layout, region: &Region, buf: &mut [u8]) {
+        let elem = layout.dtype().size();
+        let row_len = region.extent.last().copied().unwrap_or(1);
+        Self::for_each_row(layout.shape(), region, |pos, global| {
+            let start = pos as usize * elem;
+            let row = &mut buf[start..start + row_len as usize * elem];
+            for (i, out) in row.chunks_exact_mut(elem).enumerate() {
+                out.copy_from_slice(&self.value(global + i as u64).to_le_bytes()[..elem]);
+            }
+        });
+    }
+
+    /// A filled source shard for every rank of `layout`.
+    pub fn shards(self, layout: &Layout) -> BTreeMap<Rank, Vec<u8>> {
+        layout
+            .mesh()
+            .ranks()
+            .iter()
+            .enumerate()
+            .map(|(p, &r)| {
+                let region = layout.region_at(p);
+                let mut buf = vec![0u8; layout.local_bytes(r) as usize];
+                self.fill_region(layout, &region, &mut buf);
+                (r, buf)
+            })
+            .collect()
+    }
+
+    /// Checks `buf` against the fill; returns (first wrong byte offset, expected, found, count).
+    pub fn check_region(self, layout: &Layout, region: &Region, buf: &[u8]) -> Option<(u64, u8, u8, u64)> {
+        let elem = layout.dtype().size();
+        let row_len = region.extent.last().copied().unwrap_or(1) as usize;
+        let mut first = None;
+        let mut count = 0u64;
+        Self::for_each_row(layout.shape(), region, |pos, global| {
+            let start = pos as usize * elem;
+            let row = &buf[start..start + row_len * elem];
+            for (i, got) in row.chunks_exact(elem).enumerate() {
+                let want = self.value(global + i as u64).to_le_bytes();
+                if got != &want[..elem] {
+                    for b in 0..elem {
+                        if got[b] != want[b] {
+                            count += 1;
+                            first.get_or_insert(((start + i * elem + b) as u64, want[b], got[b]));
+                        }
+                    }
+                }
+            }
+        });
+        first.map(|(o, e, g)| (o, e, g, count))
+    }
+
+    /// Checks every destination shard of `layout` against the fill, byte for byte.
+    pub fn verify_shards(self, layout: &Layout, shards: &BTreeMap<Rank, Vec<u8>>) -> Result<()> {
+        let mut failure: Option<Error> = None;
+        let mut total = 0;
+        for (p, &rank) in layout.mesh().ranks().iter().enumerate() {
+            let region = layout.region_at(p);
+            let buf = shards.get(&rank).ok_or(Error::MissingBuffer {
+                side: crate::error::Side::Dst,
+                rank,
+            })?;
+            if buf.len() as u64 != layout.local_bytes(rank) {
+                return Err(Error::BufferSize {
+                    side: crate::error::Side::Dst,
+                    rank,
+                    extent: crate::error::Dims(region.extent),
+                    expected: layout.local_bytes(rank),
+                    got: buf.len() as u64,
+                });
+            }
+            if let Some((offset, expected, found, n)) = self.check_region(layout, &region, buf) {
+                total += n;
+                failure.get_or_insert(Error::VerifyFailed {
+                    rank,
+                    offset,
+                    expected,
+                    found,
+                    mismatches: 0,
+                });
+            }
+        }
+        match failure {
+            None => Ok(()),
+            Some(Error::VerifyFailed {
+                rank,
+                offset,
+                expected,
+                found,
+                ..
+            }) => Err(Error::VerifyFailed {
+                rank,
+                offset,
+                expected,
+                found,
+                mismatches: total,
+            }),
+            Some(e) => Err(e),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dtype::DType;
+    use crate::layout::LayoutSpec;
+
+    #[test]
+    fn index_fill_is_the_linear_index_mod_elem_width() {
+        let l = LayoutSpec::parse("mesh=1 place=R")
+            .unwrap()
+            .resolve(&[3, 200], DType::U8, 0)
+            .unwrap();
+        let shards = Fill::Index.shards(&l);
+        let buf = &shards[&0];
+        assert_eq!(buf[0], 0);
+        assert_eq!(buf[255], 255);
+        assert_eq!(buf[256], 0); // mod 2^8
+        let l = LayoutSpec::parse("mesh=2 place=S(1)")
+            .unwrap()
+            .resolve(&[2, 4], DType::Bf16, 0)
+            .unwrap();
+        let shards = Fill::Index.shards(&l);
+        // rank 1 holds columns 2..4: elements 2, 3, 6, 7
+        assert_eq!(shards[&1], [2, 0, 3, 0, 6, 0, 7, 0]);
+        assert!(Fill::Index.verify_shards(&l, &shards).is_ok());
+    }
+
+    #[test]
+    fn verify_reports_first_mismatch_and_count() {
+        let l = LayoutSpec::parse("mesh=2 place=S(0)")
+            .unwrap()
+            .resolve(&[4, 4], DType::F32, 0)
+            .unwrap();
+        let mut shards = Fill::Hash { seed: 7 }.shards(&l);
+        shards.get_mut(&1).unwrap()[5] ^= 1;
+        shards.get_mut(&1).unwrap()[9] ^= 1;
+        let err = Fill::Hash { seed: 7 }.verify_shards(&l, &shards).unwrap_err();
+        assert!(matches!(err, Error::VerifyFailed { rank: 1, offset: 5, mismatches: 2, .. }), "{err}");
+    }
+
+    #[test]
+    fn parse() {
+        assert_eq!("hash:9".parse::<Fill>().unwrap(), Fill::Hash { seed: 9 });
+        assert!("zeros".parse::<Fill>().unwrap_err().to_string().contains("--fill: zeros"));
+    }
+}

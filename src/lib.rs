@@ -1,0 +1,35 @@
+//! `reshard` moves a distributed tensor from M source ranks in one layout to N destination
+//! ranks in another, sending every destination exactly the regions of the source shards that
+//! overlap its own, point to point, instead of all-gathering the tensor and broadcasting it.
+//!
+//! The crate is a pure core with thin edges:
+//! - [`layout`]: meshes, placements and the `torch.chunk` rule: which box each rank holds;
+//! - [`plan`]: the transfers between two layouts, computed without communication;
+//! - [`exec`]: runs a plan over a [`transport::Transport`], in bounded chunks;
+//! - [`transport`]: moves chunks (`local`: ranks as threads of one process);
+//! - [`fill`]: deterministic contents for running and verifying reshards.
+//!
+//! ```
+//! use reshard::{DType, Plan, layout::LayoutSpec};
+//! // Two training ranks hold 4x8 row shards; four inference ranks need 8x2 column shards.
+//! let src = LayoutSpec::parse("mesh=2 place=S(0)").unwrap().resolve(&[8, 8], DType::Bf16, 0).unwrap();
+//! let dst = LayoutSpec::parse("mesh=4 place=S(1)").unwrap().resolve(&[8, 8], DType::Bf16, 2).unwrap();
+//! let totals = Plan::new(src, dst).unwrap().totals();
+//! assert_eq!(totals.bytes_remote, 128); // the tensor, once
+//! assert_eq!(totals.gather_broadcast_bytes, 640); // all-gather, then 4 full copies
+//! ```
+
+pub mod dtype;
+pub mod error;
+pub mod exec;
+pub mod fill;
+pub mod layout;
+pub mod plan;
+pub mod region;
+pub mod transport;
+
+pub use dtype::DType;
+pub use error::{Error, Result, Side};
+pub use layout::{Layout, Mesh, Placement, Rank};
+pub use plan::{Plan, PlanOptions, RankPlan, Transfer};
+pub use region::Region;

@@ -1,0 +1,425 @@
+//! The transfer plan: which source rank sends which box to which destination rank.
+//!
+//! Pure and deterministic. Overlaps come from per-dimension interval intersection against the
+//! other side's pieces, so the work grows with the number of pieces a rank touches, not with
+//! M x N, and a rank can compute its own sends and receives ([`rank_plan`]) without the rest.
+//!
+//! Source choice, for every piece of a destination shard:
+//! 1. if the destination rank holds the piece as a source, it is a local copy;
+//! 2. otherwise the piece is split along its outermost splittable dim among the replicas that
+//!    hold it (when it is large enough to be worth several messages), and the parts are dealt
+//!    out starting at a rotation that depends on the destination and the source box, so that
+//!    every replica serves an equal share: two data-parallel replicas each serve half.
+
+mod report;
+
+use std::ops::Range;
+
+pub use report::{PlanJson, Totals, TransferJson};
+
+use crate::error::{Dims, Error, Result};
+use crate::layout::{Layout, Rank};
+use crate::region::Region;
+
+/// One box moved from one rank to another (`src == dst`: a local copy).
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Transfer {
+    pub src: Rank,
+    pub dst: Rank,
+    /// In global tensor coordinates.
+    pub region: Region,
+}
+
+impl Transfer {
+    pub fn is_local(&self) -> bool {
+        self.src == self.dst
+    }
+
+    /// Bytes of the region for elements of `elem_bytes`.
+    pub fn bytes(&self, elem_bytes: usize) -> u64 {
+        self.region.volume() * elem_bytes as u64
+    }
+}
+
+/// Knobs of the planner. The defaults suit every transport.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PlanOptions {
+    /// A piece held by several replicas is split among them only into parts of at least this
+    /// many bytes: below it, one message beats several. 0 splits every piece.
+    pub min_split_bytes: u64,
+}
+
+impl Default for PlanOptions {
+    fn default() -> Self {
+        PlanOptions {
+            min_split_bytes: 256 << 10,
+        }
+    }
+}
+
+/// The sends, receives and local copies of one rank, in the order it should run them.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RankPlan {
+    pub rank: Rank,
+    /// Remote transfers this rank sends, in schedule order.
+    pub sends: Vec<Transfer>,
+    /// Remote transfers this rank receives, in schedule order.
+    pub recvs: Vec<Transfer>,
+    /// Copies from this rank's source buffer into its own destination buffer.
+    pub locals: Vec<Transfer>,
+}
+
+/// A complete plan for one tensor: the layouts and every transfer.
+#[derive(Clone, Debug)]
+pub struct Plan {
+    src: Layout,
+    dst: Layout,
+    options: PlanOptions,
+    transfers: Vec<Transfer>,
+}
+
+impl Plan {
+    /// Plans a reshard from `src` to `dst` with default options.
+    ///
+    /// ```
+    /// use reshard::{Plan, layout::LayoutSpec, DType};
+    /// let src = LayoutSpec::parse("mesh=2 place=S(0)").unwrap().resolve(&[8, 8], DType::Bf16, 0).unwrap();
+    /// let dst = LayoutSpec::parse("mesh=4 place=S(1)").unwrap().resolve(&[8, 8], DType::Bf16, 2).unwrap();
+    /// let plan = Plan::new(src, dst).unwrap();
+    /// // each of the 4 destinations gets a 4x2 block from each of the 2 sources
+    /// assert_eq!(plan.transfers().len(), 8);
+    /// assert!(plan.transfers().iter().all(|t| t.region.extent == [4, 2]));
+    /// ```
+    pub fn new(src: Layout, dst: Layout) -> Result<Plan> {
+        Plan::with_options(src, dst, PlanOptions::default())
+    }
+
+    pub fn with_options(src: Layout, dst: Layout, options: PlanOptions) -> Result<Plan> {
+        check_compatible(&src, &dst)?;
+        let mut transfers: Vec<Transfer> = dst
+            .mesh()
+            .ranks()
+            .iter()
+            .flat_map(|&r| receives(&src, &dst, r, &options))
+            .collect();
+        transfers.sort_unstable();
+        Ok(Plan {
+            src,
+            dst,
+            options,
+            transfers,
+        })
+    }
+
+    pub fn src(&self) -> &Layout {
+        &self.src
+    }
+
+    pub fn dst(&self) -> &Layout {
+        &self.dst
+    }
+
+    pub fn options(&self) -> PlanOptions {
+        self.options
+    }
+
+    /// Every transfer, sorted by (src, dst, region).
+    pub fn transfers(&self) -> &[Transfer] {
+        &self.transfers
+    }
+
+    pub fn elem_bytes(&self) -> usize {
+        self.src.dtype().size()
+    }
+
+    /// Every rank that sends or receives anything (sources and destinations), sorted.
+    pub fn ranks(&self) -> Vec<Rank> {
+        let mut ranks: Vec<Rank> = self
+            .src
+            .mesh()
+            .ranks()
+            .iter()
+            .chain(self.dst.mesh().ranks())
+            .copied()
+            .collect();
+        ranks.sort_unstable();
+        ranks.dedup();
+        ranks
+    }
+
+    /// `rank`'s part of this plan, taken from the full plan.
+    pub fn for_rank(&self, rank: Rank) -> RankPlan {
+        let mut rp = RankPlan {
+            rank,
+            ..RankPlan::default()
+        };
+        for t in &self.transfers {
+            if t.is_local() {
+                if t.src == rank {
+                    rp.locals.push(t.clone());
+                }
+            } else if t.src == rank {
+                rp.sends.push(t.clone());
+            } else if t.dst == rank {
+                rp.recvs.push(t.clone());
+            }
+        }
+        order_for_schedule(&mut rp, world(&self.src, &self.dst));
+        rp
+    }
+
+    /// Every rank's part of this plan, in one pass over the transfers.
+    pub fn rank_plans(&self) -> std::collections::BTreeMap<Rank, RankPlan> {
+        let mut plans: std::collections::BTreeMap<Rank, RankPlan> = self
+            .ranks()
+            .into_iter()
+            .map(|rank| {
+                (
+                    rank,
+                    RankPlan {
+                        rank,
+                        ..RankPlan::default()
+                    },
+                )
+            })
+            .collect();
+        for t in &self.transfers {
+            if t.is_local() {
+                if let Some(p) = plans.get_mut(&t.src) {
+                    p.locals.push(t.clone());
+                }
+                continue;
+            }
+            if let Some(p) = plans.get_mut(&t.src) {
+                p.sends.push(t.clone());
+            }
+            if let Some(p) = plans.get_mut(&t.dst) {
+                p.recvs.push(t.clone());
+            }
+        }
+        let world = world(&self.src, &self.dst);
+        for p in plans.values_mut() {
+            order_for_schedule(p, world);
+        }
+        plans
+    }
+
+    /// Byte and message counts, and what gather+broadcast would move instead.
+    pub fn totals(&self) -> Totals {
+        Totals::of(self)
+    }
+}
+
+/// The sides must describe the same tensor.
+pub fn check_compatible(src: &Layout, dst: &Layout) -> Result<()> {
+    if src.shape() != dst.shape() {
+        return Err(Error::ShapeMismatch {
+            src: Dims(src.shape().to_vec()),
+            dst: Dims(dst.shape().to_vec()),
+        });
+    }
+    if src.dtype() != dst.dtype() {
+        return Err(Error::DTypeMismatch {
+            src: src.dtype().to_string(),
+            dst: dst.dtype().to_string(),
+        });
+    }
+    Ok(())
+}
+
+/// `rank`'s sends, receives and local copies, computed from the layouts alone: the same result
+/// as `Plan::new(src, dst).for_rank(rank)` at a cost that depends on this rank's pieces only.
+pub fn rank_plan(src: &Layout, dst: &Layout, rank: Rank, options: &PlanOptions) -> Result<RankPlan> {
+    check_compatible(src, dst)?;
+    let mut rp = RankPlan {
+        rank,
+        ..RankPlan::default()
+    };
+    for t in receives(src, dst, rank, options) {
+        if t.is_local() {
+            rp.locals.push(t);
+        } else {
+            rp.recvs.push(t);
+        }
+    }
+    rp.sends = sends(src, dst, rank, options)
+        .into_iter()
+        .filter(|t| !t.is_local())
+        .collect();
+    rp.locals.sort_unstable();
+    order_for_schedule(&mut rp, world(src, dst));
+    Ok(rp)
+}
+
+/// One more than the largest rank on either side.
+fn world(src: &Layout, dst: &Layout) -> usize {
+    src.mesh()
+        .ranks()
+        .iter()
+        .chain(dst.mesh().ranks())
+        .max()
+        .map_or(0, |&r| r + 1)
+}
+
+/// The order in which every rank runs its transfers: by `(dst - src) mod world`, then source.
+/// It is one total order on (src, dst) pairs shared by all ranks, so blocking sends and
+/// receives that follow it cannot deadlock, and it spreads each step's traffic over distinct
+/// peers (a shift schedule, as in a ring all-to-all).
+pub fn schedule_key(t: &Transfer, world: usize) -> (usize, Rank, Rank, &Region) {
+    ((t.dst + world - t.src) % world.max(1), t.src, t.dst, &t.region)
+}
+
+fn order_for_schedule(rp: &mut RankPlan, world: usize) {
+    rp.sends.sort_by(|a, b| schedule_key(a, world).cmp(&schedule_key(b, world)));
+    rp.recvs.sort_by(|a, b| schedule_key(a, world).cmp(&schedule_key(b, world)));
+}
+
+/// The pieces of `layout` that overlap `region`: per-dim piece indices and the overlap.
+fn overlaps(layout: &Layout, region: &Region) -> Vec<(Vec<usize>, Region)> {
+    if region.is_empty() {
+        return Vec::new();
+    }
+    let per_dim: Vec<Vec<(usize, Range<u64>)>> = (0..layout.ndim())
+        .map(|d| {
+            let want = region.range(d);
+            let pieces = layout.dim_pieces(d);
+            let first = pieces.partition_point(|p| p.end <= want.start);
+            pieces[first..]
+                .iter()
+                .enumerate()
+                .take_while(|(_, p)| p.start < want.end)
+                .filter(|(_, p)| p.start < p.end)
+                .map(|(i, p)| (first + i, p.start.max(want.start)..p.end.min(want.end)))
+                .collect()
+        })
+        .collect();
+    if per_dim.iter().any(Vec::is_empty) {
+        return Vec::new();
+    }
+    let mut out = Vec::new();
+    let mut pick = vec![0usize; per_dim.len()];
+    loop {
+        let index = pick.iter().enumerate().map(|(d, &k)| per_dim[d][k].0).collect();
+        let ranges: Vec<Range<u64>> = pick
+            .iter()
+            .enumerate()
+            .map(|(d, &k)| per_dim[d][k].1.clone())
+            .collect();
+        out.push((index, Region::from_ranges(&ranges)));
+        // odometer, last dim fastest
+        let mut d = per_dim.len();
+        loop {
+            if d == 0 {
+                return out;
+            }
+            d -= 1;
+            pick[d] += 1;
+            if pick[d] < per_dim[d].len() {
+                break;
+            }
+            pick[d] = 0;
+        }
+    }
+}
+
+/// Every transfer into `rank`'s destination shard (local copies included).
+fn receives(src: &Layout, dst: &Layout, rank: Rank, options: &PlanOptions) -> Vec<Transfer> {
+    let Some(position) = dst.mesh().position(rank) else {
+        return Vec::new();
+    };
+    let target = dst.region_at(position);
+    let mut out = Vec::new();
+    for (index, piece) in overlaps(src, &target) {
+        let holders = src.holders(&index);
+        let box_id = src.box_id(&index);
+        assign(piece, &holders, rank, position, box_id, src.dtype().size(), options, &mut out);
+    }
+    out
+}
+
+/// Every transfer out of `rank`'s source shard (local copies included).
+fn sends(src: &Layout, dst: &Layout, rank: Rank, options: &PlanOptions) -> Vec<Transfer> {
+    let Some(position) = src.mesh().position(rank) else {
+        return Vec::new();
+    };
+    let held = src.region_at(position);
+    let index = src.piece_index(&src.mesh().coords(position));
+    let holders = src.holders(&index);
+    let box_id = src.box_id(&index);
+    let mut all = Vec::new();
+    for (dst_index, piece) in overlaps(dst, &held) {
+        for receiver in dst.holders(&dst_index) {
+            let dst_position = dst.mesh().position(receiver).unwrap_or_default();
+            let elem = src.dtype().size();
+            assign(piece.clone(), &holders, receiver, dst_position, box_id, elem, options, &mut all);
+        }
+    }
+    all.retain(|t| t.src == rank);
+    all
+}
+
+/// Chooses who sends `piece` (held by `holders`) to `receiver`; see the module docs.
+#[allow(clippy::too_many_arguments)]
+fn assign(
+    piece: Region,
+    holders: &[Rank],
+    receiver: Rank,
+    receiver_position: usize,
+    box_id: usize,
+    elem_bytes: usize,
+    options: &PlanOptions,
+    out: &mut Vec<Transfer>,
+) {
+    if holders.contains(&receiver) {
+        out.push(Transfer {
+            src: receiver,
+            dst: receiver,
+            region: piece,
+        });
+        return;
+    }
+    let h = holders.len();
+    let rotation = (receiver_position + box_id) % h;
+    let bytes = piece.volume().saturating_mul(elem_bytes as u64);
+    let wanted = if options.min_split_bytes == 0 {
+        h as u64
+    } else {
+        (bytes / options.min_split_bytes).clamp(1, h as u64)
+    };
+    let split = if wanted > 1 {
+        match (0..piece.ndim()).find(|&d| piece.extent[d] >= wanted) {
+            Some(d) => Some((d, wanted)),
+            None => (0..piece.ndim())
+                .max_by_key(|&d| (piece.extent[d], std::cmp::Reverse(d)))
+                .filter(|&d| piece.extent[d] > 1)
+                .map(|d| (d, piece.extent[d])),
+        }
+    } else {
+        None
+    };
+    let Some((dim, parts)) = split else {
+        out.push(Transfer {
+            src: holders[rotation],
+            dst: receiver,
+            region: piece,
+        });
+        return;
+    };
+    let lo = piece.offset[dim];
+    let len = piece.extent[dim];
+    for p in 0..parts {
+        let a = lo + p * len / parts;
+        let b = lo + (p + 1) * len / parts;
+        let mut part = piece.clone();
+        part.offset[dim] = a;
+        part.extent[dim] = b - a;
+        out.push(Transfer {
+            src: holders[(rotation + p as usize) % h],
+            dst: receiver,
+            region: part,
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,189 @@
+//! Ranks as threads of one process. A send hands the receiver a view of the sender's shard and
+//! the receiver copies straight from it into its own shard: one copy per byte, no staging.
+//!
+//! Faults can be injected ([`Fault`]) so that the failure paths of the executor are tested
+//! deterministically: a rank that dies mid-transfer, or one that stalls.
+
+use std::collections::BTreeMap;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
+use std::time::Duration;
+
+use crate::error::{Error, Result};
+use crate::layout::Rank;
+
+use super::{Incoming, Outgoing, Transport};
+
+/// A failure to inject into one rank of a local run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fault {
+    /// The rank dies after handling (sending or receiving) `after_chunks` chunks: its links
+    /// close, as a killed process's sockets do.
+    Die { rank: Rank, after_chunks: u64 },
+    /// The rank stops sending for `for_` before failing, with its links open: a hung peer.
+    Stall { rank: Rank, for_: Duration },
+}
+
+impl Fault {
+    fn rank(&self) -> Rank {
+        match *self {
+            Fault::Die { rank, .. } | Fault::Stall { rank, .. } => rank,
+        }
+    }
+}
+
+/// Builds the endpoints of a local run: one channel per (sender, receiver) pair.
+#[derive(Clone, Debug)]
+pub struct LocalFabric {
+    /// How long a receiver waits for a peer's next chunk before giving up.
+    pub timeout: Duration,
+    pub faults: Vec<Fault>,
+}
+
+impl LocalFabric {
+    pub fn new(timeout: Duration) -> LocalFabric {
+        LocalFabric {
+            timeout,
+            faults: Vec::new(),
+        }
+    }
+
+    /// One endpoint for every rank in `ranks`, linked along `pairs` (sender, receiver).
+    pub fn endpoints<'buf>(
+        &self,
+        ranks: &[Rank],
+        pairs: impl IntoIterator<Item = (Rank, Rank)>,
+    ) -> BTreeMap<Rank, LocalEndpoint<'buf>> {
+        let mut endpoints: BTreeMap<Rank, LocalEndpoint<'buf>> = ranks
+            .iter()
+            .map(|&rank| {
+                let fault = self.faults.iter().copied().find(|f| f.rank() == rank);
+                let endpoint = LocalEndpoint {
+                    rank,
+                    outboxes: Mutex::new(BTreeMap::new()),
+                    inboxes: BTreeMap::new(),
+                    timeout: self.timeout,
+                    fault,
+                    handled_chunks: AtomicU64::new(0),
+                };
+                (rank, endpoint)
+            })
+            .collect();
+        for (from, to) in pairs {
+            let (tx, rx) = mpsc::channel();
+            if let Some(e) = endpoints.get_mut(&from) {
+                e.outboxes.get_mut().unwrap_or_else(|p| p.into_inner()).insert(to, tx);
+            }
+            if let Some(e) = endpoints.get_mut(&to) {
+                e.inboxes.insert(from, Mutex::new(Some(rx)));
+            }
+        }
+        endpoints
+    }
+}
+
+/// One rank's end of a local run.
+#[derive(Debug)]
+pub struct LocalEndpoint<'buf> {
+    rank: Rank,
+    outboxes: Mutex<BTreeMap<Rank, Sender<Outgoing<'buf>>>>,
+    inboxes: BTreeMap<Rank, Mutex<Option<Receiver<Outgoing<'buf>>>>>,
+    timeout: Duration,
+    fault: Option<Fault>,
+    handled_chunks: AtomicU64,
+}
+
+impl LocalEndpoint<'_> {
+    /// Applies an injected `Die` fault once its time has come: closes every link and fails.
+    fn check_alive(&self) -> Result<()> {
+        let Some(Fault::Die { after_chunks, .. }) = self.fault else {
+            return Ok(());
+        };
+        if self.handled_chunks.load(Ordering::Relaxed) < after_chunks {
+            return Ok(());
+        }
+        self.outboxes.lock().unwrap_or_else(|p| p.into_inner()).clear();
+        for inbox in self.inboxes.values() {
+            inbox.lock().unwrap_or_else(|p| p.into_inner()).take();
+        }
+        Err(Error::PeerGone {
+            rank: self.rank,
+            peer: self.rank,
+            detail: "this rank was killed by an injected fault".into(),
+        })
+    }
+}
+
+impl<'buf> Transport<'buf> for LocalEndpoint<'buf> {
+    fn name(&self) -> &'static str {
+        "local"
+    }
+
+    fn send(&self, chunk: Outgoing<'buf>) -> Result<()> {
+        let peer = chunk.to;
+        self.check_alive()?;
+        if let Some(Fault::Stall { for_, .. }) = self.fault {
+            std::thread::sleep(for_);
+            return Err(Error::Timeout {
+                rank: self.rank,
+                peer,
+                waited: for_,
+                detail: "this rank was stalled by an injected fault".into(),
+            });
+        }
+        let outboxes = self.outboxes.lock().unwrap_or_else(|p| p.into_inner());
+        let outbox = outboxes.get(&peer).ok_or_else(|| Error::Protocol {
+            rank: self.rank,
+            peer,
+            detail: "no link to this peer: the plans of the two ranks disagree".into(),
+        })?;
+        outbox.send(chunk).map_err(|_| Error::PeerGone {
+            rank: self.rank,
+            peer,
+            detail: "it exited before receiving everything".into(),
+        })?;
+        self.handled_chunks.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+
+    fn recv(&self, mut chunk: Incoming<'_>) -> Result<()> {
+        let peer = chunk.from;
+        self.check_alive()?;
+        let what = || format!("bytes {:?} of {}", chunk.range, chunk.region);
+        let inbox = self.inboxes.get(&peer).ok_or_else(|| Error::Protocol {
+            rank: self.rank,
+            peer,
+            detail: "no link from this peer: the plans of the two ranks disagree".into(),
+        })?;
+        let got = match inbox.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
+            Some(rx) => rx.recv_timeout(self.timeout),
+            None => Err(RecvTimeoutError::Disconnected),
+        };
+        let out = match got {
+            Ok(out) => out,
+            Err(RecvTimeoutError::Timeout) => {
+                return Err(Error::Timeout {
+                    rank: self.rank,
+                    peer,
+                    waited: self.timeout,
+                    detail: format!("{} never arrived", what()),
+                });
+            }
+            Err(RecvTimeoutError::Disconnected) => {
+                return Err(Error::PeerGone {
+                    rank: self.rank,
+                    peer,
+                    detail: format!("it exited before sending {}", what()),
+                });
+            }
+        };
+        chunk.copy_from(&out).map_err(|detail| Error::Protocol {
+            rank: self.rank,
+            peer,
+            detail,
+        })?;
+        self.handled_chunks.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+}

@@ -1,0 +1,121 @@
+//! Transports move the chunks of transfers between ranks; the executor decides what moves when.
+//!
+//! A transport sees one chunk at a time: an [`Outgoing`] on the sending rank (a byte range of a
+//! region of its source shard) and an [`Incoming`] on the receiving rank (the same range of the
+//! same region, to land in its destination shard). It may pack and unpack through a message
+//! ([`Outgoing::pack_into`], [`Incoming::unpack_from`]: two copies, as over a socket) or,
+//! when the sender's memory is reachable, copy straight from shard to shard
+//! ([`Incoming::copy_from`]: one copy).
+
+pub mod local;
+
+use std::ops::Range;
+
+pub use local::{Fault, LocalEndpoint, LocalFabric};
+
+use crate::error::Result;
+use crate::exec::copy::{CopyGeometry, Place};
+use crate::layout::Rank;
+use crate::region::Region;
+
+/// A chunk of a transfer as its sender offers it: bytes `range` of `region`'s row-major stream,
+/// read from the sender's source shard.
+#[derive(Clone, Debug)]
+pub struct Outgoing<'buf> {
+    pub from: Rank,
+    pub to: Rank,
+    /// The sender's whole source shard, holding `src_box`.
+    pub src: &'buf [u8],
+    pub src_box: &'buf Region,
+    pub region: &'buf Region,
+    pub elem_bytes: usize,
+    pub range: Range<usize>,
+}
+
+impl Outgoing<'_> {
+    pub fn len(&self) -> usize {
+        self.range.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.range.is_empty()
+    }
+
+    /// Packs the chunk into `out`, which must be exactly [`Outgoing::len`] bytes.
+    pub fn pack_into(&self, out: &mut [u8]) {
+        let g = CopyGeometry::new(self.region, Place::Within(self.src_box), Place::Stream, self.elem_bytes);
+        g.copy(self.src, out, self.range.clone());
+    }
+}
+
+/// A chunk of a transfer as its receiver expects it.
+#[derive(Debug)]
+pub struct Incoming<'a> {
+    pub from: Rank,
+    pub to: Rank,
+    /// The receiver's whole destination shard, holding `dst_box`.
+    pub dst: &'a mut [u8],
+    pub dst_box: &'a Region,
+    pub region: &'a Region,
+    pub elem_bytes: usize,
+    pub range: Range<usize>,
+}
+
+impl Incoming<'_> {
+    pub fn len(&self) -> usize {
+        self.range.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.range.is_empty()
+    }
+
+    /// Unpacks a message of exactly [`Incoming::len`] bytes into the destination shard.
+    pub fn unpack_from(&mut self, msg: &[u8]) {
+        let g = CopyGeometry::new(self.region, Place::Stream, Place::Within(self.dst_box), self.elem_bytes);
+        g.copy(msg, self.dst, self.range.clone());
+    }
+
+    /// Copies the matching chunk straight from the sender's shard: one copy per byte.
+    /// Returns a description of the mismatch if `out` is not the chunk this side expects.
+    pub fn copy_from(&mut self, out: &Outgoing<'_>) -> Result<(), String> {
+        if out.from != self.from
+            || out.region != self.region
+            || out.range != self.range
+            || out.elem_bytes != self.elem_bytes
+        {
+            return Err(format!(
+                "expected bytes {:?} of {} from rank {}, got bytes {:?} of {} from rank {}",
+                self.range, self.region, self.from, out.range, out.region, out.from
+            ));
+        }
+        let g = CopyGeometry::new(
+            self.region,
+            Place::Within(out.src_box),
+            Place::Within(self.dst_box),
+            self.elem_bytes,
+        );
+        g.copy(out.src, self.dst, self.range.clone());
+        Ok(())
+    }
+}
+
+/// Moves chunks between ranks. One endpoint per rank; `send` and `recv` are called from
+/// different threads of that rank, each in the plan's schedule order.
+pub trait Transport<'buf>: Sync {
+    /// Short name for reports (`local`, `tcp`, ...).
+    fn name(&self) -> &'static str;
+
+    /// Hands one chunk to the transport. It may return before the receiver has it, but the
+    /// chunk's source memory stays valid and unchanged for `'buf`.
+    fn send(&self, chunk: Outgoing<'buf>) -> Result<()>;
+
+    /// Waits (within the transport's timeout) for the next chunk from `chunk.from` and writes
+    /// it into the destination shard.
+    fn recv(&self, chunk: Incoming<'_>) -> Result<()>;
+
+    /// The most staging memory this endpoint has held at once, in bytes.
+    fn peak_staging_bytes(&self) -> u64 {
+        0
+    }
+}
