@@ -28,6 +28,9 @@ pub mod plan;
 pub mod region;
 pub mod transport;
 
+#[cfg(test)]
+mod testing;
+
 pub use dtype::DType;
 pub use error::{Error, Result, Side};
 pub use layout::{Layout, Mesh, Placement, Rank};

@@ -1,0 +1,145 @@
+use std::time::{Duration, Instant};
+
+use proptest::prelude::*;
+
+use super::*;
+use crate::dtype::DType;
+use crate::fill::Fill;
+use crate::layout::LayoutSpec;
+use crate::plan::PlanOptions;
+use crate::testing::{arb_layout_pair, reference_shards};
+
+fn layout(spec: &str, shape: &[u64], dtype: DType, first: Rank) -> Layout {
+    LayoutSpec::parse(spec).unwrap().resolve(shape, dtype, first).unwrap()
+}
+
+fn small_chunks(chunk_bytes: usize) -> ExecOptions {
+    ExecOptions {
+        chunk_bytes,
+        staging_bytes: 2 * chunk_bytes,
+        timeout: Duration::from_secs(30),
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(1500))]
+
+    /// Plan + run equals materializing the global tensor and slicing it, byte for byte.
+    #[test]
+    fn runs_match_the_reference(
+        (src, dst) in arb_layout_pair(),
+        seed in any::<u64>(),
+        chunk_bytes in prop_oneof![Just(1usize), 2usize..48, Just(4 << 20)],
+        min_split_bytes in prop_oneof![Just(0u64), Just(64 << 10), 1u64..32],
+    ) {
+        let fill = Fill::Hash { seed };
+        let plan = Plan::with_options(src, dst, PlanOptions { min_split_bytes }).unwrap();
+        // The library's own fill of the source agrees with the reference's slicing.
+        let sources = reference_shards(plan.src(), fill);
+        prop_assert_eq!(&fill.shards(plan.src()), &sources);
+        let mut shards = zeroed_shards(plan.dst());
+        let stats = run_local(&plan, &sources, &mut shards, &small_chunks(chunk_bytes)).unwrap();
+        prop_assert_eq!(&shards, &reference_shards(plan.dst(), fill));
+        let totals = plan.totals();
+        prop_assert_eq!(stats.bytes_remote(), totals.bytes_remote);
+        prop_assert_eq!(stats.bytes_local(), totals.bytes_local);
+    }
+}
+
+#[test]
+fn bad_buffers_are_rejected_before_any_byte_moves() {
+    let src = layout("mesh=2 place=S(0)", &[8, 8], DType::Bf16, 0);
+    let dst = layout("mesh=4 place=S(1)", &[8, 8], DType::Bf16, 2);
+    let plan = Plan::new(src, dst).unwrap();
+    let mut sources = Fill::Index.shards(plan.src());
+    let mut shards = zeroed_shards(plan.dst());
+    shards.get_mut(&5).unwrap().push(0);
+    let err = run_local(&plan, &sources, &mut shards, &ExecOptions::default()).unwrap_err();
+    assert_eq!(err.to_string(), "--dst: rank 5's buffer has 33 bytes, but its shard 8x2 needs 32");
+    assert!(shards.values().all(|b| b.iter().all(|&x| x == 0)), "a byte moved");
+    shards.get_mut(&5).unwrap().pop();
+    sources.remove(&1);
+    let err = run_local(&plan, &sources, &mut shards, &ExecOptions::default()).unwrap_err();
+    assert_eq!(err.to_string(), "--src: no local buffer given for rank 1");
+    let options = ExecOptions {
+        chunk_bytes: 64 << 20,
+        ..ExecOptions::default()
+    };
+    let err = run_local(&plan, &Fill::Index.shards(plan.src()), &mut shards, &options).unwrap_err();
+    assert!(err.to_string().starts_with("--chunk-bytes: 67108864 is invalid"), "{err}");
+}
+
+fn faulty_run(fault: Fault) -> (Error, Duration) {
+    let src = layout("mesh=4 place=S(0)", &[64, 64], DType::F32, 0);
+    let dst = layout("mesh=2 place=S(1)", &[64, 64], DType::F32, 4);
+    let plan = Plan::new(src, dst).unwrap();
+    let sources = Fill::Index.shards(plan.src());
+    let mut shards = zeroed_shards(plan.dst());
+    let options = ExecOptions {
+        chunk_bytes: 256,
+        staging_bytes: 512,
+        timeout: Duration::from_millis(300),
+    };
+    let started = Instant::now();
+    let err = run_local_with_faults(&plan, &sources, &mut shards, &options, &[fault]).unwrap_err();
+    (err, started.elapsed())
+}
+
+#[test]
+fn a_dead_sender_fails_every_receiver_quickly() {
+    let (err, took) = faulty_run(Fault::Die {
+        rank: 1,
+        after_chunks: 3,
+    });
+    let Error::Incomplete { failures } = &err else {
+        panic!("{err}");
+    };
+    // the dead rank itself, and both destinations that needed its rows
+    assert_eq!(failures.len(), 3, "{err}");
+    let text = err.to_string();
+    assert!(text.contains("rank 4: peer rank 1 is gone"), "{text}");
+    assert!(text.contains("rank 5: peer rank 1 is gone"), "{text}");
+    // a closed link is noticed at once, not after the timeout
+    assert!(took < Duration::from_millis(300), "{took:?}");
+}
+
+#[test]
+fn a_stalled_sender_times_out_every_receiver() {
+    let (err, took) = faulty_run(Fault::Stall {
+        rank: 2,
+        for_: Duration::from_millis(900),
+    });
+    let text = err.to_string();
+    assert!(text.contains("rank 4: timed out after 300ms waiting for peer rank 2"), "{text}");
+    assert!(text.contains("rank 5: timed out after 300ms waiting for peer rank 2"), "{text}");
+    assert!(took < Duration::from_secs(10), "{took:?}");
+}
+
+#[test]
+fn a_dead_receiver_fails_its_senders() {
+    let (err, _) = faulty_run(Fault::Die {
+        rank: 4,
+        after_chunks: 0,
+    });
+    let text = err.to_string();
+    assert!(text.contains("rank 4: peer rank 4 is gone: this rank was killed"), "{text}");
+}
+
+#[test]
+fn staging_stays_bounded_for_large_transfers() {
+    // 32 MiB through 1 MiB chunks: the local transport copies shard to shard, no staging
+    let src = layout("mesh=2 place=S(0)", &[2048, 4096], DType::F32, 0);
+    let dst = layout("mesh=2 place=S(1)", &[2048, 4096], DType::F32, 2);
+    let plan = Plan::new(src, dst).unwrap();
+    let sources = Fill::Index.shards(plan.src());
+    let mut shards = zeroed_shards(plan.dst());
+    let options = ExecOptions {
+        chunk_bytes: 1 << 20,
+        staging_bytes: 2 << 20,
+        ..ExecOptions::default()
+    };
+    let stats = run_local(&plan, &sources, &mut shards, &options).unwrap();
+    assert!(stats.peak_staging_bytes() <= options.staging_bytes as u64);
+    assert_eq!(stats.ranks.iter().map(|r| r.chunks_received).sum::<u64>(), 32);
+    Fill::Index.verify_shards(plan.dst(), &shards).unwrap();
+}

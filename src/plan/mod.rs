@@ -52,7 +52,7 @@ pub struct PlanOptions {
 impl Default for PlanOptions {
     fn default() -> Self {
         PlanOptions {
-            min_split_bytes: 256 << 10,
+            min_split_bytes: 64 << 10,
         }
     }
 }
