@@ -70,7 +70,9 @@ pub enum Error {
     #[error("{side}: rank {rank} is not part of this layout, yet a buffer was given for it")]
     UnexpectedBuffer { side: Side, rank: Rank },
 
-    #[error("{side}: rank {rank}'s buffer has {got} bytes, but its shard {extent} needs {expected}")]
+    #[error(
+        "{side}: rank {rank}'s buffer has {got} bytes, but its shard {extent} needs {expected}"
+    )]
     BufferSize {
         side: Side,
         rank: Rank,
@@ -111,7 +113,9 @@ pub enum Error {
     #[error("the reshard did not complete: {}", .failures.iter().map(|e| e.to_string()).collect::<Vec<_>>().join("; "))]
     Incomplete { failures: Vec<Error> },
 
-    #[error("verification failed: {mismatches} wrong bytes; first at rank {rank}, byte {offset} of its local buffer (expected {expected:#04x}, found {found:#04x})")]
+    #[error(
+        "verification failed: {mismatches} wrong bytes; first at rank {rank}, byte {offset} of its local buffer (expected {expected:#04x}, found {found:#04x})"
+    )]
     VerifyFailed {
         rank: Rank,
         offset: u64,

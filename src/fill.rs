@@ -42,7 +42,10 @@ impl FromStr for Fill {
         match s.split_once(':') {
             None if s == "index" => Ok(Fill::Index),
             None if s == "hash" => Ok(Fill::Hash { seed: 0 }),
-            Some(("hash", seed)) => seed.parse().map(|seed| Fill::Hash { seed }).map_err(|_| bad()),
+            Some(("hash", seed)) => seed
+                .parse()
+                .map(|seed| Fill::Hash { seed })
+                .map_err(|_| bad()),
             _ => Err(bad()),
         }
     }
@@ -123,7 +126,12 @@ impl Fill {
     }
 
     /// Checks `buf` against the fill; returns (first wrong byte offset, expected, found, count).
-    pub fn check_region(self, layout: &Layout, region: &Region, buf: &[u8]) -> Option<(u64, u8, u8, u64)> {
+    pub fn check_region(
+        self,
+        layout: &Layout,
+        region: &Region,
+        buf: &[u8],
+    ) -> Option<(u64, u8, u8, u64)> {
         let elem = layout.dtype().size();
         let row_len = region.extent.last().copied().unwrap_or(1) as usize;
         let mut first = None;
@@ -232,13 +240,32 @@ mod tests {
         let mut shards = Fill::Hash { seed: 7 }.shards(&l);
         shards.get_mut(&1).unwrap()[5] ^= 1;
         shards.get_mut(&1).unwrap()[9] ^= 1;
-        let err = Fill::Hash { seed: 7 }.verify_shards(&l, &shards).unwrap_err();
-        assert!(matches!(err, Error::VerifyFailed { rank: 1, offset: 5, mismatches: 2, .. }), "{err}");
+        let err = Fill::Hash { seed: 7 }
+            .verify_shards(&l, &shards)
+            .unwrap_err();
+        assert!(
+            matches!(
+                err,
+                Error::VerifyFailed {
+                    rank: 1,
+                    offset: 5,
+                    mismatches: 2,
+                    ..
+                }
+            ),
+            "{err}"
+        );
     }
 
     #[test]
     fn parse() {
         assert_eq!("hash:9".parse::<Fill>().unwrap(), Fill::Hash { seed: 9 });
-        assert!("zeros".parse::<Fill>().unwrap_err().to_string().contains("--fill: zeros"));
+        assert!(
+            "zeros"
+                .parse::<Fill>()
+                .unwrap_err()
+                .to_string()
+                .contains("--fill: zeros")
+        );
     }
 }

@@ -88,14 +88,22 @@ pub fn reference_shards(layout: &Layout, fill: Fill) -> std::collections::BTreeM
         .iter()
         .enumerate()
         .map(|(p, &r)| {
-            let shard = reference_shard(layout.shape(), mesh.dims(), layout.placements(), &mesh.coords(p));
+            let shard = reference_shard(
+                layout.shape(),
+                mesh.dims(),
+                layout.placements(),
+                &mesh.coords(p),
+            );
             (r, shard.bytes(fill, layout.dtype().size()))
         })
         .collect()
 }
 
 /// One side: mesh shape, placements (dims resolved), and its ranks drawn from `0..world`.
-fn arb_side(ndim: usize, world: usize) -> impl Strategy<Value = (Vec<usize>, Vec<Placement>, Vec<Rank>)> {
+fn arb_side(
+    ndim: usize,
+    world: usize,
+) -> impl Strategy<Value = (Vec<usize>, Vec<Placement>, Vec<Rank>)> {
     let placement = prop_oneof![
         1 => Just(Placement::Replicate),
         3 => (0..ndim.max(1)).prop_map(Placement::Shard),
@@ -111,7 +119,8 @@ fn arb_side(ndim: usize, world: usize) -> impl Strategy<Value = (Vec<usize>, Vec
             if ndim == 0 {
                 places = vec![Placement::Replicate; places.len()];
             }
-            let ranks = prop::sample::subsequence((0..world).collect::<Vec<_>>(), size).prop_shuffle();
+            let ranks =
+                prop::sample::subsequence((0..world).collect::<Vec<_>>(), size).prop_shuffle();
             (Just(dims), Just(places), ranks)
         })
 }
@@ -125,14 +134,24 @@ pub fn arb_layout_pair() -> impl Strategy<Value = (Layout, Layout)> {
         2 => prop::collection::vec(1u64..=4, 4..=5),
         1 => prop::collection::vec(1u64..=2, 6..=8),
     ];
-    (shape, prop::sample::select(DType::ALL.to_vec()), 1usize..=14).prop_flat_map(|(shape, dtype, world)| {
-        let ndim = shape.len();
-        (Just(shape), Just(dtype), arb_side(ndim, world), arb_side(ndim, world)).prop_map(
-            |(shape, dtype, (sm, sp, sr), (dm, dp, dr))| {
-                let src = Layout::new(shape.clone(), dtype, Mesh::new(sm, sr).unwrap(), sp).unwrap();
-                let dst = Layout::new(shape, dtype, Mesh::new(dm, dr).unwrap(), dp).unwrap();
-                (src, dst)
-            },
-        )
-    })
+    (
+        shape,
+        prop::sample::select(DType::ALL.to_vec()),
+        1usize..=14,
+    )
+        .prop_flat_map(|(shape, dtype, world)| {
+            let ndim = shape.len();
+            (
+                Just(shape),
+                Just(dtype),
+                arb_side(ndim, world),
+                arb_side(ndim, world),
+            )
+                .prop_map(|(shape, dtype, (sm, sp, sr), (dm, dp, dr))| {
+                    let src =
+                        Layout::new(shape.clone(), dtype, Mesh::new(sm, sr).unwrap(), sp).unwrap();
+                    let dst = Layout::new(shape, dtype, Mesh::new(dm, dr).unwrap(), dp).unwrap();
+                    (src, dst)
+                })
+        })
 }

@@ -188,7 +188,13 @@ mod tests {
     use super::*;
 
     /// Copies element by element, the obvious way, to check the folded walker against.
-    fn naive(region: &Region, src_box: &Region, dst_box: &Region, src: &[u8], elem: usize) -> Vec<u8> {
+    fn naive(
+        region: &Region,
+        src_box: &Region,
+        dst_box: &Region,
+        src: &[u8],
+        elem: usize,
+    ) -> Vec<u8> {
         let mut out = vec![0u8; dst_box.volume() as usize * elem];
         let n = region.ndim();
         for lin in 0..region.volume() {
@@ -199,7 +205,8 @@ mod tests {
                 rest /= region.extent[d];
             }
             let at = |b: &Region| {
-                (0..n).fold(0u64, |acc, d| acc * b.extent[d] + coord[d] - b.offset[d]) as usize * elem
+                (0..n).fold(0u64, |acc, d| acc * b.extent[d] + coord[d] - b.offset[d]) as usize
+                    * elem
             };
             let (s, d) = (at(src_box), at(dst_box));
             out[d..d + elem].copy_from_slice(&src[s..s + elem]);
@@ -228,10 +235,17 @@ mod tests {
         let dst_box = Region::from_ranges(&[0..6, 1..5, 0..8]);
         let region = src_box.intersect(&dst_box).unwrap();
         let elem = 2;
-        let src: Vec<u8> = (0..src_box.volume() as usize * elem).map(|i| (i * 7 % 251) as u8).collect();
+        let src: Vec<u8> = (0..src_box.volume() as usize * elem)
+            .map(|i| (i * 7 % 251) as u8)
+            .collect();
         let want = naive(&region, &src_box, &dst_box, &src, elem);
 
-        let direct = CopyGeometry::new(&region, Place::Within(&src_box), Place::Within(&dst_box), elem);
+        let direct = CopyGeometry::new(
+            &region,
+            Place::Within(&src_box),
+            Place::Within(&dst_box),
+            elem,
+        );
         let mut got = vec![0u8; want.len()];
         direct.copy(&src, &mut got, 0..direct.len());
         assert_eq!(got, want);

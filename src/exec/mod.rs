@@ -99,7 +99,11 @@ impl RunStats {
     }
 
     pub fn peak_staging_bytes(&self) -> u64 {
-        self.ranks.iter().map(|r| r.peak_staging_bytes).max().unwrap_or(0)
+        self.ranks
+            .iter()
+            .map(|r| r.peak_staging_bytes)
+            .max()
+            .unwrap_or(0)
     }
 }
 
@@ -169,7 +173,12 @@ pub fn run_rank<'buf, T: Transport<'buf>>(
         };
         if let Some((src_box, src)) = src {
             for t in &plan.locals {
-                let g = CopyGeometry::new(&t.region, Place::Within(src_box), Place::Within(dst_box), elem_bytes);
+                let g = CopyGeometry::new(
+                    &t.region,
+                    Place::Within(src_box),
+                    Place::Within(dst_box),
+                    elem_bytes,
+                );
                 g.copy(src, dst, 0..g.len());
                 stats.bytes_local += g.len() as u64;
             }
@@ -300,7 +309,8 @@ pub fn run_local_with_faults(
     );
 
     let started = Instant::now();
-    let mut dst_shards: BTreeMap<Rank, &mut Vec<u8>> = dst.iter_mut().map(|(&r, b)| (r, b)).collect();
+    let mut dst_shards: BTreeMap<Rank, &mut Vec<u8>> =
+        dst.iter_mut().map(|(&r, b)| (r, b)).collect();
     let results: Vec<Result<RankStats>> = std::thread::scope(|scope| {
         let handles: Vec<_> = ranks
             .iter()

@@ -10,7 +10,10 @@ use crate::plan::PlanOptions;
 use crate::testing::{arb_layout_pair, reference_shards};
 
 fn layout(spec: &str, shape: &[u64], dtype: DType, first: Rank) -> Layout {
-    LayoutSpec::parse(spec).unwrap().resolve(shape, dtype, first).unwrap()
+    LayoutSpec::parse(spec)
+        .unwrap()
+        .resolve(shape, dtype, first)
+        .unwrap()
 }
 
 fn small_chunks(chunk_bytes: usize) -> ExecOptions {
@@ -55,8 +58,14 @@ fn bad_buffers_are_rejected_before_any_byte_moves() {
     let mut shards = zeroed_shards(plan.dst());
     shards.get_mut(&5).unwrap().push(0);
     let err = run_local(&plan, &sources, &mut shards, &ExecOptions::default()).unwrap_err();
-    assert_eq!(err.to_string(), "--dst: rank 5's buffer has 33 bytes, but its shard 8x2 needs 32");
-    assert!(shards.values().all(|b| b.iter().all(|&x| x == 0)), "a byte moved");
+    assert_eq!(
+        err.to_string(),
+        "--dst: rank 5's buffer has 33 bytes, but its shard 8x2 needs 32"
+    );
+    assert!(
+        shards.values().all(|b| b.iter().all(|&x| x == 0)),
+        "a byte moved"
+    );
     shards.get_mut(&5).unwrap().pop();
     sources.remove(&1);
     let err = run_local(&plan, &sources, &mut shards, &ExecOptions::default()).unwrap_err();
@@ -65,8 +74,18 @@ fn bad_buffers_are_rejected_before_any_byte_moves() {
         chunk_bytes: 64 << 20,
         ..ExecOptions::default()
     };
-    let err = run_local(&plan, &Fill::Index.shards(plan.src()), &mut shards, &options).unwrap_err();
-    assert!(err.to_string().starts_with("--chunk-bytes: 67108864 is invalid"), "{err}");
+    let err = run_local(
+        &plan,
+        &Fill::Index.shards(plan.src()),
+        &mut shards,
+        &options,
+    )
+    .unwrap_err();
+    assert!(
+        err.to_string()
+            .starts_with("--chunk-bytes: 67108864 is invalid"),
+        "{err}"
+    );
 }
 
 fn faulty_run(fault: Fault) -> (Error, Duration) {
@@ -110,8 +129,14 @@ fn a_stalled_sender_times_out_every_receiver() {
         for_: Duration::from_millis(900),
     });
     let text = err.to_string();
-    assert!(text.contains("rank 4: timed out after 300ms waiting for peer rank 2"), "{text}");
-    assert!(text.contains("rank 5: timed out after 300ms waiting for peer rank 2"), "{text}");
+    assert!(
+        text.contains("rank 4: timed out after 300ms waiting for peer rank 2"),
+        "{text}"
+    );
+    assert!(
+        text.contains("rank 5: timed out after 300ms waiting for peer rank 2"),
+        "{text}"
+    );
     assert!(took < Duration::from_secs(10), "{took:?}");
 }
 
@@ -122,7 +147,10 @@ fn a_dead_receiver_fails_its_senders() {
         after_chunks: 0,
     });
     let text = err.to_string();
-    assert!(text.contains("rank 4: peer rank 4 is gone: this rank was killed"), "{text}");
+    assert!(
+        text.contains("rank 4: peer rank 4 is gone: this rank was killed"),
+        "{text}"
+    );
 }
 
 #[test]
@@ -140,6 +168,9 @@ fn staging_stays_bounded_for_large_transfers() {
     };
     let stats = run_local(&plan, &sources, &mut shards, &options).unwrap();
     assert!(stats.peak_staging_bytes() <= options.staging_bytes as u64);
-    assert_eq!(stats.ranks.iter().map(|r| r.chunks_received).sum::<u64>(), 32);
+    assert_eq!(
+        stats.ranks.iter().map(|r| r.chunks_received).sum::<u64>(),
+        32
+    );
     Fill::Index.verify_shards(plan.dst(), &shards).unwrap();
 }

@@ -440,7 +440,9 @@ mod tests {
     #[test]
     fn mesh_errors_name_the_value() {
         assert_eq!(
-            Mesh::new(vec![2, 2], vec![0, 1, 2]).unwrap_err().to_string(),
+            Mesh::new(vec![2, 2], vec![0, 1, 2])
+                .unwrap_err()
+                .to_string(),
             "mesh 2x2 has 4 positions but ranks lists 3"
         );
         assert_eq!(
@@ -477,7 +479,12 @@ mod tests {
         assert_eq!(l.total_bytes(), 256 * 7168 * 2048 * 2);
         assert_eq!(l.local_bytes(15), 16 * 7168 * 2048 * 2);
         let mesh = Mesh::new(vec![1], vec![0]).unwrap();
-        let err = Layout::new(vec![1 << 40, 1 << 30], DType::F32, mesh, vec![Placement::Replicate]);
+        let err = Layout::new(
+            vec![1 << 40, 1 << 30],
+            DType::F32,
+            mesh,
+            vec![Placement::Replicate],
+        );
         assert!(matches!(err, Err(LayoutError::ShapeTooLarge { .. })));
     }
 }

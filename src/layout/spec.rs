@@ -165,8 +165,8 @@ impl LayoutSpec {
             }
         }
         let mesh = mesh.ok_or_else(|| bad("missing mesh= (for example mesh=2x4)".into()))?;
-        let placements = placements
-            .ok_or_else(|| bad("missing place= (for example place=S(0),R)".into()))?;
+        let placements =
+            placements.ok_or_else(|| bad("missing place= (for example place=S(0),R)".into()))?;
         Ok(LayoutSpec {
             mesh,
             ranks,
@@ -307,6 +307,11 @@ mod tests {
     fn shapes() {
         assert_eq!(parse_shape("8x8").unwrap(), [8, 8]);
         assert_eq!(parse_shape("[2, 3]").unwrap(), [2, 3]);
-        assert!(parse_shape("8,,8").unwrap_err().to_string().contains("`8,,8`"));
+        assert!(
+            parse_shape("8,,8")
+                .unwrap_err()
+                .to_string()
+                .contains("`8,,8`")
+        );
     }
 }

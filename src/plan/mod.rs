@@ -229,7 +229,12 @@ pub fn check_compatible(src: &Layout, dst: &Layout) -> Result<()> {
 
 /// `rank`'s sends, receives and local copies, computed from the layouts alone: the same result
 /// as `Plan::new(src, dst).for_rank(rank)` at a cost that depends on this rank's pieces only.
-pub fn rank_plan(src: &Layout, dst: &Layout, rank: Rank, options: &PlanOptions) -> Result<RankPlan> {
+pub fn rank_plan(
+    src: &Layout,
+    dst: &Layout,
+    rank: Rank,
+    options: &PlanOptions,
+) -> Result<RankPlan> {
     check_compatible(src, dst)?;
     let mut rp = RankPlan {
         rank,
@@ -266,12 +271,19 @@ fn world(src: &Layout, dst: &Layout) -> usize {
 /// receives that follow it cannot deadlock, and it spreads each step's traffic over distinct
 /// peers (a shift schedule, as in a ring all-to-all).
 pub fn schedule_key(t: &Transfer, world: usize) -> (usize, Rank, Rank, &Region) {
-    ((t.dst + world - t.src) % world.max(1), t.src, t.dst, &t.region)
+    (
+        (t.dst + world - t.src) % world.max(1),
+        t.src,
+        t.dst,
+        &t.region,
+    )
 }
 
 fn order_for_schedule(rp: &mut RankPlan, world: usize) {
-    rp.sends.sort_by(|a, b| schedule_key(a, world).cmp(&schedule_key(b, world)));
-    rp.recvs.sort_by(|a, b| schedule_key(a, world).cmp(&schedule_key(b, world)));
+    rp.sends
+        .sort_by(|a, b| schedule_key(a, world).cmp(&schedule_key(b, world)));
+    rp.recvs
+        .sort_by(|a, b| schedule_key(a, world).cmp(&schedule_key(b, world)));
 }
 
 /// The pieces of `layout` that overlap `region`: per-dim piece indices and the overlap.
@@ -299,7 +311,11 @@ fn overlaps(layout: &Layout, region: &Region) -> Vec<(Vec<usize>, Region)> {
     let mut out = Vec::new();
     let mut pick = vec![0usize; per_dim.len()];
     loop {
-        let index = pick.iter().enumerate().map(|(d, &k)| per_dim[d][k].0).collect();
+        let index = pick
+            .iter()
+            .enumerate()
+            .map(|(d, &k)| per_dim[d][k].0)
+            .collect();
         let ranges: Vec<Range<u64>> = pick
             .iter()
             .enumerate()
@@ -332,7 +348,16 @@ fn receives(src: &Layout, dst: &Layout, rank: Rank, options: &PlanOptions) -> Ve
     for (index, piece) in overlaps(src, &target) {
         let holders = src.holders(&index);
         let box_id = src.box_id(&index);
-        assign(piece, &holders, rank, position, box_id, src.dtype().size(), options, &mut out);
+        assign(
+            piece,
+            &holders,
+            rank,
+            position,
+            box_id,
+            src.dtype().size(),
+            options,
+            &mut out,
+        );
     }
     out
 }
@@ -351,7 +376,16 @@ fn sends(src: &Layout, dst: &Layout, rank: Rank, options: &PlanOptions) -> Vec<T
         for receiver in dst.holders(&dst_index) {
             let dst_position = dst.mesh().position(receiver).unwrap_or_default();
             let elem = src.dtype().size();
-            assign(piece.clone(), &holders, receiver, dst_position, box_id, elem, options, &mut all);
+            assign(
+                piece.clone(),
+                &holders,
+                receiver,
+                dst_position,
+                box_id,
+                elem,
+                options,
+                &mut all,
+            );
         }
     }
     all.retain(|t| t.src == rank);

@@ -8,7 +8,10 @@ use crate::layout::LayoutSpec;
 use crate::testing::{arb_layout_pair, reference_shard};
 
 fn layout(spec: &str, shape: &[u64], dtype: DType, first: Rank) -> Layout {
-    LayoutSpec::parse(spec).unwrap().resolve(shape, dtype, first).unwrap()
+    LayoutSpec::parse(spec)
+        .unwrap()
+        .resolve(shape, dtype, first)
+        .unwrap()
 }
 
 fn arb_options() -> impl Strategy<Value = PlanOptions> {
@@ -31,28 +34,58 @@ fn check_invariants(plan: &Plan) -> Result<(), TestCaseError> {
     for (p, &r) in dst.mesh().ranks().iter().enumerate() {
         let target = dst.region_at(p);
         // the reference agrees on the destination box's size
-        let reference = reference_shard(dst.shape(), dst.mesh().dims(), dst.placements(), &dst.mesh().coords(p));
-        prop_assert_eq!(reference.shape.iter().map(|&d| d as u64).collect::<Vec<_>>(), target.extent.clone());
+        let reference = reference_shard(
+            dst.shape(),
+            dst.mesh().dims(),
+            dst.placements(),
+            &dst.mesh().coords(p),
+        );
+        prop_assert_eq!(
+            reference
+                .shape
+                .iter()
+                .map(|&d| d as u64)
+                .collect::<Vec<_>>(),
+            target.extent.clone()
+        );
         let mine = by_dst.remove(&r).unwrap_or_default();
         let mut covered = 0u64;
         for (i, t) in mine.iter().enumerate() {
-            prop_assert!(target.contains(&t.region), "{t:?} outside the destination box {target}");
+            prop_assert!(
+                target.contains(&t.region),
+                "{t:?} outside the destination box {target}"
+            );
             let held = src_box(t.src);
             prop_assert!(held.is_some(), "{t:?}: the sender is not a source rank");
-            prop_assert!(held.unwrap().contains(&t.region), "{t:?}: the sender does not hold it");
+            prop_assert!(
+                held.unwrap().contains(&t.region),
+                "{t:?}: the sender does not hold it"
+            );
             for u in &mine[i + 1..] {
-                prop_assert!(t.region.intersect(&u.region).is_none(), "{t:?} overlaps {u:?}");
+                prop_assert!(
+                    t.region.intersect(&u.region).is_none(),
+                    "{t:?} overlaps {u:?}"
+                );
             }
             covered += t.region.volume();
         }
         // disjoint pieces inside the box whose volumes add up to it tile it exactly once
         prop_assert_eq!(covered, target.volume(), "rank {} is not tiled", r);
         // local first: everything this rank already holds is copied locally, nothing else is
-        let own = src_box(r).and_then(|b| b.intersect(&target)).map_or(0, |b| b.volume());
-        let local: u64 = mine.iter().filter(|t| t.is_local()).map(|t| t.region.volume()).sum();
+        let own = src_box(r)
+            .and_then(|b| b.intersect(&target))
+            .map_or(0, |b| b.volume());
+        let local: u64 = mine
+            .iter()
+            .filter(|t| t.is_local())
+            .map(|t| t.region.volume())
+            .sum();
         prop_assert_eq!(local, own, "rank {} sends itself the wrong amount", r);
     }
-    prop_assert!(by_dst.is_empty(), "transfers to ranks outside the destination");
+    prop_assert!(
+        by_dst.is_empty(),
+        "transfers to ranks outside the destination"
+    );
     Ok(())
 }
 
@@ -116,7 +149,11 @@ fn the_seed_example() {
     let mut want = Vec::new();
     for s in 0..2u64 {
         for d in 0..4u64 {
-            want.push((s as Rank, d as Rank + 2, Region::from_ranges(&[s * 4..s * 4 + 4, d * 2..d * 2 + 2])));
+            want.push((
+                s as Rank,
+                d as Rank + 2,
+                Region::from_ranges(&[s * 4..s * 4 + 4, d * 2..d * 2 + 2]),
+            ));
         }
     }
     assert_eq!(got, want);
@@ -162,7 +199,11 @@ fn many_replicas_into_one_rank() {
     let dst = layout("mesh=1 place=R", &[1 << 12, 1 << 10], DType::F32, 8);
     let plan = Plan::new(src, dst).unwrap();
     assert_eq!(plan.transfers().len(), 8);
-    assert!(plan.transfers().iter().all(|t| t.bytes(4) == (16 << 20) / 8));
+    assert!(
+        plan.transfers()
+            .iter()
+            .all(|t| t.bytes(4) == (16 << 20) / 8)
+    );
     // and a small tensor is not split into tiny messages
     let src = layout("mesh=8 place=R", &[64], DType::F32, 0);
     let dst = layout("mesh=1 place=R", &[64], DType::F32, 8);

@@ -73,7 +73,10 @@ impl LocalFabric {
         for (from, to) in pairs {
             let (tx, rx) = mpsc::channel();
             if let Some(e) = endpoints.get_mut(&from) {
-                e.outboxes.get_mut().unwrap_or_else(|p| p.into_inner()).insert(to, tx);
+                e.outboxes
+                    .get_mut()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .insert(to, tx);
             }
             if let Some(e) = endpoints.get_mut(&to) {
                 e.inboxes.insert(from, Mutex::new(Some(rx)));
@@ -103,7 +106,10 @@ impl LocalEndpoint<'_> {
         if self.handled_chunks.load(Ordering::Relaxed) < after_chunks {
             return Ok(());
         }
-        self.outboxes.lock().unwrap_or_else(|p| p.into_inner()).clear();
+        self.outboxes
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clear();
         for inbox in self.inboxes.values() {
             inbox.lock().unwrap_or_else(|p| p.into_inner()).take();
         }

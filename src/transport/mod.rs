@@ -43,7 +43,12 @@ impl Outgoing<'_> {
 
     /// Packs the chunk into `out`, which must be exactly [`Outgoing::len`] bytes.
     pub fn pack_into(&self, out: &mut [u8]) {
-        let g = CopyGeometry::new(self.region, Place::Within(self.src_box), Place::Stream, self.elem_bytes);
+        let g = CopyGeometry::new(
+            self.region,
+            Place::Within(self.src_box),
+            Place::Stream,
+            self.elem_bytes,
+        );
         g.copy(self.src, out, self.range.clone());
     }
 }
@@ -72,7 +77,12 @@ impl Incoming<'_> {
 
     /// Unpacks a message of exactly [`Incoming::len`] bytes into the destination shard.
     pub fn unpack_from(&mut self, msg: &[u8]) {
-        let g = CopyGeometry::new(self.region, Place::Stream, Place::Within(self.dst_box), self.elem_bytes);
+        let g = CopyGeometry::new(
+            self.region,
+            Place::Stream,
+            Place::Within(self.dst_box),
+            self.elem_bytes,
+        );
         g.copy(msg, self.dst, self.range.clone());
     }
 

@@ -1,0 +1,147 @@
+//! Command-line interface: argument parsing and output only; the work is the library's.
+
+mod demo;
+mod picture;
+mod plan;
+mod run;
+mod units;
+
+use std::process::ExitCode;
+
+use clap::{Args, Parser, Subcommand};
+use reshard::layout::{LayoutSpec, parse_shape};
+use reshard::{DType, Error, Plan, PlanOptions, Side};
+
+/// Move a distributed tensor from M ranks in one layout to N ranks in another, sending each
+/// destination exactly the overlapping parts of the source shards, point to point.
+///
+/// Layouts follow PyTorch DTensor: a mesh of ranks and one placement per mesh axis, Shard(d)
+/// (S(d)) or Replicate() (R); uneven shards follow torch.chunk.
+#[derive(Parser, Debug)]
+#[command(name = "reshard", version, about, long_about = None, after_help = LAYOUT_HELP)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+const LAYOUT_HELP: &str = "\
+Layout spec (--src, --dst): mesh=AxB... [ranks=LIST] place=P1,P2,...
+  mesh=2x4        a 2-D mesh of 8 ranks, row-major
+  ranks=8..16     the global ranks of the mesh (also 0,2,4 or 0..4,8..12); by default the
+                  source starts at rank 0 and the destination right after it
+  place=R,S(0)    one placement per mesh axis: S(d)/Shard(d) splits tensor dim d, R replicates
+
+Example: the 8x8 seed example, two row shards into four column shards:
+  reshard plan --shape 8,8 --dtype bf16 --src \"mesh=2 place=S(0)\" --dst \"mesh=4 place=S(1)\"
+
+Environment: RESHARD_LOG=debug shows what the planner and executor do.";
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Compute the transfer plan, without moving data.
+    Plan(plan::PlanArgs),
+    /// Execute a reshard on filled buffers, optionally verify and dump the result.
+    Run(run::RunArgs),
+    /// The seed example, planned, drawn, executed, verified and compared to gather+broadcast.
+    Demo,
+}
+
+/// The tensor and the two layouts, shared by the commands.
+#[derive(Args, Debug, Clone)]
+pub struct TensorArgs {
+    /// Global tensor shape, e.g. 8,8 or 256,7168,2048.
+    #[arg(long, value_name = "D0,D1,...")]
+    shape: String,
+    /// Element type: bool u8 i8 fp8e4m3 fp8e5m2 bf16 f16 i16 u16 f32 i32 u32 f64 i64 u64.
+    #[arg(long, default_value = "bf16")]
+    dtype: String,
+    /// Source layout, e.g. "mesh=2 place=S(0)".
+    #[arg(long, value_name = "SPEC")]
+    src: String,
+    /// Destination layout, e.g. "mesh=4 place=S(1)".
+    #[arg(long, value_name = "SPEC")]
+    dst: String,
+    /// Split a piece among the replicas that hold it only into parts of at least this size
+    /// (e.g. 64KiB; 0 splits every piece).
+    #[arg(long, value_name = "BYTES", default_value = "64KiB")]
+    min_split_bytes: String,
+}
+
+impl TensorArgs {
+    /// Parses and validates everything, before any byte moves.
+    pub fn plan(&self) -> Result<Plan, Error> {
+        let shape = parse_shape(&self.shape)?;
+        let dtype: DType = self.dtype.parse()?;
+        let spec = |side: Side, text: &str| {
+            LayoutSpec::parse(text).map_err(|source| Error::Layout { side, source })
+        };
+        let (src_spec, dst_spec) = (spec(Side::Src, &self.src)?, spec(Side::Dst, &self.dst)?);
+        let src = src_spec
+            .resolve(&shape, dtype, 0)
+            .map_err(|source| Error::Layout {
+                side: Side::Src,
+                source,
+            })?;
+        // by default the destination ranks start right after the source ranks
+        let after_src = src.mesh().ranks().iter().max().map_or(0, |&r| r + 1);
+        let dst = dst_spec
+            .resolve(&shape, dtype, after_src)
+            .map_err(|source| Error::Layout {
+                side: Side::Dst,
+                source,
+            })?;
+        let options = PlanOptions {
+            min_split_bytes: units::parse_bytes("--min-split-bytes", &self.min_split_bytes)?,
+        };
+        Plan::with_options(src, dst, options)
+    }
+}
+
+/// A failure of a command, with the exit code it deserves.
+pub enum Failure {
+    /// Bad input: nothing was moved (exit code 2, as for a usage error).
+    Input(Error),
+    /// The reshard ran and failed, or its result is wrong (exit code 1).
+    Run(Error),
+}
+
+impl From<Error> for Failure {
+    fn from(e: Error) -> Failure {
+        match e {
+            Error::Incomplete { .. }
+            | Error::VerifyFailed { .. }
+            | Error::PeerGone { .. }
+            | Error::Timeout { .. }
+            | Error::Protocol { .. }
+            | Error::Io { .. } => Failure::Run(e),
+            _ => Failure::Input(e),
+        }
+    }
+}
+
+pub fn main() -> ExitCode {
+    let cli = Cli::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("RESHARD_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let result = match cli.command {
+        Command::Plan(args) => plan::main(&args),
+        Command::Run(args) => run::main(&args),
+        Command::Demo => demo::main(),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(Failure::Input(e)) => {
+            eprintln!("error: {e}");
+            ExitCode::from(2)
+        }
+        Err(Failure::Run(e)) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
