@@ -415,11 +415,9 @@ fn assign(
     let h = holders.len();
     let rotation = (receiver_position + box_id) % h;
     let bytes = piece.volume().saturating_mul(elem_bytes as u64);
-    let wanted = if options.min_split_bytes == 0 {
-        h as u64
-    } else {
-        (bytes / options.min_split_bytes).clamp(1, h as u64)
-    };
+    let wanted = bytes
+        .checked_div(options.min_split_bytes)
+        .map_or(h as u64, |parts| parts.clamp(1, h as u64));
     let split = if wanted > 1 {
         match (0..piece.ndim()).find(|&d| piece.extent[d] >= wanted) {
             Some(d) => Some((d, wanted)),
