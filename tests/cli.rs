@@ -1,0 +1,198 @@
+//! The command-line contract of the design notes: commands, plan JSON, fill and dump formats,
+//! and errors that name the field and the value.
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+use serde_json::Value;
+
+fn reshard(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_reshard"))
+        .args(args)
+        .output()
+        .expect("the reshard binary runs")
+}
+
+fn stdout(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn stderr(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+const SEED: [&str; 8] = [
+    "--shape",
+    "8,8",
+    "--dtype",
+    "bf16",
+    "--src",
+    "mesh=2 place=S(0)",
+    "--dst",
+    "mesh=4 place=S(1)",
+];
+
+fn temp_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("reshard-cli-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    dir
+}
+
+#[test]
+fn plan_json_of_the_seed_example() {
+    let out = reshard(&[&["plan"], &SEED[..], &["--json"]].concat());
+    assert!(out.status.success(), "{}", stderr(&out));
+    let json: Value = serde_json::from_str(&stdout(&out)).unwrap();
+    assert_eq!(json["shape"], serde_json::json!([8, 8]));
+    assert_eq!(json["dtype"], "bf16");
+    assert_eq!(json["elem_bytes"], 2);
+    let transfers = json["transfers"].as_array().unwrap();
+    assert_eq!(transfers.len(), 8);
+    for src in 0..2u64 {
+        for dst in 2..6u64 {
+            let t = transfers
+                .iter()
+                .find(|t| t["src"] == src && t["dst"] == dst)
+                .unwrap_or_else(|| panic!("no transfer {src} -> {dst}"));
+            assert_eq!(t["offset"], serde_json::json!([src * 4, (dst - 2) * 2]));
+            assert_eq!(t["extent"], serde_json::json!([4, 2]));
+            assert_eq!(t["bytes"], 16);
+        }
+    }
+    let totals = &json["totals"];
+    assert_eq!(totals["bytes_remote"], 128);
+    assert_eq!(totals["bytes_local"], 0);
+    assert_eq!(totals["messages"], 8);
+    assert_eq!(totals["max_rank_send_bytes"], 64);
+    assert_eq!(totals["max_rank_recv_bytes"], 32);
+    assert_eq!(totals["gather_broadcast_bytes"], 640);
+}
+
+#[test]
+fn plan_json_marks_local_copies() {
+    let out = reshard(&[
+        "plan",
+        "--shape",
+        "8,8",
+        "--dtype",
+        "f32",
+        "--src",
+        "mesh=4 place=S(0)",
+        "--dst",
+        "mesh=2 ranks=0..2 place=S(1)",
+        "--json",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let json: Value = serde_json::from_str(&stdout(&out)).unwrap();
+    let local: Vec<&Value> = json["transfers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|t| t["src"] == t["dst"])
+        .collect();
+    assert_eq!(local.len(), 2);
+    assert_eq!(json["totals"]["bytes_local"], 64);
+}
+
+#[test]
+fn plan_text_draws_the_picture() {
+    let out = reshard(&[&["plan"], &SEED[..]].concat());
+    assert!(out.status.success());
+    let text = stdout(&out);
+    assert!(text.contains("source shards"), "{text}");
+    assert!(text.contains(" 2 2 3 3 4 4 5 5"), "{text}");
+    assert!(text.contains("a: 0 -> 2"), "{text}");
+    assert!(text.contains("gather+broadcast would move 640 B (5.0x"), "{text}");
+}
+
+#[test]
+fn run_dumps_index_filled_shards() {
+    let dir = temp_dir("dump");
+    let out = reshard(
+        &[
+            &["run"],
+            &SEED[..],
+            &["--fill", "index", "--verify", "--transport", "local", "--dump", dir.to_str().unwrap()],
+        ]
+        .concat(),
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    for k in 0..4u16 {
+        let bytes = std::fs::read(dir.join(format!("rank{}.bin", k + 2))).unwrap();
+        // column shard k of the 8x8 tensor whose element (r, c) holds r * 8 + c
+        let want: Vec<u8> = (0..8u16)
+            .flat_map(|r| (0..2u16).map(move |c| r * 8 + 2 * k + c))
+            .flat_map(u16::to_le_bytes)
+            .collect();
+        assert_eq!(bytes, want, "rank {}", k + 2);
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn run_verifies_uneven_nested_n_d_layouts() {
+    let out = reshard(&[
+        "run",
+        "--shape",
+        "7,5,3,2",
+        "--dtype",
+        "fp8e4m3",
+        "--src",
+        "mesh=2x3 place=S(0),S(0)",
+        "--dst",
+        "mesh=2x2 ranks=4,0,9,2 place=S(1),R",
+        "--fill",
+        "hash:11",
+        "--verify",
+        "--chunk-bytes",
+        "3",
+        "--staging-bytes",
+        "6",
+        "--json",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let json: Value = serde_json::from_str(&stdout(&out)).unwrap();
+    assert_eq!(json["verified"], true);
+    assert_eq!(json["dst_bytes"], 2 * 7 * 5 * 3 * 2);
+}
+
+#[test]
+fn demo_runs_and_verifies() {
+    let out = reshard(&["demo"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = stdout(&out);
+    assert!(text.contains("verified"), "{text}");
+    assert!(text.contains("5.0x fewer bytes"), "{text}");
+}
+
+/// Bad input: exit code 2, a message naming the field and the value, no panic.
+#[test]
+fn bad_input_names_the_field_and_the_value() {
+    let cases: &[(&[&str], &str)] = &[
+        (&["--shape", "8,8", "--src", "mesh=2 place=S(2)", "--dst", "mesh=4 place=S(1)"], "--src: Shard(2) is out of range for a 2-D tensor"),
+        (&["--shape", "8,8", "--src", "mesh=2 place=S(0)", "--dst", "mesh=4 place=S(-3)"], "--dst: Shard(-3) is out of range"),
+        (&["--shape", "8,8", "--src", "mesh=2x2 ranks=0..3 place=R,S(0)", "--dst", "mesh=4 place=S(1)"], "--src: mesh 2x2 has 4 positions but ranks lists 3"),
+        (&["--shape", "8,8", "--src", "mesh=2 ranks=5,5 place=S(0)", "--dst", "mesh=4 place=S(1)"], "--src: rank 5 appears more than once"),
+        (&["--shape", "8,8", "--src", "mesh=2 place=S(0)", "--dst", "mesh=4x0 place=S(1),R"], "--dst: mesh axis 1 has size 0"),
+        (&["--shape", "8,8", "--dtype", "bf17", "--src", "mesh=2 place=S(0)", "--dst", "mesh=4 place=S(1)"], "--dtype: unknown dtype `bf17`"),
+        (&["--shape", "8,x", "--src", "mesh=2 place=S(0)", "--dst", "mesh=4 place=S(1)"], "--shape: malformed shape `8,x`"),
+        (&["--shape", "8,8", "--src", "mesh=2 place=S(0)", "--dst", "mesh=4 place=S(1) extra"], "--dst: malformed layout spec `mesh=4 place=S(1) extra`"),
+        (&["--shape", "8,8", "--src", "mesh=2 place=S(0),R", "--dst", "mesh=4 place=S(1)"], "--src: 2 placements for a 1-D mesh"),
+        (&["--shape", "8,8", "--src", "mesh=2 place=Sh(0)", "--dst", "mesh=4 place=S(1)"], "unknown placement `Sh(0)`"),
+        (&["--shape", "99999999999,99999999999,99999", "--src", "mesh=2 place=S(0)", "--dst", "mesh=4 place=S(1)"], "has more than 2^64 bytes"),
+    ];
+    for (args, message) in cases {
+        for command in ["plan", "run"] {
+            let out = reshard(&[&[command], *args].concat());
+            let err = stderr(&out);
+            assert_eq!(out.status.code(), Some(2), "{command} {args:?}: {err}");
+            assert!(err.contains(message), "{command} {args:?}: expected `{message}` in `{err}`");
+            assert!(!err.contains("panicked"), "{err}");
+        }
+    }
+    let out = reshard(&[&["run"], &SEED[..], &["--chunk-bytes", "lots"]].concat());
+    assert_eq!(out.status.code(), Some(2));
+    assert!(stderr(&out).contains("--chunk-bytes: lots is invalid"), "{}", stderr(&out));
+    let out = reshard(&[&["run"], &SEED[..], &["--fill", "zeros"]].concat());
+    assert!(stderr(&out).contains("--fill: zeros is invalid"), "{}", stderr(&out));
+}
