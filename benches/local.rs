@@ -19,9 +19,15 @@ fn main() {
 }
 
 fn plan(src: &str, dst: &str) -> Plan {
-    let src = LayoutSpec::parse(src).unwrap().resolve(&SHAPE, DType::Bf16, 0).unwrap();
+    let src = LayoutSpec::parse(src)
+        .unwrap()
+        .resolve(&SHAPE, DType::Bf16, 0)
+        .unwrap();
     let first = src.mesh().size();
-    let dst = LayoutSpec::parse(dst).unwrap().resolve(&SHAPE, DType::Bf16, first).unwrap();
+    let dst = LayoutSpec::parse(dst)
+        .unwrap()
+        .resolve(&SHAPE, DType::Bf16, first)
+        .unwrap();
     Plan::new(src, dst).unwrap()
 }
 
@@ -40,9 +46,9 @@ fn reshard(bencher: Bencher, case: &str) {
     let options = ExecOptions::default();
     exec::run_local(&plan, &sources, &mut shards, &options).unwrap();
     Fill::Index.verify_shards(plan.dst(), &shards).unwrap();
-    bencher
-        .counter(BytesCount::new(BYTES))
-        .bench_local(|| exec::run_local(&plan, &sources, black_box(&mut shards), &options).unwrap());
+    bencher.counter(BytesCount::new(BYTES)).bench_local(|| {
+        exec::run_local(&plan, &sources, black_box(&mut shards), &options).unwrap()
+    });
 }
 
 /// One thread copying the same number of bytes between two touched buffers.

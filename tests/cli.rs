@@ -102,7 +102,10 @@ fn plan_text_draws_the_picture() {
     assert!(text.contains("source shards"), "{text}");
     assert!(text.contains(" 2 2 3 3 4 4 5 5"), "{text}");
     assert!(text.contains("a: 0 -> 2"), "{text}");
-    assert!(text.contains("gather+broadcast would move 640 B (5.0x"), "{text}");
+    assert!(
+        text.contains("gather+broadcast would move 640 B (5.0x"),
+        "{text}"
+    );
 }
 
 #[test]
@@ -112,7 +115,15 @@ fn run_dumps_index_filled_shards() {
         &[
             &["run"],
             &SEED[..],
-            &["--fill", "index", "--verify", "--transport", "local", "--dump", dir.to_str().unwrap()],
+            &[
+                "--fill",
+                "index",
+                "--verify",
+                "--transport",
+                "local",
+                "--dump",
+                dir.to_str().unwrap(),
+            ],
         ]
         .concat(),
     );
@@ -169,30 +180,170 @@ fn demo_runs_and_verifies() {
 #[test]
 fn bad_input_names_the_field_and_the_value() {
     let cases: &[(&[&str], &str)] = &[
-        (&["--shape", "8,8", "--src", "mesh=2 place=S(2)", "--dst", "mesh=4 place=S(1)"], "--src: Shard(2) is out of range for a 2-D tensor"),
-        (&["--shape", "8,8", "--src", "mesh=2 place=S(0)", "--dst", "mesh=4 place=S(-3)"], "--dst: Shard(-3) is out of range"),
-        (&["--shape", "8,8", "--src", "mesh=2x2 ranks=0..3 place=R,S(0)", "--dst", "mesh=4 place=S(1)"], "--src: mesh 2x2 has 4 positions but ranks lists 3"),
-        (&["--shape", "8,8", "--src", "mesh=2 ranks=5,5 place=S(0)", "--dst", "mesh=4 place=S(1)"], "--src: rank 5 appears more than once"),
-        (&["--shape", "8,8", "--src", "mesh=2 place=S(0)", "--dst", "mesh=4x0 place=S(1),R"], "--dst: mesh axis 1 has size 0"),
-        (&["--shape", "8,8", "--dtype", "bf17", "--src", "mesh=2 place=S(0)", "--dst", "mesh=4 place=S(1)"], "--dtype: unknown dtype `bf17`"),
-        (&["--shape", "8,x", "--src", "mesh=2 place=S(0)", "--dst", "mesh=4 place=S(1)"], "--shape: malformed shape `8,x`"),
-        (&["--shape", "8,8", "--src", "mesh=2 place=S(0)", "--dst", "mesh=4 place=S(1) extra"], "--dst: malformed layout spec `mesh=4 place=S(1) extra`"),
-        (&["--shape", "8,8", "--src", "mesh=2 place=S(0),R", "--dst", "mesh=4 place=S(1)"], "--src: 2 placements for a 1-D mesh"),
-        (&["--shape", "8,8", "--src", "mesh=2 place=Sh(0)", "--dst", "mesh=4 place=S(1)"], "unknown placement `Sh(0)`"),
-        (&["--shape", "99999999999,99999999999,99999", "--src", "mesh=2 place=S(0)", "--dst", "mesh=4 place=S(1)"], "has more than 2^64 bytes"),
+        (
+            &[
+                "--shape",
+                "8,8",
+                "--src",
+                "mesh=2 place=S(2)",
+                "--dst",
+                "mesh=4 place=S(1)",
+            ],
+            "--src: Shard(2) is out of range for a 2-D tensor",
+        ),
+        (
+            &[
+                "--shape",
+                "8,8",
+                "--src",
+                "mesh=2 place=S(0)",
+                "--dst",
+                "mesh=4 place=S(-3)",
+            ],
+            "--dst: Shard(-3) is out of range",
+        ),
+        (
+            &[
+                "--shape",
+                "8,8",
+                "--src",
+                "mesh=2x2 ranks=0..3 place=R,S(0)",
+                "--dst",
+                "mesh=4 place=S(1)",
+            ],
+            "--src: mesh 2x2 has 4 positions but ranks lists 3",
+        ),
+        (
+            &[
+                "--shape",
+                "8,8",
+                "--src",
+                "mesh=2 ranks=5,5 place=S(0)",
+                "--dst",
+                "mesh=4 place=S(1)",
+            ],
+            "--src: rank 5 appears more than once",
+        ),
+        (
+            &[
+                "--shape",
+                "8,8",
+                "--src",
+                "mesh=2 place=S(0)",
+                "--dst",
+                "mesh=4x0 place=S(1),R",
+            ],
+            "--dst: mesh axis 1 has size 0",
+        ),
+        (
+            &[
+                "--shape",
+                "8,8",
+                "--dtype",
+                "bf17",
+                "--src",
+                "mesh=2 place=S(0)",
+                "--dst",
+                "mesh=4 place=S(1)",
+            ],
+            "--dtype: unknown dtype `bf17`",
+        ),
+        (
+            &[
+                "--shape",
+                "8,x",
+                "--src",
+                "mesh=2 place=S(0)",
+                "--dst",
+                "mesh=4 place=S(1)",
+            ],
+            "--shape: malformed shape `8,x`",
+        ),
+        (
+            &[
+                "--shape",
+                "8,8",
+                "--src",
+                "mesh=2 place=S(0)",
+                "--dst",
+                "mesh=4 place=S(1) extra",
+            ],
+            "--dst: malformed layout spec `mesh=4 place=S(1) extra`",
+        ),
+        (
+            &[
+                "--shape",
+                "8,8",
+                "--src",
+                "mesh=2 place=S(0),R",
+                "--dst",
+                "mesh=4 place=S(1)",
+            ],
+            "--src: 2 placements for a 1-D mesh",
+        ),
+        (
+            &[
+                "--shape",
+                "8,8",
+                "--src",
+                "mesh=2 place=Sh(0)",
+                "--dst",
+                "mesh=4 place=S(1)",
+            ],
+            "unknown placement `Sh(0)`",
+        ),
+        (
+            &[
+                "--shape",
+                "99999999999,99999999999,99999",
+                "--src",
+                "mesh=2 place=S(0)",
+                "--dst",
+                "mesh=4 place=S(1)",
+            ],
+            "has more than 2^64 bytes",
+        ),
     ];
     for (args, message) in cases {
         for command in ["plan", "run"] {
             let out = reshard(&[&[command], *args].concat());
             let err = stderr(&out);
             assert_eq!(out.status.code(), Some(2), "{command} {args:?}: {err}");
-            assert!(err.contains(message), "{command} {args:?}: expected `{message}` in `{err}`");
+            assert!(
+                err.contains(message),
+                "{command} {args:?}: expected `{message}` in `{err}`"
+            );
             assert!(!err.contains("panicked"), "{err}");
         }
     }
     let out = reshard(&[&["run"], &SEED[..], &["--chunk-bytes", "lots"]].concat());
     assert_eq!(out.status.code(), Some(2));
-    assert!(stderr(&out).contains("--chunk-bytes: lots is invalid"), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("--chunk-bytes: lots is invalid"),
+        "{}",
+        stderr(&out)
+    );
+    // a plan this machine cannot hold is refused before anything is allocated
+    let huge = [
+        "--shape",
+        "1048576,1048576",
+        "--src",
+        "mesh=2 place=S(0)",
+        "--dst",
+        "mesh=4 place=S(1)",
+    ];
+    let out = reshard(&[&["run"], &huge[..]].concat());
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        stderr(&out).contains("--shape: 1048576,1048576 is invalid: running it here needs"),
+        "{}",
+        stderr(&out)
+    );
+    assert!(reshard(&[&["plan"], &huge[..]].concat()).status.success());
     let out = reshard(&[&["run"], &SEED[..], &["--fill", "zeros"]].concat());
-    assert!(stderr(&out).contains("--fill: zeros is invalid"), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("--fill: zeros is invalid"),
+        "{}",
+        stderr(&out)
+    );
 }

@@ -96,6 +96,7 @@ pub fn main(args: &RunArgs) -> Result<(), Failure> {
     let plan = args.tensor.plan()?;
     let fill: Fill = args.fill.parse()?;
     let options = args.options()?;
+    check_memory(&plan)?;
     let transport = match args.transport {
         TransportKind::Local | TransportKind::Auto => "local",
     };
@@ -113,6 +114,38 @@ pub fn main(args: &RunArgs) -> Result<(), Failure> {
     }
     report(args, &plan, &stats, transport, verified);
     Ok(())
+}
+
+/// Refuses a run whose buffers cannot fit in this machine's available memory, instead of
+/// letting the allocator abort half-way.
+fn check_memory(plan: &Plan) -> Result<(), Error> {
+    let side =
+        |l: &reshard::Layout| -> u64 { l.mesh().ranks().iter().map(|&r| l.local_bytes(r)).sum() };
+    let needed = side(plan.src()).saturating_add(side(plan.dst()));
+    let available = std::fs::read_to_string("/proc/meminfo").ok().and_then(|m| {
+        m.lines()
+            .find_map(|l| l.strip_prefix("MemAvailable:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+            .map(|kib| kib * 1024)
+    });
+    match available {
+        Some(available) if needed > available => Err(Error::InvalidOption {
+            field: "--shape",
+            value: plan
+                .src()
+                .shape()
+                .iter()
+                .map(u64::to_string)
+                .collect::<Vec<_>>()
+                .join(","),
+            reason: format!(
+                "running it here needs {} of shard buffers, but only {} of memory is available",
+                bytes(needed),
+                bytes(available)
+            ),
+        }),
+        _ => Ok(()),
+    }
 }
 
 fn dump(dir: &Path, shards: &std::collections::BTreeMap<Rank, Vec<u8>>) -> Result<(), Error> {

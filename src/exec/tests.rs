@@ -1,4 +1,4 @@
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use proptest::prelude::*;
 
@@ -88,7 +88,7 @@ fn bad_buffers_are_rejected_before_any_byte_moves() {
     );
 }
 
-fn faulty_run(fault: Fault) -> (Error, Duration) {
+fn faulty_run(fault: Fault) -> Error {
     let src = layout("mesh=4 place=S(0)", &[64, 64], DType::F32, 0);
     let dst = layout("mesh=2 place=S(1)", &[64, 64], DType::F32, 4);
     let plan = Plan::new(src, dst).unwrap();
@@ -99,32 +99,39 @@ fn faulty_run(fault: Fault) -> (Error, Duration) {
         staging_bytes: 512,
         timeout: Duration::from_millis(300),
     };
-    let started = Instant::now();
-    let err = run_local_with_faults(&plan, &sources, &mut shards, &options, &[fault]).unwrap_err();
-    (err, started.elapsed())
+    run_local_with_faults(&plan, &sources, &mut shards, &options, &[fault]).unwrap_err()
 }
 
 #[test]
 fn a_dead_sender_fails_every_receiver_quickly() {
-    let (err, took) = faulty_run(Fault::Die {
+    let err = faulty_run(Fault::Die {
         rank: 1,
         after_chunks: 3,
     });
     let Error::Incomplete { failures } = &err else {
         panic!("{err}");
     };
-    // the dead rank itself, and both destinations that needed its rows
-    assert_eq!(failures.len(), 3, "{err}");
-    let text = err.to_string();
-    assert!(text.contains("rank 4: peer rank 1 is gone"), "{text}");
-    assert!(text.contains("rank 5: peer rank 1 is gone"), "{text}");
-    // a closed link is noticed at once, not after the timeout
-    assert!(took < Duration::from_millis(300), "{took:?}");
+    // the dead rank itself and both destinations that needed its rows fail; senders still
+    // feeding a failed destination may fail too
+    let failed = |rank: Rank| {
+        failures
+            .iter()
+            .find(|e| matches!(e, Error::PeerGone { rank: r, .. } if *r == rank))
+            .map(ToString::to_string)
+    };
+    assert!(failed(1).is_some(), "{err}");
+    // a closed link is noticed at once, as a reset connection: no timeout is waited for
+    assert!(failed(4).unwrap().contains("peer rank 1 is gone"), "{err}");
+    assert!(failed(5).unwrap().contains("peer rank 1 is gone"), "{err}");
+    assert!(
+        !failures.iter().any(|e| matches!(e, Error::Timeout { .. })),
+        "{err}"
+    );
 }
 
 #[test]
 fn a_stalled_sender_times_out_every_receiver() {
-    let (err, took) = faulty_run(Fault::Stall {
+    let err = faulty_run(Fault::Stall {
         rank: 2,
         for_: Duration::from_millis(900),
     });
@@ -137,12 +144,11 @@ fn a_stalled_sender_times_out_every_receiver() {
         text.contains("rank 5: timed out after 300ms waiting for peer rank 2"),
         "{text}"
     );
-    assert!(took < Duration::from_secs(10), "{took:?}");
 }
 
 #[test]
 fn a_dead_receiver_fails_its_senders() {
-    let (err, _) = faulty_run(Fault::Die {
+    let err = faulty_run(Fault::Die {
         rank: 4,
         after_chunks: 0,
     });
