@@ -88,6 +88,26 @@ pub enum Error {
         reason: String,
     },
 
+    #[error("{var}={value:?} is invalid: {reason}")]
+    Env {
+        var: &'static str,
+        value: String,
+        reason: String,
+    },
+
+    #[error("rank {rank}: connection {what} refused: {reason}")]
+    Refused {
+        rank: Rank,
+        what: String,
+        reason: String,
+    },
+
+    #[error("rank {rank}: the job failed: {}", .failures.iter().map(|(r, e)| format!("rank {r}: {e}")).collect::<Vec<_>>().join("; "))]
+    JobFailed {
+        rank: Rank,
+        failures: Vec<(Rank, String)>,
+    },
+
     #[error("rank {rank}: peer rank {peer} is gone: {detail}")]
     PeerGone {
         rank: Rank,

@@ -1,6 +1,7 @@
 //! Command-line interface: argument parsing and output only; the work is the library's.
 
 mod demo;
+mod launch;
 mod picture;
 mod plan;
 mod run;
@@ -44,6 +45,9 @@ enum Command {
     Run(run::RunArgs),
     /// The seed example, planned, drawn, executed, verified and compared to gather+broadcast.
     Demo,
+    /// Start N local processes with the rendezvous environment (RANK, WORLD_SIZE,
+    /// MASTER_ADDR, MASTER_PORT, RESHARD_TOKEN), each running the given reshard command.
+    Launch(launch::LaunchArgs),
 }
 
 /// The tensor and the two layouts, shared by the commands.
@@ -113,7 +117,9 @@ impl From<Error> for Failure {
             | Error::PeerGone { .. }
             | Error::Timeout { .. }
             | Error::Protocol { .. }
-            | Error::Io { .. } => Failure::Run(e),
+            | Error::Io { .. }
+            | Error::Refused { .. }
+            | Error::JobFailed { .. } => Failure::Run(e),
             _ => Failure::Input(e),
         }
     }
@@ -129,12 +135,13 @@ pub fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         .init();
     let result = match cli.command {
-        Command::Plan(args) => plan::main(&args),
-        Command::Run(args) => run::main(&args),
-        Command::Demo => demo::main(),
+        Command::Plan(args) => plan::main(&args).map(|()| ExitCode::SUCCESS),
+        Command::Run(args) => run::main(&args).map(|()| ExitCode::SUCCESS),
+        Command::Demo => demo::main().map(|()| ExitCode::SUCCESS),
+        Command::Launch(args) => launch::main(&args),
     };
     match result {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(code) => code,
         Err(Failure::Input(e)) => {
             eprintln!("error: {e}");
             ExitCode::from(2)

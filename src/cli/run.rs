@@ -4,8 +4,13 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use clap::{Args, ValueEnum};
-use reshard::exec::{self, ExecOptions, RunStats};
+use std::collections::BTreeSet;
+use std::time::Instant;
+
+use reshard::exec::{self, ExecOptions, RankJob};
 use reshard::fill::Fill;
+use reshard::transport::group::{Group, GroupEnv};
+use reshard::transport::tcp::TcpTransport;
 use reshard::{Error, Plan, Rank};
 use serde::Serialize;
 
@@ -17,7 +22,10 @@ use super::{Failure, TensorArgs};
 pub enum TransportKind {
     /// Every rank a thread of this process; receivers copy straight from the senders' shards.
     Local,
-    /// The best transport for where the ranks are (in one process: local).
+    /// Processes and hosts over TCP (under `reshard launch`, `mpirun`, or hand-set RANK,
+    /// WORLD_SIZE, MASTER_ADDR, MASTER_PORT).
+    Tcp,
+    /// The best transport for where the ranks are: local in one process, tcp between processes.
     Auto,
 }
 
@@ -96,13 +104,39 @@ pub fn main(args: &RunArgs) -> Result<(), Failure> {
     let plan = args.tensor.plan()?;
     let fill: Fill = args.fill.parse()?;
     let options = args.options()?;
-    check_memory(&plan)?;
-    let transport = match args.transport {
-        TransportKind::Local | TransportKind::Auto => "local",
-    };
+    let env = GroupEnv::from_env()?;
+    match (args.transport, env) {
+        (TransportKind::Local | TransportKind::Auto, None) => run_threads(args, &plan, fill, &options),
+        (TransportKind::Tcp | TransportKind::Auto, Some(env)) => run_process(args, &plan, fill, &options, env),
+        (TransportKind::Local, Some(env)) => Err(Failure::Input(Error::InvalidOption {
+            field: "--transport",
+            value: "local".into(),
+            reason: format!(
+                "local runs every rank as a thread of one process, but this is rank {} of {} processes; use tcp or auto",
+                env.rank, env.world
+            ),
+        })),
+        (TransportKind::Tcp, None) => Err(Failure::Input(Error::InvalidOption {
+            field: "--transport",
+            value: "tcp".into(),
+            reason: "tcp runs one rank per process: start it with `reshard launch --nproc N -- run ...`, \
+                     mpirun, or RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set by hand"
+                .into(),
+        })),
+    }
+}
+
+/// Every rank a thread of this process.
+fn run_threads(
+    args: &RunArgs,
+    plan: &Plan,
+    fill: Fill,
+    options: &ExecOptions,
+) -> Result<(), Failure> {
+    check_memory(plan, None)?;
     let sources = fill.shards(plan.src());
     let mut shards = exec::zeroed_shards(plan.dst());
-    let stats = exec::run_local(&plan, &sources, &mut shards, &options)?;
+    let stats = exec::run_local(plan, &sources, &mut shards, options)?;
     let verified = if args.verify {
         fill.verify_shards(plan.dst(), &shards)?;
         true
@@ -112,15 +146,135 @@ pub fn main(args: &RunArgs) -> Result<(), Failure> {
     if let Some(dir) = &args.dump {
         dump(dir, &shards)?;
     }
-    report(args, &plan, &stats, transport, verified);
+    let summary = Summary {
+        seconds: stats.elapsed.as_secs_f64(),
+        bytes_remote: stats.bytes_remote(),
+        bytes_local: stats.bytes_local(),
+        peak_staging: stats.peak_staging_bytes(),
+    };
+    report(args, plan, &summary, "local", verified);
+    Ok(())
+}
+
+/// This process is one rank of a job; rank 0 reports for all.
+fn run_process(
+    args: &RunArgs,
+    plan: &Plan,
+    fill: Fill,
+    options: &ExecOptions,
+    env: GroupEnv,
+) -> Result<(), Failure> {
+    let highest = plan.ranks().last().copied().unwrap_or(0);
+    if highest >= env.world {
+        return Err(Failure::Input(Error::Env {
+            var: "WORLD_SIZE",
+            value: env.world.to_string(),
+            reason: format!(
+                "the layouts use ranks up to {highest}, so the job needs at least {} processes",
+                highest + 1
+            ),
+        }));
+    }
+    let rank = env.rank;
+    check_memory(plan, Some(rank))?;
+    let group = Group::join(env, options.timeout)?;
+    let rank_plan = reshard::plan::rank_plan(plan.src(), plan.dst(), rank, &plan.options())?;
+    let src_box = plan.src().local_region(rank);
+    let dst_box = plan.dst().local_region(rank);
+    let source = src_box.as_ref().map(|b| {
+        let mut buf = vec![0u8; plan.src().local_bytes(rank) as usize];
+        fill.fill_region(plan.src(), b, &mut buf);
+        buf
+    });
+    let mut shard = dst_box
+        .as_ref()
+        .map(|_| vec![0u8; plan.dst().local_bytes(rank) as usize]);
+    let peers: BTreeSet<Rank> = rank_plan
+        .sends
+        .iter()
+        .map(|t| t.dst)
+        .chain(rank_plan.recvs.iter().map(|t| t.src))
+        .collect();
+    let transport = TcpTransport::new(rank, group.connect_peers(&peers)?, options.timeout)?;
+
+    // Only the data phase is timed: every rank starts it together.
+    group.barrier()?;
+    let started = Instant::now();
+    let job = RankJob {
+        plan: &rank_plan,
+        src_layout: plan.src(),
+        src: src_box.as_ref().zip(source.as_deref()),
+        dst: dst_box.as_ref().zip(shard.as_deref_mut()),
+    };
+    let outcome = exec::run_rank(job, &transport, options).and_then(|stats| {
+        let seconds = started.elapsed().as_secs_f64();
+        let verified = match (args.verify, &dst_box, &shard) {
+            (true, Some(b), Some(buf)) => match fill.check_region(plan.dst(), b, buf) {
+                None => true,
+                Some((offset, expected, found, mismatches)) => {
+                    return Err(Error::VerifyFailed {
+                        rank,
+                        offset,
+                        expected,
+                        found,
+                        mismatches,
+                    });
+                }
+            },
+            (verify, ..) => verify,
+        };
+        if let (Some(dir), Some(buf)) = (&args.dump, &shard) {
+            dump(
+                dir,
+                &std::collections::BTreeMap::from([(rank, buf.clone())]),
+            )?;
+        }
+        Ok(serde_json::json!({
+            "seconds": seconds,
+            "bytes_remote": stats.bytes_received,
+            "bytes_local": stats.bytes_local,
+            "peak_staging": stats.peak_staging_bytes,
+            "verified": verified,
+        }))
+    });
+    if let Err(e) = &outcome {
+        eprintln!("error: {e}");
+    }
+    let reports = group.finish(outcome.map_err(|e| e.to_string()))?;
+    if rank == 0 {
+        let field = |r: &serde_json::Value, k: &str| r[k].as_f64().unwrap_or(0.0);
+        let summary = Summary {
+            seconds: reports
+                .iter()
+                .map(|r| field(r, "seconds"))
+                .fold(0.0, f64::max),
+            bytes_remote: reports
+                .iter()
+                .map(|r| field(r, "bytes_remote") as u64)
+                .sum(),
+            bytes_local: reports.iter().map(|r| field(r, "bytes_local") as u64).sum(),
+            peak_staging: reports
+                .iter()
+                .map(|r| field(r, "peak_staging") as u64)
+                .max()
+                .unwrap_or(0),
+        };
+        report(args, plan, &summary, "tcp", args.verify);
+    }
     Ok(())
 }
 
 /// Refuses a run whose buffers cannot fit in this machine's available memory, instead of
 /// letting the allocator abort half-way.
-fn check_memory(plan: &Plan) -> Result<(), Error> {
-    let side =
-        |l: &reshard::Layout| -> u64 { l.mesh().ranks().iter().map(|&r| l.local_bytes(r)).sum() };
+fn check_memory(plan: &Plan, only: Option<Rank>) -> Result<(), Error> {
+    let side = |l: &reshard::Layout| -> u64 {
+        l.mesh()
+            .ranks()
+            .iter()
+            .filter(|&&r| only.is_none_or(|o| o == r))
+            .map(|&r| l.local_bytes(r))
+            .sum()
+    };
     let needed = side(plan.src()).saturating_add(side(plan.dst()));
     let available = std::fs::read_to_string("/proc/meminfo").ok().and_then(|m| {
         m.lines()
@@ -161,7 +315,15 @@ fn dump(dir: &Path, shards: &std::collections::BTreeMap<Rank, Vec<u8>>) -> Resul
     Ok(())
 }
 
-fn report(args: &RunArgs, plan: &Plan, stats: &RunStats, transport: &'static str, verified: bool) {
+/// What a run did, from one process or summed over all.
+struct Summary {
+    seconds: f64,
+    bytes_remote: u64,
+    bytes_local: u64,
+    peak_staging: u64,
+}
+
+fn report(args: &RunArgs, plan: &Plan, stats: &Summary, transport: &'static str, verified: bool) {
     let totals = plan.totals();
     let dst_bytes: u64 = plan
         .dst()
@@ -170,7 +332,7 @@ fn report(args: &RunArgs, plan: &Plan, stats: &RunStats, transport: &'static str
         .iter()
         .map(|&r| plan.dst().local_bytes(r))
         .sum();
-    let seconds = stats.elapsed.as_secs_f64();
+    let seconds = stats.seconds;
     let gbps = dst_bytes as f64 / seconds.max(1e-12) / 1e9;
     if args.json {
         let json = RunJson {
@@ -179,11 +341,11 @@ fn report(args: &RunArgs, plan: &Plan, stats: &RunStats, transport: &'static str
             transport,
             seconds,
             dst_bytes,
-            bytes_remote: stats.bytes_remote(),
-            bytes_local: stats.bytes_local(),
+            bytes_remote: stats.bytes_remote,
+            bytes_local: stats.bytes_local,
             messages: totals.messages,
             gbps,
-            peak_staging_bytes_per_rank: stats.peak_staging_bytes(),
+            peak_staging_bytes_per_rank: stats.peak_staging,
             verified,
         };
         println!(
@@ -202,19 +364,16 @@ fn report(args: &RunArgs, plan: &Plan, stats: &RunStats, transport: &'static str
     );
     println!(
         "  moved   {} remote in {} messages, {} by local copy",
-        bytes(stats.bytes_remote()),
+        bytes(stats.bytes_remote),
         totals.messages,
-        bytes(stats.bytes_local())
+        bytes(stats.bytes_local)
     );
     println!(
         "  time    {:.3} ms, {gbps:.2} GB/s of destination data ({})",
         seconds * 1e3,
         bytes(dst_bytes)
     );
-    println!(
-        "  staging {} per rank at most",
-        bytes(stats.peak_staging_bytes())
-    );
+    println!("  staging {} per rank at most", bytes(stats.peak_staging));
     if verified {
         println!(
             "  verify  every destination byte matches the {} fill",

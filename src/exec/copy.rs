@@ -135,6 +135,15 @@ impl CopyGeometry {
     ///
     /// Panics if a buffer is too small: the executor checks sizes before any copy.
     pub fn copy(&self, src: &[u8], dst: &mut [u8], range: Range<usize>) {
+        self.for_each_run(range, |s, d, len| {
+            dst[d..d + len].copy_from_slice(&src[s..s + len]);
+        });
+    }
+
+    /// Calls `f(src_offset, dst_offset, len)` for every contiguous piece of bytes `range` of
+    /// the region's stream, in order, with offsets into the buffers [`CopyGeometry::copy`]
+    /// takes.
+    pub fn for_each_run(&self, range: Range<usize>, mut f: impl FnMut(usize, usize, usize)) {
         debug_assert!(range.end <= self.len);
         if range.is_empty() {
             return;
@@ -156,9 +165,7 @@ impl CopyGeometry {
         let mut pos = range.start;
         while pos < range.end {
             let len = (self.run - intra).min(range.end - pos);
-            let s = s_off + intra - src_shift;
-            let d = d_off + intra - dst_shift;
-            dst[d..d + len].copy_from_slice(&src[s..s + len]);
+            f(s_off + intra - src_shift, d_off + intra - dst_shift, len);
             pos += len;
             intra = 0;
             // advance the odometer by one run

@@ -110,7 +110,8 @@ impl RunStats {
 /// One rank's share of a run: its plan and its shards.
 pub struct RankJob<'buf, 'dst> {
     pub plan: &'buf RankPlan,
-    pub elem_bytes: usize,
+    /// The source layout: where every sender's shard lies.
+    pub src_layout: &'buf Layout,
     /// The rank's source box and shard, if it is a source.
     pub src: Option<(&'buf Region, &'buf [u8])>,
     /// The rank's destination box and shard, if it is a destination.
@@ -125,11 +126,12 @@ pub fn run_rank<'buf, T: Transport<'buf>>(
 ) -> Result<RankStats> {
     let RankJob {
         plan,
-        elem_bytes,
+        src_layout,
         src,
         dst,
     } = job;
     let rank = plan.rank;
+    let elem_bytes = src_layout.dtype().size();
     let chunk = options.chunk_bytes;
     let missing = |side| Error::MissingBuffer { side, rank };
     if (!plan.sends.is_empty() || !plan.locals.is_empty()) && src.is_none() {
@@ -185,12 +187,20 @@ pub fn run_rank<'buf, T: Transport<'buf>>(
         }
         for t in &plan.recvs {
             let len = t.bytes(elem_bytes) as usize;
+            let src_box = src_layout
+                .local_region(t.src)
+                .ok_or_else(|| Error::Protocol {
+                    rank,
+                    peer: t.src,
+                    detail: "the plan receives from a rank that is not a source".into(),
+                })?;
             for start in (0..len).step_by(chunk) {
                 transport.recv(Incoming {
                     from: t.src,
                     to: rank,
                     dst: &mut *dst,
                     dst_box,
+                    src_box: &src_box,
                     region: &t.region,
                     elem_bytes,
                     range: start..(start + chunk).min(len),
@@ -203,8 +213,17 @@ pub fn run_rank<'buf, T: Transport<'buf>>(
     };
 
     let (sent, received) = std::thread::scope(|scope| {
-        let sender = scope.spawn(send_all);
+        let sender = scope.spawn(|| {
+            let sent = send_all();
+            if sent.is_err() {
+                transport.abort();
+            }
+            sent
+        });
         let received = receive_all(&mut stats);
+        if received.is_err() {
+            transport.abort();
+        }
         let sent = sender.join().unwrap_or_else(|_| {
             Err(Error::PeerGone {
                 rank,
@@ -216,6 +235,7 @@ pub fn run_rank<'buf, T: Transport<'buf>>(
     });
     let (bytes_sent, chunks_sent) = sent?;
     received?;
+    transport.finish()?;
     stats.bytes_sent = bytes_sent;
     stats.chunks_sent = chunks_sent;
     stats.peak_staging_bytes = transport.peak_staging_bytes();
@@ -300,7 +320,6 @@ pub fn run_local_with_faults(
         faults: faults.to_vec(),
     };
     let mut endpoints = fabric.endpoints(&ranks, pairs);
-    let elem_bytes = plan.elem_bytes();
     tracing::debug!(
         ranks = ranks.len(),
         transfers = plan.transfers().len(),
@@ -317,7 +336,7 @@ pub fn run_local_with_faults(
             .map(|&rank| {
                 let job = RankJob {
                     plan: &rank_plans[&rank],
-                    elem_bytes,
+                    src_layout: plan.src(),
                     src: src_boxes.get(&rank).zip(src.get(&rank).map(Vec::as_slice)),
                     dst: dst_boxes
                         .get(&rank)

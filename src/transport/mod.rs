@@ -7,7 +7,10 @@
 //! when the sender's memory is reachable, copy straight from shard to shard
 //! ([`Incoming::copy_from`]: one copy).
 
+pub mod frame;
+pub mod group;
 pub mod local;
+pub mod tcp;
 
 use std::ops::Range;
 
@@ -61,6 +64,8 @@ pub struct Incoming<'a> {
     /// The receiver's whole destination shard, holding `dst_box`.
     pub dst: &'a mut [u8],
     pub dst_box: &'a Region,
+    /// The sender's source box (for transports that read the sender's memory directly).
+    pub src_box: &'a Region,
     pub region: &'a Region,
     pub elem_bytes: usize,
     pub range: Range<usize>,
@@ -123,6 +128,16 @@ pub trait Transport<'buf>: Sync {
     /// Waits (within the transport's timeout) for the next chunk from `chunk.from` and writes
     /// it into the destination shard.
     fn recv(&self, chunk: Incoming<'_>) -> Result<()>;
+
+    /// Breaks every link at once, so that a rank that failed stops its other thread and its
+    /// peers notice now rather than after their timeout.
+    fn abort(&self) {}
+
+    /// Called once after every send and receive of this rank: waits until the peers no longer
+    /// need this rank's memory.
+    fn finish(&self) -> Result<()> {
+        Ok(())
+    }
 
     /// The most staging memory this endpoint has held at once, in bytes.
     fn peak_staging_bytes(&self) -> u64 {

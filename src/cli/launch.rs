@@ -1,0 +1,188 @@
+//! `reshard launch`: start N local processes with torchrun's rendezvous environment.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpListener;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use clap::Args;
+use reshard::Error;
+
+use super::Failure;
+
+#[derive(Args, Debug)]
+pub struct LaunchArgs {
+    /// Number of processes (ranks 0..N).
+    #[arg(long)]
+    nproc: usize,
+    /// Rendezvous port on 127.0.0.1 (default: a free one).
+    #[arg(long)]
+    master_port: Option<u16>,
+    /// Seconds the other ranks get to report their own error after one fails, before they are
+    /// killed.
+    #[arg(long, default_value_t = 10.0)]
+    grace: f64,
+    /// The reshard command every rank runs, e.g. `run --transport tcp ...`.
+    #[arg(
+        trailing_var_arg = true,
+        allow_hyphen_values = true,
+        required = true,
+        value_name = "ARGS"
+    )]
+    command: Vec<String>,
+}
+
+/// 32 hex digits from the kernel's random source: the job's token.
+fn random_token() -> Result<String, Error> {
+    let mut bytes = [0u8; 16];
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| f.read_exact(&mut bytes))
+        .map_err(|source| Error::Io {
+            path: "/dev/urandom".into(),
+            source,
+        })?;
+    Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
+}
+
+/// Copies a child's output: rank 0's stdout unchanged, every other stream line by line with
+/// a `[rank R]` prefix.
+fn forward(
+    rank: usize,
+    stream: impl Read + Send + 'static,
+    to_stdout: bool,
+) -> std::thread::JoinHandle<()> {
+    std::thread::spawn(move || {
+        if rank == 0 && to_stdout {
+            let mut stream = stream;
+            let _ = std::io::copy(&mut stream, &mut std::io::stdout().lock());
+            return;
+        }
+        for line in BufReader::new(stream).split(b'\n').map_while(Result::ok) {
+            let text = format!("[rank {rank}] {}\n", String::from_utf8_lossy(&line));
+            let _ = if to_stdout {
+                std::io::stdout().lock().write_all(text.as_bytes())
+            } else {
+                std::io::stderr().lock().write_all(text.as_bytes())
+            };
+        }
+    })
+}
+
+fn code(status: ExitStatus) -> u8 {
+    status
+        .code()
+        .map_or(1, |c| u8::try_from(c).unwrap_or(1).max(1))
+}
+
+pub fn main(args: &LaunchArgs) -> Result<std::process::ExitCode, Failure> {
+    if args.nproc == 0 {
+        return Err(Failure::Input(Error::InvalidOption {
+            field: "--nproc",
+            value: "0".into(),
+            reason: "at least one process is needed".into(),
+        }));
+    }
+    if !(args.grace.is_finite() && args.grace >= 0.0) {
+        return Err(Failure::Input(Error::InvalidOption {
+            field: "--grace",
+            value: args.grace.to_string(),
+            reason: "expected a non-negative number of seconds".into(),
+        }));
+    }
+    let port = match args.master_port {
+        Some(p) => p,
+        None => TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map(|a| a.port())
+            .map_err(|source| Error::Io {
+                path: "127.0.0.1:0".into(),
+                source,
+            })?,
+    };
+    let token = match std::env::var("RESHARD_TOKEN") {
+        Ok(t) if !t.is_empty() => t,
+        _ => random_token()?,
+    };
+    let exe = std::env::current_exe().map_err(|source| Error::Io {
+        path: "the reshard executable".into(),
+        source,
+    })?;
+    let mut children: Vec<Child> = Vec::with_capacity(args.nproc);
+    let mut forwarders = Vec::new();
+    for rank in 0..args.nproc {
+        let spawned = Command::new(&exe)
+            .args(&args.command)
+            .env("RANK", rank.to_string())
+            .env("LOCAL_RANK", rank.to_string())
+            .env("WORLD_SIZE", args.nproc.to_string())
+            .env("LOCAL_WORLD_SIZE", args.nproc.to_string())
+            .env("MASTER_ADDR", "127.0.0.1")
+            .env("MASTER_PORT", port.to_string())
+            .env("RESHARD_TOKEN", &token)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn();
+        let mut child = match spawned {
+            Ok(c) => c,
+            Err(source) => {
+                for c in &mut children {
+                    let _ = c.kill();
+                    let _ = c.wait();
+                }
+                return Err(Failure::Run(Error::Io {
+                    path: exe.display().to_string(),
+                    source,
+                }));
+            }
+        };
+        if let Some(out) = child.stdout.take() {
+            forwarders.push(forward(rank, out, true));
+        }
+        if let Some(err) = child.stderr.take() {
+            forwarders.push(forward(rank, err, false));
+        }
+        children.push(child);
+    }
+
+    // Wait for all; after the first failure, give the others `grace` to fail on their own
+    // (reporting what they saw), then kill what is left.
+    let mut status: Vec<Option<ExitStatus>> = vec![None; args.nproc];
+    let mut first_failure: Option<(usize, Instant)> = None;
+    let grace = Duration::from_secs_f64(args.grace);
+    while status.iter().any(Option::is_none) {
+        for (rank, child) in children.iter_mut().enumerate() {
+            if status[rank].is_none() {
+                if let Ok(Some(s)) = child.try_wait() {
+                    status[rank] = Some(s);
+                    if !s.success() && first_failure.is_none() {
+                        first_failure = Some((rank, Instant::now()));
+                    }
+                }
+            }
+        }
+        if let Some((_, at)) = first_failure {
+            if at.elapsed() >= grace {
+                for (rank, child) in children.iter_mut().enumerate() {
+                    if status[rank].is_none() {
+                        let _ = child.kill();
+                        status[rank] = child.wait().ok();
+                        eprintln!("[launch] killed rank {rank}: another rank had failed");
+                    }
+                }
+            }
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    for f in forwarders {
+        let _ = f.join();
+    }
+    match first_failure {
+        None => Ok(std::process::ExitCode::SUCCESS),
+        Some((rank, _)) => {
+            let s = status[rank].expect("a failed rank has a status");
+            eprintln!("[launch] rank {rank} failed ({s}); the job failed");
+            Ok(std::process::ExitCode::from(code(s)))
+        }
+    }
+}

@@ -1,0 +1,568 @@
+//! A job of processes: torchrun-style rendezvous, authenticated connections between the peers
+//! that exchange data, and a control channel through rank 0 (barrier, final verdict).
+//!
+//! Every process reads `RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT` and `RESHARD_TOKEN`.
+//! Rank 0 listens on `MASTER_ADDR:MASTER_PORT`; every other rank connects to it, says who it
+//! is, and learns every rank's address. A connection whose token, world size or rank does not
+//! fit the job is refused and the job goes on. Every wait is bounded by the job's timeout.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::io::ErrorKind;
+use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+use crate::layout::Rank;
+
+use super::frame::{self, FrameError};
+
+/// Where a process stands in the job, from its environment.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GroupEnv {
+    pub rank: Rank,
+    pub world: usize,
+    pub master_addr: String,
+    pub master_port: u16,
+    pub token: String,
+}
+
+/// The token used when `RESHARD_TOKEN` is not set: it still keeps apart jobs of different
+/// world sizes, but only a real token keeps out strangers.
+pub const DEFAULT_TOKEN: &str = "reshard";
+
+impl GroupEnv {
+    /// Reads the torchrun variables; `None` when `RANK` and `WORLD_SIZE` are both unset (a
+    /// single process).
+    pub fn from_env() -> Result<Option<GroupEnv>> {
+        let var = |name: &'static str| std::env::var(name).ok();
+        if var("RANK").is_none() && var("WORLD_SIZE").is_none() {
+            return Ok(None);
+        }
+        let need = |name: &'static str| {
+            var(name).ok_or(Error::Env {
+                var: name,
+                value: String::new(),
+                reason: "must be set for a multi-process run (reshard launch sets it)".into(),
+            })
+        };
+        let number = |name: &'static str| -> Result<usize> {
+            let v = need(name)?;
+            v.trim().parse().map_err(|_| Error::Env {
+                var: name,
+                value: v.clone(),
+                reason: "expected a non-negative integer".into(),
+            })
+        };
+        let rank = number("RANK")?;
+        let world = number("WORLD_SIZE")?;
+        if world == 0 || rank >= world {
+            return Err(Error::Env {
+                var: "RANK",
+                value: rank.to_string(),
+                reason: format!("must be below WORLD_SIZE={world}"),
+            });
+        }
+        let master_addr = var("MASTER_ADDR").unwrap_or_else(|| "127.0.0.1".into());
+        let port = need("MASTER_PORT")?;
+        let master_port = port.trim().parse().map_err(|_| Error::Env {
+            var: "MASTER_PORT",
+            value: port.clone(),
+            reason: "expected a port number".into(),
+        })?;
+        let token = var("RESHARD_TOKEN").unwrap_or_else(|| DEFAULT_TOKEN.into());
+        Ok(Some(GroupEnv {
+            rank,
+            world,
+            master_addr,
+            master_port,
+            token,
+        }))
+    }
+
+    fn master(&self) -> Result<SocketAddr> {
+        (self.master_addr.as_str(), self.master_port)
+            .to_socket_addrs()
+            .ok()
+            .and_then(|mut a| a.next())
+            .ok_or_else(|| Error::Env {
+                var: "MASTER_ADDR",
+                value: self.master_addr.clone(),
+                reason: "does not resolve to an address".into(),
+            })
+    }
+}
+
+/// What a connecting process says first.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+struct Hello {
+    token: String,
+    world: usize,
+    rank: Rank,
+    /// `control` (to rank 0, at rendezvous) or `peer` (a data link).
+    purpose: String,
+    /// The port this rank accepts peer links on.
+    port: u16,
+}
+
+/// The answer to a hello.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+enum Reply {
+    Welcome { addrs: Vec<SocketAddr> },
+    Accepted,
+    Refused { reason: String },
+}
+
+/// Control messages after rendezvous.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+enum Control {
+    Barrier,
+    Go,
+    Status {
+        error: Option<String>,
+        report: serde_json::Value,
+    },
+    Verdict {
+        failures: Vec<(Rank, String)>,
+    },
+}
+
+/// One process's membership in a job.
+#[derive(Debug)]
+pub struct Group {
+    env: GroupEnv,
+    timeout: Duration,
+    listener: TcpListener,
+    addrs: Vec<SocketAddr>,
+    /// Rank 0: a stream to every other rank (index = rank). Others: one stream, to rank 0.
+    control: Vec<Option<TcpStream>>,
+}
+
+fn io_err(rank: Rank, peer: Rank, what: &str, e: FrameError, timeout: Duration) -> Error {
+    match e {
+        FrameError::Closed => Error::PeerGone {
+            rank,
+            peer,
+            detail: format!("connection closed during {what}"),
+        },
+        FrameError::TimedOut => Error::Timeout {
+            rank,
+            peer,
+            waited: timeout,
+            detail: what.to_string(),
+        },
+        e => Error::Protocol {
+            rank,
+            peer,
+            detail: format!("{what}: {e}"),
+        },
+    }
+}
+
+/// Connects, retrying while the other side is not listening yet, until `deadline`.
+fn connect_until(addr: SocketAddr, deadline: Instant) -> std::io::Result<TcpStream> {
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match TcpStream::connect_timeout(&addr, left.max(Duration::from_millis(1))) {
+            Ok(s) => return Ok(s),
+            Err(e) if Instant::now() < deadline && e.kind() != ErrorKind::PermissionDenied => {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// Accepts one connection before `deadline`.
+fn accept_until(listener: &TcpListener, deadline: Instant) -> Option<(TcpStream, SocketAddr)> {
+    listener.set_nonblocking(true).ok()?;
+    loop {
+        match listener.accept() {
+            Ok((s, a)) => {
+                s.set_nonblocking(false).ok()?;
+                return Some((s, a));
+            }
+            Err(e) if e.kind() == ErrorKind::WouldBlock && Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            Err(e)
+                if e.kind() == ErrorKind::Interrupted
+                    || e.kind() == ErrorKind::ConnectionAborted => {}
+            Err(_) => return None,
+        }
+    }
+}
+
+/// Byte-wise comparison whose time does not depend on where the inputs differ.
+fn same_token(a: &str, b: &str) -> bool {
+    a.len() == b.len()
+        && a.bytes()
+            .zip(b.bytes())
+            .fold(0u8, |acc, (x, y)| acc | (x ^ y))
+            == 0
+}
+
+impl Group {
+    /// Joins the job: rendezvous through rank 0, within `timeout`.
+    pub fn join(env: GroupEnv, timeout: Duration) -> Result<Group> {
+        let deadline = Instant::now() + timeout;
+        let master = env.master()?;
+        let rank = env.rank;
+        if rank == 0 {
+            let listener = TcpListener::bind(master).map_err(|e| Error::Io {
+                path: format!("MASTER_ADDR:MASTER_PORT {master}"),
+                source: e,
+            })?;
+            let mut group = Group {
+                addrs: vec![master; env.world],
+                control: (0..env.world).map(|_| None).collect(),
+                env,
+                timeout,
+                listener,
+            };
+            group.gather_members(deadline)?;
+            Ok(group)
+        } else {
+            let mut stream = connect_until(master, deadline).map_err(|e| Error::PeerGone {
+                rank,
+                peer: 0,
+                detail: format!("cannot reach the rendezvous at {master}: {e}"),
+            })?;
+            let _ = stream.set_nodelay(true);
+            let local_ip: IpAddr = stream.local_addr().map(|a| a.ip()).unwrap_or(master.ip());
+            let listener = TcpListener::bind((local_ip, 0)).map_err(|e| Error::Io {
+                path: format!("{local_ip}:0"),
+                source: e,
+            })?;
+            let port = listener.local_addr().map(|a| a.port()).unwrap_or(0);
+            let hello = Hello {
+                token: env.token.clone(),
+                world: env.world,
+                rank,
+                purpose: "control".into(),
+                port,
+            };
+            let left = deadline.saturating_duration_since(Instant::now());
+            let _ = stream.set_read_timeout(Some(left.max(Duration::from_millis(1))));
+            frame::write_control(&mut stream, &hello)
+                .map_err(|e| io_err(rank, 0, "rendezvous", e, timeout))?;
+            let reply: Reply = frame::read_control(&mut stream)
+                .map_err(|e| io_err(rank, 0, "rendezvous", e, timeout))?;
+            let addrs = match reply {
+                Reply::Welcome { addrs } if addrs.len() == env.world => addrs,
+                Reply::Refused { reason } => {
+                    return Err(Error::Refused {
+                        rank,
+                        what: "to rank 0".into(),
+                        reason,
+                    });
+                }
+                other => {
+                    return Err(Error::Protocol {
+                        rank,
+                        peer: 0,
+                        detail: format!("unexpected rendezvous reply {other:?}"),
+                    });
+                }
+            };
+            let mut control: Vec<Option<TcpStream>> = (0..env.world).map(|_| None).collect();
+            control[0] = Some(stream);
+            Ok(Group {
+                env,
+                timeout,
+                listener,
+                addrs,
+                control,
+            })
+        }
+    }
+
+    /// Checks a hello against this job; the reason for refusal otherwise.
+    fn check_hello(
+        &self,
+        hello: &Hello,
+        purpose: &str,
+        expected: &BTreeSet<Rank>,
+    ) -> Result<(), String> {
+        if !same_token(&hello.token, &self.env.token) {
+            return Err("wrong job token (RESHARD_TOKEN)".into());
+        }
+        if hello.world != self.env.world {
+            return Err(format!(
+                "world size {} does not match this job's {}",
+                hello.world, self.env.world
+            ));
+        }
+        if hello.purpose != purpose {
+            return Err(format!("unexpected {} connection", hello.purpose));
+        }
+        if !expected.contains(&hello.rank) {
+            return Err(format!("rank {} is not expected here", hello.rank));
+        }
+        Ok(())
+    }
+
+    /// Reads a hello from a new connection and accepts or refuses it.
+    fn screen(
+        &self,
+        stream: &mut TcpStream,
+        purpose: &str,
+        expected: &BTreeSet<Rank>,
+    ) -> Option<Hello> {
+        let _ = stream.set_read_timeout(Some(Duration::from_secs(5).min(self.timeout)));
+        let hello: Hello = match frame::read_control(stream) {
+            Ok(h) => h,
+            Err(e) => {
+                tracing::warn!(rank = self.env.rank, error = %e, "dropped a connection that did not say hello");
+                return None;
+            }
+        };
+        match self.check_hello(&hello, purpose, expected) {
+            Ok(()) => Some(hello),
+            Err(reason) => {
+                tracing::warn!(rank = self.env.rank, from = hello.rank, %reason, "refused a connection");
+                let _ = frame::write_control(stream, &Reply::Refused { reason });
+                None
+            }
+        }
+    }
+
+    /// Rank 0: waits for every other rank's hello, then sends everyone the address table.
+    fn gather_members(&mut self, deadline: Instant) -> Result<()> {
+        let mut waiting: BTreeSet<Rank> = (1..self.env.world).collect();
+        while !waiting.is_empty() {
+            let Some((mut stream, from)) = accept_until(&self.listener, deadline) else {
+                return Err(Error::Timeout {
+                    rank: 0,
+                    peer: *waiting.iter().next().unwrap_or(&0),
+                    waited: self.timeout,
+                    detail: format!(
+                        "rendezvous: ranks {:?} never joined",
+                        waiting.iter().collect::<Vec<_>>()
+                    ),
+                });
+            };
+            if let Some(hello) = self.screen(&mut stream, "control", &waiting) {
+                let _ = stream.set_nodelay(true);
+                self.addrs[hello.rank] = SocketAddr::new(from.ip(), hello.port);
+                waiting.remove(&hello.rank);
+                self.control[hello.rank] = Some(stream);
+            }
+        }
+        let welcome = Reply::Welcome {
+            addrs: self.addrs.clone(),
+        };
+        for (peer, stream) in self.control.iter_mut().enumerate() {
+            if let Some(s) = stream {
+                frame::write_control(s, &welcome)
+                    .map_err(|e| io_err(0, peer, "rendezvous", e, self.timeout))?;
+            }
+        }
+        Ok(())
+    }
+
+    pub fn rank(&self) -> Rank {
+        self.env.rank
+    }
+
+    pub fn world(&self) -> usize {
+        self.env.world
+    }
+
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    /// Opens an authenticated link to every rank in `peers` (both sides must name each other):
+    /// the higher rank connects, the lower accepts.
+    pub fn connect_peers(&self, peers: &BTreeSet<Rank>) -> Result<BTreeMap<Rank, TcpStream>> {
+        let rank = self.env.rank;
+        let deadline = Instant::now() + self.timeout;
+        let mut links = BTreeMap::new();
+        for &peer in peers.range(..rank) {
+            let mut s = connect_until(self.addrs[peer], deadline).map_err(|e| Error::PeerGone {
+                rank,
+                peer,
+                detail: format!("cannot connect to {}: {e}", self.addrs[peer]),
+            })?;
+            let hello = Hello {
+                token: self.env.token.clone(),
+                world: self.env.world,
+                rank,
+                purpose: "peer".into(),
+                port: 0,
+            };
+            let _ = s.set_read_timeout(Some(self.timeout));
+            frame::write_control(&mut s, &hello)
+                .map_err(|e| io_err(rank, peer, "connecting", e, self.timeout))?;
+            match frame::read_control::<Reply>(&mut s)
+                .map_err(|e| io_err(rank, peer, "connecting", e, self.timeout))?
+            {
+                Reply::Accepted => {}
+                Reply::Refused { reason } => {
+                    return Err(Error::Refused {
+                        rank,
+                        what: format!("to rank {peer}"),
+                        reason,
+                    });
+                }
+                other => {
+                    return Err(Error::Protocol {
+                        rank,
+                        peer,
+                        detail: format!("unexpected reply {other:?}"),
+                    });
+                }
+            }
+            links.insert(peer, s);
+        }
+        let mut waiting: BTreeSet<Rank> = peers.range(rank + 1..).copied().collect();
+        while !waiting.is_empty() {
+            let Some((mut s, _)) = accept_until(&self.listener, deadline) else {
+                return Err(Error::Timeout {
+                    rank,
+                    peer: *waiting.iter().next().unwrap_or(&rank),
+                    waited: self.timeout,
+                    detail: format!(
+                        "ranks {:?} never connected",
+                        waiting.iter().collect::<Vec<_>>()
+                    ),
+                });
+            };
+            if let Some(hello) = self.screen(&mut s, "peer", &waiting) {
+                frame::write_control(&mut s, &Reply::Accepted)
+                    .map_err(|e| io_err(rank, hello.rank, "accepting", e, self.timeout))?;
+                waiting.remove(&hello.rank);
+                links.insert(hello.rank, s);
+            }
+        }
+        for s in links.values() {
+            let _ = s.set_nodelay(true);
+            let _ = s.set_read_timeout(Some(self.timeout));
+            let _ = s.set_write_timeout(Some(self.timeout));
+        }
+        Ok(links)
+    }
+
+    fn members(&self) -> impl Iterator<Item = (Rank, &TcpStream)> {
+        self.control
+            .iter()
+            .enumerate()
+            .filter_map(|(r, s)| s.as_ref().map(|s| (r, s)))
+    }
+
+    fn send(&self, peer: Rank, mut stream: &TcpStream, msg: &Control) -> Result<()> {
+        frame::write_control(&mut stream, msg)
+            .map_err(|e| io_err(self.env.rank, peer, "control", e, self.timeout))
+    }
+
+    fn recv(&self, peer: Rank, mut stream: &TcpStream, what: &str) -> Result<Control> {
+        let _ = stream.set_read_timeout(Some(self.timeout));
+        frame::read_control(&mut stream)
+            .map_err(|e| io_err(self.env.rank, peer, what, e, self.timeout))
+    }
+
+    /// Waits until every rank has called `barrier`.
+    pub fn barrier(&self) -> Result<()> {
+        if self.env.rank == 0 {
+            for (peer, s) in self.members() {
+                match self.recv(peer, s, "barrier")? {
+                    Control::Barrier => {}
+                    other => {
+                        return Err(Error::Protocol {
+                            rank: 0,
+                            peer,
+                            detail: format!("expected barrier, got {other:?}"),
+                        });
+                    }
+                }
+            }
+            for (peer, s) in self.members() {
+                self.send(peer, s, &Control::Go)?;
+            }
+        } else {
+            let (peer, s) = self.members().next().expect("a member has a control link");
+            self.send(peer, s, &Control::Barrier)?;
+            match self.recv(peer, s, "barrier")? {
+                Control::Go => {}
+                other => {
+                    return Err(Error::Protocol {
+                        rank: self.env.rank,
+                        peer,
+                        detail: format!("expected go, got {other:?}"),
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Every rank reports how its part went; rank 0 decides for all. Returns every rank's
+    /// report on rank 0 (indexed by rank) and nothing elsewhere, or the job's failures on every
+    /// rank. A rank that does not report within the timeout counts as failed.
+    pub fn finish(
+        &self,
+        mine: std::result::Result<serde_json::Value, String>,
+    ) -> Result<Vec<serde_json::Value>> {
+        let rank = self.env.rank;
+        if rank == 0 {
+            let mut reports = vec![serde_json::Value::Null; self.env.world];
+            let mut failures = Vec::new();
+            match mine {
+                Ok(r) => reports[0] = r,
+                Err(e) => failures.push((0, e)),
+            }
+            for (peer, s) in self.members() {
+                match self.recv(peer, s, "the final report") {
+                    Ok(Control::Status {
+                        error: None,
+                        report,
+                    }) => reports[peer] = report,
+                    Ok(Control::Status { error: Some(e), .. }) => failures.push((peer, e)),
+                    Ok(other) => {
+                        failures.push((peer, format!("sent {other:?} instead of a report")))
+                    }
+                    Err(Error::PeerGone { .. }) => {
+                        failures.push((peer, "exited without reporting (killed?)".into()))
+                    }
+                    Err(e) => failures.push((peer, e.to_string())),
+                }
+            }
+            let verdict = Control::Verdict {
+                failures: failures.clone(),
+            };
+            for (peer, s) in self.members() {
+                let _ = self.send(peer, s, &verdict);
+            }
+            if failures.is_empty() {
+                Ok(reports)
+            } else {
+                Err(Error::JobFailed { rank, failures })
+            }
+        } else {
+            let (peer, s) = self.members().next().expect("a member has a control link");
+            let status = match mine {
+                Ok(report) => Control::Status {
+                    error: None,
+                    report,
+                },
+                Err(e) => Control::Status {
+                    error: Some(e),
+                    report: serde_json::Value::Null,
+                },
+            };
+            self.send(peer, s, &status)?;
+            match self.recv(peer, s, "the verdict") {
+                Ok(Control::Verdict { failures }) if failures.is_empty() => Ok(Vec::new()),
+                Ok(Control::Verdict { failures }) => Err(Error::JobFailed { rank, failures }),
+                Ok(other) => Err(Error::Protocol {
+                    rank,
+                    peer,
+                    detail: format!("expected the verdict, got {other:?}"),
+                }),
+                Err(e) => Err(e),
+            }
+        }
+    }
+}

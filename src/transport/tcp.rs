@@ -1,0 +1,282 @@
+//! Processes and hosts over TCP: one authenticated stream per pair of peers that exchange
+//! data (see [`super::group`]), framed chunks, and no copy of our own where it can be avoided:
+//! runs of at least [`VECTORED_MIN_RUN`] bytes go between the shards and the socket with
+//! vectored I/O; shorter runs are packed into a bounded staging buffer.
+
+use std::collections::BTreeMap;
+use std::io::{IoSlice, IoSliceMut, Read, Write};
+use std::net::TcpStream;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use crate::error::{Error, Result};
+use crate::exec::copy::{CopyGeometry, Place};
+use crate::layout::Rank;
+
+use super::frame::{self, FrameError};
+use super::{Incoming, Outgoing, Transport};
+
+/// Runs at least this long move straight between shard and socket.
+pub const VECTORED_MIN_RUN: usize = 1024;
+/// At most this many runs per system call (Linux's IOV_MAX is 1024).
+const MAX_IOVECS: usize = 512;
+
+/// One rank's links to its peers.
+#[derive(Debug)]
+pub struct TcpTransport {
+    rank: Rank,
+    timeout: Duration,
+    writers: BTreeMap<Rank, Mutex<TcpStream>>,
+    readers: BTreeMap<Rank, Mutex<TcpStream>>,
+    /// One more handle per link, never locked, for [`Transport::abort`].
+    shutdown_handles: Vec<TcpStream>,
+    send_staging: Mutex<Vec<u8>>,
+    recv_staging: Mutex<Vec<u8>>,
+    /// Sizes of the two staging buffers, readable without their locks.
+    staging_sizes: [AtomicU64; 2],
+    peak_staging: AtomicU64,
+}
+
+impl TcpTransport {
+    /// Wraps connected, authenticated streams (from [`super::group::Group::connect_peers`]).
+    pub fn new(
+        rank: Rank,
+        links: BTreeMap<Rank, TcpStream>,
+        timeout: Duration,
+    ) -> Result<TcpTransport> {
+        let mut writers = BTreeMap::new();
+        let mut readers = BTreeMap::new();
+        let mut shutdown_handles = Vec::new();
+        for (peer, stream) in links {
+            let clone = || {
+                stream.try_clone().map_err(|e| Error::Io {
+                    path: format!("socket to rank {peer}"),
+                    source: e,
+                })
+            };
+            readers.insert(peer, Mutex::new(clone()?));
+            shutdown_handles.push(clone()?);
+            writers.insert(peer, Mutex::new(stream));
+        }
+        Ok(TcpTransport {
+            rank,
+            timeout,
+            writers,
+            readers,
+            shutdown_handles,
+            send_staging: Mutex::new(Vec::new()),
+            recv_staging: Mutex::new(Vec::new()),
+            staging_sizes: [AtomicU64::new(0), AtomicU64::new(0)],
+            peak_staging: AtomicU64::new(0),
+        })
+    }
+
+    fn fail(&self, peer: Rank, what: String, e: FrameError) -> Error {
+        match e {
+            FrameError::Closed => Error::PeerGone {
+                rank: self.rank,
+                peer,
+                detail: format!("connection closed while moving {what}"),
+            },
+            FrameError::TimedOut => Error::Timeout {
+                rank: self.rank,
+                peer,
+                waited: self.timeout,
+                detail: format!("{what} did not move"),
+            },
+            e => Error::Protocol {
+                rank: self.rank,
+                peer,
+                detail: format!("{what}: {e}"),
+            },
+        }
+    }
+
+    /// Staging buffer `which` (0: send, 1: receive), grown to at least `len` bytes.
+    fn stage(&self, which: usize, len: usize) -> std::sync::MutexGuard<'_, Vec<u8>> {
+        let staging = [&self.send_staging, &self.recv_staging][which];
+        let mut buf = staging.lock().unwrap_or_else(|p| p.into_inner());
+        if buf.len() < len {
+            buf.resize(len, 0);
+            self.staging_sizes[which].store(len as u64, Ordering::Relaxed);
+            let total = self
+                .staging_sizes
+                .iter()
+                .map(|s| s.load(Ordering::Relaxed))
+                .sum();
+            self.peak_staging.fetch_max(total, Ordering::Relaxed);
+        }
+        buf
+    }
+}
+
+/// The `(offset, len)` pieces of bytes `range` of a region's stream inside the shard on the
+/// source side (`on_src`) or the destination side of `g`.
+pub(crate) fn segments(
+    g: &CopyGeometry,
+    range: std::ops::Range<usize>,
+    on_src: bool,
+) -> Vec<(usize, usize)> {
+    let mut out = Vec::new();
+    g.for_each_run(range, |s, d, len| {
+        out.push((if on_src { s } else { d }, len))
+    });
+    out
+}
+
+fn write_all_vectored(
+    w: &mut TcpStream,
+    base: &[u8],
+    segs: &[(usize, usize)],
+) -> std::io::Result<()> {
+    let mut first = 0; // first segment not fully written
+    let mut skip = 0; // bytes of it already written
+    while first < segs.len() {
+        let end = (first + MAX_IOVECS).min(segs.len());
+        let slices: Vec<IoSlice<'_>> = segs[first..end]
+            .iter()
+            .enumerate()
+            .map(|(i, &(o, l))| {
+                let s = if i == 0 { skip } else { 0 };
+                IoSlice::new(&base[o + s..o + l])
+            })
+            .collect();
+        let mut n = w.write_vectored(&slices)?;
+        if n == 0 {
+            return Err(std::io::ErrorKind::WriteZero.into());
+        }
+        while n > 0 {
+            let left = segs[first].1 - skip;
+            if n >= left {
+                n -= left;
+                first += 1;
+                skip = 0;
+            } else {
+                skip += n;
+                n = 0;
+            }
+        }
+    }
+    Ok(())
+}
+
+fn read_exact_vectored(
+    r: &mut TcpStream,
+    base: &mut [u8],
+    segs: &[(usize, usize)],
+) -> std::io::Result<()> {
+    let mut first = 0;
+    let mut skip = 0;
+    while first < segs.len() {
+        let end = (first + MAX_IOVECS).min(segs.len());
+        // carve disjoint slices: the segments of a region increase in offset
+        let mut slices: Vec<IoSliceMut<'_>> = Vec::with_capacity(end - first);
+        let mut rest: &mut [u8] = base;
+        let mut consumed = 0;
+        for (i, &(o, l)) in segs[first..end].iter().enumerate() {
+            let s = if i == 0 { skip } else { 0 };
+            let tail = std::mem::take(&mut rest);
+            let (_, from) = tail.split_at_mut(o + s - consumed);
+            let (piece, after) = from.split_at_mut(l - s);
+            consumed = o + l;
+            rest = after;
+            slices.push(IoSliceMut::new(piece));
+        }
+        let mut n = r.read_vectored(&mut slices)?;
+        if n == 0 {
+            return Err(std::io::ErrorKind::UnexpectedEof.into());
+        }
+        while n > 0 {
+            let left = segs[first].1 - skip;
+            if n >= left {
+                n -= left;
+                first += 1;
+                skip = 0;
+            } else {
+                skip += n;
+                n = 0;
+            }
+        }
+    }
+    Ok(())
+}
+
+impl<'buf> Transport<'buf> for TcpTransport {
+    fn name(&self) -> &'static str {
+        "tcp"
+    }
+
+    fn send(&self, chunk: Outgoing<'buf>) -> Result<()> {
+        let peer = chunk.to;
+        let what = || format!("bytes {:?} of {} to rank {peer}", chunk.range, chunk.region);
+        let writer = self.writers.get(&peer).ok_or_else(|| Error::Protocol {
+            rank: self.rank,
+            peer,
+            detail: "no link to this peer: the plans of the two ranks disagree".into(),
+        })?;
+        let mut w = writer.lock().unwrap_or_else(|p| p.into_inner());
+        let g = CopyGeometry::new(
+            chunk.region,
+            Place::Within(chunk.src_box),
+            Place::Stream,
+            chunk.elem_bytes,
+        );
+        let header = |w: &mut TcpStream| frame::write_data_header(w, chunk.len() as u64);
+        header(&mut w).map_err(|e| self.fail(peer, what(), e))?;
+        if g.run_bytes() >= VECTORED_MIN_RUN {
+            let segs = segments(&g, chunk.range.clone(), true);
+            write_all_vectored(&mut w, chunk.src, &segs)
+                .map_err(|e| self.fail(peer, what(), e.into()))
+        } else {
+            let mut buf = self.stage(0, chunk.len());
+            g.copy(chunk.src, &mut buf[..chunk.len()], chunk.range.clone());
+            w.write_all(&buf[..chunk.len()])
+                .map_err(|e| self.fail(peer, what(), e.into()))
+        }
+    }
+
+    fn recv(&self, chunk: Incoming<'_>) -> Result<()> {
+        let peer = chunk.from;
+        let what = format!(
+            "bytes {:?} of {} from rank {peer}",
+            chunk.range, chunk.region
+        );
+        let reader = self.readers.get(&peer).ok_or_else(|| Error::Protocol {
+            rank: self.rank,
+            peer,
+            detail: "no link from this peer: the plans of the two ranks disagree".into(),
+        })?;
+        let mut r = reader.lock().unwrap_or_else(|p| p.into_inner());
+        frame::read_data_header(&mut *r, chunk.len() as u64)
+            .map_err(|e| self.fail(peer, what.clone(), e))?;
+        let g = CopyGeometry::new(
+            chunk.region,
+            Place::Stream,
+            Place::Within(chunk.dst_box),
+            chunk.elem_bytes,
+        );
+        if g.run_bytes() >= VECTORED_MIN_RUN {
+            let segs = segments(&g, chunk.range.clone(), false);
+            read_exact_vectored(&mut r, chunk.dst, &segs)
+                .map_err(|e| self.fail(peer, what, e.into()))
+        } else {
+            let mut buf = self.stage(1, chunk.len());
+            r.read_exact(&mut buf[..chunk.len()])
+                .map_err(|e| self.fail(peer, what, e.into()))?;
+            g.copy(&buf[..chunk.len()], chunk.dst, chunk.range.clone());
+            Ok(())
+        }
+    }
+
+    fn abort(&self) {
+        // through clones, so that even a thread blocked inside a read or write is woken up
+        for s in &self.shutdown_handles {
+            let _ = s.shutdown(std::net::Shutdown::Both);
+        }
+    }
+
+    fn peak_staging_bytes(&self) -> u64 {
+        self.peak_staging.load(Ordering::Relaxed)
+    }
+}
