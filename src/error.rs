@@ -108,6 +108,19 @@ pub enum Error {
         failures: Vec<(Rank, String)>,
     },
 
+    #[error(
+        "rank {rank}: {transfers} transfers ({bytes} bytes) from ranks {from:?} did not arrive"
+    )]
+    NotArrived {
+        rank: Rank,
+        transfers: usize,
+        bytes: u64,
+        from: Vec<Rank>,
+    },
+
+    #[error("rank {rank}: internal failure: {detail}")]
+    Internal { rank: Rank, detail: String },
+
     #[error("rank {rank}: peer rank {peer} is gone: {detail}")]
     PeerGone {
         rank: Rank,
@@ -167,7 +180,7 @@ pub enum LayoutError {
     #[error("mesh axis {axis} has size 0 (mesh {mesh})")]
     ZeroSizeAxis { axis: usize, mesh: Dims },
 
-    #[error("mesh {mesh} has {expected} positions but ranks lists {got}")]
+    #[error("mesh {mesh} has {} positions but ranks lists {got}", if *.expected == u64::MAX { "more than 2^64".to_string() } else { .expected.to_string() })]
     MeshSizeMismatch {
         mesh: Dims,
         expected: u64,
@@ -176,6 +189,9 @@ pub enum LayoutError {
 
     #[error("rank {rank} appears more than once in ranks")]
     DuplicateRank { rank: Rank },
+
+    #[error("rank {rank} is too large (ranks must be below 2^31)")]
+    RankTooLarge { rank: Rank },
 
     #[error("{got} placements for a {mesh_ndim}-D mesh (one per mesh axis)")]
     PlacementCount { mesh_ndim: usize, got: usize },

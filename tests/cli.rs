@@ -323,6 +323,57 @@ fn bad_input_names_the_field_and_the_value() {
         "{}",
         stderr(&out)
     );
+    let out = reshard(&[
+        "plan",
+        "--shape",
+        "8",
+        "--src",
+        "mesh=1 ranks=18446744073709551615 place=R",
+        "--dst",
+        "mesh=2 place=R",
+    ]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        stderr(&out).contains("--src: rank 18446744073709551615 is too large"),
+        "{}",
+        stderr(&out)
+    );
+    // sizes near 2^64 bytes plan without overflow
+    for args in [
+        [
+            "--shape",
+            "4611686018427387904",
+            "--dtype",
+            "u8",
+            "--src",
+            "mesh=4 place=R",
+            "--dst",
+            "mesh=1 place=R",
+        ],
+        [
+            "--shape",
+            "4611686018427387904",
+            "--dtype",
+            "u8",
+            "--src",
+            "mesh=1 place=R",
+            "--dst",
+            "mesh=4 place=R",
+        ],
+        [
+            "--shape",
+            "2305843009213693952,2",
+            "--dtype",
+            "u8",
+            "--src",
+            "mesh=1 place=R",
+            "--dst",
+            "mesh=1 place=S(1)",
+        ],
+    ] {
+        let out = reshard(&[&["plan"], &args[..]].concat());
+        assert!(out.status.success(), "{args:?}: {}", stderr(&out));
+    }
     // a plan this machine cannot hold is refused before anything is allocated
     let huge = [
         "--shape",

@@ -152,23 +152,22 @@ pub fn main(args: &LaunchArgs) -> Result<std::process::ExitCode, Failure> {
     let grace = Duration::from_secs_f64(args.grace);
     while status.iter().any(Option::is_none) {
         for (rank, child) in children.iter_mut().enumerate() {
-            if status[rank].is_none() {
-                if let Ok(Some(s)) = child.try_wait() {
-                    status[rank] = Some(s);
-                    if !s.success() && first_failure.is_none() {
-                        first_failure = Some((rank, Instant::now()));
-                    }
+            if status[rank].is_some() {
+                continue;
+            }
+            if let Ok(Some(s)) = child.try_wait() {
+                status[rank] = Some(s);
+                if !s.success() && first_failure.is_none() {
+                    first_failure = Some((rank, Instant::now()));
                 }
             }
         }
-        if let Some((_, at)) = first_failure {
-            if at.elapsed() >= grace {
-                for (rank, child) in children.iter_mut().enumerate() {
-                    if status[rank].is_none() {
-                        let _ = child.kill();
-                        status[rank] = child.wait().ok();
-                        eprintln!("[launch] killed rank {rank}: another rank had failed");
-                    }
+        if first_failure.is_some_and(|(_, at)| at.elapsed() >= grace) {
+            for (rank, child) in children.iter_mut().enumerate() {
+                if status[rank].is_none() {
+                    let _ = child.kill();
+                    status[rank] = child.wait().ok();
+                    eprintln!("[launch] killed rank {rank}: another rank had failed");
                 }
             }
         }

@@ -87,7 +87,7 @@ impl TensorArgs {
                 source,
             })?;
         // by default the destination ranks start right after the source ranks
-        let after_src = src.mesh().ranks().iter().max().map_or(0, |&r| r + 1);
+        let after_src = src.mesh().ranks().iter().max().map_or(0, |&r| r + 1); // r < 2^31
         let dst = dst_spec
             .resolve(&shape, dtype, after_src)
             .map_err(|source| Error::Layout {

@@ -11,7 +11,7 @@ const LABELS: &[u8] = b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123
 
 /// The element a picture cell stands for, when `n` elements are drawn as `cells` cells.
 fn sample(n: u64, cells: u64, i: u64) -> u64 {
-    i * n / cells
+    (i as u128 * n as u128 / cells as u128) as u64
 }
 
 /// The first rank (in mesh order) whose box contains element `(r, c)`.

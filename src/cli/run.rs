@@ -82,11 +82,11 @@ impl RunArgs {
     fn options(&self) -> Result<ExecOptions, Error> {
         let chunk = parse_bytes("--chunk-bytes", &self.chunk_bytes)?;
         let staging = parse_bytes("--staging-bytes", &self.staging_bytes)?;
-        if !(self.timeout.is_finite() && self.timeout > 0.0 && self.timeout < 1e9) {
+        if !(self.timeout.is_finite() && self.timeout >= 1e-3 && self.timeout < 1e9) {
             return Err(Error::InvalidOption {
                 field: "--timeout",
                 value: self.timeout.to_string(),
-                reason: "expected a positive number of seconds".into(),
+                reason: "expected a number of seconds between 0.001 and 1e9".into(),
             });
         }
         let options = ExecOptions {
@@ -272,8 +272,7 @@ fn check_memory(plan: &Plan, only: Option<Rank>) -> Result<(), Error> {
             .ranks()
             .iter()
             .filter(|&&r| only.is_none_or(|o| o == r))
-            .map(|&r| l.local_bytes(r))
-            .sum()
+            .fold(0u64, |acc, &r| acc.saturating_add(l.local_bytes(r)))
     };
     let needed = side(plan.src()).saturating_add(side(plan.dst()));
     let available = std::fs::read_to_string("/proc/meminfo").ok().and_then(|m| {

@@ -14,7 +14,7 @@ use copy::{CopyGeometry, Place};
 
 use crate::error::{Dims, Error, Result, Side};
 use crate::layout::{Layout, Rank};
-use crate::plan::{Plan, RankPlan};
+use crate::plan::{Plan, RankPlan, Transfer};
 use crate::region::Region;
 use crate::transport::{Fault, Incoming, LocalFabric, Outgoing, Transport};
 
@@ -133,13 +133,12 @@ pub fn run_rank<'buf, T: Transport<'buf>>(
     let rank = plan.rank;
     let elem_bytes = src_layout.dtype().size();
     let chunk = options.chunk_bytes;
-    let missing = |side| Error::MissingBuffer { side, rank };
-    if (!plan.sends.is_empty() || !plan.locals.is_empty()) && src.is_none() {
-        return Err(missing(Side::Src));
-    }
-    if (!plan.recvs.is_empty() || !plan.locals.is_empty()) && dst.is_none() {
-        return Err(missing(Side::Dst));
-    }
+    check_job(
+        plan,
+        elem_bytes,
+        src,
+        dst.as_ref().map(|(b, d)| (*b, d.len())),
+    )?;
     let mut stats = RankStats {
         rank,
         ..RankStats::default()
@@ -213,33 +212,146 @@ pub fn run_rank<'buf, T: Transport<'buf>>(
     };
 
     let (sent, received) = std::thread::scope(|scope| {
-        let sender = scope.spawn(|| {
+        let sender = std::thread::Builder::new().spawn_scoped(scope, || {
             let sent = send_all();
             if sent.is_err() {
                 transport.abort();
             }
             sent
         });
+        if sender.is_err() {
+            transport.abort();
+        }
         let received = receive_all(&mut stats);
         if received.is_err() {
             transport.abort();
         }
-        let sent = sender.join().unwrap_or_else(|_| {
-            Err(Error::PeerGone {
+        let sent = match sender {
+            Ok(sender) => sender.join().unwrap_or_else(|_| {
+                Err(Error::Internal {
+                    rank,
+                    detail: "the send thread panicked".into(),
+                })
+            }),
+            Err(e) => Err(Error::Internal {
                 rank,
-                peer: rank,
-                detail: "the send thread panicked".into(),
-            })
-        });
+                detail: format!("cannot start the send thread: {e}"),
+            }),
+        };
         (sent, received)
     });
-    let (bytes_sent, chunks_sent) = sent?;
-    received?;
+    // Report everything that went wrong, and exactly what did not arrive.
+    let mut failures = Vec::new();
+    if let Err(e) = received {
+        failures.push(e);
+        // whole transfers are counted once complete, so the first ones add up to `done`
+        let done = stats.bytes_received;
+        let mut seen = 0u64;
+        let missing: Vec<&Transfer> = plan
+            .recvs
+            .iter()
+            .filter(|t| {
+                seen += t.bytes(elem_bytes);
+                seen > done
+            })
+            .collect();
+        let mut from: Vec<Rank> = missing.iter().map(|t| t.src).collect();
+        from.sort_unstable();
+        from.dedup();
+        failures.push(Error::NotArrived {
+            rank,
+            transfers: missing.len(),
+            bytes: missing.iter().map(|t| t.bytes(elem_bytes)).sum(),
+            from,
+        });
+    }
+    let (bytes_sent, chunks_sent) = match sent {
+        Ok(s) => s,
+        Err(e) => {
+            failures.push(e);
+            (0, 0)
+        }
+    };
+    if !failures.is_empty() {
+        return Err(if failures.len() == 1 {
+            failures.remove(0)
+        } else {
+            Error::Incomplete { failures }
+        });
+    }
     transport.finish()?;
     stats.bytes_sent = bytes_sent;
     stats.chunks_sent = chunks_sent;
     stats.peak_staging_bytes = transport.peak_staging_bytes();
     Ok(stats)
+}
+
+/// Checks a rank's job before any byte moves: the shards it needs are there and of the right
+/// size, and every region lies inside the shard it is read from or written to.
+fn check_job(
+    plan: &RankPlan,
+    elem_bytes: usize,
+    src: Option<(&Region, &[u8])>,
+    dst: Option<(&Region, usize)>,
+) -> Result<()> {
+    let rank = plan.rank;
+    let needs_src = !plan.sends.is_empty() || !plan.locals.is_empty();
+    let needs_dst = !plan.recvs.is_empty() || !plan.locals.is_empty();
+    if needs_src && src.is_none() {
+        return Err(Error::MissingBuffer {
+            side: Side::Src,
+            rank,
+        });
+    }
+    if needs_dst && dst.is_none() {
+        return Err(Error::MissingBuffer {
+            side: Side::Dst,
+            rank,
+        });
+    }
+    let sized = |side, region: &Region, got: usize| {
+        let expected = region.volume().saturating_mul(elem_bytes as u64);
+        if expected == got as u64 {
+            Ok(())
+        } else {
+            Err(Error::BufferSize {
+                side,
+                rank,
+                extent: Dims(region.extent.clone()),
+                expected,
+                got: got as u64,
+            })
+        }
+    };
+    if let Some((region, buf)) = src {
+        sized(Side::Src, region, buf.len())?;
+    }
+    if let Some((region, len)) = dst {
+        sized(Side::Dst, region, len)?;
+    }
+    let inside = |holder: Option<&Region>, t: &Transfer, side: Side| match holder {
+        Some(b) if b.ndim() == t.region.ndim() && b.contains(&t.region) => Ok(()),
+        _ => Err(Error::Protocol {
+            rank,
+            peer: if side == Side::Src { t.dst } else { t.src },
+            detail: format!(
+                "this rank's {side} shard does not hold {} of the plan",
+                t.region
+            ),
+        }),
+    };
+    let (src_box, dst_box) = (src.map(|s| s.0), dst.map(|d| d.0));
+    for t in &plan.sends {
+        inside(src_box, t, Side::Src)?;
+    }
+    for t in &plan.recvs {
+        inside(dst_box, t, Side::Dst)?;
+    }
+    for t in &plan.locals {
+        inside(src_box, t, Side::Src)?;
+        inside(dst_box, t, Side::Dst)?;
+    }
+    Ok(())
 }
 
 /// Checks that every rank of `layout` has a buffer of exactly its shard's size, and no other
@@ -294,6 +406,9 @@ pub fn run_local(
     run_local_with_faults(plan, src, dst, options, &[])
 }
 
+/// Most ranks [`run_local`] runs (two threads each).
+pub const MAX_LOCAL_RANKS: usize = 4096;
+
 /// [`run_local`] with injected faults, for testing failure handling.
 pub fn run_local_with_faults(
     plan: &Plan,
@@ -306,6 +421,16 @@ pub fn run_local_with_faults(
     check_buffers(plan.src(), Side::Src, src)?;
     check_buffers(plan.dst(), Side::Dst, dst)?;
     let ranks = plan.ranks();
+    if ranks.len() > MAX_LOCAL_RANKS {
+        return Err(Error::InvalidOption {
+            field: "--transport",
+            value: "local".into(),
+            reason: format!(
+                "local runs every rank as threads of one process, and {} ranks is over its limit of {MAX_LOCAL_RANKS}",
+                ranks.len()
+            ),
+        });
+    }
     let rank_plans = plan.rank_plans();
     let src_boxes: BTreeMap<Rank, Region> = regions(plan.src());
     let dst_boxes: BTreeMap<Rank, Region> = regions(plan.dst());
@@ -343,24 +468,29 @@ pub fn run_local_with_faults(
                         .zip(dst_shards.remove(&rank).map(Vec::as_mut_slice)),
                 };
                 let endpoint = endpoints.remove(&rank);
-                scope.spawn(move || match endpoint {
-                    // the endpoint lives as long as the thread: a rank that fails closes its links
-                    Some(endpoint) => run_rank(job, &endpoint, options),
-                    None => Ok(RankStats::default()),
-                })
+                std::thread::Builder::new()
+                    .name(format!("rank {rank}"))
+                    .spawn_scoped(scope, move || match endpoint {
+                        // the endpoint lives as long as the thread: a rank that fails closes its links
+                        Some(endpoint) => run_rank(job, &endpoint, options),
+                        None => Ok(RankStats::default()),
+                    })
             })
             .collect();
         handles
             .into_iter()
             .zip(&ranks)
-            .map(|(h, &rank)| {
-                h.join().unwrap_or_else(|_| {
-                    Err(Error::PeerGone {
+            .map(|(h, &rank)| match h {
+                Ok(h) => h.join().unwrap_or_else(|_| {
+                    Err(Error::Internal {
                         rank,
-                        peer: rank,
                         detail: "the rank's thread panicked".into(),
                     })
-                })
+                }),
+                Err(e) => Err(Error::Internal {
+                    rank,
+                    detail: format!("cannot start the rank's thread: {e}"),
+                }),
             })
             .collect()
     });

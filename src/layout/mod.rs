@@ -18,6 +18,9 @@ use crate::region::Region;
 /// A global rank: the process (or GPU) number in the whole job.
 pub type Rank = usize;
 
+/// Ranks are below 2^31, so that rank arithmetic never overflows.
+pub const MAX_RANK: Rank = 1 << 31;
+
 /// How one mesh axis lays the tensor out.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Placement {
@@ -91,6 +94,9 @@ impl Mesh {
                 expected,
                 got: ranks.len(),
             });
+        }
+        if let Some(&rank) = ranks.iter().find(|&&r| r >= MAX_RANK) {
+            return Err(LayoutError::RankTooLarge { rank });
         }
         let mut positions: Vec<(Rank, usize)> =
             ranks.iter().enumerate().map(|(i, &r)| (r, i)).collect();

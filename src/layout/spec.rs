@@ -129,9 +129,11 @@ impl LayoutSpec {
         let mut ranks = None;
         let mut placements = None;
         for token in text.split_whitespace() {
-            let (key, value) = token
-                .split_once('=')
-                .ok_or_else(|| bad(format!("`{token}` is not key=value")))?;
+            let (key, value) = token.split_once('=').ok_or_else(|| {
+                bad(format!(
+                    "`{token}` is not key=value (write lists without spaces: place=S(0),R)"
+                ))
+            })?;
             let seen = match key {
                 "mesh" => mesh
                     .replace(
@@ -200,7 +202,8 @@ impl LayoutSpec {
                         reason: "the mesh has more than 2^24 ranks".into(),
                     });
                 }
-                (first_rank..first_rank + size).collect()
+                let end = first_rank.saturating_add(size).min(super::MAX_RANK);
+                (first_rank.min(end)..end).collect()
             }
         };
         let mesh = Mesh::new(self.mesh.clone(), ranks)?;

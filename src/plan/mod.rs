@@ -440,8 +440,9 @@ fn assign(
     let lo = piece.offset[dim];
     let len = piece.extent[dim];
     for p in 0..parts {
-        let a = lo + p * len / parts;
-        let b = lo + (p + 1) * len / parts;
+        // in u128: p * len overflows u64 for pieces near 2^64 bytes
+        let cut = |p: u64| lo + (p as u128 * len as u128 / parts as u128) as u64;
+        let (a, b) = (cut(p), cut(p + 1));
         let mut part = piece.clone();
         part.offset[dim] = a;
         part.extent[dim] = b - a;

@@ -33,14 +33,16 @@ impl Totals {
         let mut sent: BTreeMap<Rank, u64> = BTreeMap::new();
         let mut received: BTreeMap<Rank, u64> = BTreeMap::new();
         for t in plan.transfers() {
+            // saturating: replicated destinations of a near-2^64-byte tensor overflow u64
             let bytes = t.bytes(elem);
+            let add = |total: &mut u64| *total = total.saturating_add(bytes);
             if t.is_local() {
-                totals.bytes_local += bytes;
+                add(&mut totals.bytes_local);
             } else {
-                totals.bytes_remote += bytes;
+                add(&mut totals.bytes_remote);
                 totals.messages += 1;
-                *sent.entry(t.src).or_default() += bytes;
-                *received.entry(t.dst).or_default() += bytes;
+                add(sent.entry(t.src).or_default());
+                add(received.entry(t.dst).or_default());
             }
         }
         totals.max_rank_send_bytes = sent.values().copied().max().unwrap_or(0);
