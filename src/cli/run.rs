@@ -144,7 +144,7 @@ fn run_threads(
         false
     };
     if let Some(dir) = &args.dump {
-        dump(dir, &shards)?;
+        dump(dir, shards.iter().map(|(&r, b)| (r, b.as_slice())))?;
     }
     let summary = Summary {
         seconds: stats.elapsed.as_secs_f64(),
@@ -178,6 +178,48 @@ fn run_process(
     let rank = env.rank;
     check_memory(plan, Some(rank))?;
     let group = Group::join(env, options.timeout)?;
+    let outcome = rank_part(args, plan, fill, options, &group);
+    if let Err(e) = &outcome {
+        eprintln!("error: {e}");
+        if matches!(e, Error::JobFailed { .. }) {
+            // the verdict is already out: rank 0 told everyone at the barrier
+            return Err(Failure::Run(outcome.unwrap_err()));
+        }
+    }
+    let reports = group.finish(outcome.map_err(|e| e.to_string()))?;
+    if rank == 0 {
+        let field = |r: &serde_json::Value, k: &str| r[k].as_f64().unwrap_or(0.0);
+        let summary = Summary {
+            seconds: reports
+                .iter()
+                .map(|r| field(r, "seconds"))
+                .fold(0.0, f64::max),
+            bytes_remote: reports
+                .iter()
+                .map(|r| field(r, "bytes_remote") as u64)
+                .sum(),
+            bytes_local: reports.iter().map(|r| field(r, "bytes_local") as u64).sum(),
+            peak_staging: reports
+                .iter()
+                .map(|r| field(r, "peak_staging") as u64)
+                .max()
+                .unwrap_or(0),
+        };
+        report(args, plan, &summary, "tcp", args.verify);
+    }
+    Ok(())
+}
+
+/// This rank's share of a multi-process run: its shards, its links, its transfers, its check.
+/// Returns the report it sends to rank 0.
+fn rank_part(
+    args: &RunArgs,
+    plan: &Plan,
+    fill: Fill,
+    options: &ExecOptions,
+    group: &Group,
+) -> Result<serde_json::Value, Error> {
+    let rank = group.rank();
     let rank_plan = reshard::plan::rank_plan(plan.src(), plan.dst(), rank, &plan.options())?;
     let src_box = plan.src().local_region(rank);
     let dst_box = plan.dst().local_region(rank);
@@ -206,62 +248,28 @@ fn run_process(
         src: src_box.as_ref().zip(source.as_deref()),
         dst: dst_box.as_ref().zip(shard.as_deref_mut()),
     };
-    let outcome = exec::run_rank(job, &transport, options).and_then(|stats| {
-        let seconds = started.elapsed().as_secs_f64();
-        let verified = match (args.verify, &dst_box, &shard) {
-            (true, Some(b), Some(buf)) => match fill.check_region(plan.dst(), b, buf) {
-                None => true,
-                Some((offset, expected, found, mismatches)) => {
-                    return Err(Error::VerifyFailed {
-                        rank,
-                        offset,
-                        expected,
-                        found,
-                        mismatches,
-                    });
-                }
-            },
-            (verify, ..) => verify,
-        };
-        if let (Some(dir), Some(buf)) = (&args.dump, &shard) {
-            dump(
-                dir,
-                &std::collections::BTreeMap::from([(rank, buf.clone())]),
-            )?;
+    let stats = exec::run_rank(job, &transport, options)?;
+    let seconds = started.elapsed().as_secs_f64();
+    if let (true, Some(b), Some(buf)) = (args.verify, &dst_box, &shard) {
+        if let Some((offset, expected, found, mismatches)) = fill.check_region(plan.dst(), b, buf) {
+            return Err(Error::VerifyFailed {
+                rank,
+                offset,
+                expected,
+                found,
+                mismatches,
+            });
         }
-        Ok(serde_json::json!({
-            "seconds": seconds,
-            "bytes_remote": stats.bytes_received,
-            "bytes_local": stats.bytes_local,
-            "peak_staging": stats.peak_staging_bytes,
-            "verified": verified,
-        }))
-    });
-    if let Err(e) = &outcome {
-        eprintln!("error: {e}");
     }
-    let reports = group.finish(outcome.map_err(|e| e.to_string()))?;
-    if rank == 0 {
-        let field = |r: &serde_json::Value, k: &str| r[k].as_f64().unwrap_or(0.0);
-        let summary = Summary {
-            seconds: reports
-                .iter()
-                .map(|r| field(r, "seconds"))
-                .fold(0.0, f64::max),
-            bytes_remote: reports
-                .iter()
-                .map(|r| field(r, "bytes_remote") as u64)
-                .sum(),
-            bytes_local: reports.iter().map(|r| field(r, "bytes_local") as u64).sum(),
-            peak_staging: reports
-                .iter()
-                .map(|r| field(r, "peak_staging") as u64)
-                .max()
-                .unwrap_or(0),
-        };
-        report(args, plan, &summary, "tcp", args.verify);
+    if let (Some(dir), Some(buf)) = (&args.dump, &shard) {
+        dump(dir, [(rank, buf.as_slice())])?;
     }
-    Ok(())
+    Ok(serde_json::json!({
+        "seconds": seconds,
+        "bytes_remote": stats.bytes_received,
+        "bytes_local": stats.bytes_local,
+        "peak_staging": stats.peak_staging_bytes,
+    }))
 }
 
 /// Refuses a run whose buffers cannot fit in this machine's available memory, instead of
@@ -301,7 +309,8 @@ fn check_memory(plan: &Plan, only: Option<Rank>) -> Result<(), Error> {
     }
 }
 
-fn dump(dir: &Path, shards: &std::collections::BTreeMap<Rank, Vec<u8>>) -> Result<(), Error> {
+/// Writes `DIR/rank<R>.bin` for every shard.
+fn dump<'a>(dir: &Path, shards: impl IntoIterator<Item = (Rank, &'a [u8])>) -> Result<(), Error> {
     let io = |path: &Path, source| Error::Io {
         path: path.display().to_string(),
         source,

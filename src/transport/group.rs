@@ -333,14 +333,20 @@ impl Group {
         let mut waiting: BTreeSet<Rank> = (1..self.env.world).collect();
         while !waiting.is_empty() {
             let Some((mut stream, from)) = accept_until(&self.listener, deadline) else {
+                let missing: Vec<Rank> = waiting.iter().copied().collect();
+                let detail = format!("rendezvous: ranks {missing:?} never joined");
+                // tell the ranks that did join who is missing, so that they need not guess
+                let refusal = Reply::Refused {
+                    reason: detail.clone(),
+                };
+                for s in self.control.iter_mut().flatten() {
+                    let _ = frame::write_control(s, &refusal);
+                }
                 return Err(Error::Timeout {
                     rank: 0,
-                    peer: *waiting.iter().next().unwrap_or(&0),
+                    peer: missing[0],
                     waited: self.timeout,
-                    detail: format!(
-                        "rendezvous: ranks {:?} never joined",
-                        waiting.iter().collect::<Vec<_>>()
-                    ),
+                    detail,
                 });
             };
             if let Some(hello) = self.screen(&mut stream, "control", &waiting) {
@@ -353,11 +359,9 @@ impl Group {
         let welcome = Reply::Welcome {
             addrs: self.addrs.clone(),
         };
-        for (peer, stream) in self.control.iter_mut().enumerate() {
-            if let Some(s) = stream {
-                frame::write_control(s, &welcome)
-                    .map_err(|e| io_err(0, peer, "rendezvous", e, self.timeout))?;
-            }
+        // a rank that died since its hello shows up at the barrier, where all ranks hear of it
+        for s in self.control.iter_mut().flatten() {
+            let _ = frame::write_control(s, &welcome);
         }
         Ok(())
     }
@@ -381,10 +385,16 @@ impl Group {
         let deadline = Instant::now() + self.timeout;
         let mut links = BTreeMap::new();
         for &peer in peers.range(..rank) {
-            let mut s = connect_until(self.addrs[peer], deadline).map_err(|e| Error::PeerGone {
-                rank,
-                peer,
-                detail: format!("cannot connect to {}: {e}", self.addrs[peer]),
+            // every rank listens before it says hello, so a refused connection is a dead peer
+            let left = deadline
+                .saturating_duration_since(Instant::now())
+                .max(Duration::from_millis(1));
+            let mut s = TcpStream::connect_timeout(&self.addrs[peer], left).map_err(|e| {
+                Error::PeerGone {
+                    rank,
+                    peer,
+                    detail: format!("cannot connect to {}: {e}", self.addrs[peer]),
+                }
             })?;
             let hello = Hello {
                 token: self.env.token.clone(),
@@ -463,39 +473,71 @@ impl Group {
             .map_err(|e| io_err(self.env.rank, peer, what, e, self.timeout))
     }
 
-    /// Waits until every rank has called `barrier`.
+    /// Rank 0: tells every member the job failed, and why.
+    fn broadcast_verdict(&self, failures: &[(Rank, String)]) {
+        let verdict = Control::Verdict {
+            failures: failures.to_vec(),
+        };
+        for (peer, s) in self.members() {
+            let _ = self.send(peer, s, &verdict);
+        }
+    }
+
+    /// A member's one link to rank 0.
+    fn coordinator(&self) -> (Rank, &TcpStream) {
+        self.members().next().expect("a member has a control link")
+    }
+
+    /// Waits until every rank has called `barrier`. If a rank failed or died before it,
+    /// every rank returns [`Error::JobFailed`] naming it.
     pub fn barrier(&self) -> Result<()> {
-        if self.env.rank == 0 {
+        let rank = self.env.rank;
+        if rank == 0 {
+            let mut failures = Vec::new();
             for (peer, s) in self.members() {
-                match self.recv(peer, s, "barrier")? {
-                    Control::Barrier => {}
-                    other => {
-                        return Err(Error::Protocol {
-                            rank: 0,
-                            peer,
-                            detail: format!("expected barrier, got {other:?}"),
-                        });
-                    }
+                match self.recv(peer, s, "the barrier") {
+                    Ok(Control::Barrier) => {}
+                    Ok(Control::Status { error, .. }) => failures.push((
+                        peer,
+                        error.unwrap_or_else(|| "reported before the barrier".into()),
+                    )),
+                    Ok(other) => failures.push((peer, format!("sent {other:?} at the barrier"))),
+                    Err(Error::PeerGone { .. }) => failures.push((peer, "exited (killed?)".into())),
+                    Err(e) => failures.push((peer, e.to_string())),
                 }
+            }
+            if !failures.is_empty() {
+                self.broadcast_verdict(&failures);
+                return Err(Error::JobFailed { rank, failures });
             }
             for (peer, s) in self.members() {
                 self.send(peer, s, &Control::Go)?;
             }
+            Ok(())
         } else {
-            let (peer, s) = self.members().next().expect("a member has a control link");
+            let (peer, s) = self.coordinator();
             self.send(peer, s, &Control::Barrier)?;
-            match self.recv(peer, s, "barrier")? {
-                Control::Go => {}
-                other => {
-                    return Err(Error::Protocol {
-                        rank: self.env.rank,
-                        peer,
-                        detail: format!("expected go, got {other:?}"),
-                    });
-                }
-            }
+            self.await_go_or_verdict(peer, s, "the barrier")?
+                .map_or(Ok(()), |failures| Err(Error::JobFailed { rank, failures }))
         }
-        Ok(())
+    }
+
+    /// A member's wait for rank 0: `None` for go, the failures for a verdict.
+    fn await_go_or_verdict(
+        &self,
+        peer: Rank,
+        s: &TcpStream,
+        what: &str,
+    ) -> Result<Option<Vec<(Rank, String)>>> {
+        match self.recv(peer, s, what)? {
+            Control::Go => Ok(None),
+            Control::Verdict { failures } => Ok(Some(failures)),
+            other => Err(Error::Protocol {
+                rank: self.env.rank,
+                peer,
+                detail: format!("expected go or the verdict, got {other:?}"),
+            }),
+        }
     }
 
     /// Every rank reports how its part went; rank 0 decides for all. Returns every rank's
@@ -520,6 +562,8 @@ impl Group {
                         report,
                     }) => reports[peer] = report,
                     Ok(Control::Status { error: Some(e), .. }) => failures.push((peer, e)),
+                    // still waiting at the barrier this rank failed before: it hears the verdict
+                    Ok(Control::Barrier) => {}
                     Ok(other) => {
                         failures.push((peer, format!("sent {other:?} instead of a report")))
                     }
@@ -529,19 +573,15 @@ impl Group {
                     Err(e) => failures.push((peer, e.to_string())),
                 }
             }
-            let verdict = Control::Verdict {
-                failures: failures.clone(),
-            };
-            for (peer, s) in self.members() {
-                let _ = self.send(peer, s, &verdict);
-            }
             if failures.is_empty() {
+                self.broadcast_verdict(&failures);
                 Ok(reports)
             } else {
+                self.broadcast_verdict(&failures);
                 Err(Error::JobFailed { rank, failures })
             }
         } else {
-            let (peer, s) = self.members().next().expect("a member has a control link");
+            let (peer, s) = self.coordinator();
             let status = match mine {
                 Ok(report) => Control::Status {
                     error: None,
@@ -553,15 +593,9 @@ impl Group {
                 },
             };
             self.send(peer, s, &status)?;
-            match self.recv(peer, s, "the verdict") {
-                Ok(Control::Verdict { failures }) if failures.is_empty() => Ok(Vec::new()),
-                Ok(Control::Verdict { failures }) => Err(Error::JobFailed { rank, failures }),
-                Ok(other) => Err(Error::Protocol {
-                    rank,
-                    peer,
-                    detail: format!("expected the verdict, got {other:?}"),
-                }),
-                Err(e) => Err(e),
+            match self.await_go_or_verdict(peer, s, "the verdict")? {
+                Some(failures) if !failures.is_empty() => Err(Error::JobFailed { rank, failures }),
+                _ => Ok(Vec::new()),
             }
         }
     }

@@ -1,0 +1,375 @@
+//! One rank per process: the tcp transport under `reshard launch` and with hand-set
+//! environments, checked against the in-process run, and killed at random moments.
+
+use std::io::Write;
+use std::net::{TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+const EXE: &str = env!("CARGO_BIN_EXE_reshard");
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn temp_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("reshard-proc-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    dir
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+/// One rank of a job started by hand, as on several hosts.
+fn spawn_rank(rank: usize, world: usize, port: u16, token: &str, args: &[&str]) -> Child {
+    Command::new(EXE)
+        .args(args)
+        .env("RANK", rank.to_string())
+        .env("WORLD_SIZE", world.to_string())
+        .env("MASTER_ADDR", "127.0.0.1")
+        .env("MASTER_PORT", port.to_string())
+        .env("RESHARD_TOKEN", token)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
+/// Waits for a child, killing it (and failing) if it runs past `limit`: a hang.
+fn wait_bounded(mut child: Child, limit: Duration, what: &str) -> Output {
+    let started = Instant::now();
+    loop {
+        if child.try_wait().unwrap().is_some() {
+            return child.wait_with_output().unwrap();
+        }
+        if started.elapsed() > limit {
+            let _ = child.kill();
+            let out = child.wait_with_output().unwrap();
+            panic!("{what} hung for {limit:?}; stderr: {}", text(&out.stderr));
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// A tiny deterministic generator, so that every run tests the same layouts.
+struct Lcg(u64);
+
+impl Lcg {
+    fn below(&mut self, n: u64) -> u64 {
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (self.0 >> 33) % n
+    }
+}
+
+/// A random layout spec over ranks drawn from `0..world`.
+fn random_spec(rng: &mut Lcg, ndim: usize, world: u64) -> String {
+    loop {
+        let axes = 1 + rng.below(2) as usize;
+        let dims: Vec<u64> = (0..axes).map(|_| 1 + rng.below(3)).collect();
+        let size: u64 = dims.iter().product();
+        if size > world {
+            continue;
+        }
+        let mut pool: Vec<u64> = (0..world).collect();
+        let ranks: Vec<String> = (0..size)
+            .map(|_| {
+                pool.remove(rng.below(pool.len() as u64) as usize)
+                    .to_string()
+            })
+            .collect();
+        let place: Vec<String> = (0..axes)
+            .map(|_| match rng.below(4) {
+                0 => "R".to_string(),
+                _ => format!("S({})", rng.below(ndim as u64)),
+            })
+            .collect();
+        let mesh: Vec<String> = dims.iter().map(u64::to_string).collect();
+        return format!(
+            "mesh={} ranks={} place={}",
+            mesh.join("x"),
+            ranks.join(","),
+            place.join(",")
+        );
+    }
+}
+
+fn read_dumps(dir: &Path) -> Vec<(String, Vec<u8>)> {
+    let mut files: Vec<(String, Vec<u8>)> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| {
+            let e = e.unwrap();
+            (
+                e.file_name().to_string_lossy().into_owned(),
+                std::fs::read(e.path()).unwrap(),
+            )
+        })
+        .collect();
+    files.sort();
+    files
+}
+
+/// The same random layouts over tcp (one process per rank) and in one process: both verify,
+/// and every destination buffer is identical.
+#[test]
+fn tcp_runs_match_local_runs() {
+    let mut rng = Lcg(0x5eed);
+    for case in 0..24 {
+        let ndim = 1 + rng.below(3) as usize;
+        let shape: Vec<String> = (0..ndim).map(|_| rng.below(10).to_string()).collect();
+        let world = 2 + rng.below(4);
+        let src = random_spec(&mut rng, ndim, world);
+        let dst = random_spec(&mut rng, ndim, world);
+        let dtype = ["u8", "bf16", "f32", "f64"][rng.below(4) as usize];
+        let chunk = ["3", "64", "4MiB"][rng.below(3) as usize];
+        let shape = shape.join(",");
+        let fill = format!("hash:{case}");
+        let common = [
+            "run",
+            "--shape",
+            &shape,
+            "--dtype",
+            dtype,
+            "--src",
+            &src,
+            "--dst",
+            &dst,
+            "--fill",
+            &fill,
+            "--verify",
+            "--chunk-bytes",
+            chunk,
+            "--staging-bytes",
+            "8MiB",
+            "--timeout",
+            "20",
+        ];
+        let (local_dir, tcp_dir) = (
+            temp_dir(&format!("local{case}")),
+            temp_dir(&format!("tcp{case}")),
+        );
+        let local = Command::new(EXE)
+            .args(common)
+            .args([
+                "--transport",
+                "local",
+                "--dump",
+                local_dir.to_str().unwrap(),
+            ])
+            .output()
+            .unwrap();
+        assert!(
+            local.status.success(),
+            "case {case} local: {}",
+            text(&local.stderr)
+        );
+        let child = Command::new(EXE)
+            .args(["launch", "--nproc", &world.to_string(), "--"])
+            .args(common)
+            .args(["--transport", "tcp", "--dump", tcp_dir.to_str().unwrap()])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let tcp = wait_bounded(child, Duration::from_secs(60), "a tcp run");
+        let report = text(&tcp.stdout);
+        assert!(
+            tcp.status.success(),
+            "case {case} ({shape} {dtype} {src} -> {dst}): {}",
+            text(&tcp.stderr)
+        );
+        assert!(
+            report.contains("over tcp") && report.contains("verify"),
+            "{report}"
+        );
+        assert!(
+            !report.contains("[rank"),
+            "rank 0's output is unprefixed: {report}"
+        );
+        assert_eq!(read_dumps(&tcp_dir), read_dumps(&local_dir), "case {case}");
+        let _ = std::fs::remove_dir_all(&local_dir);
+        let _ = std::fs::remove_dir_all(&tcp_dir);
+    }
+}
+
+/// kill -9 of a random rank at a random moment: every other rank exits non-zero, naming it,
+/// within the timeout; nothing hangs and no process is left.
+#[test]
+fn killing_a_rank_fails_every_other_rank() {
+    let world = 6;
+    let args = [
+        "run",
+        "--shape",
+        "2048,4096",
+        "--dtype",
+        "f32",
+        "--src",
+        "mesh=4 place=S(0)",
+        "--dst",
+        "mesh=2 place=S(1)",
+        "--transport",
+        "tcp",
+        "--verify",
+        "--timeout",
+        "3",
+        "--chunk-bytes",
+        "256KiB",
+    ];
+    let mut rng = Lcg(42);
+    let (mut hits, mut tries) = (0, 0);
+    while hits < 20 {
+        tries += 1;
+        assert!(
+            tries <= 60,
+            "only {hits} of {tries} kills landed before the job ended"
+        );
+        let port = free_port();
+        let mut ranks: Vec<Child> = (0..world)
+            .map(|r| spawn_rank(r, world, port, "kill-test", &args))
+            .collect();
+        let victim = rng.below(world as u64) as usize;
+        std::thread::sleep(Duration::from_millis(rng.below(400)));
+        if ranks[victim].try_wait().unwrap().is_some() {
+            // the job ended before the kill: not a trial
+            for r in ranks {
+                wait_bounded(r, Duration::from_secs(30), "a finished rank");
+            }
+            continue;
+        }
+        ranks[victim].kill().unwrap();
+        hits += 1;
+        for (rank, child) in ranks.into_iter().enumerate() {
+            let out = wait_bounded(child, Duration::from_secs(30), &format!("rank {rank}"));
+            if rank == victim {
+                continue;
+            }
+            let err = text(&out.stderr);
+            assert!(
+                !out.status.success(),
+                "rank {rank} survived the kill of rank {victim}"
+            );
+            assert!(
+                err.contains(&format!("rank {victim}")),
+                "rank {rank} does not name rank {victim}: {err}"
+            );
+            assert!(!err.contains("panicked"), "{err}");
+        }
+    }
+}
+
+/// A process without the job's token, or from a job of another size, is refused.
+#[test]
+fn connections_without_the_token_are_refused() {
+    let args = [
+        "run",
+        "--shape",
+        "8,8",
+        "--src",
+        "mesh=1 place=R",
+        "--dst",
+        "mesh=1 ranks=1 place=R",
+        "--transport",
+        "tcp",
+        "--timeout",
+        "3",
+    ];
+    let port = free_port();
+    let root = spawn_rank(0, 2, port, "right", &args);
+    let intruder = spawn_rank(1, 2, port, "wrong", &args);
+    let out = wait_bounded(intruder, Duration::from_secs(20), "the intruder");
+    assert!(!out.status.success());
+    assert!(
+        text(&out.stderr).contains("refused: wrong job token"),
+        "{}",
+        text(&out.stderr)
+    );
+    let stranger = spawn_rank(1, 3, port, "right", &args);
+    let out = wait_bounded(stranger, Duration::from_secs(20), "the stranger");
+    assert!(!out.status.success());
+    assert!(
+        text(&out.stderr).contains("world size 3 does not match"),
+        "{}",
+        text(&out.stderr)
+    );
+    // garbage on the rendezvous port is dropped, and the job goes on
+    let mut garbage = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    let _ = garbage.write_all(b"GET / HTTP/1.1\r\n\r\n\xff\xff\xff\xff");
+    drop(garbage);
+    let member = spawn_rank(1, 2, port, "right", &args);
+    let out = wait_bounded(member, Duration::from_secs(20), "the member");
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let out = wait_bounded(root, Duration::from_secs(20), "rank 0");
+    assert!(out.status.success(), "{}", text(&out.stderr));
+}
+
+/// A rank that never comes: the others fail within the timeout, naming it.
+#[test]
+fn a_missing_rank_is_named() {
+    let args = [
+        "run",
+        "--shape",
+        "8,8",
+        "--src",
+        "mesh=2 place=S(0)",
+        "--dst",
+        "mesh=1 place=R",
+        "--transport",
+        "tcp",
+        "--timeout",
+        "2",
+    ];
+    let port = free_port();
+    let ranks: Vec<Child> = [0, 1]
+        .iter()
+        .map(|&r| spawn_rank(r, 3, port, "t", &args))
+        .collect();
+    for (rank, child) in ranks.into_iter().enumerate() {
+        let out = wait_bounded(child, Duration::from_secs(20), "a rank");
+        assert!(!out.status.success());
+        assert!(
+            text(&out.stderr).contains("ranks [2] never joined"),
+            "rank {rank}: {}",
+            text(&out.stderr)
+        );
+    }
+}
+
+#[test]
+fn launch_fails_when_its_ranks_fail() {
+    let out = Command::new(EXE)
+        .args([
+            "launch",
+            "--nproc",
+            "2",
+            "--",
+            "run",
+            "--shape",
+            "8",
+            "--src",
+            "mesh=4 place=S(0)",
+            "--dst",
+        ])
+        .args(["mesh=1 place=R", "--transport", "tcp"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = text(&out.stderr);
+    assert!(
+        err.contains("[rank 1] error: WORLD_SIZE=\"2\" is invalid"),
+        "{err}"
+    );
+    assert!(
+        err.contains("[launch] rank ") && err.contains("failed; the job failed"),
+        "{err}"
+    );
+}
