@@ -250,16 +250,18 @@ fn rank_part(
     };
     let stats = exec::run_rank(job, &transport, options)?;
     let seconds = started.elapsed().as_secs_f64();
-    if let (true, Some(b), Some(buf)) = (args.verify, &dst_box, &shard) {
-        if let Some((offset, expected, found, mismatches)) = fill.check_region(plan.dst(), b, buf) {
-            return Err(Error::VerifyFailed {
-                rank,
-                offset,
-                expected,
-                found,
-                mismatches,
-            });
-        }
+    let mismatch = match (args.verify, &dst_box, &shard) {
+        (true, Some(b), Some(buf)) => fill.check_region(plan.dst(), b, buf),
+        _ => None,
+    };
+    if let Some((offset, expected, found, mismatches)) = mismatch {
+        return Err(Error::VerifyFailed {
+            rank,
+            offset,
+            expected,
+            found,
+            mismatches,
+        });
     }
     if let (Some(dir), Some(buf)) = (&args.dump, &shard) {
         dump(dir, [(rank, buf.as_slice())])?;
