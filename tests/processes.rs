@@ -119,11 +119,20 @@ fn read_dumps(dir: &Path) -> Vec<(String, Vec<u8>)> {
     files
 }
 
-/// The same random layouts over tcp (one process per rank) and in one process: both verify,
-/// and every destination buffer is identical.
+/// The same random layouts over tcp and shm (one process per rank) and in one process: all
+/// verify, and every destination buffer is identical.
 #[test]
 fn tcp_runs_match_local_runs() {
-    let mut rng = Lcg(0x5eed);
+    runs_match_local_runs("tcp", 0x5eed);
+}
+
+#[test]
+fn shm_runs_match_local_runs() {
+    runs_match_local_runs("shm", 0xfeed);
+}
+
+fn runs_match_local_runs(transport: &str, seed: u64) {
+    let mut rng = Lcg(seed);
     for case in 0..24 {
         let ndim = 1 + rng.below(3) as usize;
         let shape: Vec<String> = (0..ndim).map(|_| rng.below(10).to_string()).collect();
@@ -155,8 +164,8 @@ fn tcp_runs_match_local_runs() {
             "20",
         ];
         let (local_dir, tcp_dir) = (
-            temp_dir(&format!("local{case}")),
-            temp_dir(&format!("tcp{case}")),
+            temp_dir(&format!("{transport}-local{case}")),
+            temp_dir(&format!("{transport}{case}")),
         );
         let local = Command::new(EXE)
             .args(common)
@@ -176,12 +185,17 @@ fn tcp_runs_match_local_runs() {
         let child = Command::new(EXE)
             .args(["launch", "--nproc", &world.to_string(), "--"])
             .args(common)
-            .args(["--transport", "tcp", "--dump", tcp_dir.to_str().unwrap()])
+            .args([
+                "--transport",
+                transport,
+                "--dump",
+                tcp_dir.to_str().unwrap(),
+            ])
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
             .unwrap();
-        let tcp = wait_bounded(child, Duration::from_secs(60), "a tcp run");
+        let tcp = wait_bounded(child, Duration::from_secs(60), "a multi-process run");
         let report = text(&tcp.stdout);
         assert!(
             tcp.status.success(),
@@ -189,7 +203,7 @@ fn tcp_runs_match_local_runs() {
             text(&tcp.stderr)
         );
         assert!(
-            report.contains("over tcp") && report.contains("verify"),
+            report.contains(&format!("over {transport}")) && report.contains("verify"),
             "{report}"
         );
         assert!(
@@ -205,7 +219,16 @@ fn tcp_runs_match_local_runs() {
 /// kill -9 of a random rank at a random moment: every other rank exits non-zero, naming it,
 /// within the timeout; nothing hangs and no process is left.
 #[test]
-fn killing_a_rank_fails_every_other_rank() {
+fn killing_a_rank_fails_every_other_rank_over_tcp() {
+    kill_trials("tcp", 42);
+}
+
+#[test]
+fn killing_a_rank_fails_every_other_rank_over_shm() {
+    kill_trials("shm", 43);
+}
+
+fn kill_trials(transport: &str, seed: u64) {
     let world = 6;
     let args = [
         "run",
@@ -218,14 +241,14 @@ fn killing_a_rank_fails_every_other_rank() {
         "--dst",
         "mesh=2 place=S(1)",
         "--transport",
-        "tcp",
+        transport,
         "--verify",
         "--timeout",
         "3",
         "--chunk-bytes",
         "256KiB",
     ];
-    let mut rng = Lcg(42);
+    let mut rng = Lcg(seed);
     let (mut hits, mut tries) = (0, 0);
     while hits < 20 {
         tries += 1;
@@ -369,7 +392,7 @@ fn launch_fails_when_its_ranks_fail() {
         "{err}"
     );
     assert!(
-        err.contains("[launch] rank ") && err.contains("failed; the job failed"),
+        err.contains("[launch] rank ") && err.contains("the job failed"),
         "{err}"
     );
 }

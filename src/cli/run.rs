@@ -9,7 +9,9 @@ use std::time::Instant;
 
 use reshard::exec::{self, ExecOptions, RankJob};
 use reshard::fill::Fill;
+use reshard::transport::Transport;
 use reshard::transport::group::{Group, GroupEnv};
+use reshard::transport::shm::ShmTransport;
 use reshard::transport::tcp::TcpTransport;
 use reshard::{Error, Plan, Rank};
 use serde::Serialize;
@@ -25,8 +27,23 @@ pub enum TransportKind {
     /// Processes and hosts over TCP (under `reshard launch`, `mpirun`, or hand-set RANK,
     /// WORLD_SIZE, MASTER_ADDR, MASTER_PORT).
     Tcp,
-    /// The best transport for where the ranks are: local in one process, tcp between processes.
+    /// Processes on one host: receivers copy straight from the senders' memory
+    /// (cross-memory attach), control over TCP.
+    Shm,
+    /// The best transport for where the ranks are: local in one process; between processes,
+    /// shm for peers on the same host and tcp for the others.
     Auto,
+}
+
+impl TransportKind {
+    fn name(self) -> &'static str {
+        match self {
+            TransportKind::Local => "local",
+            TransportKind::Tcp => "tcp",
+            TransportKind::Shm => "shm",
+            TransportKind::Auto => "auto",
+        }
+    }
 }
 
 #[derive(Args, Debug)]
@@ -106,23 +123,26 @@ pub fn main(args: &RunArgs) -> Result<(), Failure> {
     let options = args.options()?;
     let env = GroupEnv::from_env()?;
     match (args.transport, env) {
-        (TransportKind::Local | TransportKind::Auto, None) => run_threads(args, &plan, fill, &options),
-        (TransportKind::Tcp | TransportKind::Auto, Some(env)) => run_process(args, &plan, fill, &options, env),
+        (TransportKind::Local | TransportKind::Auto, None) => {
+            run_threads(args, &plan, fill, &options)
+        }
         (TransportKind::Local, Some(env)) => Err(Failure::Input(Error::InvalidOption {
             field: "--transport",
             value: "local".into(),
             reason: format!(
-                "local runs every rank as a thread of one process, but this is rank {} of {} processes; use tcp or auto",
+                "local runs every rank as a thread of one process, but this is rank {} of {} \
+                 processes; use tcp, shm or auto",
                 env.rank, env.world
             ),
         })),
-        (TransportKind::Tcp, None) => Err(Failure::Input(Error::InvalidOption {
+        (kind, None) => Err(Failure::Input(Error::InvalidOption {
             field: "--transport",
-            value: "tcp".into(),
-            reason: "tcp runs one rank per process: start it with `reshard launch --nproc N -- run ...`, \
-                     mpirun, or RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set by hand"
+            value: kind.name().into(),
+            reason: "it runs one rank per process: start it with `reshard launch --nproc N -- \
+                     run ...`, mpirun, or RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set by hand"
                 .into(),
         })),
+        (_, Some(env)) => run_process(args, &plan, fill, &options, env),
     }
 }
 
@@ -205,7 +225,12 @@ fn run_process(
                 .max()
                 .unwrap_or(0),
         };
-        report(args, plan, &summary, "tcp", args.verify);
+        let name = match args.transport {
+            TransportKind::Tcp => "tcp",
+            TransportKind::Shm => "shm",
+            _ => "auto (shm between processes on one host, tcp between hosts)",
+        };
+        report(args, plan, &summary, name, args.verify);
     }
     Ok(())
 }
@@ -237,7 +262,28 @@ fn rank_part(
         .map(|t| t.dst)
         .chain(rank_plan.recvs.iter().map(|t| t.src))
         .collect();
-    let transport = TcpTransport::new(rank, group.connect_peers(&peers)?, options.timeout)?;
+    let links = TcpTransport::new(rank, group.connect_peers(&peers)?, options.timeout)?;
+    let transport: Box<dyn Transport<'_> + '_> = match args.transport {
+        TransportKind::Tcp => Box::new(links),
+        TransportKind::Shm => {
+            if let Some(&far) = peers.iter().find(|&&p| !group.same_host(p)) {
+                return Err(Error::InvalidOption {
+                    field: "--transport",
+                    value: "shm".into(),
+                    reason: format!("rank {far} runs on another host; use tcp or auto"),
+                });
+            }
+            Box::new(ShmTransport::new(links, peers.clone()))
+        }
+        _ => {
+            let near = peers
+                .iter()
+                .copied()
+                .filter(|&p| group.same_host(p))
+                .collect();
+            Box::new(ShmTransport::new(links, near))
+        }
+    };
 
     // Only the data phase is timed: every rank starts it together.
     group.barrier()?;
@@ -248,7 +294,7 @@ fn rank_part(
         src: src_box.as_ref().zip(source.as_deref()),
         dst: dst_box.as_ref().zip(shard.as_deref_mut()),
     };
-    let stats = exec::run_rank(job, &transport, options)?;
+    let stats = exec::run_rank(job, &*transport, options)?;
     let seconds = started.elapsed().as_secs_f64();
     let mismatch = match (args.verify, &dst_box, &shard) {
         (true, Some(b), Some(buf)) => fill.check_region(plan.dst(), b, buf),

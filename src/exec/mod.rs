@@ -119,7 +119,7 @@ pub struct RankJob<'buf, 'dst> {
 }
 
 /// Runs one rank's part of a plan over `transport`.
-pub fn run_rank<'buf, T: Transport<'buf>>(
+pub fn run_rank<'buf, T: Transport<'buf> + ?Sized>(
     job: RankJob<'buf, '_>,
     transport: &T,
     options: &ExecOptions,

@@ -378,6 +378,13 @@ impl Group {
         self.timeout
     }
 
+    /// Whether `peer` runs on this host (same address as this rank, or both loopback), so
+    /// that its memory can be read directly.
+    pub fn same_host(&self, peer: Rank) -> bool {
+        let (mine, theirs) = (self.addrs[self.env.rank].ip(), self.addrs[peer].ip());
+        mine == theirs || (mine.is_loopback() && theirs.is_loopback())
+    }
+
     /// Opens an authenticated link to every rank in `peers` (both sides must name each other):
     /// the higher rank connects, the lower accepts.
     pub fn connect_peers(&self, peers: &BTreeSet<Rank>) -> Result<BTreeMap<Rank, TcpStream>> {

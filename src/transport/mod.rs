@@ -10,6 +10,7 @@
 pub mod frame;
 pub mod group;
 pub mod local;
+pub mod shm;
 pub mod tcp;
 
 use std::ops::Range;

@@ -6,8 +6,8 @@
 use std::collections::BTreeMap;
 use std::io::{IoSlice, IoSliceMut, Read, Write};
 use std::net::TcpStream;
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
 use crate::error::{Error, Result};
@@ -72,7 +72,32 @@ impl TcpTransport {
         })
     }
 
-    fn fail(&self, peer: Rank, what: String, e: FrameError) -> Error {
+    pub fn rank(&self) -> Rank {
+        self.rank
+    }
+
+    /// The stream that writes to `peer`, locked.
+    pub(crate) fn writer(&self, peer: Rank) -> Result<MutexGuard<'_, TcpStream>> {
+        let w = self.writers.get(&peer).ok_or_else(|| Error::Protocol {
+            rank: self.rank,
+            peer,
+            detail: "no link to this peer: the plans of the two ranks disagree".into(),
+        })?;
+        Ok(w.lock().unwrap_or_else(|p| p.into_inner()))
+    }
+
+    /// The stream that reads from `peer`, locked.
+    pub(crate) fn reader(&self, peer: Rank) -> Result<MutexGuard<'_, TcpStream>> {
+        let r = self.readers.get(&peer).ok_or_else(|| Error::Protocol {
+            rank: self.rank,
+            peer,
+            detail: "no link from this peer: the plans of the two ranks disagree".into(),
+        })?;
+        Ok(r.lock().unwrap_or_else(|p| p.into_inner()))
+    }
+
+    /// The error for a failed frame exchange with `peer` while moving `what`.
+    pub(crate) fn fail(&self, peer: Rank, what: String, e: FrameError) -> Error {
         match e {
             FrameError::Closed => Error::PeerGone {
                 rank: self.rank,
@@ -210,12 +235,7 @@ impl<'buf> Transport<'buf> for TcpTransport {
     fn send(&self, chunk: Outgoing<'buf>) -> Result<()> {
         let peer = chunk.to;
         let what = || format!("bytes {:?} of {} to rank {peer}", chunk.range, chunk.region);
-        let writer = self.writers.get(&peer).ok_or_else(|| Error::Protocol {
-            rank: self.rank,
-            peer,
-            detail: "no link to this peer: the plans of the two ranks disagree".into(),
-        })?;
-        let mut w = writer.lock().unwrap_or_else(|p| p.into_inner());
+        let mut w = self.writer(peer)?;
         let g = CopyGeometry::new(
             chunk.region,
             Place::Within(chunk.src_box),
@@ -242,12 +262,7 @@ impl<'buf> Transport<'buf> for TcpTransport {
             "bytes {:?} of {} from rank {peer}",
             chunk.range, chunk.region
         );
-        let reader = self.readers.get(&peer).ok_or_else(|| Error::Protocol {
-            rank: self.rank,
-            peer,
-            detail: "no link from this peer: the plans of the two ranks disagree".into(),
-        })?;
-        let mut r = reader.lock().unwrap_or_else(|p| p.into_inner());
+        let mut r = self.reader(peer)?;
         frame::read_data_header(&mut *r, chunk.len() as u64)
             .map_err(|e| self.fail(peer, what.clone(), e))?;
         let g = CopyGeometry::new(
