@@ -3,11 +3,13 @@
 
 use std::io::Write;
 use std::net::{TcpListener, TcpStream};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
-use std::time::{Duration, Instant};
 
-const EXE: &str = env!("CARGO_BIN_EXE_reshard");
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+mod common;
+
+use common::{EXE, Lcg, random_spec, read_dumps, temp_dir, text, wait_bounded};
 
 fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")
@@ -15,16 +17,6 @@ fn free_port() -> u16 {
         .local_addr()
         .unwrap()
         .port()
-}
-
-fn temp_dir(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("reshard-proc-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    dir
-}
-
-fn text(bytes: &[u8]) -> String {
-    String::from_utf8_lossy(bytes).into_owned()
 }
 
 /// One rank of a job started by hand, as on several hosts.
@@ -41,82 +33,6 @@ fn spawn_rank(rank: usize, world: usize, port: u16, token: &str, args: &[&str]) 
         .stderr(Stdio::piped())
         .spawn()
         .unwrap()
-}
-
-/// Waits for a child, killing it (and failing) if it runs past `limit`: a hang.
-fn wait_bounded(mut child: Child, limit: Duration, what: &str) -> Output {
-    let started = Instant::now();
-    loop {
-        if child.try_wait().unwrap().is_some() {
-            return child.wait_with_output().unwrap();
-        }
-        if started.elapsed() > limit {
-            let _ = child.kill();
-            let out = child.wait_with_output().unwrap();
-            panic!("{what} hung for {limit:?}; stderr: {}", text(&out.stderr));
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
-}
-
-/// A tiny deterministic generator, so that every run tests the same layouts.
-struct Lcg(u64);
-
-impl Lcg {
-    fn below(&mut self, n: u64) -> u64 {
-        self.0 = self
-            .0
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        (self.0 >> 33) % n
-    }
-}
-
-/// A random layout spec over ranks drawn from `0..world`.
-fn random_spec(rng: &mut Lcg, ndim: usize, world: u64) -> String {
-    loop {
-        let axes = 1 + rng.below(2) as usize;
-        let dims: Vec<u64> = (0..axes).map(|_| 1 + rng.below(3)).collect();
-        let size: u64 = dims.iter().product();
-        if size > world {
-            continue;
-        }
-        let mut pool: Vec<u64> = (0..world).collect();
-        let ranks: Vec<String> = (0..size)
-            .map(|_| {
-                pool.remove(rng.below(pool.len() as u64) as usize)
-                    .to_string()
-            })
-            .collect();
-        let place: Vec<String> = (0..axes)
-            .map(|_| match rng.below(4) {
-                0 => "R".to_string(),
-                _ => format!("S({})", rng.below(ndim as u64)),
-            })
-            .collect();
-        let mesh: Vec<String> = dims.iter().map(u64::to_string).collect();
-        return format!(
-            "mesh={} ranks={} place={}",
-            mesh.join("x"),
-            ranks.join(","),
-            place.join(",")
-        );
-    }
-}
-
-fn read_dumps(dir: &Path) -> Vec<(String, Vec<u8>)> {
-    let mut files: Vec<(String, Vec<u8>)> = std::fs::read_dir(dir)
-        .unwrap()
-        .map(|e| {
-            let e = e.unwrap();
-            (
-                e.file_name().to_string_lossy().into_owned(),
-                std::fs::read(e.path()).unwrap(),
-            )
-        })
-        .collect();
-    files.sort();
-    files
 }
 
 /// The same random layouts over tcp and shm (one process per rank) and in one process: all

@@ -9,10 +9,10 @@ use std::time::Instant;
 
 use reshard::exec::{self, ExecOptions, RankJob};
 use reshard::fill::Fill;
-use reshard::transport::Transport;
 use reshard::transport::group::{Group, GroupEnv};
 use reshard::transport::shm::ShmTransport;
 use reshard::transport::tcp::TcpTransport;
+use reshard::transport::{Job, Transport};
 use reshard::{Error, Plan, Rank};
 use serde::Serialize;
 
@@ -30,8 +30,11 @@ pub enum TransportKind {
     /// Processes on one host: receivers copy straight from the senders' memory
     /// (cross-memory attach), control over TCP.
     Shm,
+    /// The site's MPI, under mpirun (build with `--features mpi`).
+    Mpi,
     /// The best transport for where the ranks are: local in one process; between processes,
-    /// shm for peers on the same host and tcp for the others.
+    /// shm for peers on the same host and tcp for the others; mpi under mpirun when built
+    /// with MPI and no MASTER_PORT is set.
     Auto,
 }
 
@@ -41,6 +44,7 @@ impl TransportKind {
             TransportKind::Local => "local",
             TransportKind::Tcp => "tcp",
             TransportKind::Shm => "shm",
+            TransportKind::Mpi => "mpi",
             TransportKind::Auto => "auto",
         }
     }
@@ -84,7 +88,7 @@ pub struct RunArgs {
 struct RunJson {
     shape: Vec<u64>,
     dtype: String,
-    transport: &'static str,
+    transport: String,
     seconds: f64,
     dst_bytes: u64,
     bytes_remote: u64,
@@ -122,8 +126,9 @@ pub fn main(args: &RunArgs) -> Result<(), Failure> {
     let fill: Fill = args.fill.parse()?;
     let options = args.options()?;
     let env = GroupEnv::from_env()?;
+    let mpi_auto = args.transport == TransportKind::Auto && cfg!(feature = "mpi") && under_mpirun();
     match (args.transport, env) {
-        (TransportKind::Local | TransportKind::Auto, None) => {
+        (TransportKind::Local | TransportKind::Auto, None) if !mpi_auto => {
             run_threads(args, &plan, fill, &options)
         }
         (TransportKind::Local, Some(env)) => Err(Failure::Input(Error::InvalidOption {
@@ -135,14 +140,7 @@ pub fn main(args: &RunArgs) -> Result<(), Failure> {
                 env.rank, env.world
             ),
         })),
-        (kind, None) => Err(Failure::Input(Error::InvalidOption {
-            field: "--transport",
-            value: kind.name().into(),
-            reason: "it runs one rank per process: start it with `reshard launch --nproc N -- \
-                     run ...`, mpirun, or RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set by hand"
-                .into(),
-        })),
-        (_, Some(env)) => run_process(args, &plan, fill, &options, env),
+        (_, env) => run_process(args, &plan, fill, &options, env),
     }
 }
 
@@ -176,29 +174,118 @@ fn run_threads(
     Ok(())
 }
 
+/// Checks that the job has a process for every rank the layouts use.
+fn check_world(plan: &Plan, world: usize) -> Result<(), Error> {
+    let highest = plan.ranks().last().copied().unwrap_or(0);
+    if highest >= world {
+        return Err(Error::Env {
+            var: "WORLD_SIZE",
+            value: world.to_string(),
+            reason: format!(
+                "the layouts use ranks up to {highest}, so the job needs at least {} processes",
+                highest + 1
+            ),
+        });
+    }
+    Ok(())
+}
+
 /// This process is one rank of a job; rank 0 reports for all.
 fn run_process(
     args: &RunArgs,
     plan: &Plan,
     fill: Fill,
     options: &ExecOptions,
-    env: GroupEnv,
+    env: Option<GroupEnv>,
 ) -> Result<(), Failure> {
-    let highest = plan.ranks().last().copied().unwrap_or(0);
-    if highest >= env.world {
-        return Err(Failure::Input(Error::Env {
-            var: "WORLD_SIZE",
-            value: env.world.to_string(),
-            reason: format!(
-                "the layouts use ranks up to {highest}, so the job needs at least {} processes",
-                highest + 1
-            ),
-        }));
-    }
-    let rank = env.rank;
-    check_memory(plan, Some(rank))?;
+    let env = match (args.transport, env) {
+        (TransportKind::Mpi, _) => return run_mpi(args, plan, fill, options),
+        (TransportKind::Auto, None) if cfg!(feature = "mpi") && under_mpirun() => {
+            return run_mpi(args, plan, fill, options);
+        }
+        (_, Some(env)) => env,
+        (kind, None) => {
+            return Err(Failure::Input(Error::InvalidOption {
+                field: "--transport",
+                value: kind.name().into(),
+                reason: "it runs one rank per process: start it with `reshard launch --nproc N -- \
+                         run ...`, or set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT (also \
+                         under mpirun, with -x)"
+                    .into(),
+            }));
+        }
+    };
+    check_world(plan, env.world)?;
+    check_memory(plan, Some(env.rank))?;
     let group = Group::join(env, options.timeout)?;
-    let outcome = rank_part(args, plan, fill, options, &group);
+    let kind = args.transport;
+    process_rank(args, plan, fill, options, &group, |peers| {
+        let links = TcpTransport::new(group.rank(), group.connect_peers(peers)?, options.timeout)?;
+        let transport: Box<dyn for<'b> Transport<'b> + '_> = match kind {
+            TransportKind::Tcp => Box::new(links),
+            TransportKind::Shm => {
+                if let Some(&far) = peers.iter().find(|&&p| !group.same_host(p)) {
+                    return Err(Error::InvalidOption {
+                        field: "--transport",
+                        value: "shm".into(),
+                        reason: format!("rank {far} runs on another host; use tcp or auto"),
+                    });
+                }
+                Box::new(ShmTransport::new(links, peers.clone()))
+            }
+            _ => {
+                let near = peers
+                    .iter()
+                    .copied()
+                    .filter(|&p| group.same_host(p))
+                    .collect();
+                Box::new(ShmTransport::new(links, near))
+            }
+        };
+        Ok(transport)
+    })
+}
+
+/// Whether this process was started by OpenMPI's or another PMI launcher.
+fn under_mpirun() -> bool {
+    ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"]
+        .iter()
+        .any(|v| std::env::var_os(v).is_some())
+}
+
+#[cfg(feature = "mpi")]
+fn run_mpi(args: &RunArgs, plan: &Plan, fill: Fill, options: &ExecOptions) -> Result<(), Failure> {
+    use reshard::transport::mpi::MpiJob;
+    let job = MpiJob::init()?;
+    check_world(plan, job.world())?;
+    check_memory(plan, Some(job.rank()))?;
+    process_rank(args, plan, fill, options, &job, |_| {
+        Ok(Box::new(job.transport()) as Box<dyn for<'b> Transport<'b> + '_>)
+    })
+}
+
+#[cfg(not(feature = "mpi"))]
+fn run_mpi(_: &RunArgs, _: &Plan, _: Fill, _: &ExecOptions) -> Result<(), Failure> {
+    Err(Failure::Input(Error::InvalidOption {
+        field: "--transport",
+        value: "mpi".into(),
+        reason: "this reshard was built without MPI; build it with `cargo build --release --features mpi` \
+                 (needs an MPI library such as Debian's libopenmpi-dev, and libclang-dev)"
+            .into(),
+    }))
+}
+
+/// Runs this rank's part under `job`, then reports; rank 0 prints the job's report.
+fn process_rank<'j, J: Job>(
+    args: &RunArgs,
+    plan: &Plan,
+    fill: Fill,
+    options: &ExecOptions,
+    job: &'j J,
+    connect: impl FnOnce(&BTreeSet<Rank>) -> Result<Box<dyn for<'b> Transport<'b> + 'j>, Error>,
+) -> Result<(), Failure> {
+    let rank = job.rank();
+    let outcome = rank_part(args, plan, fill, options, job, connect);
     if let Err(e) = &outcome {
         eprintln!("error: {e}");
         if matches!(e, Error::JobFailed { .. }) {
@@ -206,7 +293,7 @@ fn run_process(
             return Err(Failure::Run(outcome.unwrap_err()));
         }
     }
-    let reports = group.finish(outcome.map_err(|e| e.to_string()))?;
+    let reports = job.finish(outcome.map_err(|e| e.to_string()))?;
     if rank == 0 {
         let field = |r: &serde_json::Value, k: &str| r[k].as_f64().unwrap_or(0.0);
         let summary = Summary {
@@ -225,26 +312,27 @@ fn run_process(
                 .max()
                 .unwrap_or(0),
         };
-        let name = match args.transport {
-            TransportKind::Tcp => "tcp",
-            TransportKind::Shm => "shm",
-            _ => "auto (shm between processes on one host, tcp between hosts)",
-        };
-        report(args, plan, &summary, name, args.verify);
+        let name = reports
+            .first()
+            .and_then(|r| r["transport"].as_str())
+            .unwrap_or("?")
+            .to_string();
+        report(args, plan, &summary, &name, args.verify);
     }
     Ok(())
 }
 
 /// This rank's share of a multi-process run: its shards, its links, its transfers, its check.
 /// Returns the report it sends to rank 0.
-fn rank_part(
+fn rank_part<'j, J: Job>(
     args: &RunArgs,
     plan: &Plan,
     fill: Fill,
     options: &ExecOptions,
-    group: &Group,
+    job: &'j J,
+    connect: impl FnOnce(&BTreeSet<Rank>) -> Result<Box<dyn for<'b> Transport<'b> + 'j>, Error>,
 ) -> Result<serde_json::Value, Error> {
-    let rank = group.rank();
+    let rank = job.rank();
     let rank_plan = reshard::plan::rank_plan(plan.src(), plan.dst(), rank, &plan.options())?;
     let src_box = plan.src().local_region(rank);
     let dst_box = plan.dst().local_region(rank);
@@ -262,39 +350,18 @@ fn rank_part(
         .map(|t| t.dst)
         .chain(rank_plan.recvs.iter().map(|t| t.src))
         .collect();
-    let links = TcpTransport::new(rank, group.connect_peers(&peers)?, options.timeout)?;
-    let transport: Box<dyn Transport<'_> + '_> = match args.transport {
-        TransportKind::Tcp => Box::new(links),
-        TransportKind::Shm => {
-            if let Some(&far) = peers.iter().find(|&&p| !group.same_host(p)) {
-                return Err(Error::InvalidOption {
-                    field: "--transport",
-                    value: "shm".into(),
-                    reason: format!("rank {far} runs on another host; use tcp or auto"),
-                });
-            }
-            Box::new(ShmTransport::new(links, peers.clone()))
-        }
-        _ => {
-            let near = peers
-                .iter()
-                .copied()
-                .filter(|&p| group.same_host(p))
-                .collect();
-            Box::new(ShmTransport::new(links, near))
-        }
-    };
+    let transport = connect(&peers)?;
 
     // Only the data phase is timed: every rank starts it together.
-    group.barrier()?;
+    job.barrier()?;
     let started = Instant::now();
-    let job = RankJob {
+    let work = RankJob {
         plan: &rank_plan,
         src_layout: plan.src(),
         src: src_box.as_ref().zip(source.as_deref()),
         dst: dst_box.as_ref().zip(shard.as_deref_mut()),
     };
-    let stats = exec::run_rank(job, &*transport, options)?;
+    let stats = exec::run_rank(work, &*transport, options)?;
     let seconds = started.elapsed().as_secs_f64();
     let mismatch = match (args.verify, &dst_box, &shard) {
         (true, Some(b), Some(buf)) => fill.check_region(plan.dst(), b, buf),
@@ -313,6 +380,7 @@ fn rank_part(
         dump(dir, [(rank, buf.as_slice())])?;
     }
     Ok(serde_json::json!({
+        "transport": transport.name(),
         "seconds": seconds,
         "bytes_remote": stats.bytes_received,
         "bytes_local": stats.bytes_local,
@@ -379,7 +447,7 @@ struct Summary {
     peak_staging: u64,
 }
 
-fn report(args: &RunArgs, plan: &Plan, stats: &Summary, transport: &'static str, verified: bool) {
+fn report(args: &RunArgs, plan: &Plan, stats: &Summary, transport: &str, verified: bool) {
     let totals = plan.totals();
     let dst_bytes: u64 = plan
         .dst()
@@ -394,7 +462,7 @@ fn report(args: &RunArgs, plan: &Plan, stats: &Summary, transport: &'static str,
         let json = RunJson {
             shape: plan.src().shape().to_vec(),
             dtype: plan.src().dtype().to_string(),
-            transport,
+            transport: transport.to_string(),
             seconds,
             dst_bytes,
             bytes_remote: stats.bytes_remote,

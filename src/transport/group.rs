@@ -38,8 +38,25 @@ impl GroupEnv {
     pub fn from_env() -> Result<Option<GroupEnv>> {
         let var = |name: &'static str| std::env::var(name).ok();
         if var("RANK").is_none() && var("WORLD_SIZE").is_none() {
+            // under mpirun, with MASTER_ADDR and MASTER_PORT passed along (-x), MPI's numbering
+            // serves the tcp and shm transports too
+            if let (Some(rank), Some(world), Some(_)) = (
+                var("OMPI_COMM_WORLD_RANK"),
+                var("OMPI_COMM_WORLD_SIZE"),
+                var("MASTER_PORT"),
+            ) {
+                return Self::from_vars(|name| match name {
+                    "RANK" => Some(rank.clone()),
+                    "WORLD_SIZE" => Some(world.clone()),
+                    other => std::env::var(other).ok(),
+                });
+            }
             return Ok(None);
         }
+        Self::from_vars(var)
+    }
+
+    fn from_vars(var: impl Fn(&'static str) -> Option<String>) -> Result<Option<GroupEnv>> {
         let need = |name: &'static str| {
             var(name).ok_or(Error::Env {
                 var: name,
@@ -366,14 +383,6 @@ impl Group {
         Ok(())
     }
 
-    pub fn rank(&self) -> Rank {
-        self.env.rank
-    }
-
-    pub fn world(&self) -> usize {
-        self.env.world
-    }
-
     pub fn timeout(&self) -> Duration {
         self.timeout
     }
@@ -497,7 +506,7 @@ impl Group {
 
     /// Waits until every rank has called `barrier`. If a rank failed or died before it,
     /// every rank returns [`Error::JobFailed`] naming it.
-    pub fn barrier(&self) -> Result<()> {
+    fn barrier_impl(&self) -> Result<()> {
         let rank = self.env.rank;
         if rank == 0 {
             let mut failures = Vec::new();
@@ -550,7 +559,7 @@ impl Group {
     /// Every rank reports how its part went; rank 0 decides for all. Returns every rank's
     /// report on rank 0 (indexed by rank) and nothing elsewhere, or the job's failures on every
     /// rank. A rank that does not report within the timeout counts as failed.
-    pub fn finish(
+    fn finish_impl(
         &self,
         mine: std::result::Result<serde_json::Value, String>,
     ) -> Result<Vec<serde_json::Value>> {
@@ -605,5 +614,26 @@ impl Group {
                 _ => Ok(Vec::new()),
             }
         }
+    }
+}
+
+impl super::Job for Group {
+    fn rank(&self) -> Rank {
+        self.env.rank
+    }
+
+    fn world(&self) -> usize {
+        self.env.world
+    }
+
+    fn barrier(&self) -> Result<()> {
+        self.barrier_impl()
+    }
+
+    fn finish(
+        &self,
+        mine: std::result::Result<serde_json::Value, String>,
+    ) -> Result<Vec<serde_json::Value>> {
+        self.finish_impl(mine)
     }
 }

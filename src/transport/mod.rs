@@ -10,6 +10,8 @@
 pub mod frame;
 pub mod group;
 pub mod local;
+#[cfg(feature = "mpi")]
+pub mod mpi;
 pub mod shm;
 pub mod tcp;
 
@@ -114,6 +116,24 @@ impl Incoming<'_> {
         g.copy(out.src, self.dst, self.range.clone());
         Ok(())
     }
+}
+
+/// The control plane of a multi-process run: a barrier and a common verdict.
+pub trait Job {
+    fn rank(&self) -> Rank;
+
+    /// Number of processes in the job.
+    fn world(&self) -> usize;
+
+    /// Waits until every rank has called `barrier`; fails on every rank if one failed before.
+    fn barrier(&self) -> Result<()>;
+
+    /// Every rank reports how its part went and rank 0 decides for all: every rank's report on
+    /// rank 0 (indexed by rank), nothing elsewhere, or [`crate::Error::JobFailed`] on every rank.
+    fn finish(
+        &self,
+        mine: std::result::Result<serde_json::Value, String>,
+    ) -> Result<Vec<serde_json::Value>>;
 }
 
 /// Moves chunks between ranks. One endpoint per rank; `send` and `recv` are called from

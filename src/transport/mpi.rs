@@ -1,0 +1,236 @@
+//! The site's MPI (behind the `mpi` feature): every rank is an MPI process started by
+//! `mpirun`, chunks move with `MPI_Send`/`MPI_Recv`, and the control plane is MPI's own. This is
+//! how reshard runs on clusters that already have MPI, InfiniBand included.
+//!
+//! Failure handling is MPI's: when a process dies, `mpirun` ends the job.
+
+use std::sync::{Mutex, MutexGuard};
+
+use mpi::Threading;
+use mpi::datatype::Equivalence;
+use mpi::environment::Universe;
+use mpi::topology::SimpleCommunicator;
+use mpi::traits::*;
+
+use crate::error::{Error, Result};
+use crate::exec::copy::{CopyGeometry, Place};
+use crate::layout::Rank;
+
+use super::{Incoming, Job, Outgoing, Transport};
+
+const DATA_TAG: i32 = 17;
+const CONTROL_TAG: i32 = 18;
+
+/// This process's membership in the MPI job; finalizes MPI when dropped.
+pub struct MpiJob {
+    world: SimpleCommunicator,
+    // dropped last: finalizes MPI
+    _universe: Universe,
+}
+
+impl MpiJob {
+    /// Initializes MPI with full thread support (sends and receives run on two threads).
+    pub fn init() -> Result<MpiJob> {
+        let (universe, threading) = mpi::initialize_with_threading(Threading::Multiple)
+            .ok_or_else(|| Error::InvalidOption {
+                field: "--transport",
+                value: "mpi".into(),
+                reason: "MPI is already initialized in this process".into(),
+            })?;
+        if threading != Threading::Multiple {
+            return Err(Error::InvalidOption {
+                field: "--transport",
+                value: "mpi".into(),
+                reason: format!(
+                    "this MPI library provides {threading:?} threading, and reshard needs MPI_THREAD_MULTIPLE"
+                ),
+            });
+        }
+        Ok(MpiJob {
+            world: universe.world(),
+            _universe: universe,
+        })
+    }
+
+    /// The data transport over this job's world communicator.
+    pub fn transport(&self) -> MpiTransport<'_> {
+        MpiTransport {
+            world: &self.world,
+            rank: self.world.rank() as Rank,
+            staging: [Mutex::new(Vec::new()), Mutex::new(Vec::new())],
+        }
+    }
+
+    fn send_json(&self, to: Rank, value: &serde_json::Value) {
+        let bytes = serde_json::to_vec(value).unwrap_or_default();
+        self.world
+            .process_at_rank(to as i32)
+            .send_with_tag(&bytes[..], CONTROL_TAG);
+    }
+
+    fn recv_json(&self, from: Rank) -> serde_json::Value {
+        let (bytes, _) = self
+            .world
+            .process_at_rank(from as i32)
+            .receive_vec_with_tag::<u8>(CONTROL_TAG);
+        serde_json::from_slice(&bytes).unwrap_or(serde_json::Value::Null)
+    }
+}
+
+impl Job for MpiJob {
+    fn rank(&self) -> Rank {
+        self.world.rank() as Rank
+    }
+
+    fn world(&self) -> usize {
+        self.world.size() as usize
+    }
+
+    fn barrier(&self) -> Result<()> {
+        self.world.barrier();
+        Ok(())
+    }
+
+    fn finish(
+        &self,
+        mine: std::result::Result<serde_json::Value, String>,
+    ) -> Result<Vec<serde_json::Value>> {
+        let rank = self.rank();
+        let status = |r: &std::result::Result<serde_json::Value, String>| match r {
+            Ok(v) => serde_json::json!({ "report": v }),
+            Err(e) => serde_json::json!({ "error": e }),
+        };
+        if rank == 0 {
+            let mut reports = vec![serde_json::Value::Null; self.world()];
+            let mut failures = Vec::new();
+            let mut take = |r: Rank, s: serde_json::Value| match s["error"].as_str() {
+                Some(e) => failures.push((r, e.to_string())),
+                None => reports[r] = s["report"].clone(),
+            };
+            take(0, status(&mine));
+            for r in 1..self.world() {
+                let s = self.recv_json(r);
+                take(r, s);
+            }
+            let verdict = serde_json::json!(failures);
+            for r in 1..self.world() {
+                self.send_json(r, &verdict);
+            }
+            if failures.is_empty() {
+                Ok(reports)
+            } else {
+                Err(Error::JobFailed { rank, failures })
+            }
+        } else {
+            self.send_json(0, &status(&mine));
+            let failures: Vec<(Rank, String)> =
+                serde_json::from_value(self.recv_json(0)).unwrap_or_default();
+            if failures.is_empty() {
+                Ok(Vec::new())
+            } else {
+                Err(Error::JobFailed { rank, failures })
+            }
+        }
+    }
+}
+
+/// Chunks as MPI messages: contiguous runs go straight from and to the shards, strided ones
+/// through a staging buffer of one chunk per direction.
+pub struct MpiTransport<'a> {
+    world: &'a SimpleCommunicator,
+    rank: Rank,
+    staging: [Mutex<Vec<u8>>; 2],
+}
+
+// SAFETY: MPI was initialized with MPI_THREAD_MULTIPLE (checked in `MpiJob::init`), so the
+// communicator may be used from the send and receive threads at once; the staging buffers are
+// behind locks.
+unsafe impl Sync for MpiTransport<'_> {}
+
+impl MpiTransport<'_> {
+    fn stage(&self, which: usize, len: usize) -> MutexGuard<'_, Vec<u8>> {
+        let mut buf = self.staging[which]
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        if buf.len() < len {
+            buf.resize(len, 0);
+        }
+        buf
+    }
+
+    fn check_len(&self, len: usize, peer: Rank) -> Result<()> {
+        if len > i32::MAX as usize {
+            return Err(Error::Protocol {
+                rank: self.rank,
+                peer,
+                detail: format!(
+                    "a chunk of {len} bytes is over MPI's 2^31 count limit; lower --chunk-bytes"
+                ),
+            });
+        }
+        Ok(())
+    }
+}
+
+impl<'buf> Transport<'buf> for MpiTransport<'_> {
+    fn name(&self) -> &'static str {
+        "mpi"
+    }
+
+    fn send(&self, chunk: Outgoing<'buf>) -> Result<()> {
+        self.check_len(chunk.len(), chunk.to)?;
+        let g = CopyGeometry::new(
+            chunk.region,
+            Place::Within(chunk.src_box),
+            Place::Stream,
+            chunk.elem_bytes,
+        );
+        let peer = self.world.process_at_rank(chunk.to as i32);
+        let mut single = None;
+        let mut pieces = 0;
+        g.for_each_run(chunk.range.clone(), |s, _, len| {
+            pieces += 1;
+            single = Some((s, len));
+        });
+        match single {
+            Some((s, len)) if pieces == 1 => peer.send_with_tag(&chunk.src[s..s + len], DATA_TAG),
+            _ => {
+                let mut buf = self.stage(0, chunk.len());
+                g.copy(chunk.src, &mut buf[..chunk.len()], chunk.range.clone());
+                peer.send_with_tag(&buf[..chunk.len()], DATA_TAG);
+            }
+        }
+        Ok(())
+    }
+
+    fn recv(&self, chunk: Incoming<'_>) -> Result<()> {
+        let from = chunk.from;
+        self.check_len(chunk.len(), from)?;
+        let g = CopyGeometry::new(
+            chunk.region,
+            Place::Stream,
+            Place::Within(chunk.dst_box),
+            chunk.elem_bytes,
+        );
+        let peer = self.world.process_at_rank(from as i32);
+        let mut buf = self.stage(1, chunk.len());
+        let status = peer.receive_into_with_tag(&mut buf[..chunk.len()], DATA_TAG);
+        let got = status.count(u8::equivalent_datatype()) as usize;
+        if got != chunk.len() {
+            return Err(Error::Protocol {
+                rank: self.rank,
+                peer: from,
+                detail: format!("a chunk of {got} bytes arrived, {} expected", chunk.len()),
+            });
+        }
+        g.copy(&buf[..chunk.len()], chunk.dst, chunk.range.clone());
+        Ok(())
+    }
+
+    fn peak_staging_bytes(&self) -> u64 {
+        self.staging
+            .iter()
+            .map(|s| s.lock().map_or(0, |b| b.len() as u64))
+            .sum()
+    }
+}
