@@ -79,6 +79,12 @@ pub struct RunArgs {
         allow_hyphen_values = true
     )]
     timeout: f64,
+    /// Timed repetitions of the data phase (the report gives their median, min and max).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+    iters: u32,
+    /// Untimed repetitions before the timed ones (first-touch page faults, connection warm-up).
+    #[arg(long, default_value_t = 0)]
+    warmup: u32,
     /// Print a JSON report instead of text.
     #[arg(long)]
     json: bool,
@@ -89,7 +95,11 @@ struct RunJson {
     shape: Vec<u64>,
     dtype: String,
     transport: String,
+    iters: usize,
+    /// The median of the timed repetitions.
     seconds: f64,
+    min_s: f64,
+    max_s: f64,
     dst_bytes: u64,
     bytes_remote: u64,
     bytes_local: u64,
@@ -154,7 +164,16 @@ fn run_threads(
     check_memory(plan, None)?;
     let sources = fill.shards(plan.src());
     let mut shards = exec::zeroed_shards(plan.dst());
-    let stats = exec::run_local(plan, &sources, &mut shards, options)?;
+    let mut times = Vec::new();
+    let mut last = None;
+    for i in 0..args.warmup + args.iters {
+        let stats = exec::run_local(plan, &sources, &mut shards, options)?;
+        if i >= args.warmup {
+            times.push(stats.elapsed.as_secs_f64());
+        }
+        last = Some(stats);
+    }
+    let stats = last.expect("at least one iteration");
     let verified = if args.verify {
         fill.verify_shards(plan.dst(), &shards)?;
         true
@@ -165,7 +184,7 @@ fn run_threads(
         dump(dir, shards.iter().map(|(&r, b)| (r, b.as_slice())))?;
     }
     let summary = Summary {
-        seconds: stats.elapsed.as_secs_f64(),
+        times,
         bytes_remote: stats.bytes_remote(),
         bytes_local: stats.bytes_local(),
         peak_staging: stats.peak_staging_bytes(),
@@ -296,11 +315,18 @@ fn process_rank<'j, J: Job>(
     let reports = job.finish(outcome.map_err(|e| e.to_string()))?;
     if rank == 0 {
         let field = |r: &serde_json::Value, k: &str| r[k].as_f64().unwrap_or(0.0);
+        // per repetition, the slowest rank's time
+        let iters = args.iters as usize;
+        let times = (0..iters)
+            .map(|i| {
+                reports
+                    .iter()
+                    .map(|r| r["times"][i].as_f64().unwrap_or(0.0))
+                    .fold(0.0, f64::max)
+            })
+            .collect();
         let summary = Summary {
-            seconds: reports
-                .iter()
-                .map(|r| field(r, "seconds"))
-                .fold(0.0, f64::max),
+            times,
             bytes_remote: reports
                 .iter()
                 .map(|r| field(r, "bytes_remote") as u64)
@@ -352,17 +378,24 @@ fn rank_part<'j, J: Job>(
         .collect();
     let transport = connect(&peers)?;
 
-    // Only the data phase is timed: every rank starts it together.
-    job.barrier()?;
-    let started = Instant::now();
-    let work = RankJob {
-        plan: &rank_plan,
-        src_layout: plan.src(),
-        src: src_box.as_ref().zip(source.as_deref()),
-        dst: dst_box.as_ref().zip(shard.as_deref_mut()),
-    };
-    let stats = exec::run_rank(work, &*transport, options)?;
-    let seconds = started.elapsed().as_secs_f64();
+    // Only the data phase is timed: every rank starts each repetition together.
+    let mut times = Vec::new();
+    let mut stats = None;
+    for i in 0..args.warmup + args.iters {
+        job.barrier()?;
+        let started = Instant::now();
+        let work = RankJob {
+            plan: &rank_plan,
+            src_layout: plan.src(),
+            src: src_box.as_ref().zip(source.as_deref()),
+            dst: dst_box.as_ref().zip(shard.as_deref_mut()),
+        };
+        stats = Some(exec::run_rank(work, &*transport, options)?);
+        if i >= args.warmup {
+            times.push(started.elapsed().as_secs_f64());
+        }
+    }
+    let stats = stats.expect("at least one iteration");
     let mismatch = match (args.verify, &dst_box, &shard) {
         (true, Some(b), Some(buf)) => fill.check_region(plan.dst(), b, buf),
         _ => None,
@@ -381,7 +414,7 @@ fn rank_part<'j, J: Job>(
     }
     Ok(serde_json::json!({
         "transport": transport.name(),
-        "seconds": seconds,
+        "times": times,
         "bytes_remote": stats.bytes_received,
         "bytes_local": stats.bytes_local,
         "peak_staging": stats.peak_staging_bytes,
@@ -441,7 +474,8 @@ fn dump<'a>(dir: &Path, shards: impl IntoIterator<Item = (Rank, &'a [u8])>) -> R
 
 /// What a run did, from one process or summed over all.
 struct Summary {
-    seconds: f64,
+    /// Seconds of every timed repetition (the slowest rank's, between processes).
+    times: Vec<f64>,
     bytes_remote: u64,
     bytes_local: u64,
     peak_staging: u64,
@@ -456,14 +490,23 @@ fn report(args: &RunArgs, plan: &Plan, stats: &Summary, transport: &str, verifie
         .iter()
         .map(|&r| plan.dst().local_bytes(r))
         .sum();
-    let seconds = stats.seconds;
+    let mut sorted = stats.times.clone();
+    sorted.sort_by(f64::total_cmp);
+    let seconds = sorted.get(sorted.len() / 2).copied().unwrap_or(0.0);
+    let (min_s, max_s) = (
+        sorted.first().copied().unwrap_or(0.0),
+        sorted.last().copied().unwrap_or(0.0),
+    );
     let gbps = dst_bytes as f64 / seconds.max(1e-12) / 1e9;
     if args.json {
         let json = RunJson {
             shape: plan.src().shape().to_vec(),
             dtype: plan.src().dtype().to_string(),
             transport: transport.to_string(),
+            iters: sorted.len(),
             seconds,
+            min_s,
+            max_s,
             dst_bytes,
             bytes_remote: stats.bytes_remote,
             bytes_local: stats.bytes_local,
@@ -492,8 +535,18 @@ fn report(args: &RunArgs, plan: &Plan, stats: &Summary, transport: &str, verifie
         totals.messages,
         bytes(stats.bytes_local)
     );
+    let spread = if sorted.len() > 1 {
+        format!(
+            " (median of {}; min {:.3} ms, max {:.3} ms)",
+            sorted.len(),
+            min_s * 1e3,
+            max_s * 1e3
+        )
+    } else {
+        String::new()
+    };
     println!(
-        "  time    {:.3} ms, {gbps:.2} GB/s of destination data ({})",
+        "  time    {:.3} ms, {gbps:.2} GB/s of destination data ({}){spread}",
         seconds * 1e3,
         bytes(dst_bytes)
     );

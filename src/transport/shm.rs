@@ -252,23 +252,13 @@ impl<'buf> Transport<'buf> for ShmTransport {
     }
 
     fn finish(&self) -> Result<()> {
-        let received: Vec<Rank> = self
-            .remotes
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .keys()
-            .copied()
-            .collect();
-        for peer in received {
+        // taken, so that the next reshard over this transport starts afresh
+        let received = std::mem::take(&mut *self.remotes.lock().unwrap_or_else(|p| p.into_inner()));
+        for &peer in received.keys() {
             self.notify(peer, &Notice::Done)?;
         }
-        let announced: Vec<Rank> = self
-            .announced
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .iter()
-            .copied()
-            .collect();
+        let announced =
+            std::mem::take(&mut *self.announced.lock().unwrap_or_else(|p| p.into_inner()));
         for peer in announced {
             match self.expect(peer, "its done after reading this rank's shard")? {
                 Notice::Done => {}
