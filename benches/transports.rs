@@ -64,12 +64,35 @@ fn memcpy() -> f64 {
 /// Median seconds of `reshard run` under `reshard launch --nproc 6`.
 fn reshard(transport: &str, src: &str, dst: &str) -> f64 {
     let out = Command::new(env!("CARGO_BIN_EXE_reshard"))
-        .args(["launch", "--nproc", "6", "--", "run", "--shape", "8192,8192", "--dtype", "bf16"])
-        .args(["--src", src, "--dst", dst, "--transport", transport, "--verify", "--json"])
+        .args([
+            "launch",
+            "--nproc",
+            "6",
+            "--",
+            "run",
+            "--shape",
+            "8192,8192",
+            "--dtype",
+            "bf16",
+        ])
+        .args([
+            "--src",
+            src,
+            "--dst",
+            dst,
+            "--transport",
+            transport,
+            "--verify",
+            "--json",
+        ])
         .args(["--iters", &ITERS.to_string(), "--warmup", "2"])
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(json["verified"], true);
     json["seconds"].as_f64().unwrap()
@@ -88,8 +111,16 @@ fn main() {
     println!("| case | transport | reshard | raw | reshard / raw |");
     println!("|---|---|---|---|---|");
     for (name, src, dst) in [
-        ("4 x S(0) -> 2 x S(1)", "mesh=4 place=S(0)", "mesh=2 place=S(1)"),
-        ("2 x S(0) -> 4 x S(1)", "mesh=2 place=S(0)", "mesh=4 place=S(1)"),
+        (
+            "4 x S(0) -> 2 x S(1)",
+            "mesh=4 place=S(0)",
+            "mesh=2 place=S(1)",
+        ),
+        (
+            "2 x S(0) -> 4 x S(1)",
+            "mesh=2 place=S(0)",
+            "mesh=4 place=S(1)",
+        ),
     ] {
         for (transport, raw, raw_name) in [("tcp", socket, "socket"), ("shm", copy, "memcpy")] {
             let t = reshard(transport, src, dst);

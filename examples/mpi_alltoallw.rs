@@ -61,11 +61,20 @@ fn main() {
     let shape = parse_shape(&args[1]).expect("shape");
     let dtype: DType = args[2].parse().expect("dtype");
     let iters: usize = args.get(5).map_or(10, |s| s.parse().expect("iters"));
-    let src = LayoutSpec::parse(&args[3]).unwrap().resolve(&shape, dtype, 0).unwrap();
+    let src = LayoutSpec::parse(&args[3])
+        .unwrap()
+        .resolve(&shape, dtype, 0)
+        .unwrap();
     let first = src.mesh().ranks().iter().max().map_or(0, |&r| r + 1);
-    let dst = LayoutSpec::parse(&args[4]).unwrap().resolve(&shape, dtype, first).unwrap();
+    let dst = LayoutSpec::parse(&args[4])
+        .unwrap()
+        .resolve(&shape, dtype, first)
+        .unwrap();
     let plan = Plan::new(src, dst).unwrap();
-    assert!(plan.ranks().iter().all(|&r| r < size), "the layouts need more ranks");
+    assert!(
+        plan.ranks().iter().all(|&r| r < size),
+        "the layouts need more ranks"
+    );
     let elem = dtype.size();
     let mine = plan.for_rank(rank);
 
@@ -121,10 +130,15 @@ fn main() {
             times.push(took);
         }
     }
-    if let Some(b) = &dst_box {
-        if let Some((offset, ..)) = Fill::Index.check_region(plan.dst(), b, &shard[..plan.dst().local_bytes(rank) as usize]) {
-            panic!("rank {rank}: wrong byte at {offset}");
-        }
+    let wrong = dst_box.as_ref().and_then(|b| {
+        Fill::Index.check_region(
+            plan.dst(),
+            b,
+            &shard[..plan.dst().local_bytes(rank) as usize],
+        )
+    });
+    if let Some((offset, ..)) = wrong {
+        panic!("rank {rank}: wrong byte at {offset}");
     }
     for t in send_types.iter_mut().chain(recv_types.iter_mut()) {
         if *t != null {
@@ -135,7 +149,13 @@ fn main() {
     if rank == 0 {
         times.sort_by(f64::total_cmp);
         let median = times[times.len() / 2];
-        let dst_bytes: u64 = plan.dst().mesh().ranks().iter().map(|&r| plan.dst().local_bytes(r)).sum();
+        let dst_bytes: u64 = plan
+            .dst()
+            .mesh()
+            .ranks()
+            .iter()
+            .map(|&r| plan.dst().local_bytes(r))
+            .sum();
         println!(
             "{{\"method\": \"MPI_Alltoallw\", \"median_s\": {median}, \"gbps\": {:.3}, \"verified\": true}}",
             dst_bytes as f64 / median / 1e9
