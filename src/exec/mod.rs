@@ -211,6 +211,7 @@ pub fn run_rank<'buf, T: Transport<'buf> + ?Sized>(
         Ok(())
     };
 
+    let started = std::time::Instant::now();
     let (sent, received) = std::thread::scope(|scope| {
         let sender = std::thread::Builder::new().spawn_scoped(scope, || {
             let sent = send_all();
@@ -279,7 +280,17 @@ pub fn run_rank<'buf, T: Transport<'buf> + ?Sized>(
             Error::Incomplete { failures }
         });
     }
+    let moved = started.elapsed();
     transport.finish()?;
+    tracing::debug!(
+        rank,
+        transport = transport.name(),
+        moved_ms = moved.as_secs_f64() * 1e3,
+        finished_ms = started.elapsed().as_secs_f64() * 1e3,
+        bytes_received = stats.bytes_received,
+        bytes_sent,
+        "rank done"
+    );
     stats.bytes_sent = bytes_sent;
     stats.chunks_sent = chunks_sent;
     stats.peak_staging_bytes = transport.peak_staging_bytes();
