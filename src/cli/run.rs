@@ -238,6 +238,7 @@ fn run_process(
     check_memory(plan, Some(env.rank))?;
     let group = Group::join(env, options.timeout)?;
     let kind = args.transport;
+    let pids = |peers: &BTreeSet<Rank>| peers.iter().map(|&p| (p, group.pid(p))).collect();
     process_rank(args, plan, fill, options, &group, |peers| {
         let links = TcpTransport::new(group.rank(), group.connect_peers(peers)?, options.timeout)?;
         let transport: Box<dyn for<'b> Transport<'b> + '_> = match kind {
@@ -250,15 +251,22 @@ fn run_process(
                         reason: format!("rank {far} runs on another host; use tcp or auto"),
                     });
                 }
-                Box::new(ShmTransport::new(links, peers.clone()))
+                Box::new(ShmTransport::new(
+                    links,
+                    pids(peers),
+                    options.staging_bytes,
+                    options.timeout,
+                ))
             }
             _ => {
-                let near = peers
-                    .iter()
-                    .copied()
-                    .filter(|&p| group.same_host(p))
-                    .collect();
-                Box::new(ShmTransport::new(links, near))
+                let near = peers.iter().copied().filter(|&p| group.same_host(p));
+                let near = near.map(|p| (p, group.pid(p))).collect();
+                Box::new(ShmTransport::new(
+                    links,
+                    near,
+                    options.staging_bytes,
+                    options.timeout,
+                ))
             }
         };
         Ok(transport)

@@ -121,14 +121,22 @@ struct Hello {
     purpose: String,
     /// The port this rank accepts peer links on.
     port: u16,
+    /// The process id, for same-host transports to watch the peer.
+    #[serde(default)]
+    pid: u32,
 }
 
 /// The answer to a hello.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 enum Reply {
-    Welcome { addrs: Vec<SocketAddr> },
+    Welcome {
+        addrs: Vec<SocketAddr>,
+        pids: Vec<u32>,
+    },
     Accepted,
-    Refused { reason: String },
+    Refused {
+        reason: String,
+    },
 }
 
 /// Control messages after rendezvous.
@@ -152,6 +160,8 @@ pub struct Group {
     timeout: Duration,
     listener: TcpListener,
     addrs: Vec<SocketAddr>,
+    /// Every rank's process id (meaningful between ranks of one host).
+    pids: Vec<u32>,
     /// Rank 0: a stream to every other rank (index = rank). Others: one stream, to rank 0.
     control: Vec<Option<TcpStream>>,
 }
@@ -233,6 +243,7 @@ impl Group {
             })?;
             let mut group = Group {
                 addrs: vec![master; env.world],
+                pids: vec![std::process::id(); env.world],
                 control: (0..env.world).map(|_| None).collect(),
                 env,
                 timeout,
@@ -259,6 +270,7 @@ impl Group {
                 rank,
                 purpose: "control".into(),
                 port,
+                pid: std::process::id(),
             };
             let left = deadline.saturating_duration_since(Instant::now());
             let _ = stream.set_read_timeout(Some(left.max(Duration::from_millis(1))));
@@ -266,8 +278,12 @@ impl Group {
                 .map_err(|e| io_err(rank, 0, "rendezvous", e, timeout))?;
             let reply: Reply = frame::read_control(&mut stream)
                 .map_err(|e| io_err(rank, 0, "rendezvous", e, timeout))?;
-            let addrs = match reply {
-                Reply::Welcome { addrs } if addrs.len() == env.world => addrs,
+            let (addrs, pids) = match reply {
+                Reply::Welcome { addrs, pids }
+                    if addrs.len() == env.world && pids.len() == env.world =>
+                {
+                    (addrs, pids)
+                }
                 Reply::Refused { reason } => {
                     return Err(Error::Refused {
                         rank,
@@ -290,6 +306,7 @@ impl Group {
                 timeout,
                 listener,
                 addrs,
+                pids,
                 control,
             })
         }
@@ -369,12 +386,14 @@ impl Group {
             if let Some(hello) = self.screen(&mut stream, "control", &waiting) {
                 let _ = stream.set_nodelay(true);
                 self.addrs[hello.rank] = SocketAddr::new(from.ip(), hello.port);
+                self.pids[hello.rank] = hello.pid;
                 waiting.remove(&hello.rank);
                 self.control[hello.rank] = Some(stream);
             }
         }
         let welcome = Reply::Welcome {
             addrs: self.addrs.clone(),
+            pids: self.pids.clone(),
         };
         // a rank that died since its hello shows up at the barrier, where all ranks hear of it
         for s in self.control.iter_mut().flatten() {
@@ -385,6 +404,11 @@ impl Group {
 
     pub fn timeout(&self) -> Duration {
         self.timeout
+    }
+
+    /// `peer`'s process id (meaningful when it runs on this host).
+    pub fn pid(&self, peer: Rank) -> u32 {
+        self.pids[peer]
     }
 
     /// Whether `peer` runs on this host (same address as this rank, or both loopback), so
@@ -418,6 +442,7 @@ impl Group {
                 rank,
                 purpose: "peer".into(),
                 port: 0,
+                pid: std::process::id(),
             };
             let _ = s.set_read_timeout(Some(self.timeout));
             frame::write_control(&mut s, &hello)

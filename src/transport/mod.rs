@@ -12,6 +12,7 @@ pub mod group;
 pub mod local;
 #[cfg(feature = "mpi")]
 pub mod mpi;
+pub mod ring;
 pub mod shm;
 pub mod tcp;
 

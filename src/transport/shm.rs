@@ -1,15 +1,16 @@
-//! Processes on one host: the receiver copies straight from the sender's memory into its own
-//! shard with cross-memory attach (`process_vm_readv`, as OpenMPI's shared-memory transport
-//! does for large messages): one copy per byte, no staging, and no shared segment that a
-//! killed process could leave behind.
+//! Processes on one host: chunks pass through a shared-memory ring per (sender, receiver) pair
+//! ([`super::ring`]). The sender packs straight from its shard into a slot and the receiver
+//! unpacks straight from the slot into its shard: two copies at full memory speed, on two
+//! cores at once, with staging bounded by the slots. (Cross-memory attach, one copy per byte,
+//! was measured slower here: the kernel pins every page it copies.) Rings live in unnamed
+//! files, so a killed process leaves nothing behind.
 //!
-//! Control goes over the job's TCP links: the sender announces where its shard lives
-//! (`Ready`), the receiver copies its regions in bounded chunks, then says `Done`; the sender
-//! keeps its shard unchanged until every receiver is done ([`Transport::finish`]). Peers on
-//! other hosts (with `--transport auto`) are served by the TCP data path instead.
+//! The sender announces each ring once over the job's TCP link. Peers on other hosts (with
+//! `--transport auto`) go through the TCP data path instead.
 
-use std::collections::{BTreeMap, BTreeSet};
-use std::sync::Mutex;
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
@@ -18,46 +19,62 @@ use crate::exec::copy::{CopyGeometry, Place};
 use crate::layout::Rank;
 
 use super::frame;
+use super::ring::{Ring, RingError, SLOTS};
 use super::tcp::TcpTransport;
 use super::{Incoming, Outgoing, Transport};
 
-/// At most this many runs per system call (Linux's IOV_MAX is 1024).
-const MAX_IOVECS: usize = 512;
+/// Largest slot: measured best here (a slot's bookkeeping is noise, and the slots of a ring
+/// stay in cache between the packing core and the unpacking one).
+const MAX_SLOT_BYTES: usize = 128 << 10;
+const MIN_SLOT_BYTES: usize = 4 << 10;
 
+/// What the two ends of a ring tell each other over the TCP link.
 #[derive(Clone, Copy, Debug, Serialize, Deserialize)]
 enum Notice {
-    /// The sender's source shard: process, address and length.
-    Ready { pid: u32, addr: u64, len: u64 },
-    /// The receiver has copied everything it needs from the sender.
-    Done,
+    /// The sender's new ring: where to find it.
+    Ring { pid: u32, fd: i32 },
+    /// The receiver has mapped the ring: the sender may close its descriptor.
+    Opened,
 }
 
-/// Where a peer's source shard lives.
-#[derive(Clone, Copy, Debug)]
-struct Remote {
-    pid: libc::pid_t,
-    addr: u64,
-    len: u64,
-}
-
-/// Cross-memory-attach transport for same-host peers, TCP for the others.
+/// Shared-memory rings for same-host peers, TCP for the others.
 #[derive(Debug)]
 pub struct ShmTransport {
     links: TcpTransport,
-    /// Peers reached through memory; the others go through `links`.
-    local_peers: BTreeSet<Rank>,
-    announced: Mutex<BTreeSet<Rank>>,
-    remotes: Mutex<BTreeMap<Rank, Remote>>,
+    /// Peers reached through memory, with their process ids.
+    local_peers: BTreeMap<Rank, u32>,
+    slot_bytes: usize,
+    timeout: Duration,
+    /// Rings this rank fills, one per receiver, created at the first send.
+    outgoing: Mutex<BTreeMap<Rank, Arc<Ring>>>,
+    /// Rings this rank drains, one per sender, opened at the first receive.
+    incoming: Mutex<BTreeMap<Rank, Arc<Ring>>>,
+    /// Receivers that have mapped this rank's ring to them.
+    opened: Mutex<std::collections::BTreeSet<Rank>>,
 }
 
 impl ShmTransport {
-    /// `local_peers` are read through memory; every other peer through the TCP data path.
-    pub fn new(links: TcpTransport, local_peers: BTreeSet<Rank>) -> ShmTransport {
+    /// `local_peers` (rank -> process id) go through memory, every other peer through TCP.
+    /// The rings this rank creates hold at most `staging_bytes` together.
+    pub fn new(
+        links: TcpTransport,
+        local_peers: BTreeMap<Rank, u32>,
+        staging_bytes: usize,
+        timeout: Duration,
+    ) -> ShmTransport {
+        let rings = local_peers.len().max(1);
+        let slot_bytes = (staging_bytes / (SLOTS as usize * rings))
+            .clamp(MIN_SLOT_BYTES, MAX_SLOT_BYTES)
+            / MIN_SLOT_BYTES
+            * MIN_SLOT_BYTES;
         ShmTransport {
             links,
             local_peers,
-            announced: Mutex::new(BTreeSet::new()),
-            remotes: Mutex::new(BTreeMap::new()),
+            slot_bytes,
+            timeout,
+            outgoing: Mutex::new(BTreeMap::new()),
+            incoming: Mutex::new(BTreeMap::new()),
+            opened: Mutex::new(std::collections::BTreeSet::new()),
         }
     }
 
@@ -65,146 +82,96 @@ impl ShmTransport {
         self.links.rank()
     }
 
-    fn notify(&self, peer: Rank, notice: &Notice) -> Result<()> {
-        let mut w = self.links.writer(peer)?;
-        frame::write_control(&mut *w, notice)
-            .map_err(|e| self.links.fail(peer, format!("{notice:?}"), e))
-    }
-
-    fn expect(&self, peer: Rank, what: &str) -> Result<Notice> {
-        let mut r = self.links.reader(peer)?;
-        frame::read_control(&mut *r).map_err(|e| self.links.fail(peer, what.to_string(), e))
-    }
-
-    /// Where `peer`'s shard lives, waiting for its announcement the first time.
-    fn remote(&self, peer: Rank) -> Result<Remote> {
-        if let Some(r) = self
-            .remotes
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(&peer)
-        {
-            return Ok(*r);
-        }
-        match self.expect(peer, "the announcement of its shard")? {
-            Notice::Ready { pid, addr, len } => {
-                let remote = Remote {
-                    pid: pid as libc::pid_t,
-                    addr,
-                    len,
-                };
-                self.remotes
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .insert(peer, remote);
-                Ok(remote)
-            }
-            Notice::Done => Err(Error::Protocol {
+    fn ring_error(&self, peer: Rank, e: RingError, what: String) -> Error {
+        match e {
+            RingError::PeerGone => Error::PeerGone {
                 rank: self.rank(),
                 peer,
-                detail: "said done before announcing its shard".into(),
-            }),
+                detail: format!("its process exited while moving {what}"),
+            },
+            RingError::TimedOut => Error::Timeout {
+                rank: self.rank(),
+                peer,
+                waited: self.timeout,
+                detail: format!("{what} did not move"),
+            },
+            RingError::Os(e) => Error::Protocol {
+                rank: self.rank(),
+                peer,
+                detail: format!("{what}: {e}"),
+            },
         }
     }
 
-    /// Reads `runs` (remote offset, local offset, len) from `remote` into `dst`.
-    fn read_runs(
-        &self,
-        peer: Rank,
-        remote: Remote,
-        dst: &mut [u8],
-        runs: &[(usize, usize, usize)],
-    ) -> Result<()> {
-        for batch in runs.chunks(MAX_IOVECS) {
-            for &(s, d, len) in batch {
-                if (s + len) as u64 > remote.len || d + len > dst.len() {
-                    return Err(Error::Protocol {
-                        rank: self.rank(),
-                        peer,
-                        detail: format!(
-                            "a run at {s}+{len} lies outside its shard of {} bytes",
-                            remote.len
-                        ),
-                    });
-                }
-            }
-            let mut pending: Vec<(usize, usize, usize)> = batch.to_vec();
-            while !pending.is_empty() {
-                let local: Vec<libc::iovec> = pending
-                    .iter()
-                    .map(|&(_, d, len)| libc::iovec {
-                        // in bounds: checked above against `dst`
-                        iov_base: dst[d..d + len].as_mut_ptr().cast(),
-                        iov_len: len,
-                    })
-                    .collect();
-                let far: Vec<libc::iovec> = pending
-                    .iter()
-                    .map(|&(s, _, len)| libc::iovec {
-                        iov_base: (remote.addr as usize + s) as *mut libc::c_void,
-                        iov_len: len,
-                    })
-                    .collect();
-                // SAFETY: the local iovecs point into `dst`, which we borrow mutably; the remote
-                // ones into the peer's announced shard, which the kernel checks, and which the
-                // peer keeps unchanged until we say done.
-                let n = unsafe {
-                    libc::process_vm_readv(
-                        remote.pid,
-                        local.as_ptr(),
-                        local.len() as libc::c_ulong,
-                        far.as_ptr(),
-                        far.len() as libc::c_ulong,
-                        0,
-                    )
-                };
-                if n < 0 {
-                    return Err(self.cma_error(peer, std::io::Error::last_os_error()));
-                }
-                if n == 0 {
-                    return Err(Error::PeerGone {
-                        rank: self.rank(),
-                        peer,
-                        detail: "its memory could not be read (exited?)".into(),
-                    });
-                }
-                // drop what was read; keep the rest of a partly read run
-                let mut n = n as usize;
-                let mut rest = Vec::with_capacity(pending.len());
-                for (s, d, len) in pending {
-                    if n >= len {
-                        n -= len;
-                    } else {
-                        rest.push((s + n, d + n, len - n));
-                        n = 0;
-                    }
-                }
-                pending = rest;
-            }
+    /// The ring to `peer`, created and announced the first time.
+    fn outgoing(&self, peer: Rank) -> Result<Arc<Ring>> {
+        let mut rings = self.outgoing.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(r) = rings.get(&peer) {
+            return Ok(r.clone());
         }
-        Ok(())
+        let ring = Ring::create(self.slot_bytes).map_err(|e| Error::Io {
+            path: "a shared-memory ring".into(),
+            source: e,
+        })?;
+        let notice = Notice::Ring {
+            pid: std::process::id(),
+            fd: ring.fd(),
+        };
+        let mut w = self.links.writer(peer)?;
+        frame::write_control(&mut *w, &notice)
+            .map_err(|e| self.links.fail(peer, "the ring's address".into(), e))?;
+        let ring = Arc::new(ring);
+        rings.insert(peer, ring.clone());
+        Ok(ring)
     }
 
-    fn cma_error(&self, peer: Rank, e: std::io::Error) -> Error {
-        let rank = self.rank();
-        match e.raw_os_error() {
-            Some(libc::ESRCH) => Error::PeerGone {
-                rank,
-                peer,
-                detail: "its process is gone".into(),
-            },
-            Some(libc::EPERM) => Error::Refused {
-                rank,
-                what: format!("to the memory of rank {peer}"),
-                reason: "cross-memory attach is not permitted (same user needed; see kernel.yama.ptrace_scope); use --transport tcp".into(),
-            },
-            _ => Error::Protocol {
-                rank,
-                peer,
-                detail: format!("process_vm_readv: {e}"),
-            },
+    /// The ring from `peer`, opened the first time from its announcement.
+    fn incoming(&self, peer: Rank) -> Result<Arc<Ring>> {
+        let mut rings = self.incoming.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(r) = rings.get(&peer) {
+            return Ok(r.clone());
         }
+        // the peer's acknowledgements of this rank's ring may come first
+        let (pid, fd) = loop {
+            match self.notice(peer, "the ring's address")? {
+                Notice::Ring { pid, fd } => break (pid, fd),
+                Notice::Opened => {
+                    self.opened
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .insert(peer);
+                }
+            }
+        };
+        let ring = Ring::open(pid, fd).map_err(|e| Error::Protocol {
+            rank: self.rank(),
+            peer,
+            detail: format!("cannot map its ring: {e}"),
+        })?;
+        let mut w = self.links.writer(peer)?;
+        frame::write_control(&mut *w, &Notice::Opened).map_err(|e| {
+            self.links
+                .fail(peer, "the ring's acknowledgement".into(), e)
+        })?;
+        let ring = Arc::new(ring);
+        rings.insert(peer, ring.clone());
+        Ok(ring)
     }
+
+    fn notice(&self, peer: Rank, what: &str) -> Result<Notice> {
+        let mut r = self.links.reader(peer)?;
+        frame::read_control(&mut *r).map_err(|e| self.links.fail(peer, what.into(), e))
+    }
+}
+
+/// The slot-sized pieces of a chunk's byte range.
+fn pieces(
+    range: std::ops::Range<usize>,
+    slot: usize,
+) -> impl Iterator<Item = std::ops::Range<usize>> {
+    (range.start..range.end)
+        .step_by(slot)
+        .map(move |s| s..(s + slot).min(range.end))
 }
 
 impl<'buf> Transport<'buf> for ShmTransport {
@@ -213,61 +180,88 @@ impl<'buf> Transport<'buf> for ShmTransport {
     }
 
     fn send(&self, chunk: Outgoing<'buf>) -> Result<()> {
-        if !self.local_peers.contains(&chunk.to) {
+        let Some(&pid) = self.local_peers.get(&chunk.to) else {
             return self.links.send(chunk);
-        }
-        let first = self
-            .announced
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(chunk.to);
-        if first {
-            self.notify(
-                chunk.to,
-                &Notice::Ready {
-                    pid: std::process::id(),
-                    addr: chunk.src.as_ptr() as u64,
-                    len: chunk.src.len() as u64,
-                },
-            )?;
+        };
+        let ring = self.outgoing(chunk.to)?;
+        let g = CopyGeometry::new(
+            chunk.region,
+            Place::Within(chunk.src_box),
+            Place::Stream,
+            chunk.elem_bytes,
+        );
+        let deadline = Instant::now() + self.timeout;
+        for piece in pieces(chunk.range.clone(), ring.slot_bytes()) {
+            let len = piece.len();
+            ring.push(
+                |slot| g.copy(chunk.src, &mut slot[..len], piece.clone()),
+                pid,
+                deadline,
+            )
+            .map_err(|e| {
+                self.ring_error(chunk.to, e, format!("bytes {piece:?} of {}", chunk.region))
+            })?;
         }
         Ok(())
     }
 
     fn recv(&self, chunk: Incoming<'_>) -> Result<()> {
         let peer = chunk.from;
-        if !self.local_peers.contains(&peer) {
+        let Some(&pid) = self.local_peers.get(&peer) else {
             return self.links.recv(chunk);
-        }
-        let remote = self.remote(peer)?;
+        };
+        let ring = self.incoming(peer)?;
         let g = CopyGeometry::new(
             chunk.region,
-            Place::Within(chunk.src_box),
+            Place::Stream,
             Place::Within(chunk.dst_box),
             chunk.elem_bytes,
         );
-        let mut runs = Vec::new();
-        g.for_each_run(chunk.range.clone(), |s, d, len| runs.push((s, d, len)));
-        self.read_runs(peer, remote, chunk.dst, &runs)
+        let deadline = Instant::now() + self.timeout;
+        for piece in pieces(chunk.range.clone(), ring.slot_bytes()) {
+            let len = piece.len();
+            ring.pull(
+                |slot| g.copy(&slot[..len], chunk.dst, piece.clone()),
+                pid,
+                deadline,
+            )
+            .map_err(|e| {
+                self.ring_error(peer, e, format!("bytes {piece:?} of {}", chunk.region))
+            })?;
+        }
+        Ok(())
     }
 
+    /// Waits until every receiver has mapped its ring: only then may this rank go away.
     fn finish(&self) -> Result<()> {
-        // taken, so that the next reshard over this transport starts afresh
-        let received = std::mem::take(&mut *self.remotes.lock().unwrap_or_else(|p| p.into_inner()));
-        for &peer in received.keys() {
-            self.notify(peer, &Notice::Done)?;
-        }
-        let announced =
-            std::mem::take(&mut *self.announced.lock().unwrap_or_else(|p| p.into_inner()));
-        for peer in announced {
-            match self.expect(peer, "its done after reading this rank's shard")? {
-                Notice::Done => {}
-                other => {
-                    return Err(Error::Protocol {
-                        rank: self.rank(),
-                        peer,
-                        detail: format!("sent {other:?} instead of done"),
-                    });
+        let created: Vec<Rank> = self
+            .outgoing
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .keys()
+            .copied()
+            .collect();
+        for peer in created {
+            while !self
+                .opened
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .contains(&peer)
+            {
+                match self.notice(peer, "the acknowledgement of its ring")? {
+                    Notice::Opened => {
+                        self.opened
+                            .lock()
+                            .unwrap_or_else(|p| p.into_inner())
+                            .insert(peer);
+                    }
+                    Notice::Ring { .. } => {
+                        return Err(Error::Protocol {
+                            rank: self.rank(),
+                            peer,
+                            detail: "announced a ring that this rank's plan never reads".into(),
+                        });
+                    }
                 }
             }
         }
@@ -279,6 +273,8 @@ impl<'buf> Transport<'buf> for ShmTransport {
     }
 
     fn peak_staging_bytes(&self) -> u64 {
+        let rings = self.outgoing.lock().map_or(0, |r| r.len());
         Transport::peak_staging_bytes(&self.links)
+            + (rings * SLOTS as usize * self.slot_bytes) as u64
     }
 }

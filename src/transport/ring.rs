@@ -1,0 +1,315 @@
+//! A single-producer, single-consumer ring of slots in memory shared by two processes of one
+//! host: the sender packs chunks into slots, the receiver unpacks them, each at full memory
+//! speed and on its own core. The segment is an unnamed file (`memfd`): the receiver maps it
+//! through `/proc/<pid>/fd/<fd>`, and the kernel frees it when both are gone, however they end,
+//! so no segment is ever left behind. Waits sleep on futexes, and check every
+//! [`WAIT_SLICE`] that the peer still lives and the deadline has not passed.
+
+use std::ffi::CString;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+/// Slots per ring.
+pub const SLOTS: u32 = 8;
+/// How long one futex wait lasts before the liveness and deadline checks.
+pub const WAIT_SLICE: Duration = Duration::from_millis(50);
+
+const MAGIC: u64 = 0x7265_7368_6172_6431; // "reshard1"
+
+/// The shared header: counters on their own cache lines.
+#[repr(C, align(64))]
+struct Header {
+    magic: u64,
+    slot_bytes: u64,
+    _pad0: [u8; 48],
+    /// Slots written by the sender (wraps).
+    head: AtomicU32,
+    _pad1: [u8; 60],
+    /// Slots read by the receiver (wraps).
+    tail: AtomicU32,
+    _pad2: [u8; 60],
+}
+
+/// Why a wait on the ring ended without its slot.
+#[derive(Debug)]
+pub enum RingError {
+    /// The other process exited.
+    PeerGone,
+    /// The deadline passed.
+    TimedOut,
+    Os(std::io::Error),
+}
+
+/// One mapping of a ring, on either side.
+#[derive(Debug)]
+pub struct Ring {
+    base: *mut u8,
+    len: usize,
+    slot_bytes: usize,
+    /// Kept open by the creator, so that the peer can open it through /proc.
+    fd: Option<OwnedFd>,
+}
+
+// SAFETY: the mapping is shared memory accessed through atomics (counters) and through slots
+// whose ownership the counters hand back and forth between exactly two parties.
+unsafe impl Send for Ring {}
+// SAFETY: as above; one thread per side uses a ring at a time (the transport's locks).
+unsafe impl Sync for Ring {}
+
+fn os() -> std::io::Error {
+    std::io::Error::last_os_error()
+}
+
+fn map(fd: RawFd, len: usize) -> std::io::Result<*mut u8> {
+    // SAFETY: maps `len` bytes of a file this process holds open; checked below.
+    let ptr = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            fd,
+            0,
+        )
+    };
+    if ptr == libc::MAP_FAILED {
+        Err(os())
+    } else {
+        Ok(ptr.cast())
+    }
+}
+
+fn futex_wait(word: &AtomicU32, expected: u32, slice: Duration) {
+    let ts = libc::timespec {
+        tv_sec: slice.as_secs() as libc::time_t,
+        tv_nsec: slice.subsec_nanos() as libc::c_long,
+    };
+    // SAFETY: a valid, aligned u32 in shared memory; the kernel only reads it. A shared (not
+    // private) futex, since the waker is another process.
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAIT,
+            expected,
+            &ts as *const libc::timespec,
+            0usize,
+            0u32,
+        );
+    }
+}
+
+fn futex_wake(word: &AtomicU32) {
+    // SAFETY: as above.
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAKE,
+            1,
+            0usize,
+            0usize,
+            0u32,
+        );
+    }
+}
+
+/// Whether process `pid` still exists.
+pub fn alive(pid: u32) -> bool {
+    // SAFETY: signal 0 only checks for existence and permission.
+    unsafe { libc::kill(pid as libc::pid_t, 0) == 0 || *libc::__errno_location() != libc::ESRCH }
+}
+
+impl Ring {
+    /// A new ring of [`SLOTS`] slots of `slot_bytes`, owned by this process.
+    pub fn create(slot_bytes: usize) -> std::io::Result<Ring> {
+        let len = std::mem::size_of::<Header>() + SLOTS as usize * slot_bytes;
+        let name = CString::new("reshard-ring").expect("no NUL");
+        // SAFETY: a valid C string; the descriptor is owned below.
+        let raw = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
+        if raw < 0 {
+            return Err(os());
+        }
+        // SAFETY: just created, owned by nothing else.
+        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+        // SAFETY: a valid descriptor.
+        if unsafe { libc::ftruncate(fd.as_raw_fd(), len as libc::off_t) } != 0 {
+            return Err(os());
+        }
+        let base = map(fd.as_raw_fd(), len)?;
+        let ring = Ring {
+            base,
+            len,
+            slot_bytes,
+            fd: Some(fd),
+        };
+        // SAFETY: the fresh mapping is zeroed and large enough for the header.
+        unsafe {
+            let h = base.cast::<Header>();
+            (*h).slot_bytes = slot_bytes as u64;
+            (*h).magic = MAGIC;
+        }
+        Ok(ring)
+    }
+
+    /// The descriptor the peer opens through `/proc/<pid>/fd/<fd>`.
+    pub fn fd(&self) -> RawFd {
+        self.fd.as_ref().map_or(-1, |f| f.as_raw_fd())
+    }
+
+    /// Maps the ring that process `pid` created as descriptor `fd`.
+    pub fn open(pid: u32, fd: RawFd) -> std::io::Result<Ring> {
+        let path = CString::new(format!("/proc/{pid}/fd/{fd}")).expect("no NUL");
+        // SAFETY: a valid C string; the descriptor is closed after mapping.
+        let raw = unsafe { libc::open(path.as_ptr(), libc::O_RDWR | libc::O_CLOEXEC) };
+        if raw < 0 {
+            return Err(os());
+        }
+        // SAFETY: just opened, owned here.
+        let file = unsafe { OwnedFd::from_raw_fd(raw) };
+        let mut st = std::mem::MaybeUninit::<libc::stat>::uninit();
+        // SAFETY: a valid descriptor and a buffer for one stat.
+        if unsafe { libc::fstat(file.as_raw_fd(), st.as_mut_ptr()) } != 0 {
+            return Err(os());
+        }
+        // SAFETY: fstat succeeded.
+        let len = unsafe { st.assume_init() }.st_size as usize;
+        if len < std::mem::size_of::<Header>() {
+            return Err(std::io::Error::other("not a reshard ring"));
+        }
+        let base = map(file.as_raw_fd(), len)?;
+        let mut ring = Ring {
+            base,
+            len,
+            slot_bytes: 0,
+            fd: None,
+        };
+        let (magic, slot_bytes) = (ring.header().magic, ring.header().slot_bytes as usize);
+        if magic != MAGIC || std::mem::size_of::<Header>() + SLOTS as usize * slot_bytes != len {
+            return Err(std::io::Error::other("not a reshard ring"));
+        }
+        ring.slot_bytes = slot_bytes;
+        Ok(ring)
+    }
+
+    fn header(&self) -> &Header {
+        // SAFETY: the mapping starts with a header, for the ring's lifetime.
+        unsafe { &*self.base.cast::<Header>() }
+    }
+
+    pub fn slot_bytes(&self) -> usize {
+        self.slot_bytes
+    }
+
+    fn slot(&self, n: u32) -> *mut u8 {
+        let i = (n % SLOTS) as usize;
+        // SAFETY: in bounds: the header, then SLOTS slots.
+        unsafe {
+            self.base
+                .add(std::mem::size_of::<Header>() + i * self.slot_bytes)
+        }
+    }
+
+    /// Waits until `ready()` holds on the counter `word`, sleeping on it.
+    fn wait(
+        &self,
+        word: &AtomicU32,
+        ready: impl Fn(u32) -> bool,
+        peer: u32,
+        deadline: Instant,
+    ) -> Result<u32, RingError> {
+        loop {
+            let v = word.load(Ordering::Acquire);
+            if ready(v) {
+                return Ok(v);
+            }
+            if !alive(peer) {
+                return Err(RingError::PeerGone);
+            }
+            if Instant::now() >= deadline {
+                return Err(RingError::TimedOut);
+            }
+            futex_wait(word, v, WAIT_SLICE);
+        }
+    }
+
+    /// Sender: waits for a free slot, lets `fill` write at most `slot_bytes` into it, and
+    /// hands it to the receiver.
+    pub fn push(
+        &self,
+        fill: impl FnOnce(&mut [u8]),
+        peer: u32,
+        deadline: Instant,
+    ) -> Result<(), RingError> {
+        let h = self.header();
+        let head = h.head.load(Ordering::Relaxed);
+        self.wait(
+            &h.tail,
+            |tail| head.wrapping_sub(tail) < SLOTS,
+            peer,
+            deadline,
+        )?;
+        // SAFETY: the slot is ours until `head` moves past it.
+        fill(unsafe { std::slice::from_raw_parts_mut(self.slot(head), self.slot_bytes) });
+        h.head.store(head.wrapping_add(1), Ordering::Release);
+        futex_wake(&h.head);
+        Ok(())
+    }
+
+    /// Receiver: waits for a full slot, lets `drain` read it, and hands it back.
+    pub fn pull(
+        &self,
+        drain: impl FnOnce(&[u8]),
+        peer: u32,
+        deadline: Instant,
+    ) -> Result<(), RingError> {
+        let h = self.header();
+        let tail = h.tail.load(Ordering::Relaxed);
+        self.wait(&h.head, |head| head != tail, peer, deadline)?;
+        // SAFETY: the slot is ours until `tail` moves past it.
+        drain(unsafe { std::slice::from_raw_parts(self.slot(tail), self.slot_bytes) });
+        h.tail.store(tail.wrapping_add(1), Ordering::Release);
+        futex_wake(&h.tail);
+        Ok(())
+    }
+}
+
+impl Drop for Ring {
+    fn drop(&mut self) {
+        // SAFETY: unmaps exactly what was mapped.
+        unsafe { libc::munmap(self.base.cast(), self.len) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bytes_pass_through_in_order() {
+        let me = std::process::id();
+        let sender = Ring::create(64).unwrap();
+        let receiver = Ring::open(me, sender.fd()).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let t = std::thread::spawn(move || {
+            for i in 0..100u8 {
+                sender.push(|slot| slot.fill(i), me, deadline).unwrap();
+            }
+            sender
+        });
+        for i in 0..100u8 {
+            receiver
+                .pull(|slot| assert!(slot.iter().all(|&b| b == i)), me, deadline)
+                .unwrap();
+        }
+        let sender = t.join().unwrap();
+        // nothing left: a further pull times out rather than hanging
+        let soon = Instant::now() + Duration::from_millis(100);
+        assert!(matches!(
+            receiver.pull(|_| (), me, soon),
+            Err(RingError::TimedOut)
+        ));
+        drop(sender);
+    }
+}
