@@ -14,40 +14,8 @@ use mpi::ffi;
 use mpi::traits::*;
 use reshard::fill::Fill;
 use reshard::layout::{LayoutSpec, parse_shape};
-use reshard::{DType, Plan, Region};
-
-/// A committed subarray type: `region` inside the dense buffer of `holder`, bytes as elements.
-fn subarray(holder: &Region, region: &Region, elem: usize) -> ffi::MPI_Datatype {
-    let n = holder.ndim().max(1);
-    let mut sizes: Vec<c_int> = holder.extent.iter().map(|&e| e as c_int).collect();
-    let mut subsizes: Vec<c_int> = region.extent.iter().map(|&e| e as c_int).collect();
-    let mut starts: Vec<c_int> = (0..holder.ndim())
-        .map(|d| (region.offset[d] - holder.offset[d]) as c_int)
-        .collect();
-    if holder.ndim() == 0 {
-        (sizes, subsizes, starts) = (vec![1], vec![1], vec![0]);
-    }
-    // count in bytes along the innermost dim
-    sizes[n - 1] *= elem as c_int;
-    subsizes[n - 1] *= elem as c_int;
-    starts[n - 1] *= elem as c_int;
-    let mut t = std::mem::MaybeUninit::<ffi::MPI_Datatype>::uninit();
-    // SAFETY: the arrays hold `n` entries each and outlive the call; MPI writes the new type.
-    unsafe {
-        ffi::MPI_Type_create_subarray(
-            n as c_int,
-            sizes.as_ptr(),
-            subsizes.as_ptr(),
-            starts.as_ptr(),
-            ffi::MPI_ORDER_C as c_int,
-            ffi::RSMPI_UINT8_T,
-            t.as_mut_ptr(),
-        );
-        let mut t = t.assume_init();
-        ffi::MPI_Type_commit(&mut t);
-        t
-    }
-}
+use reshard::transport::mpi::{free_datatype, subarray};
+use reshard::{DType, Plan};
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
@@ -140,10 +108,9 @@ fn main() {
     if let Some((offset, ..)) = wrong {
         panic!("rank {rank}: wrong byte at {offset}");
     }
-    for t in send_types.iter_mut().chain(recv_types.iter_mut()) {
-        if *t != null {
-            // SAFETY: a type this program committed.
-            unsafe { ffi::MPI_Type_free(t) };
+    for t in send_types.into_iter().chain(recv_types) {
+        if t != null {
+            free_datatype(t);
         }
     }
     if rank == 0 {

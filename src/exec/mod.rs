@@ -151,6 +151,7 @@ pub fn run_rank<'buf, T: Transport<'buf> + ?Sized>(
         };
         for t in &plan.sends {
             let len = t.bytes(elem_bytes) as usize;
+            let chunk = transport.chunk_bytes(len, chunk).max(1);
             for start in (0..len).step_by(chunk) {
                 transport.send(Outgoing {
                     from: rank,
@@ -159,7 +160,7 @@ pub fn run_rank<'buf, T: Transport<'buf> + ?Sized>(
                     src_box,
                     region: &t.region,
                     elem_bytes,
-                    range: start..(start + chunk).min(len),
+                    range: start..start.saturating_add(chunk).min(len),
                 })?;
                 chunks += 1;
             }
@@ -193,6 +194,7 @@ pub fn run_rank<'buf, T: Transport<'buf> + ?Sized>(
                     peer: t.src,
                     detail: "the plan receives from a rank that is not a source".into(),
                 })?;
+            let chunk = transport.chunk_bytes(len, chunk).max(1);
             for start in (0..len).step_by(chunk) {
                 transport.recv(Incoming {
                     from: t.src,
@@ -202,7 +204,7 @@ pub fn run_rank<'buf, T: Transport<'buf> + ?Sized>(
                     src_box: &src_box,
                     region: &t.region,
                     elem_bytes,
-                    range: start..(start + chunk).min(len),
+                    range: start..start.saturating_add(chunk).min(len),
                 })?;
                 stats.chunks_received += 1;
             }

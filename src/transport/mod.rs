@@ -143,6 +143,14 @@ pub trait Transport<'buf>: Sync {
     /// Short name for reports (`local`, `tcp`, ...).
     fn name(&self) -> &'static str;
 
+    /// The chunk size to cut a transfer of `transfer_bytes` into, given the executor's
+    /// `requested` size. Both ends of a transfer must answer alike. A transport that moves
+    /// whole regions itself (MPI with derived datatypes) returns `transfer_bytes`.
+    fn chunk_bytes(&self, transfer_bytes: usize, requested: usize) -> usize {
+        let _ = transfer_bytes;
+        requested
+    }
+
     /// Hands one chunk to the transport. It may return before the receiver has it, but the
     /// chunk's source memory stays valid and unchanged for `'buf`.
     fn send(&self, chunk: Outgoing<'buf>) -> Result<()>;

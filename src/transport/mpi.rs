@@ -1,10 +1,16 @@
 //! The site's MPI (behind the `mpi` feature): every rank is an MPI process started by
-//! `mpirun`, chunks move with `MPI_Send`/`MPI_Recv`, and the control plane is MPI's own. This is
-//! how reshard runs on clusters that already have MPI, InfiniBand included.
+//! `mpirun`, and the control plane is MPI's own. Each transfer moves as one `MPI_Send`/`MPI_Recv`
+//! of subarray datatypes that describe the region in place in both shards, so MPI packs (or
+//! copies once) as it does best, with its own bounded pipelining. This is how reshard runs on
+//! clusters that already have MPI, InfiniBand included.
 //!
 //! Failure handling is MPI's: when a process dies, `mpirun` ends the job.
 
+use std::os::raw::c_int;
 use std::sync::{Mutex, MutexGuard};
+
+use mpi::ffi;
+use mpi::raw::AsRaw;
 
 use mpi::Threading;
 use mpi::datatype::Equivalence;
@@ -15,10 +21,60 @@ use mpi::traits::*;
 use crate::error::{Error, Result};
 use crate::exec::copy::{CopyGeometry, Place};
 use crate::layout::Rank;
+use crate::region::Region;
 
 use super::{Incoming, Job, Outgoing, Transport};
 
 const DATA_TAG: i32 = 17;
+/// Transfers up to this size move whole, as one message of a derived datatype; larger ones
+/// (beyond what MPI's int counts and sizes safely describe) move in packed chunks.
+const WHOLE_TRANSFER_LIMIT: usize = 1 << 30;
+
+/// A committed MPI datatype for `region` inside the dense row-major buffer of `holder`
+/// (elements of `elem` bytes, counted as bytes). Free it with [`free_datatype`].
+///
+/// Panics if a dimension exceeds `i32`: callers keep to [`WHOLE_TRANSFER_LIMIT`].
+pub fn subarray(holder: &Region, region: &Region, elem: usize) -> ffi::MPI_Datatype {
+    let int = |v: u64| c_int::try_from(v).expect("dimension within MPI's int range");
+    let (mut sizes, mut subsizes, mut starts): (Vec<c_int>, Vec<c_int>, Vec<c_int>) = (
+        holder.extent.iter().map(|&e| int(e)).collect(),
+        region.extent.iter().map(|&e| int(e)).collect(),
+        (0..holder.ndim())
+            .map(|d| int(region.offset[d] - holder.offset[d]))
+            .collect(),
+    );
+    if holder.ndim() == 0 {
+        (sizes, subsizes, starts) = (vec![1], vec![1], vec![0]);
+    }
+    let n = sizes.len();
+    let e = elem as c_int;
+    // the innermost dim counted in bytes
+    sizes[n - 1] *= e;
+    subsizes[n - 1] *= e;
+    starts[n - 1] *= e;
+    let mut t = std::mem::MaybeUninit::<ffi::MPI_Datatype>::uninit();
+    // SAFETY: the arrays hold `n` entries each and outlive the calls; MPI writes the new type.
+    unsafe {
+        ffi::MPI_Type_create_subarray(
+            n as c_int,
+            sizes.as_ptr(),
+            subsizes.as_ptr(),
+            starts.as_ptr(),
+            ffi::MPI_ORDER_C as c_int,
+            ffi::RSMPI_UINT8_T,
+            t.as_mut_ptr(),
+        );
+        let mut t = t.assume_init();
+        ffi::MPI_Type_commit(&mut t);
+        t
+    }
+}
+
+/// Frees a datatype made by [`subarray`].
+pub fn free_datatype(mut t: ffi::MPI_Datatype) {
+    // SAFETY: a type this module committed, freed once.
+    unsafe { ffi::MPI_Type_free(&mut t) };
+}
 const CONTROL_TAG: i32 = 18;
 
 /// This process's membership in the MPI job; finalizes MPI when dropped.
@@ -177,8 +233,34 @@ impl<'buf> Transport<'buf> for MpiTransport<'_> {
         "mpi"
     }
 
+    fn chunk_bytes(&self, transfer_bytes: usize, requested: usize) -> usize {
+        if transfer_bytes <= WHOLE_TRANSFER_LIMIT {
+            transfer_bytes
+        } else {
+            requested
+        }
+    }
+
     fn send(&self, chunk: Outgoing<'buf>) -> Result<()> {
         self.check_len(chunk.len(), chunk.to)?;
+        if chunk.range.start == 0
+            && chunk.len() as u64 == chunk.region.volume() * chunk.elem_bytes as u64
+        {
+            let t = subarray(chunk.src_box, chunk.region, chunk.elem_bytes);
+            // SAFETY: the type describes `region` inside `src_box`, whose buffer is `src`.
+            unsafe {
+                ffi::MPI_Send(
+                    chunk.src.as_ptr().cast(),
+                    1,
+                    t,
+                    chunk.to as c_int,
+                    DATA_TAG,
+                    self.world.as_raw(),
+                );
+            }
+            free_datatype(t);
+            return Ok(());
+        }
         let g = CopyGeometry::new(
             chunk.region,
             Place::Within(chunk.src_box),
@@ -206,6 +288,36 @@ impl<'buf> Transport<'buf> for MpiTransport<'_> {
     fn recv(&self, chunk: Incoming<'_>) -> Result<()> {
         let from = chunk.from;
         self.check_len(chunk.len(), from)?;
+        if chunk.range.start == 0
+            && chunk.len() as u64 == chunk.region.volume() * chunk.elem_bytes as u64
+        {
+            let t = subarray(chunk.dst_box, chunk.region, chunk.elem_bytes);
+            let mut status = std::mem::MaybeUninit::<ffi::MPI_Status>::uninit();
+            let mut count: c_int = 0;
+            // SAFETY: the type describes `region` inside `dst_box`, whose buffer is `dst`,
+            // borrowed mutably; MPI fills the status.
+            unsafe {
+                ffi::MPI_Recv(
+                    chunk.dst.as_mut_ptr().cast(),
+                    1,
+                    t,
+                    from as c_int,
+                    DATA_TAG,
+                    self.world.as_raw(),
+                    status.as_mut_ptr(),
+                );
+                ffi::MPI_Get_count(status.as_ptr(), t, &mut count);
+            }
+            free_datatype(t);
+            if count != 1 {
+                return Err(Error::Protocol {
+                    rank: self.rank,
+                    peer: from,
+                    detail: format!("the transfer of {} arrived incomplete", chunk.region),
+                });
+            }
+            return Ok(());
+        }
         let g = CopyGeometry::new(
             chunk.region,
             Place::Stream,
