@@ -2,6 +2,7 @@
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpListener;
+use std::os::unix::process::CommandExt;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
@@ -53,8 +54,15 @@ fn forward(
 ) -> std::thread::JoinHandle<()> {
     std::thread::spawn(move || {
         if rank == 0 && to_stdout {
+            // unchanged bytes, the lock taken per piece so that other ranks' lines get through
             let mut stream = stream;
-            let _ = std::io::copy(&mut stream, &mut std::io::stdout().lock());
+            let mut buf = vec![0u8; 64 << 10];
+            while let Ok(n @ 1..) = stream.read(&mut buf) {
+                let mut out = std::io::stdout().lock();
+                if out.write_all(&buf[..n]).and_then(|()| out.flush()).is_err() {
+                    return;
+                }
+            }
             return;
         }
         for line in BufReader::new(stream).split(b'\n').map_while(Result::ok) {
@@ -110,7 +118,16 @@ pub fn main(args: &LaunchArgs) -> Result<std::process::ExitCode, Failure> {
     let mut children: Vec<Child> = Vec::with_capacity(args.nproc);
     let mut forwarders = Vec::new();
     for rank in 0..args.nproc {
-        let spawned = Command::new(&exe)
+        let mut command = Command::new(&exe);
+        // SAFETY: prctl is async-signal-safe; it only asks the kernel to kill this child when
+        // the launcher dies, so that no rank outlives it.
+        unsafe {
+            command.pre_exec(|| {
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                Ok(())
+            });
+        }
+        let spawned = command
             .args(&args.command)
             .env("RANK", rank.to_string())
             .env("LOCAL_RANK", rank.to_string())

@@ -287,7 +287,8 @@ fn run_mpi(args: &RunArgs, plan: &Plan, fill: Fill, options: &ExecOptions) -> Re
     check_world(plan, job.world())?;
     check_memory(plan, Some(job.rank()))?;
     process_rank(args, plan, fill, options, &job, |_| {
-        Ok(Box::new(job.transport()) as Box<dyn for<'b> Transport<'b> + '_>)
+        let transport = job.transport(plan.src().shape(), plan.elem_bytes());
+        Ok(Box::new(transport) as Box<dyn for<'b> Transport<'b> + '_>)
     })
 }
 

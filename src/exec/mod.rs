@@ -217,7 +217,8 @@ pub fn run_rank<'buf, T: Transport<'buf> + ?Sized>(
     let (sent, received) = std::thread::scope(|scope| {
         let sender = std::thread::Builder::new().spawn_scoped(scope, || {
             let sent = send_all();
-            if sent.is_err() {
+            if let Err(e) = &sent {
+                tracing::warn!(rank, error = %e, "sending failed: breaking every link");
                 transport.abort();
             }
             sent
@@ -226,7 +227,8 @@ pub fn run_rank<'buf, T: Transport<'buf> + ?Sized>(
             transport.abort();
         }
         let received = receive_all(&mut stats);
-        if received.is_err() {
+        if let Err(e) = &received {
+            tracing::warn!(rank, error = %e, "receiving failed: breaking every link");
             transport.abort();
         }
         let sent = match sender {

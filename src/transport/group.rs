@@ -623,6 +623,7 @@ impl Group {
             }
         } else {
             let (peer, s) = self.coordinator();
+            let my_error = mine.as_ref().err().cloned();
             let status = match mine {
                 Ok(report) => Control::Status {
                     error: None,
@@ -634,9 +635,20 @@ impl Group {
                 },
             };
             self.send(peer, s, &status)?;
-            match self.await_go_or_verdict(peer, s, "the verdict")? {
-                Some(failures) if !failures.is_empty() => Err(Error::JobFailed { rank, failures }),
-                _ => Ok(Vec::new()),
+            // a "go" still owed from a barrier this rank left early is not the verdict
+            let failures = loop {
+                if let Some(failures) = self.await_go_or_verdict(peer, s, "the verdict")? {
+                    break failures;
+                }
+            };
+            match (failures.is_empty(), my_error) {
+                (true, None) => Ok(Vec::new()),
+                // whatever rank 0 says, a rank that failed never reports success
+                (true, Some(e)) => Err(Error::JobFailed {
+                    rank,
+                    failures: vec![(rank, e)],
+                }),
+                (false, _) => Err(Error::JobFailed { rank, failures }),
             }
         }
     }

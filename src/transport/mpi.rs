@@ -108,12 +108,23 @@ impl MpiJob {
         })
     }
 
-    /// The data transport over this job's world communicator.
-    pub fn transport(&self) -> MpiTransport<'_> {
+    /// The data transport over this job's world communicator, for a tensor of `shape` with
+    /// elements of `elem_bytes`.
+    pub fn transport(&self, shape: &[u64], elem_bytes: usize) -> MpiTransport<'_> {
+        // subarray datatypes count in C ints: every dim, in bytes for the innermost, must fit
+        let fits = shape.iter().enumerate().all(|(d, &n)| {
+            let n = if d + 1 == shape.len() {
+                n.saturating_mul(elem_bytes as u64)
+            } else {
+                n
+            };
+            n <= c_int::MAX as u64
+        });
         MpiTransport {
             world: &self.world,
             rank: self.world.rank() as Rank,
             staging: [Mutex::new(Vec::new()), Mutex::new(Vec::new())],
+            datatypes: fits,
         }
     }
 
@@ -196,6 +207,8 @@ pub struct MpiTransport<'a> {
     world: &'a SimpleCommunicator,
     rank: Rank,
     staging: [Mutex<Vec<u8>>; 2],
+    /// Whether regions of this tensor can be described by subarray datatypes.
+    datatypes: bool,
 }
 
 // SAFETY: MPI was initialized with MPI_THREAD_MULTIPLE (checked in `MpiJob::init`), so the
@@ -234,7 +247,7 @@ impl<'buf> Transport<'buf> for MpiTransport<'_> {
     }
 
     fn chunk_bytes(&self, transfer_bytes: usize, requested: usize) -> usize {
-        if transfer_bytes <= WHOLE_TRANSFER_LIMIT {
+        if self.datatypes && transfer_bytes <= WHOLE_TRANSFER_LIMIT {
             transfer_bytes
         } else {
             requested
@@ -337,6 +350,14 @@ impl<'buf> Transport<'buf> for MpiTransport<'_> {
         }
         g.copy(&buf[..chunk.len()], chunk.dst, chunk.range.clone());
         Ok(())
+    }
+
+    /// MPI cannot cancel what other ranks wait for: a rank that fails ends the whole job,
+    /// which `mpirun` then reports, instead of leaving the others blocked.
+    fn abort(&self) {
+        tracing::error!(rank = self.rank, "aborting the MPI job");
+        // SAFETY: a valid communicator; MPI_Abort does not return.
+        unsafe { ffi::MPI_Abort(self.world.as_raw(), 1) };
     }
 
     fn peak_staging_bytes(&self) -> u64 {

@@ -29,7 +29,13 @@ struct Header {
     /// Slots read by the receiver (wraps).
     tail: AtomicU32,
     _pad2: [u8; 60],
+    /// Set by either side when it gives up: the other stops waiting at once.
+    aborted: AtomicU32,
+    _pad3: [u8; 60],
 }
+
+/// Bounds on the slot size a ring may declare.
+pub const SLOT_BYTES: std::ops::RangeInclusive<usize> = 4096..=(64 << 20);
 
 /// Why a wait on the ring ended without its slot.
 #[derive(Debug)]
@@ -38,6 +44,8 @@ pub enum RingError {
     PeerGone,
     /// The deadline passed.
     TimedOut,
+    /// One side gave up ([`Ring::abort`]).
+    Aborted,
     Os(std::io::Error),
 }
 
@@ -49,12 +57,14 @@ pub struct Ring {
     slot_bytes: usize,
     /// Kept open by the creator, so that the peer can open it through /proc.
     fd: Option<OwnedFd>,
+    /// Serializes the users of one side, so that two threads never take the same slot.
+    side: std::sync::Mutex<()>,
 }
 
 // SAFETY: the mapping is shared memory accessed through atomics (counters) and through slots
 // whose ownership the counters hand back and forth between exactly two parties.
 unsafe impl Send for Ring {}
-// SAFETY: as above; one thread per side uses a ring at a time (the transport's locks).
+// SAFETY: as above; `side` serializes the users of each side, and `abort` only touches atomics.
 unsafe impl Sync for Ring {}
 
 fn os() -> std::io::Error {
@@ -107,7 +117,7 @@ fn futex_wake(word: &AtomicU32) {
             libc::SYS_futex,
             word.as_ptr(),
             libc::FUTEX_WAKE,
-            1,
+            i32::MAX,
             0usize,
             0usize,
             0u32,
@@ -124,6 +134,11 @@ pub fn alive(pid: u32) -> bool {
 impl Ring {
     /// A new ring of [`SLOTS`] slots of `slot_bytes`, owned by this process.
     pub fn create(slot_bytes: usize) -> std::io::Result<Ring> {
+        if !SLOT_BYTES.contains(&slot_bytes) {
+            return Err(std::io::Error::other(format!(
+                "slot size {slot_bytes} out of range"
+            )));
+        }
         let len = std::mem::size_of::<Header>() + SLOTS as usize * slot_bytes;
         let name = CString::new("reshard-ring").expect("no NUL");
         // SAFETY: a valid C string; the descriptor is owned below.
@@ -143,6 +158,7 @@ impl Ring {
             len,
             slot_bytes,
             fd: Some(fd),
+            side: std::sync::Mutex::new(()),
         };
         // SAFETY: the fresh mapping is zeroed and large enough for the header.
         unsafe {
@@ -158,8 +174,11 @@ impl Ring {
         self.fd.as_ref().map_or(-1, |f| f.as_raw_fd())
     }
 
-    /// Maps the ring that process `pid` created as descriptor `fd`.
+    /// Maps the ring that process `pid` created as descriptor `fd`, checking that it is one.
     pub fn open(pid: u32, fd: RawFd) -> std::io::Result<Ring> {
+        if pid == 0 {
+            return Err(std::io::Error::other("no process id"));
+        }
         let path = CString::new(format!("/proc/{pid}/fd/{fd}")).expect("no NUL");
         // SAFETY: a valid C string; the descriptor is closed after mapping.
         let raw = unsafe { libc::open(path.as_ptr(), libc::O_RDWR | libc::O_CLOEXEC) };
@@ -184,9 +203,14 @@ impl Ring {
             len,
             slot_bytes: 0,
             fd: None,
+            side: std::sync::Mutex::new(()),
         };
         let (magic, slot_bytes) = (ring.header().magic, ring.header().slot_bytes as usize);
-        if magic != MAGIC || std::mem::size_of::<Header>() + SLOTS as usize * slot_bytes != len {
+        let fits = (SLOTS as usize)
+            .checked_mul(slot_bytes)
+            .and_then(|n| n.checked_add(std::mem::size_of::<Header>()))
+            == Some(len);
+        if magic != MAGIC || !SLOT_BYTES.contains(&slot_bytes) || !fits {
             return Err(std::io::Error::other("not a reshard ring"));
         }
         ring.slot_bytes = slot_bytes;
@@ -224,6 +248,9 @@ impl Ring {
             if ready(v) {
                 return Ok(v);
             }
+            if self.header().aborted.load(Ordering::Acquire) != 0 {
+                return Err(RingError::Aborted);
+            }
             if !alive(peer) {
                 return Err(RingError::PeerGone);
             }
@@ -242,6 +269,7 @@ impl Ring {
         peer: u32,
         deadline: Instant,
     ) -> Result<(), RingError> {
+        let _side = self.side.lock().unwrap_or_else(|p| p.into_inner());
         let h = self.header();
         let head = h.head.load(Ordering::Relaxed);
         self.wait(
@@ -264,6 +292,7 @@ impl Ring {
         peer: u32,
         deadline: Instant,
     ) -> Result<(), RingError> {
+        let _side = self.side.lock().unwrap_or_else(|p| p.into_inner());
         let h = self.header();
         let tail = h.tail.load(Ordering::Relaxed);
         self.wait(&h.head, |head| head != tail, peer, deadline)?;
@@ -272,6 +301,16 @@ impl Ring {
         h.tail.store(tail.wrapping_add(1), Ordering::Release);
         futex_wake(&h.tail);
         Ok(())
+    }
+}
+
+impl Ring {
+    /// Gives up: both sides' waits end at once with [`RingError::Aborted`].
+    pub fn abort(&self) {
+        let h = self.header();
+        h.aborted.store(1, Ordering::Release);
+        futex_wake(&h.head);
+        futex_wake(&h.tail);
     }
 }
 
@@ -289,7 +328,7 @@ mod tests {
     #[test]
     fn bytes_pass_through_in_order() {
         let me = std::process::id();
-        let sender = Ring::create(64).unwrap();
+        let sender = Ring::create(4096).unwrap();
         let receiver = Ring::open(me, sender.fd()).unwrap();
         let deadline = Instant::now() + Duration::from_secs(10);
         let t = std::thread::spawn(move || {
@@ -311,5 +350,32 @@ mod tests {
             Err(RingError::TimedOut)
         ));
         drop(sender);
+    }
+
+    #[test]
+    fn abort_ends_the_other_sides_wait() {
+        let me = std::process::id();
+        let sender = Ring::create(4096).unwrap();
+        let receiver = std::sync::Arc::new(Ring::open(me, sender.fd()).unwrap());
+        let waiting = receiver.clone();
+        let t = std::thread::spawn(move || {
+            waiting.pull(|_| (), me, Instant::now() + Duration::from_secs(60))
+        });
+        std::thread::sleep(Duration::from_millis(20));
+        sender.abort();
+        assert!(matches!(t.join().unwrap(), Err(RingError::Aborted)));
+    }
+
+    #[test]
+    fn only_real_rings_open() {
+        let me = std::process::id();
+        assert!(Ring::create(1).is_err());
+        let ring = Ring::create(4096).unwrap();
+        // a lying header: a slot size that does not match the segment
+        // SAFETY: the header is ours to scribble on in this test.
+        unsafe { (*ring.base.cast::<Header>()).slot_bytes = u64::MAX / 4 };
+        assert!(Ring::open(me, ring.fd()).is_err());
+        assert!(Ring::open(0, ring.fd()).is_err());
+        assert!(Ring::open(me, -1).is_err());
     }
 }

@@ -95,6 +95,11 @@ impl ShmTransport {
                 waited: self.timeout,
                 detail: format!("{what} did not move"),
             },
+            RingError::Aborted => Error::PeerGone {
+                rank: self.rank(),
+                peer,
+                detail: format!("the ring was abandoned while moving {what}"),
+            },
             RingError::Os(e) => Error::Protocol {
                 rank: self.rank(),
                 peer,
@@ -143,6 +148,13 @@ impl ShmTransport {
                 }
             }
         };
+        if Some(&pid) != self.local_peers.get(&peer) {
+            return Err(Error::Protocol {
+                rank: self.rank(),
+                peer,
+                detail: format!("announced a ring of process {pid}, not of its own process"),
+            });
+        }
         let ring = Ring::open(pid, fd).map_err(|e| Error::Protocol {
             rank: self.rank(),
             peer,
@@ -269,6 +281,11 @@ impl<'buf> Transport<'buf> for ShmTransport {
     }
 
     fn abort(&self) {
+        for rings in [&self.outgoing, &self.incoming] {
+            if let Ok(rings) = rings.try_lock() {
+                rings.values().for_each(|r| r.abort());
+            }
+        }
         Transport::abort(&self.links);
     }
 
