@@ -312,3 +312,42 @@ fn launch_fails_when_its_ranks_fail() {
         "{err}"
     );
 }
+
+/// Ranks that outrun a short timeout (rank 0 fills a large shard while rank 1 waits): however
+/// it turns out, the ranks agree: no rank reports success while another fails.
+#[test]
+fn ranks_agree_on_the_outcome() {
+    let args = [
+        "run",
+        "--shape",
+        "4096,4096",
+        "--dtype",
+        "f32",
+        "--src",
+        "mesh=1 ranks=0 place=R",
+        "--dst",
+        "mesh=1 ranks=0 place=R",
+        "--transport",
+        "tcp",
+        "--timeout",
+        "0.3",
+    ];
+    for _ in 0..3 {
+        let port = free_port();
+        let ranks: Vec<Child> = (0..2)
+            .map(|r| spawn_rank(r, 2, port, "agree", &args))
+            .collect();
+        let codes: Vec<bool> = ranks
+            .into_iter()
+            .map(|c| {
+                wait_bounded(c, Duration::from_secs(30), "a rank")
+                    .status
+                    .success()
+            })
+            .collect();
+        assert!(
+            codes.iter().all(|&ok| ok == codes[0]),
+            "the ranks disagree: {codes:?}"
+        );
+    }
+}
