@@ -4,16 +4,18 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use clap::{Args, ValueEnum};
-use std::collections::BTreeSet;
+
 use std::time::Instant;
 
 use reshard::exec::{self, ExecOptions, RankJob};
 use reshard::fill::Fill;
 use reshard::transport::group::{Group, GroupEnv};
+use reshard::transport::segment::SharedBuffer;
 use reshard::transport::shm::ShmTransport;
 use reshard::transport::tcp::TcpTransport;
 use reshard::transport::{Job, Transport};
 use reshard::{Error, Plan, Rank};
+use reshard::{RankPlan, Region};
 use serde::Serialize;
 
 use super::units::{bytes, parse_bytes};
@@ -238,38 +240,29 @@ fn run_process(
     check_memory(plan, Some(env.rank))?;
     let group = Group::join(env, options.timeout)?;
     let kind = args.transport;
-    let pids = |peers: &BTreeSet<Rank>| peers.iter().map(|&p| (p, group.pid(p))).collect();
-    process_rank(args, plan, fill, options, &group, |peers| {
-        let links = TcpTransport::new(group.rank(), group.connect_peers(peers)?, options.timeout)?;
-        let transport: Box<dyn for<'b> Transport<'b> + '_> = match kind {
-            TransportKind::Tcp => Box::new(links),
-            TransportKind::Shm => {
-                if let Some(&far) = peers.iter().find(|&&p| !group.same_host(p)) {
-                    return Err(Error::InvalidOption {
-                        field: "--transport",
-                        value: "shm".into(),
-                        reason: format!("rank {far} runs on another host; use tcp or auto"),
-                    });
-                }
-                Box::new(ShmTransport::new(
-                    links,
-                    pids(peers),
-                    options.staging_bytes,
-                    options.timeout,
-                ))
-            }
-            _ => {
-                let near = peers.iter().copied().filter(|&p| group.same_host(p));
-                let near = near.map(|p| (p, group.pid(p))).collect();
-                Box::new(ShmTransport::new(
-                    links,
-                    near,
-                    options.staging_bytes,
-                    options.timeout,
-                ))
-            }
-        };
-        Ok(transport)
+    process_rank(args, plan, fill, options, &group, |mine, destination| {
+        let links = TcpTransport::new(
+            group.rank(),
+            group.connect_peers(&mine.peers())?,
+            options.timeout,
+        )?;
+        if kind == TransportKind::Tcp {
+            return Ok(Box::new(links) as Box<dyn for<'b> Transport<'b> + '_>);
+        }
+        let far = mine.peers().into_iter().find(|&p| !group.same_host(p));
+        if let (TransportKind::Shm, Some(far)) = (kind, far) {
+            return Err(Error::InvalidOption {
+                field: "--transport",
+                value: "shm".into(),
+                reason: format!("rank {far} runs on another host; use tcp or auto"),
+            });
+        }
+        // shm (or auto) for the peers on this host
+        let near = mine.peers().into_iter().filter(|&p| group.same_host(p));
+        let near = near.map(|p| (p, group.pid(p))).collect();
+        let mut shm = ShmTransport::new(links, near, options.staging_bytes, options.timeout);
+        shm.exchange_destinations(destination, &mine.senders(), &mine.receivers())?;
+        Ok(Box::new(shm) as Box<dyn for<'b> Transport<'b> + '_>)
     })
 }
 
@@ -286,7 +279,7 @@ fn run_mpi(args: &RunArgs, plan: &Plan, fill: Fill, options: &ExecOptions) -> Re
     let job = MpiJob::init()?;
     check_world(plan, job.world())?;
     check_memory(plan, Some(job.rank()))?;
-    process_rank(args, plan, fill, options, &job, |_| {
+    process_rank(args, plan, fill, options, &job, |_, _| {
         let transport = job.transport(plan.src().shape(), plan.elem_bytes());
         Ok(Box::new(transport) as Box<dyn for<'b> Transport<'b> + '_>)
     })
@@ -310,7 +303,10 @@ fn process_rank<'j, J: Job>(
     fill: Fill,
     options: &ExecOptions,
     job: &'j J,
-    connect: impl FnOnce(&BTreeSet<Rank>) -> Result<Box<dyn for<'b> Transport<'b> + 'j>, Error>,
+    connect: impl FnOnce(
+        &RankPlan,
+        Option<(&SharedBuffer, &Region)>,
+    ) -> Result<Box<dyn for<'b> Transport<'b> + 'j>, Error>,
 ) -> Result<(), Failure> {
     let rank = job.rank();
     let outcome = rank_part(args, plan, fill, options, job, connect);
@@ -365,7 +361,10 @@ fn rank_part<'j, J: Job>(
     fill: Fill,
     options: &ExecOptions,
     job: &'j J,
-    connect: impl FnOnce(&BTreeSet<Rank>) -> Result<Box<dyn for<'b> Transport<'b> + 'j>, Error>,
+    connect: impl FnOnce(
+        &RankPlan,
+        Option<(&SharedBuffer, &Region)>,
+    ) -> Result<Box<dyn for<'b> Transport<'b> + 'j>, Error>,
 ) -> Result<serde_json::Value, Error> {
     let rank = job.rank();
     let rank_plan = reshard::plan::rank_plan(plan.src(), plan.dst(), rank, &plan.options())?;
@@ -376,16 +375,17 @@ fn rank_part<'j, J: Job>(
         fill.fill_region(plan.src(), b, &mut buf);
         buf
     });
-    let mut shard = dst_box
-        .as_ref()
-        .map(|_| vec![0u8; plan.dst().local_bytes(rank) as usize]);
-    let peers: BTreeSet<Rank> = rank_plan
-        .sends
-        .iter()
-        .map(|t| t.dst)
-        .chain(rank_plan.recvs.iter().map(|t| t.src))
-        .collect();
-    let transport = connect(&peers)?;
+    // in shared memory, so that senders on this host can write into it directly
+    let mut shard = match &dst_box {
+        Some(_) => Some(SharedBuffer::new(plan.dst().local_bytes(rank) as usize)?),
+        None => None,
+    };
+    let transport = connect(
+        &rank_plan,
+        dst_box
+            .as_ref()
+            .and_then(|b| shard.as_ref().map(|s| (s, b))),
+    )?;
 
     // Only the data phase is timed: every rank starts each repetition together.
     let mut times = Vec::new();
@@ -419,7 +419,7 @@ fn rank_part<'j, J: Job>(
         });
     }
     if let (Some(dir), Some(buf)) = (&args.dump, &shard) {
-        dump(dir, [(rank, buf.as_slice())])?;
+        dump(dir, [(rank, &buf[..])])?;
     }
     Ok(serde_json::json!({
         "transport": transport.name(),

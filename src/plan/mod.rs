@@ -69,6 +69,23 @@ pub struct RankPlan {
     pub locals: Vec<Transfer>,
 }
 
+impl RankPlan {
+    /// The ranks this rank receives from (local copies aside).
+    pub fn senders(&self) -> std::collections::BTreeSet<Rank> {
+        self.recvs.iter().map(|t| t.src).collect()
+    }
+
+    /// The ranks this rank sends to (local copies aside).
+    pub fn receivers(&self) -> std::collections::BTreeSet<Rank> {
+        self.sends.iter().map(|t| t.dst).collect()
+    }
+
+    /// Every rank this rank exchanges data with.
+    pub fn peers(&self) -> std::collections::BTreeSet<Rank> {
+        &self.senders() | &self.receivers()
+    }
+}
+
 /// A complete plan for one tensor: the layouts and every transfer.
 #[derive(Clone, Debug)]
 pub struct Plan {

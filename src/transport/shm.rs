@@ -17,9 +17,11 @@ use serde::{Deserialize, Serialize};
 use crate::error::{Error, Result};
 use crate::exec::copy::{CopyGeometry, Place};
 use crate::layout::Rank;
+use crate::region::Region;
 
 use super::frame;
 use super::ring::{Ring, RingError, SLOTS};
+use super::segment::{PeerBuffer, SharedBuffer};
 use super::tcp::TcpTransport;
 use super::{Incoming, Outgoing, Transport};
 
@@ -28,13 +30,33 @@ use super::{Incoming, Outgoing, Transport};
 const MAX_SLOT_BYTES: usize = 128 << 10;
 const MIN_SLOT_BYTES: usize = 4 << 10;
 
-/// What the two ends of a ring tell each other over the TCP link.
-#[derive(Clone, Copy, Debug, Serialize, Deserialize)]
+/// What two peers tell each other over their TCP link.
+#[derive(Clone, Debug, Serialize, Deserialize)]
 enum Notice {
+    /// Before the first reshard, from a receiver to its senders: its destination shard lives
+    /// in a shared buffer (process, descriptor, bytes, box), so senders may write into it.
+    Destination {
+        pid: u32,
+        fd: i32,
+        len: u64,
+        offset: Vec<u64>,
+        extent: Vec<u64>,
+    },
+    /// The same, when the destination shard is private: senders use a ring.
+    NoDestination,
+    /// A sender wrote bytes `start..end` of a transfer straight into the receiver's shard.
+    Written { start: u64, end: u64 },
     /// The sender's new ring: where to find it.
     Ring { pid: u32, fd: i32 },
     /// The receiver has mapped the ring: the sender may close its descriptor.
     Opened,
+}
+
+/// A receiver's destination shard, mapped here for writing.
+#[derive(Debug)]
+struct Target {
+    buffer: Mutex<PeerBuffer>,
+    region: Region,
 }
 
 /// Shared-memory rings for same-host peers, TCP for the others.
@@ -51,6 +73,10 @@ pub struct ShmTransport {
     incoming: Mutex<BTreeMap<Rank, Arc<Ring>>>,
     /// Receivers that have mapped this rank's ring to them.
     opened: Mutex<std::collections::BTreeSet<Rank>>,
+    /// Receivers whose destination shards this rank writes into directly.
+    targets: BTreeMap<Rank, Target>,
+    /// Senders that write into this rank's shared destination shard.
+    writers: std::collections::BTreeSet<Rank>,
 }
 
 impl ShmTransport {
@@ -75,7 +101,77 @@ impl ShmTransport {
             outgoing: Mutex::new(BTreeMap::new()),
             incoming: Mutex::new(BTreeMap::new()),
             opened: Mutex::new(std::collections::BTreeSet::new()),
+            targets: BTreeMap::new(),
+            writers: std::collections::BTreeSet::new(),
         }
+    }
+
+    /// Lets same-host senders write straight into this rank's destination shard when it lives
+    /// in a [`SharedBuffer`] (one copy per byte, by the senders), and learns the same of this
+    /// rank's receivers. Call once, before the first reshard, on every rank: `senders` and
+    /// `receivers` are this rank's peers in each direction.
+    pub fn exchange_destinations(
+        &mut self,
+        destination: Option<(&SharedBuffer, &Region)>,
+        senders: &std::collections::BTreeSet<Rank>,
+        receivers: &std::collections::BTreeSet<Rank>,
+    ) -> Result<()> {
+        let notice = match destination.and_then(|(b, r)| b.fd().map(|fd| (b, r, fd))) {
+            Some((buffer, region, fd)) => Notice::Destination {
+                pid: std::process::id(),
+                fd,
+                len: buffer.len() as u64,
+                offset: region.offset.clone(),
+                extent: region.extent.clone(),
+            },
+            None => Notice::NoDestination,
+        };
+        for &peer in senders.iter().filter(|p| self.local_peers.contains_key(p)) {
+            let mut w = self.links.writer(peer)?;
+            frame::write_control(&mut *w, &notice)
+                .map_err(|e| self.links.fail(peer, "the destination's address".into(), e))?;
+            if matches!(notice, Notice::Destination { .. }) {
+                self.writers.insert(peer);
+            }
+        }
+        for &peer in receivers
+            .iter()
+            .filter(|p| self.local_peers.contains_key(p))
+        {
+            match self.notice(peer, "the destination's address")? {
+                Notice::Destination {
+                    pid,
+                    fd,
+                    len,
+                    offset,
+                    extent,
+                } if Some(&pid) == self.local_peers.get(&peer) && offset.len() == extent.len() => {
+                    let buffer =
+                        PeerBuffer::open(pid, fd, len as usize).map_err(|e| Error::Protocol {
+                            rank: self.rank(),
+                            peer,
+                            detail: format!("cannot map its destination shard: {e}"),
+                        })?;
+                    let region = Region { offset, extent };
+                    self.targets.insert(
+                        peer,
+                        Target {
+                            buffer: Mutex::new(buffer),
+                            region,
+                        },
+                    );
+                }
+                Notice::NoDestination => {}
+                other => {
+                    return Err(Error::Protocol {
+                        rank: self.rank(),
+                        peer,
+                        detail: format!("sent {other:?} instead of its destination"),
+                    });
+                }
+            }
+        }
+        Ok(())
     }
 
     fn rank(&self) -> Rank {
@@ -146,6 +242,13 @@ impl ShmTransport {
                         .unwrap_or_else(|p| p.into_inner())
                         .insert(peer);
                 }
+                other => {
+                    return Err(Error::Protocol {
+                        rank: self.rank(),
+                        peer,
+                        detail: format!("sent {other:?} instead of its ring's address"),
+                    });
+                }
             }
         };
         if Some(&pid) != self.local_peers.get(&peer) {
@@ -195,6 +298,49 @@ impl<'buf> Transport<'buf> for ShmTransport {
         let Some(&pid) = self.local_peers.get(&chunk.to) else {
             return self.links.send(chunk);
         };
+        if let Some(target) = self.targets.get(&chunk.to) {
+            // one copy: straight from this shard into the receiver's
+            if target.region.ndim() != chunk.region.ndim() || !target.region.contains(chunk.region)
+            {
+                return Err(Error::Protocol {
+                    rank: self.rank(),
+                    peer: chunk.to,
+                    detail: format!(
+                        "its destination shard {} does not hold {}",
+                        target.region, chunk.region
+                    ),
+                });
+            }
+            let g = CopyGeometry::new(
+                chunk.region,
+                Place::Within(chunk.src_box),
+                Place::Within(&target.region),
+                chunk.elem_bytes,
+            );
+            let mut buffer = target.buffer.lock().unwrap_or_else(|p| p.into_inner());
+            let bytes = buffer.bytes_mut();
+            if (target.region.volume() * chunk.elem_bytes as u64) as usize != bytes.len() {
+                return Err(Error::Protocol {
+                    rank: self.rank(),
+                    peer: chunk.to,
+                    detail: "its destination shard has another size than its box".into(),
+                });
+            }
+            g.copy(chunk.src, bytes, chunk.range.clone());
+            drop(buffer);
+            let written = Notice::Written {
+                start: chunk.range.start as u64,
+                end: chunk.range.end as u64,
+            };
+            let mut w = self.links.writer(chunk.to)?;
+            return frame::write_control(&mut *w, &written).map_err(|e| {
+                self.links.fail(
+                    chunk.to,
+                    format!("bytes {:?} of {}", chunk.range, chunk.region),
+                    e,
+                )
+            });
+        }
         let ring = self.outgoing(chunk.to)?;
         let g = CopyGeometry::new(
             chunk.region,
@@ -222,6 +368,33 @@ impl<'buf> Transport<'buf> for ShmTransport {
         let Some(&pid) = self.local_peers.get(&peer) else {
             return self.links.recv(chunk);
         };
+        if self.writers.contains(&peer) {
+            // the sender writes into this shard itself: wait for its word
+            let what = format!("bytes {:?} of {}", chunk.range, chunk.region);
+            loop {
+                match self.notice(peer, &what)? {
+                    Notice::Written { start, end }
+                        if start as usize == chunk.range.start
+                            && end as usize == chunk.range.end =>
+                    {
+                        return Ok(());
+                    }
+                    Notice::Opened => {
+                        self.opened
+                            .lock()
+                            .unwrap_or_else(|p| p.into_inner())
+                            .insert(peer);
+                    }
+                    other => {
+                        return Err(Error::Protocol {
+                            rank: self.rank(),
+                            peer,
+                            detail: format!("sent {other:?} while {what} was due"),
+                        });
+                    }
+                }
+            }
+        }
         let ring = self.incoming(peer)?;
         let g = CopyGeometry::new(
             chunk.region,
@@ -267,11 +440,11 @@ impl<'buf> Transport<'buf> for ShmTransport {
                             .unwrap_or_else(|p| p.into_inner())
                             .insert(peer);
                     }
-                    Notice::Ring { .. } => {
+                    other => {
                         return Err(Error::Protocol {
                             rank: self.rank(),
                             peer,
-                            detail: "announced a ring that this rank's plan never reads".into(),
+                            detail: format!("sent {other:?} instead of opening its ring"),
                         });
                     }
                 }
