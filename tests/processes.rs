@@ -47,7 +47,17 @@ fn shm_runs_match_local_runs() {
     runs_match_local_runs("shm", 0xfeed);
 }
 
+/// The same through the shared-memory rings alone (senders kept out of receivers' shards).
+#[test]
+fn shm_ring_runs_match_local_runs() {
+    runs_match_local_runs_with("shm", 0xbeef, &[("RESHARD_SHM_DIRECT", "0")]);
+}
+
 fn runs_match_local_runs(transport: &str, seed: u64) {
+    runs_match_local_runs_with(transport, seed, &[]);
+}
+
+fn runs_match_local_runs_with(transport: &str, seed: u64, env: &[(&str, &str)]) {
     let mut rng = Lcg(seed);
     for case in 0..24 {
         let ndim = 1 + rng.below(3) as usize;
@@ -80,8 +90,8 @@ fn runs_match_local_runs(transport: &str, seed: u64) {
             "20",
         ];
         let (local_dir, tcp_dir) = (
-            temp_dir(&format!("{transport}-local{case}")),
-            temp_dir(&format!("{transport}{case}")),
+            temp_dir(&format!("{transport}-{seed}-local{case}")),
+            temp_dir(&format!("{transport}-{seed}-{case}")),
         );
         let local = Command::new(EXE)
             .args(common)
@@ -107,6 +117,7 @@ fn runs_match_local_runs(transport: &str, seed: u64) {
                 "--dump",
                 tcp_dir.to_str().unwrap(),
             ])
+            .envs(env.iter().copied())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()

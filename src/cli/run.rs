@@ -261,6 +261,9 @@ fn run_process(
         let near = mine.peers().into_iter().filter(|&p| group.same_host(p));
         let near = near.map(|p| (p, group.pid(p))).collect();
         let mut shm = ShmTransport::new(links, near, options.staging_bytes, options.timeout);
+        // RESHARD_SHM_DIRECT=0 keeps senders out of the receivers' shards: rings only
+        let direct = std::env::var("RESHARD_SHM_DIRECT").map_or(true, |v| v != "0");
+        let destination = destination.filter(|_| direct);
         shm.exchange_destinations(destination, &mine.senders(), &mine.receivers())?;
         Ok(Box::new(shm) as Box<dyn for<'b> Transport<'b> + '_>)
     })
