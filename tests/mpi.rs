@@ -7,7 +7,7 @@ mod common;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use common::{EXE, Lcg, random_spec, read_dumps, temp_dir, text, wait_bounded};
+use common::{EXE, Lcg, RandomRun, text, wait_bounded};
 
 /// `mpirun -n N` of reshard, allowed as root and with more ranks than cores.
 fn mpirun(n: u64) -> Command {
@@ -16,7 +16,6 @@ fn mpirun(n: u64) -> Command {
         .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
         .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
         .env("OMPI_MCA_rmaps_base_oversubscribe", "1")
-        .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
     c
@@ -26,71 +25,12 @@ fn mpirun(n: u64) -> Command {
 fn mpi_runs_match_local_runs() {
     let mut rng = Lcg(0xa11);
     for case in 0..16 {
-        let ndim = 1 + rng.below(3) as usize;
-        let shape: Vec<String> = (0..ndim).map(|_| rng.below(10).to_string()).collect();
-        let world = 2 + rng.below(4);
-        let src = random_spec(&mut rng, ndim, world);
-        let dst = random_spec(&mut rng, ndim, world);
-        let dtype = ["u8", "bf16", "f32", "f64"][rng.below(4) as usize];
-        let chunk = ["3", "64", "4MiB"][rng.below(3) as usize];
-        let shape = shape.join(",");
-        let fill = format!("hash:{case}");
-        let common = [
-            "run",
-            "--shape",
-            &shape,
-            "--dtype",
-            dtype,
-            "--src",
-            &src,
-            "--dst",
-            &dst,
-            "--fill",
-            &fill,
-            "--verify",
-            "--chunk-bytes",
-            chunk,
-            "--staging-bytes",
-            "8MiB",
-        ];
-        let (local_dir, mpi_dir) = (
-            temp_dir(&format!("mpi-local{case}")),
-            temp_dir(&format!("mpi{case}")),
-        );
-        let local = Command::new(EXE)
-            .args(common)
-            .args([
-                "--transport",
-                "local",
-                "--dump",
-                local_dir.to_str().unwrap(),
-            ])
-            .output()
-            .unwrap();
-        assert!(
-            local.status.success(),
-            "case {case} local: {}",
-            text(&local.stderr)
-        );
-        let child = mpirun(world)
-            .args(common)
-            .args(["--transport", "mpi", "--dump", mpi_dir.to_str().unwrap()])
-            .spawn()
-            .unwrap();
-        let out = wait_bounded(child, Duration::from_secs(120), "an mpirun");
-        assert!(
-            out.status.success(),
-            "case {case} ({shape} {dtype} {src} -> {dst}): {}",
-            text(&out.stderr)
-        );
-        let report = text(&out.stdout);
-        assert!(
-            report.contains("over mpi") && report.contains("verify"),
-            "{report}"
-        );
-        assert_eq!(read_dumps(&mpi_dir), read_dumps(&local_dir), "case {case}");
-        let _ = std::fs::remove_dir_all(&local_dir);
-        let _ = std::fs::remove_dir_all(&mpi_dir);
+        let run = RandomRun::new(&mut rng, case, "mpi");
+        run.check_against_local("mpi", |args, world| {
+            let mut c = mpirun(world);
+            c.args(args);
+            c
+        });
     }
 }
 

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 mod common;
 
-use common::{EXE, Lcg, random_spec, read_dumps, temp_dir, text, wait_bounded};
+use common::{EXE, Lcg, RandomRun, text, wait_bounded};
 
 fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")
@@ -60,86 +60,19 @@ fn runs_match_local_runs(transport: &str, seed: u64) {
 fn runs_match_local_runs_with(transport: &str, seed: u64, env: &[(&str, &str)]) {
     let mut rng = Lcg(seed);
     for case in 0..24 {
-        let ndim = 1 + rng.below(3) as usize;
-        let shape: Vec<String> = (0..ndim).map(|_| rng.below(10).to_string()).collect();
-        let world = 2 + rng.below(4);
-        let src = random_spec(&mut rng, ndim, world);
-        let dst = random_spec(&mut rng, ndim, world);
-        let dtype = ["u8", "bf16", "f32", "f64"][rng.below(4) as usize];
-        let chunk = ["3", "64", "4MiB"][rng.below(3) as usize];
-        let shape = shape.join(",");
-        let fill = format!("hash:{case}");
-        let common = [
-            "run",
-            "--shape",
-            &shape,
-            "--dtype",
-            dtype,
-            "--src",
-            &src,
-            "--dst",
-            &dst,
-            "--fill",
-            &fill,
-            "--verify",
-            "--chunk-bytes",
-            chunk,
-            "--staging-bytes",
-            "8MiB",
-            "--timeout",
-            "20",
-        ];
-        let (local_dir, tcp_dir) = (
-            temp_dir(&format!("{transport}-{seed}-local{case}")),
-            temp_dir(&format!("{transport}-{seed}-{case}")),
-        );
-        let local = Command::new(EXE)
-            .args(common)
-            .args([
-                "--transport",
-                "local",
-                "--dump",
-                local_dir.to_str().unwrap(),
-            ])
-            .output()
-            .unwrap();
-        assert!(
-            local.status.success(),
-            "case {case} local: {}",
-            text(&local.stderr)
-        );
-        let child = Command::new(EXE)
-            .args(["launch", "--nproc", &world.to_string(), "--"])
-            .args(common)
-            .args([
-                "--transport",
-                transport,
-                "--dump",
-                tcp_dir.to_str().unwrap(),
-            ])
-            .envs(env.iter().copied())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let tcp = wait_bounded(child, Duration::from_secs(60), "a multi-process run");
-        let report = text(&tcp.stdout);
-        assert!(
-            tcp.status.success(),
-            "case {case} ({shape} {dtype} {src} -> {dst}): {}",
-            text(&tcp.stderr)
-        );
-        assert!(
-            report.contains(&format!("over {transport}")) && report.contains("verify"),
-            "{report}"
-        );
+        let run = RandomRun::new(&mut rng, case, &format!("{transport}-{seed}"));
+        run.check_against_local(transport, |args, world| {
+            let mut c = Command::new(EXE);
+            c.args(["launch", "--nproc", &world.to_string(), "--"])
+                .args(args)
+                .envs(env.iter().copied());
+            c
+        });
+        let report = run.report.borrow();
         assert!(
             !report.contains("[rank"),
             "rank 0's output is unprefixed: {report}"
         );
-        assert_eq!(read_dumps(&tcp_dir), read_dumps(&local_dir), "case {case}");
-        let _ = std::fs::remove_dir_all(&local_dir);
-        let _ = std::fs::remove_dir_all(&tcp_dir);
     }
 }
 

@@ -236,12 +236,7 @@ impl ShmTransport {
         let (pid, fd) = loop {
             match self.notice(peer, "the ring's address")? {
                 Notice::Ring { pid, fd } => break (pid, fd),
-                Notice::Opened => {
-                    self.opened
-                        .lock()
-                        .unwrap_or_else(|p| p.into_inner())
-                        .insert(peer);
-                }
+                Notice::Opened => self.note_opened(peer),
                 other => {
                     return Err(Error::Protocol {
                         rank: self.rank(),
@@ -271,6 +266,14 @@ impl ShmTransport {
         let ring = Arc::new(ring);
         rings.insert(peer, ring.clone());
         Ok(ring)
+    }
+
+    /// `peer` has mapped the ring this rank writes to it.
+    fn note_opened(&self, peer: Rank) {
+        self.opened
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(peer);
     }
 
     fn notice(&self, peer: Rank, what: &str) -> Result<Notice> {
@@ -379,12 +382,7 @@ impl<'buf> Transport<'buf> for ShmTransport {
                     {
                         return Ok(());
                     }
-                    Notice::Opened => {
-                        self.opened
-                            .lock()
-                            .unwrap_or_else(|p| p.into_inner())
-                            .insert(peer);
-                    }
+                    Notice::Opened => self.note_opened(peer),
                     other => {
                         return Err(Error::Protocol {
                             rank: self.rank(),
@@ -434,12 +432,7 @@ impl<'buf> Transport<'buf> for ShmTransport {
                 .contains(&peer)
             {
                 match self.notice(peer, "the acknowledgement of its ring")? {
-                    Notice::Opened => {
-                        self.opened
-                            .lock()
-                            .unwrap_or_else(|p| p.into_inner())
-                            .insert(peer);
-                    }
+                    Notice::Opened => self.note_opened(peer),
                     other => {
                         return Err(Error::Protocol {
                             rank: self.rank(),

@@ -150,6 +150,20 @@ pub(crate) fn segments(
     out
 }
 
+/// Moves the position (`first` segment, `skip` bytes into it) past `n` more bytes.
+fn advance(segs: &[(usize, usize)], first: &mut usize, skip: &mut usize, mut n: usize) {
+    while n > 0 {
+        let left = segs[*first].1 - *skip;
+        if n < left {
+            *skip += n;
+            return;
+        }
+        n -= left;
+        *first += 1;
+        *skip = 0;
+    }
+}
+
 fn write_all_vectored(
     w: &mut TcpStream,
     base: &[u8],
@@ -167,21 +181,11 @@ fn write_all_vectored(
                 IoSlice::new(&base[o + s..o + l])
             })
             .collect();
-        let mut n = w.write_vectored(&slices)?;
+        let n = w.write_vectored(&slices)?;
         if n == 0 {
             return Err(std::io::ErrorKind::WriteZero.into());
         }
-        while n > 0 {
-            let left = segs[first].1 - skip;
-            if n >= left {
-                n -= left;
-                first += 1;
-                skip = 0;
-            } else {
-                skip += n;
-                n = 0;
-            }
-        }
+        advance(segs, &mut first, &mut skip, n);
     }
     Ok(())
 }
@@ -208,21 +212,11 @@ fn read_exact_vectored(
             rest = after;
             slices.push(IoSliceMut::new(piece));
         }
-        let mut n = r.read_vectored(&mut slices)?;
+        let n = r.read_vectored(&mut slices)?;
         if n == 0 {
             return Err(std::io::ErrorKind::UnexpectedEof.into());
         }
-        while n > 0 {
-            let left = segs[first].1 - skip;
-            if n >= left {
-                n -= left;
-                first += 1;
-                skip = 0;
-            } else {
-                skip += n;
-                n = 0;
-            }
-        }
+        advance(segs, &mut first, &mut skip, n);
     }
     Ok(())
 }

@@ -92,3 +92,136 @@ pub fn read_dumps(dir: &Path) -> Vec<(String, Vec<u8>)> {
     files.sort();
     files
 }
+
+/// A random reshard, run in one process and by a launcher, compared byte for byte.
+pub struct RandomRun {
+    pub case: u64,
+    pub shape: String,
+    pub dtype: &'static str,
+    pub src: String,
+    pub dst: String,
+    pub world: u64,
+    chunk: &'static str,
+    dirs: (PathBuf, PathBuf),
+    /// What rank 0 printed in the last multi-process run.
+    pub report: std::cell::RefCell<String>,
+}
+
+impl RandomRun {
+    /// Up to 3-D, uneven and empty shards, 2 to 5 processes, several dtypes and chunk sizes.
+    pub fn new(rng: &mut Lcg, case: u64, tag: &str) -> RandomRun {
+        let ndim = 1 + rng.below(3) as usize;
+        let shape: Vec<String> = (0..ndim).map(|_| rng.below(10).to_string()).collect();
+        let world = 2 + rng.below(4);
+        let src = random_spec(rng, ndim, world);
+        let dst = random_spec(rng, ndim, world);
+        let dtype = ["u8", "bf16", "f32", "f64"][rng.below(4) as usize];
+        let chunk = ["3", "64", "4MiB"][rng.below(3) as usize];
+        RandomRun {
+            case,
+            shape: shape.join(","),
+            dtype,
+            src,
+            dst,
+            world,
+            chunk,
+            dirs: (
+                temp_dir(&format!("{tag}-local{case}")),
+                temp_dir(&format!("{tag}-{case}")),
+            ),
+            report: std::cell::RefCell::new(String::new()),
+        }
+    }
+
+    fn args(&self) -> Vec<String> {
+        let fill = format!("hash:{}", self.case);
+        [
+            "run",
+            "--shape",
+            &self.shape,
+            "--dtype",
+            self.dtype,
+            "--src",
+            &self.src,
+            "--dst",
+            &self.dst,
+            "--fill",
+            &fill,
+            "--verify",
+            "--chunk-bytes",
+            self.chunk,
+            "--staging-bytes",
+            "8MiB",
+            "--timeout",
+            "20",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect()
+    }
+
+    /// Runs it with `--transport local`, then with `transport` through the command `launcher`
+    /// builds (given the run's arguments and world size); both must verify and dump the same.
+    pub fn check_against_local(
+        &self,
+        transport: &str,
+        launcher: impl FnOnce(&[String], u64) -> std::process::Command,
+    ) {
+        let (local_dir, other_dir) = &self.dirs;
+        let what = format!(
+            "case {} ({} {} {} -> {})",
+            self.case, self.shape, self.dtype, self.src, self.dst
+        );
+        let local = std::process::Command::new(EXE)
+            .args(self.args())
+            .args([
+                "--transport",
+                "local",
+                "--dump",
+                local_dir.to_str().unwrap(),
+            ])
+            .output()
+            .unwrap();
+        assert!(
+            local.status.success(),
+            "{what} local: {}",
+            text(&local.stderr)
+        );
+        let mut args = self.args();
+        args.extend(
+            [
+                "--transport",
+                transport,
+                "--dump",
+                other_dir.to_str().unwrap(),
+            ]
+            .map(String::from),
+        );
+        let child = launcher(&args, self.world)
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let out = wait_bounded(child, Duration::from_secs(120), "a multi-process run");
+        assert!(
+            out.status.success(),
+            "{what} over {transport}: {}",
+            text(&out.stderr)
+        );
+        let report = text(&out.stdout);
+        assert!(
+            report.contains(&format!("over {transport}")) && report.contains("verify"),
+            "{report}"
+        );
+        assert_eq!(read_dumps(other_dir), read_dumps(local_dir), "{what}");
+        *self.report.borrow_mut() = report;
+    }
+}
+
+impl Drop for RandomRun {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dirs.0);
+        let _ = std::fs::remove_dir_all(&self.dirs.1);
+    }
+}
