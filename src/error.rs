@@ -109,7 +109,8 @@ pub enum Error {
     },
 
     #[error(
-        "rank {rank}: {transfers} transfers ({bytes} bytes) from ranks {from:?} did not arrive"
+        "rank {rank}: {transfers} transfers ({bytes} bytes) did not arrive, from {}",
+        .from.iter().map(|r| format!("rank {r}")).collect::<Vec<_>>().join(", ")
     )]
     NotArrived {
         rank: Rank,

@@ -220,7 +220,7 @@ fn a_missing_rank_is_named() {
         let out = wait_bounded(child, Duration::from_secs(20), "a rank");
         assert!(!out.status.success());
         assert!(
-            text(&out.stderr).contains("ranks [2] never joined"),
+            text(&out.stderr).contains("rank 2 never joined"),
             "rank {rank}: {}",
             text(&out.stderr)
         );

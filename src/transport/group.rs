@@ -221,6 +221,15 @@ fn accept_until(listener: &TcpListener, deadline: Instant) -> Option<(TcpStream,
     }
 }
 
+/// `rank 4` or `ranks 4, 5`: names that a reader (and a search for "rank 4") finds.
+fn name_ranks(ranks: &[Rank]) -> String {
+    let list: Vec<String> = ranks.iter().map(Rank::to_string).collect();
+    match list.len() {
+        1 => format!("rank {}", list[0]),
+        _ => format!("ranks {}", list.join(", ")),
+    }
+}
+
 /// Byte-wise comparison whose time does not depend on where the inputs differ.
 fn same_token(a: &str, b: &str) -> bool {
     a.len() == b.len()
@@ -258,6 +267,8 @@ impl Group {
                 detail: format!("cannot reach the rendezvous at {master}: {e}"),
             })?;
             let _ = stream.set_nodelay(true);
+            // control messages are small: a peer that stops reading must not block us forever
+            let _ = stream.set_write_timeout(Some(timeout));
             let local_ip: IpAddr = stream.local_addr().map(|a| a.ip()).unwrap_or(master.ip());
             let listener = TcpListener::bind((local_ip, 0)).map_err(|e| Error::Io {
                 path: format!("{local_ip}:0"),
@@ -368,7 +379,7 @@ impl Group {
         while !waiting.is_empty() {
             let Some((mut stream, from)) = accept_until(&self.listener, deadline) else {
                 let missing: Vec<Rank> = waiting.iter().copied().collect();
-                let detail = format!("rendezvous: ranks {missing:?} never joined");
+                let detail = format!("rendezvous: {} never joined", name_ranks(&missing));
                 // tell the ranks that did join who is missing, so that they need not guess
                 let refusal = Reply::Refused {
                     reason: detail.clone(),
@@ -385,6 +396,7 @@ impl Group {
             };
             if let Some(hello) = self.screen(&mut stream, "control", &waiting) {
                 let _ = stream.set_nodelay(true);
+                let _ = stream.set_write_timeout(Some(self.timeout));
                 self.addrs[hello.rank] = SocketAddr::new(from.ip(), hello.port);
                 self.pids[hello.rank] = hello.pid;
                 waiting.remove(&hello.rank);
@@ -476,8 +488,8 @@ impl Group {
                     peer: *waiting.iter().next().unwrap_or(&rank),
                     waited: self.timeout,
                     detail: format!(
-                        "ranks {:?} never connected",
-                        waiting.iter().collect::<Vec<_>>()
+                        "{} never connected",
+                        name_ranks(&waiting.iter().copied().collect::<Vec<_>>())
                     ),
                 });
             };
