@@ -214,37 +214,51 @@ pub fn run_rank<'buf, T: Transport<'buf> + ?Sized>(
     };
 
     let started = std::time::Instant::now();
-    let (sent, received) = std::thread::scope(|scope| {
-        let sender = std::thread::Builder::new().spawn_scoped(scope, || {
-            let sent = send_all();
-            if let Err(e) = &sent {
-                tracing::warn!(rank, error = %e, "sending failed: breaking every link");
+    let (sent, received) = if !transport.sends_block() {
+        // everything is posted first, then received, on this one thread
+        let sent = send_all();
+        let received = match &sent {
+            Ok(_) => receive_all(&mut stats),
+            Err(_) => Ok(()),
+        };
+        if let Some(e) = sent.as_ref().err().or(received.as_ref().err()) {
+            tracing::warn!(rank, error = %e, "failed: breaking every link");
+            transport.abort();
+        }
+        (sent, received)
+    } else {
+        std::thread::scope(|scope| {
+            let sender = std::thread::Builder::new().spawn_scoped(scope, || {
+                let sent = send_all();
+                if let Err(e) = &sent {
+                    tracing::warn!(rank, error = %e, "sending failed: breaking every link");
+                    transport.abort();
+                }
+                sent
+            });
+            if sender.is_err() {
                 transport.abort();
             }
-            sent
-        });
-        if sender.is_err() {
-            transport.abort();
-        }
-        let received = receive_all(&mut stats);
-        if let Err(e) = &received {
-            tracing::warn!(rank, error = %e, "receiving failed: breaking every link");
-            transport.abort();
-        }
-        let sent = match sender {
-            Ok(sender) => sender.join().unwrap_or_else(|_| {
-                Err(Error::Internal {
+            let received = receive_all(&mut stats);
+            if let Err(e) = &received {
+                tracing::warn!(rank, error = %e, "receiving failed: breaking every link");
+                transport.abort();
+            }
+            let sent = match sender {
+                Ok(sender) => sender.join().unwrap_or_else(|_| {
+                    Err(Error::Internal {
+                        rank,
+                        detail: "the send thread panicked".into(),
+                    })
+                }),
+                Err(e) => Err(Error::Internal {
                     rank,
-                    detail: "the send thread panicked".into(),
-                })
-            }),
-            Err(e) => Err(Error::Internal {
-                rank,
-                detail: format!("cannot start the send thread: {e}"),
-            }),
-        };
-        (sent, received)
-    });
+                    detail: format!("cannot start the send thread: {e}"),
+                }),
+            };
+            (sent, received)
+        })
+    };
     // Report everything that went wrong, and exactly what did not arrive.
     let mut failures = Vec::new();
     if let Err(e) = received {

@@ -152,6 +152,12 @@ pub trait Transport<'buf>: Sync {
         requested
     }
 
+    /// Whether `send` may block until the receiver takes the chunk. If not, the executor
+    /// posts every send before it receives, on one thread.
+    fn sends_block(&self) -> bool {
+        true
+    }
+
     /// Hands one chunk to the transport. It may return before the receiver has it, but the
     /// chunk's source memory stays valid and unchanged for `'buf`.
     fn send(&self, chunk: Outgoing<'buf>) -> Result<()>;

@@ -125,6 +125,7 @@ impl MpiJob {
             rank: self.world.rank() as Rank,
             staging: [Mutex::new(Vec::new()), Mutex::new(Vec::new())],
             datatypes: fits,
+            pending: Mutex::new(Vec::new()),
         }
     }
 
@@ -209,6 +210,15 @@ pub struct MpiTransport<'a> {
     staging: [Mutex<Vec<u8>>; 2],
     /// Whether regions of this tensor can be described by subarray datatypes.
     datatypes: bool,
+    /// Posted sends, completed by `finish`.
+    pending: Mutex<Vec<Pending>>,
+}
+
+/// A posted send: its request, and what must live until it completes.
+struct Pending {
+    request: ffi::MPI_Request,
+    datatype: Option<ffi::MPI_Datatype>,
+    _buffer: Option<Vec<u8>>,
 }
 
 // SAFETY: MPI was initialized with MPI_THREAD_MULTIPLE (checked in `MpiJob::init`), so the
@@ -254,45 +264,71 @@ impl<'buf> Transport<'buf> for MpiTransport<'_> {
         }
     }
 
+    /// Sends are posted (`MPI_Isend`) and completed in `finish`, like MPI_Alltoallw's: the
+    /// executor posts them all, then receives, from one thread.
+    fn sends_block(&self) -> bool {
+        false
+    }
+
     fn send(&self, chunk: Outgoing<'buf>) -> Result<()> {
         self.check_len(chunk.len(), chunk.to)?;
-        if chunk.range.start == 0
-            && chunk.len() as u64 == chunk.region.volume() * chunk.elem_bytes as u64
-        {
-            let t = subarray(chunk.src_box, chunk.region, chunk.elem_bytes);
-            // SAFETY: the type describes `region` inside `src_box`, whose buffer is `src`.
-            unsafe {
-                ffi::MPI_Send(
-                    chunk.src.as_ptr().cast(),
-                    1,
-                    t,
-                    chunk.to as c_int,
-                    DATA_TAG,
-                    self.world.as_raw(),
-                );
-            }
-            free_datatype(t);
-            return Ok(());
+        let whole = self.datatypes
+            && chunk.range.start == 0
+            && chunk.len() as u64 == chunk.region.volume() * chunk.elem_bytes as u64;
+        let (datatype, buffer) = if whole {
+            (
+                Some(subarray(chunk.src_box, chunk.region, chunk.elem_bytes)),
+                None,
+            )
+        } else {
+            // a piece of a huge transfer: packed into a buffer of its own, kept until done
+            let g = CopyGeometry::new(
+                chunk.region,
+                Place::Within(chunk.src_box),
+                Place::Stream,
+                chunk.elem_bytes,
+            );
+            let mut packed = vec![0u8; chunk.len()];
+            g.copy(chunk.src, &mut packed, chunk.range.clone());
+            (None, Some(packed))
+        };
+        let mut request = std::mem::MaybeUninit::<ffi::MPI_Request>::uninit();
+        // SAFETY: the datatype describes `region` inside `src_box`, whose buffer `src` stays
+        // valid and unchanged for 'buf; a packed buffer lives in `pending` until completion.
+        unsafe {
+            let (ptr, count, t) = match (&datatype, &buffer) {
+                (Some(t), _) => (chunk.src.as_ptr(), 1, *t),
+                (None, Some(b)) => (b.as_ptr(), b.len() as c_int, ffi::RSMPI_UINT8_T),
+                (None, None) => unreachable!("one of the two is set above"),
+            };
+            ffi::MPI_Isend(
+                ptr.cast(),
+                count,
+                t,
+                chunk.to as c_int,
+                DATA_TAG,
+                self.world.as_raw(),
+                request.as_mut_ptr(),
+            );
+            self.pending
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push(Pending {
+                    request: request.assume_init(),
+                    datatype,
+                    _buffer: buffer,
+                });
         }
-        let g = CopyGeometry::new(
-            chunk.region,
-            Place::Within(chunk.src_box),
-            Place::Stream,
-            chunk.elem_bytes,
-        );
-        let peer = self.world.process_at_rank(chunk.to as i32);
-        let mut single = None;
-        let mut pieces = 0;
-        g.for_each_run(chunk.range.clone(), |s, _, len| {
-            pieces += 1;
-            single = Some((s, len));
-        });
-        match single {
-            Some((s, len)) if pieces == 1 => peer.send_with_tag(&chunk.src[s..s + len], DATA_TAG),
-            _ => {
-                let mut buf = self.stage(0, chunk.len());
-                g.copy(chunk.src, &mut buf[..chunk.len()], chunk.range.clone());
-                peer.send_with_tag(&buf[..chunk.len()], DATA_TAG);
+        Ok(())
+    }
+
+    fn finish(&self) -> Result<()> {
+        let pending = std::mem::take(&mut *self.pending.lock().unwrap_or_else(|p| p.into_inner()));
+        for mut p in pending {
+            // SAFETY: a request this transport posted, waited for once.
+            unsafe { ffi::MPI_Wait(&mut p.request, ffi::RSMPI_STATUS_IGNORE) };
+            if let Some(t) = p.datatype {
+                free_datatype(t);
             }
         }
         Ok(())
@@ -301,7 +337,8 @@ impl<'buf> Transport<'buf> for MpiTransport<'_> {
     fn recv(&self, chunk: Incoming<'_>) -> Result<()> {
         let from = chunk.from;
         self.check_len(chunk.len(), from)?;
-        if chunk.range.start == 0
+        if self.datatypes
+            && chunk.range.start == 0
             && chunk.len() as u64 == chunk.region.volume() * chunk.elem_bytes as u64
         {
             let t = subarray(chunk.dst_box, chunk.region, chunk.elem_bytes);
