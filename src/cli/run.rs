@@ -247,7 +247,7 @@ fn run_process(
             options.timeout,
         )?;
         if kind == TransportKind::Tcp {
-            return Ok(Box::new(links) as Box<dyn for<'b> Transport<'b> + '_>);
+            return Ok(Box::new(links) as AnyTransport<'_>);
         }
         let far = mine.peers().into_iter().find(|&p| !group.same_host(p));
         if let (TransportKind::Shm, Some(far)) = (kind, far) {
@@ -265,7 +265,7 @@ fn run_process(
         let direct = std::env::var("RESHARD_SHM_DIRECT").map_or(true, |v| v != "0");
         let destination = destination.filter(|_| direct);
         shm.exchange_destinations(destination, &mine.senders(), &mine.receivers())?;
-        Ok(Box::new(shm) as Box<dyn for<'b> Transport<'b> + '_>)
+        Ok(Box::new(shm) as AnyTransport<'_>)
     })
 }
 
@@ -284,7 +284,7 @@ fn run_mpi(args: &RunArgs, plan: &Plan, fill: Fill, options: &ExecOptions) -> Re
     check_memory(plan, Some(job.rank()))?;
     process_rank(args, plan, fill, options, &job, |_, _| {
         let transport = job.transport(plan.src().shape(), plan.elem_bytes());
-        Ok(Box::new(transport) as Box<dyn for<'b> Transport<'b> + '_>)
+        Ok(Box::new(transport) as AnyTransport<'_>)
     })
 }
 
@@ -306,10 +306,7 @@ fn process_rank<'j, J: Job>(
     fill: Fill,
     options: &ExecOptions,
     job: &'j J,
-    connect: impl FnOnce(
-        &RankPlan,
-        Option<(&SharedBuffer, &Region)>,
-    ) -> Result<Box<dyn for<'b> Transport<'b> + 'j>, Error>,
+    connect: impl FnOnce(&RankPlan, Destination<'_>) -> Result<AnyTransport<'j>, Error>,
 ) -> Result<(), Failure> {
     let rank = job.rank();
     let outcome = rank_part(args, plan, fill, options, job, connect);
@@ -356,6 +353,12 @@ fn process_rank<'j, J: Job>(
     Ok(())
 }
 
+/// Whichever transport a multi-process run uses.
+type AnyTransport<'a> = Box<dyn for<'b> Transport<'b> + 'a>;
+
+/// This rank's destination shard in shared memory, and its box, when it has one.
+type Destination<'a> = Option<(&'a SharedBuffer, &'a Region)>;
+
 /// This rank's share of a multi-process run: its shards, its links, its transfers, its check.
 /// Returns the report it sends to rank 0.
 fn rank_part<'j, J: Job>(
@@ -364,10 +367,7 @@ fn rank_part<'j, J: Job>(
     fill: Fill,
     options: &ExecOptions,
     job: &'j J,
-    connect: impl FnOnce(
-        &RankPlan,
-        Option<(&SharedBuffer, &Region)>,
-    ) -> Result<Box<dyn for<'b> Transport<'b> + 'j>, Error>,
+    connect: impl FnOnce(&RankPlan, Destination<'_>) -> Result<AnyTransport<'j>, Error>,
 ) -> Result<serde_json::Value, Error> {
     let rank = job.rank();
     let rank_plan = reshard::plan::rank_plan(plan.src(), plan.dst(), rank, &plan.options())?;
