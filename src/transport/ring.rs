@@ -5,8 +5,8 @@
 //! so no segment is ever left behind. Waits sleep on futexes, and check every
 //! [`WAIT_SLICE`] that the peer still lives and the deadline has not passed.
 
-use std::ffi::CString;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use super::segment::{create_shared, map_peer};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
@@ -67,29 +67,6 @@ unsafe impl Send for Ring {}
 // SAFETY: as above; `side` serializes the users of each side, and `abort` only touches atomics.
 unsafe impl Sync for Ring {}
 
-fn os() -> std::io::Error {
-    std::io::Error::last_os_error()
-}
-
-fn map(fd: RawFd, len: usize) -> std::io::Result<*mut u8> {
-    // SAFETY: maps `len` bytes of a file this process holds open; checked below.
-    let ptr = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            len,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_SHARED,
-            fd,
-            0,
-        )
-    };
-    if ptr == libc::MAP_FAILED {
-        Err(os())
-    } else {
-        Ok(ptr.cast())
-    }
-}
-
 fn futex_wait(word: &AtomicU32, expected: u32, slice: Duration) {
     let ts = libc::timespec {
         tv_sec: slice.as_secs() as libc::time_t,
@@ -140,19 +117,7 @@ impl Ring {
             )));
         }
         let len = std::mem::size_of::<Header>() + SLOTS as usize * slot_bytes;
-        let name = CString::new("reshard-ring").expect("no NUL");
-        // SAFETY: a valid C string; the descriptor is owned below.
-        let raw = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
-        if raw < 0 {
-            return Err(os());
-        }
-        // SAFETY: just created, owned by nothing else.
-        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
-        // SAFETY: a valid descriptor.
-        if unsafe { libc::ftruncate(fd.as_raw_fd(), len as libc::off_t) } != 0 {
-            return Err(os());
-        }
-        let base = map(fd.as_raw_fd(), len)?;
+        let (fd, base) = create_shared("reshard-ring", len)?;
         let ring = Ring {
             base,
             len,
@@ -176,28 +141,7 @@ impl Ring {
 
     /// Maps the ring that process `pid` created as descriptor `fd`, checking that it is one.
     pub fn open(pid: u32, fd: RawFd) -> std::io::Result<Ring> {
-        if pid == 0 {
-            return Err(std::io::Error::other("no process id"));
-        }
-        let path = CString::new(format!("/proc/{pid}/fd/{fd}")).expect("no NUL");
-        // SAFETY: a valid C string; the descriptor is closed after mapping.
-        let raw = unsafe { libc::open(path.as_ptr(), libc::O_RDWR | libc::O_CLOEXEC) };
-        if raw < 0 {
-            return Err(os());
-        }
-        // SAFETY: just opened, owned here.
-        let file = unsafe { OwnedFd::from_raw_fd(raw) };
-        let mut st = std::mem::MaybeUninit::<libc::stat>::uninit();
-        // SAFETY: a valid descriptor and a buffer for one stat.
-        if unsafe { libc::fstat(file.as_raw_fd(), st.as_mut_ptr()) } != 0 {
-            return Err(os());
-        }
-        // SAFETY: fstat succeeded.
-        let len = unsafe { st.assume_init() }.st_size as usize;
-        if len < std::mem::size_of::<Header>() {
-            return Err(std::io::Error::other("not a reshard ring"));
-        }
-        let base = map(file.as_raw_fd(), len)?;
+        let (base, len) = map_peer(pid, fd)?;
         let mut ring = Ring {
             base,
             len,
@@ -205,6 +149,9 @@ impl Ring {
             fd: None,
             side: std::sync::Mutex::new(()),
         };
+        if len < std::mem::size_of::<Header>() {
+            return Err(std::io::Error::other("not a reshard ring"));
+        }
         let (magic, slot_bytes) = (ring.header().magic, ring.header().slot_bytes as usize);
         let fits = (SLOTS as usize)
             .checked_mul(slot_bytes)

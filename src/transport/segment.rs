@@ -18,6 +18,51 @@ fn map(fd: RawFd, len: usize, prot: libc::c_int) -> std::io::Result<*mut u8> {
     }
 }
 
+/// A new, zero-filled memfd of `len` bytes (not 0), mapped read-write: (descriptor, address).
+pub(crate) fn create_shared(name: &str, len: usize) -> std::io::Result<(OwnedFd, *mut u8)> {
+    let name = CString::new(name).map_err(std::io::Error::other)?;
+    // SAFETY: a valid C string; the descriptor is owned below.
+    let raw = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
+    if raw < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: just created, owned by nothing else.
+    let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+    // SAFETY: a valid descriptor.
+    if unsafe { libc::ftruncate(fd.as_raw_fd(), len as libc::off_t) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    let ptr = map(fd.as_raw_fd(), len, libc::PROT_READ | libc::PROT_WRITE)?;
+    Ok((fd, ptr))
+}
+
+/// Opens descriptor `fd` of process `pid` and maps all of it read-write: (address, length).
+pub(crate) fn map_peer(pid: u32, fd: RawFd) -> std::io::Result<(*mut u8, usize)> {
+    if pid == 0 {
+        return Err(std::io::Error::other("no process id"));
+    }
+    let path = CString::new(format!("/proc/{pid}/fd/{fd}")).expect("no NUL");
+    // SAFETY: a valid C string; the descriptor closes after mapping.
+    let raw = unsafe { libc::open(path.as_ptr(), libc::O_RDWR | libc::O_CLOEXEC) };
+    if raw < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: just opened, owned here.
+    let file = unsafe { OwnedFd::from_raw_fd(raw) };
+    let mut st = std::mem::MaybeUninit::<libc::stat>::uninit();
+    // SAFETY: a valid descriptor and room for one stat.
+    if unsafe { libc::fstat(file.as_raw_fd(), st.as_mut_ptr()) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: fstat succeeded.
+    let len = unsafe { st.assume_init() }.st_size as usize;
+    if len == 0 {
+        return Err(std::io::Error::other("an empty shared buffer"));
+    }
+    let ptr = map(file.as_raw_fd(), len, libc::PROT_READ | libc::PROT_WRITE)?;
+    Ok((ptr, len))
+}
+
 /// A zero-filled buffer in a memfd, mapped read-write here, that peers may map too.
 #[derive(Debug)]
 pub struct SharedBuffer {
@@ -33,34 +78,15 @@ unsafe impl Sync for SharedBuffer {}
 
 impl SharedBuffer {
     pub fn new(len: usize) -> Result<SharedBuffer> {
-        let fail = |what: &str| Error::Io {
-            path: what.to_string(),
-            source: std::io::Error::last_os_error(),
-        };
         if len == 0 {
             return Ok(SharedBuffer { map: None, len });
         }
-        let name = CString::new("reshard-shard").expect("no NUL");
-        // SAFETY: a valid C string; the descriptor is owned below.
-        let raw = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
-        if raw < 0 {
-            return Err(fail("memfd_create"));
-        }
-        // SAFETY: just created, owned by nothing else.
-        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
-        // SAFETY: a valid descriptor.
-        if unsafe { libc::ftruncate(fd.as_raw_fd(), len as libc::off_t) } != 0 {
-            return Err(fail("ftruncate of a shared buffer"));
-        }
-        let ptr =
-            map(fd.as_raw_fd(), len, libc::PROT_READ | libc::PROT_WRITE).map_err(|source| {
-                Error::Io {
-                    path: "mmap of a shared buffer".into(),
-                    source,
-                }
-            })?;
+        let map = create_shared("reshard-shard", len).map_err(|source| Error::Io {
+            path: "a shared buffer (memfd)".into(),
+            source,
+        })?;
         Ok(SharedBuffer {
-            map: Some((fd, ptr)),
+            map: Some(map),
             len,
         })
     }
@@ -116,27 +142,14 @@ unsafe impl Sync for PeerBuffer {}
 impl PeerBuffer {
     /// Maps descriptor `fd` of process `pid`, checking that it holds exactly `len` bytes.
     pub fn open(pid: u32, fd: RawFd, len: usize) -> std::io::Result<PeerBuffer> {
-        let path = CString::new(format!("/proc/{pid}/fd/{fd}")).expect("no NUL");
-        // SAFETY: a valid C string; the descriptor closes after mapping.
-        let raw = unsafe { libc::open(path.as_ptr(), libc::O_RDWR | libc::O_CLOEXEC) };
-        if raw < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        // SAFETY: just opened, owned here.
-        let file = unsafe { OwnedFd::from_raw_fd(raw) };
-        let mut st = std::mem::MaybeUninit::<libc::stat>::uninit();
-        // SAFETY: a valid descriptor and room for one stat.
-        if unsafe { libc::fstat(file.as_raw_fd(), st.as_mut_ptr()) } != 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        // SAFETY: fstat succeeded.
-        if unsafe { st.assume_init() }.st_size as u64 != len as u64 || len == 0 {
+        let (ptr, got) = map_peer(pid, fd)?;
+        let buffer = PeerBuffer { ptr, len: got };
+        if got != len {
             return Err(std::io::Error::other(
                 "the shared buffer has another size than announced",
             ));
         }
-        let ptr = map(file.as_raw_fd(), len, libc::PROT_READ | libc::PROT_WRITE)?;
-        Ok(PeerBuffer { ptr, len })
+        Ok(buffer)
     }
 
     /// The mapped bytes, to write into.
