@@ -116,13 +116,7 @@ fn main() {
     if rank == 0 {
         times.sort_by(f64::total_cmp);
         let median = times[times.len() / 2];
-        let dst_bytes: u64 = plan
-            .dst()
-            .mesh()
-            .ranks()
-            .iter()
-            .map(|&r| plan.dst().local_bytes(r))
-            .sum();
+        let dst_bytes = plan.dst().shard_bytes();
         println!(
             "{{\"method\": \"MPI_Alltoallw\", \"median_s\": {median}, \"gbps\": {:.3}, \"verified\": true}}",
             dst_bytes as f64 / median / 1e9

@@ -156,50 +156,26 @@ impl Fill {
 
     /// Checks every destination shard of `layout` against the fill, byte for byte.
     pub fn verify_shards(self, layout: &Layout, shards: &BTreeMap<Rank, Vec<u8>>) -> Result<()> {
-        let mut failure: Option<Error> = None;
-        let mut total = 0;
+        crate::exec::check_buffers(layout, crate::error::Side::Dst, shards)?;
+        let mut first = None;
+        let mut mismatches = 0;
         for (p, &rank) in layout.mesh().ranks().iter().enumerate() {
-            let region = layout.region_at(p);
-            let buf = shards.get(&rank).ok_or(Error::MissingBuffer {
-                side: crate::error::Side::Dst,
-                rank,
-            })?;
-            if buf.len() as u64 != layout.local_bytes(rank) {
-                return Err(Error::BufferSize {
-                    side: crate::error::Side::Dst,
-                    rank,
-                    extent: crate::error::Dims(region.extent),
-                    expected: layout.local_bytes(rank),
-                    got: buf.len() as u64,
-                });
-            }
-            if let Some((offset, expected, found, n)) = self.check_region(layout, &region, buf) {
-                total += n;
-                failure.get_or_insert(Error::VerifyFailed {
-                    rank,
-                    offset,
-                    expected,
-                    found,
-                    mismatches: 0,
-                });
+            if let Some((offset, expected, found, n)) =
+                self.check_region(layout, &layout.region_at(p), &shards[&rank])
+            {
+                mismatches += n;
+                first.get_or_insert((rank, offset, expected, found));
             }
         }
-        match failure {
+        match first {
             None => Ok(()),
-            Some(Error::VerifyFailed {
+            Some((rank, offset, expected, found)) => Err(Error::VerifyFailed {
                 rank,
                 offset,
                 expected,
                 found,
-                ..
-            }) => Err(Error::VerifyFailed {
-                rank,
-                offset,
-                expected,
-                found,
-                mismatches: total,
+                mismatches,
             }),
-            Some(e) => Err(e),
         }
     }
 }

@@ -2,33 +2,26 @@
 
 use reshard::exec::{self, ExecOptions};
 use reshard::fill::Fill;
-use reshard::layout::LayoutSpec;
-use reshard::{DType, Plan};
 
 use super::Failure;
 use super::units::bytes;
 
 pub fn main() -> Result<(), Failure> {
-    let shape = [8, 8];
-    let src = LayoutSpec::parse("mesh=2 place=S(0)")
-        .and_then(|s| s.resolve(&shape, DType::Bf16, 0))
-        .map_err(|source| reshard::Error::Layout {
-            side: reshard::Side::Src,
-            source,
-        })?;
-    let dst = LayoutSpec::parse("mesh=4 place=S(1)")
-        .and_then(|s| s.resolve(&shape, DType::Bf16, 2))
-        .map_err(|source| reshard::Error::Layout {
-            side: reshard::Side::Dst,
-            source,
-        })?;
+    // exactly what `reshard plan --shape 8,8 --dtype bf16 --src ... --dst ...` builds
+    let seed = super::TensorArgs {
+        shape: "8,8".into(),
+        dtype: "bf16".into(),
+        src: "mesh=2 place=S(0)".into(),
+        dst: "mesh=4 place=S(1)".into(),
+        min_split_bytes: "64KiB".into(),
+    };
+    let plan = seed.plan()?;
     println!("reshard demo: the reshard collective on its seed example\n");
     println!("An 8x8 bf16 weight. Training ranks 0 and 1 hold it as two 4x8 row shards");
     println!("(--src \"mesh=2 place=S(0)\"); inference ranks 2..6 need four 8x2 column shards");
     println!("(--dst \"mesh=4 place=S(1)\"). Every inference rank receives one 4x2 block from");
     println!("each training rank, directly: nobody gathers the whole tensor.\n");
 
-    let plan = Plan::new(src, dst)?;
     print!("{}", super::plan::describe(&plan, 64));
 
     println!(

@@ -436,12 +436,9 @@ fn rank_part<'j, J: Job>(
 /// Refuses a run whose buffers cannot fit in this machine's available memory, instead of
 /// letting the allocator abort half-way.
 fn check_memory(plan: &Plan, only: Option<Rank>) -> Result<(), Error> {
-    let side = |l: &reshard::Layout| -> u64 {
-        l.mesh()
-            .ranks()
-            .iter()
-            .filter(|&&r| only.is_none_or(|o| o == r))
-            .fold(0u64, |acc, &r| acc.saturating_add(l.local_bytes(r)))
+    let side = |l: &reshard::Layout| match only {
+        Some(rank) => l.local_bytes(rank),
+        None => l.shard_bytes(),
     };
     let needed = side(plan.src()).saturating_add(side(plan.dst()));
     let available = std::fs::read_to_string("/proc/meminfo").ok().and_then(|m| {
@@ -495,13 +492,7 @@ struct Summary {
 
 fn report(args: &RunArgs, plan: &Plan, stats: &Summary, transport: &str, verified: bool) {
     let totals = plan.totals();
-    let dst_bytes: u64 = plan
-        .dst()
-        .mesh()
-        .ranks()
-        .iter()
-        .map(|&r| plan.dst().local_bytes(r))
-        .sum();
+    let dst_bytes = plan.dst().shard_bytes();
     let mut sorted = stats.times.clone();
     sorted.sort_by(f64::total_cmp);
     let seconds = sorted.get(sorted.len() / 2).copied().unwrap_or(0.0);

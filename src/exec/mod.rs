@@ -213,37 +213,32 @@ pub fn run_rank<'buf, T: Transport<'buf> + ?Sized>(
         Ok(())
     };
 
+    // A failure on either side breaks every link at once, so that the other side and the
+    // peers stop now rather than at their timeouts.
+    let give_up_on = |e: &Error| {
+        tracing::warn!(rank, error = %e, "failed: breaking every link");
+        transport.abort();
+    };
     let started = std::time::Instant::now();
     let (sent, received) = if !transport.sends_block() {
         // everything is posted first, then received, on this one thread
-        let sent = send_all();
+        let sent = send_all().inspect_err(give_up_on);
         let received = match &sent {
-            Ok(_) => receive_all(&mut stats),
-            Err(_) => Ok(()),
+            Ok(_) => receive_all(&mut stats).inspect_err(give_up_on),
+            Err(_) => Err(Error::Internal {
+                rank,
+                detail: "nothing was received: sending failed first".into(),
+            }),
         };
-        if let Some(e) = sent.as_ref().err().or(received.as_ref().err()) {
-            tracing::warn!(rank, error = %e, "failed: breaking every link");
-            transport.abort();
-        }
         (sent, received)
     } else {
         std::thread::scope(|scope| {
-            let sender = std::thread::Builder::new().spawn_scoped(scope, || {
-                let sent = send_all();
-                if let Err(e) = &sent {
-                    tracing::warn!(rank, error = %e, "sending failed: breaking every link");
-                    transport.abort();
-                }
-                sent
-            });
+            let sender = std::thread::Builder::new()
+                .spawn_scoped(scope, || send_all().inspect_err(give_up_on));
             if sender.is_err() {
                 transport.abort();
             }
-            let received = receive_all(&mut stats);
-            if let Err(e) = &received {
-                tracing::warn!(rank, error = %e, "receiving failed: breaking every link");
-                transport.abort();
-            }
+            let received = receive_all(&mut stats).inspect_err(give_up_on);
             let sent = match sender {
                 Ok(sender) => sender.join().unwrap_or_else(|_| {
                     Err(Error::Internal {

@@ -297,6 +297,17 @@ impl Layout {
             .map_or(0, |r| r.volume() * self.dtype.size() as u64)
     }
 
+    /// Bytes of all the ranks' local buffers together (replicas counted each time).
+    pub fn shard_bytes(&self) -> u64 {
+        (0..self.mesh.size()).fold(0u64, |acc, p| {
+            acc.saturating_add(
+                self.region_at(p)
+                    .volume()
+                    .saturating_mul(self.dtype.size() as u64),
+            )
+        })
+    }
+
     /// The ranks that hold the box with per-dim piece indices `index`, in mesh order: the
     /// replicas of that box. A rank can compute this for any box, without communication.
     pub fn holders(&self, index: &[usize]) -> Vec<Rank> {

@@ -70,6 +70,27 @@ pub struct RankPlan {
 }
 
 impl RankPlan {
+    pub fn new(rank: Rank) -> RankPlan {
+        RankPlan {
+            rank,
+            ..RankPlan::default()
+        }
+    }
+
+    /// Files `t` among this rank's sends, receives or local copies, if it concerns this rank
+    /// (a local copy belongs to the rank that makes it).
+    fn take(&mut self, t: &Transfer) {
+        if t.is_local() {
+            if t.src == self.rank {
+                self.locals.push(t.clone());
+            }
+        } else if t.src == self.rank {
+            self.sends.push(t.clone());
+        } else if t.dst == self.rank {
+            self.recvs.push(t.clone());
+        }
+    }
+
     /// The ranks this rank receives from (local copies aside).
     pub fn senders(&self) -> std::collections::BTreeSet<Rank> {
         self.recvs.iter().map(|t| t.src).collect()
@@ -166,21 +187,8 @@ impl Plan {
 
     /// `rank`'s part of this plan, taken from the full plan.
     pub fn for_rank(&self, rank: Rank) -> RankPlan {
-        let mut rp = RankPlan {
-            rank,
-            ..RankPlan::default()
-        };
-        for t in &self.transfers {
-            if t.is_local() {
-                if t.src == rank {
-                    rp.locals.push(t.clone());
-                }
-            } else if t.src == rank {
-                rp.sends.push(t.clone());
-            } else if t.dst == rank {
-                rp.recvs.push(t.clone());
-            }
-        }
+        let mut rp = RankPlan::new(rank);
+        self.transfers.iter().for_each(|t| rp.take(t));
         order_for_schedule(&mut rp, world(&self.src, &self.dst));
         rp
     }
@@ -190,28 +198,18 @@ impl Plan {
         let mut plans: std::collections::BTreeMap<Rank, RankPlan> = self
             .ranks()
             .into_iter()
-            .map(|rank| {
-                (
-                    rank,
-                    RankPlan {
-                        rank,
-                        ..RankPlan::default()
-                    },
-                )
-            })
+            .map(|rank| (rank, RankPlan::new(rank)))
             .collect();
         for t in &self.transfers {
-            if t.is_local() {
-                if let Some(p) = plans.get_mut(&t.src) {
-                    p.locals.push(t.clone());
+            let concerned = if t.is_local() {
+                &[t.src][..]
+            } else {
+                &[t.src, t.dst][..]
+            };
+            for rank in concerned {
+                if let Some(p) = plans.get_mut(rank) {
+                    p.take(t);
                 }
-                continue;
-            }
-            if let Some(p) = plans.get_mut(&t.src) {
-                p.sends.push(t.clone());
-            }
-            if let Some(p) = plans.get_mut(&t.dst) {
-                p.recvs.push(t.clone());
             }
         }
         let world = world(&self.src, &self.dst);
@@ -253,21 +251,16 @@ pub fn rank_plan(
     options: &PlanOptions,
 ) -> Result<RankPlan> {
     check_compatible(src, dst)?;
-    let mut rp = RankPlan {
-        rank,
-        ..RankPlan::default()
-    };
-    for t in receives(src, dst, rank, options) {
-        if t.is_local() {
-            rp.locals.push(t);
-        } else {
-            rp.recvs.push(t);
-        }
-    }
-    rp.sends = sends(src, dst, rank, options)
-        .into_iter()
+    let mut rp = RankPlan::new(rank);
+    // local copies are among the receives; the sends repeat them
+    receives(src, dst, rank, options)
+        .iter()
+        .for_each(|t| rp.take(t));
+    let sends = sends(src, dst, rank, options);
+    sends
+        .iter()
         .filter(|t| !t.is_local())
-        .collect();
+        .for_each(|t| rp.take(t));
     rp.locals.sort_unstable();
     order_for_schedule(&mut rp, world(src, dst));
     Ok(rp)

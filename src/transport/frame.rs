@@ -5,9 +5,13 @@
 //! must have exactly the length the receiver's own plan expects.
 
 use std::io::{self, Read, Write};
+use std::time::Duration;
 
 use serde::Serialize;
 use serde::de::DeserializeOwned;
+
+use crate::error::Error;
+use crate::layout::Rank;
 
 const MAGIC: [u8; 4] = *b"RSHD";
 pub const HEADER_BYTES: usize = 16;
@@ -53,6 +57,31 @@ impl From<io::Error> for FrameError {
             | io::ErrorKind::BrokenPipe => FrameError::Closed,
             io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => FrameError::TimedOut,
             _ => FrameError::Io(e),
+        }
+    }
+}
+
+impl FrameError {
+    /// The crate error for rank `rank` failing to exchange `what` with `peer`: a closed link
+    /// is a gone peer, a read past `timeout` a stalled one, anything else a protocol error.
+    pub fn into_error(self, rank: Rank, peer: Rank, what: &str, timeout: Duration) -> Error {
+        match self {
+            FrameError::Closed => Error::PeerGone {
+                rank,
+                peer,
+                detail: format!("connection closed during {what}"),
+            },
+            FrameError::TimedOut => Error::Timeout {
+                rank,
+                peer,
+                waited: timeout,
+                detail: format!("{what} did not complete"),
+            },
+            e => Error::Protocol {
+                rank,
+                peer,
+                detail: format!("{what}: {e}"),
+            },
         }
     }
 }

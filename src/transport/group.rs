@@ -16,7 +16,7 @@ use serde::{Deserialize, Serialize};
 use crate::error::{Error, Result};
 use crate::layout::Rank;
 
-use super::frame::{self, FrameError};
+use super::frame;
 
 /// Where a process stands in the job, from its environment.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -166,27 +166,6 @@ pub struct Group {
     control: Vec<Option<TcpStream>>,
 }
 
-fn io_err(rank: Rank, peer: Rank, what: &str, e: FrameError, timeout: Duration) -> Error {
-    match e {
-        FrameError::Closed => Error::PeerGone {
-            rank,
-            peer,
-            detail: format!("connection closed during {what}"),
-        },
-        FrameError::TimedOut => Error::Timeout {
-            rank,
-            peer,
-            waited: timeout,
-            detail: what.to_string(),
-        },
-        e => Error::Protocol {
-            rank,
-            peer,
-            detail: format!("{what}: {e}"),
-        },
-    }
-}
-
 /// Connects, retrying while the other side is not listening yet, until `deadline`.
 fn connect_until(addr: SocketAddr, deadline: Instant) -> std::io::Result<TcpStream> {
     loop {
@@ -286,9 +265,9 @@ impl Group {
             let left = deadline.saturating_duration_since(Instant::now());
             let _ = stream.set_read_timeout(Some(left.max(Duration::from_millis(1))));
             frame::write_control(&mut stream, &hello)
-                .map_err(|e| io_err(rank, 0, "rendezvous", e, timeout))?;
+                .map_err(|e| e.into_error(rank, 0, "rendezvous", timeout))?;
             let reply: Reply = frame::read_control(&mut stream)
-                .map_err(|e| io_err(rank, 0, "rendezvous", e, timeout))?;
+                .map_err(|e| e.into_error(rank, 0, "rendezvous", timeout))?;
             let (addrs, pids) = match reply {
                 Reply::Welcome { addrs, pids }
                     if addrs.len() == env.world && pids.len() == env.world =>
@@ -458,9 +437,9 @@ impl Group {
             };
             let _ = s.set_read_timeout(Some(self.timeout));
             frame::write_control(&mut s, &hello)
-                .map_err(|e| io_err(rank, peer, "connecting", e, self.timeout))?;
+                .map_err(|e| e.into_error(rank, peer, "connecting", self.timeout))?;
             match frame::read_control::<Reply>(&mut s)
-                .map_err(|e| io_err(rank, peer, "connecting", e, self.timeout))?
+                .map_err(|e| e.into_error(rank, peer, "connecting", self.timeout))?
             {
                 Reply::Accepted => {}
                 Reply::Refused { reason } => {
@@ -495,7 +474,7 @@ impl Group {
             };
             if let Some(hello) = self.screen(&mut s, "peer", &waiting) {
                 frame::write_control(&mut s, &Reply::Accepted)
-                    .map_err(|e| io_err(rank, hello.rank, "accepting", e, self.timeout))?;
+                    .map_err(|e| e.into_error(rank, hello.rank, "accepting", self.timeout))?;
                 waiting.remove(&hello.rank);
                 links.insert(hello.rank, s);
             }
@@ -517,13 +496,13 @@ impl Group {
 
     fn send(&self, peer: Rank, mut stream: &TcpStream, msg: &Control) -> Result<()> {
         frame::write_control(&mut stream, msg)
-            .map_err(|e| io_err(self.env.rank, peer, "control", e, self.timeout))
+            .map_err(|e| e.into_error(self.env.rank, peer, "control", self.timeout))
     }
 
     fn recv(&self, peer: Rank, mut stream: &TcpStream, what: &str) -> Result<Control> {
         let _ = stream.set_read_timeout(Some(self.timeout));
         frame::read_control(&mut stream)
-            .map_err(|e| io_err(self.env.rank, peer, what, e, self.timeout))
+            .map_err(|e| e.into_error(self.env.rank, peer, what, self.timeout))
     }
 
     /// Rank 0: tells every member the job failed, and why.

@@ -163,11 +163,7 @@ impl ShmTransport {
                 }
                 Notice::NoDestination => {}
                 other => {
-                    return Err(Error::Protocol {
-                        rank: self.rank(),
-                        peer,
-                        detail: format!("sent {other:?} instead of its destination"),
-                    });
+                    return Err(self.unexpected(peer, &other, "instead of its destination"));
                 }
             }
         }
@@ -238,11 +234,7 @@ impl ShmTransport {
                 Notice::Ring { pid, fd } => break (pid, fd),
                 Notice::Opened => self.note_opened(peer),
                 other => {
-                    return Err(Error::Protocol {
-                        rank: self.rank(),
-                        peer,
-                        detail: format!("sent {other:?} instead of its ring's address"),
-                    });
+                    return Err(self.unexpected(peer, &other, "instead of its ring's address"));
                 }
             }
         };
@@ -266,6 +258,15 @@ impl ShmTransport {
         let ring = Arc::new(ring);
         rings.insert(peer, ring.clone());
         Ok(ring)
+    }
+
+    /// The error for a notice from `peer` that does not fit the protocol at this point.
+    fn unexpected(&self, peer: Rank, got: &Notice, instead: &str) -> Error {
+        Error::Protocol {
+            rank: self.rank(),
+            peer,
+            detail: format!("sent {got:?} {instead}"),
+        }
     }
 
     /// `peer` has mapped the ring this rank writes to it.
@@ -384,11 +385,11 @@ impl<'buf> Transport<'buf> for ShmTransport {
                     }
                     Notice::Opened => self.note_opened(peer),
                     other => {
-                        return Err(Error::Protocol {
-                            rank: self.rank(),
+                        return Err(self.unexpected(
                             peer,
-                            detail: format!("sent {other:?} while {what} was due"),
-                        });
+                            &other,
+                            &format!("while {what} was due"),
+                        ));
                     }
                 }
             }
@@ -434,11 +435,7 @@ impl<'buf> Transport<'buf> for ShmTransport {
                 match self.notice(peer, "the acknowledgement of its ring")? {
                     Notice::Opened => self.note_opened(peer),
                     other => {
-                        return Err(Error::Protocol {
-                            rank: self.rank(),
-                            peer,
-                            detail: format!("sent {other:?} instead of opening its ring"),
-                        });
+                        return Err(self.unexpected(peer, &other, "instead of opening its ring"));
                     }
                 }
             }

@@ -98,24 +98,7 @@ impl TcpTransport {
 
     /// The error for a failed frame exchange with `peer` while moving `what`.
     pub(crate) fn fail(&self, peer: Rank, what: String, e: FrameError) -> Error {
-        match e {
-            FrameError::Closed => Error::PeerGone {
-                rank: self.rank,
-                peer,
-                detail: format!("connection closed while moving {what}"),
-            },
-            FrameError::TimedOut => Error::Timeout {
-                rank: self.rank,
-                peer,
-                waited: self.timeout,
-                detail: format!("{what} did not move"),
-            },
-            e => Error::Protocol {
-                rank: self.rank,
-                peer,
-                detail: format!("{what}: {e}"),
-            },
-        }
+        e.into_error(self.rank, peer, &what, self.timeout)
     }
 
     /// Staging buffer `which` (0: send, 1: receive), grown to at least `len` bytes.
