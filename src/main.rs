@@ -5,5 +5,9 @@ mod cli;
 use std::process::ExitCode;
 
 fn main() -> ExitCode {
+    // `reshard plan ... | head` ends quietly, as command-line tools do, instead of panicking
+    // on a closed pipe.
+    // SAFETY: restoring the default disposition of one signal before any thread exists.
+    unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
     cli::main()
 }
