@@ -5,6 +5,7 @@
 //! receives on another, both in the plan's schedule order (one total order on rank pairs, so
 //! blocking transports cannot deadlock). [`run_local`] runs all ranks as threads of this process.
 
+pub mod baseline;
 pub mod copy;
 
 use std::collections::{BTreeMap, BTreeSet};
