@@ -301,3 +301,34 @@ fn ranks_agree_on_the_outcome() {
         );
     }
 }
+
+/// `bench` under `launch`: both methods on every transport, every case verified, the report
+/// from rank 0 alone.
+#[test]
+fn bench_suite_runs_over_processes() {
+    for transport in ["tcp", "shm"] {
+        let child = Command::new(EXE)
+            .args(["launch", "--nproc", "8", "--", "bench", "--suite", "refit"])
+            .args(["--suite-bytes", "256KiB", "--iters", "2", "--json"])
+            .args(["--transport", transport, "--timeout", "30"])
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let out = wait_bounded(child, Duration::from_secs(120), "bench under launch");
+        assert!(out.status.success(), "{transport}: {}", text(&out.stderr));
+        let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(j["transport"], transport);
+        let cases = j["cases"].as_array().unwrap();
+        assert_eq!(cases.len(), 9);
+        for c in cases {
+            assert_eq!(c["verified"], true, "{c}");
+            assert_eq!(c["iters"], 2);
+        }
+        let tp = cases
+            .iter()
+            .find(|c| c["name"] == "tp4-s0-to-tp4-s1")
+            .unwrap();
+        assert_eq!(tp["byte_ratio"], 7.0, "{tp}");
+    }
+}

@@ -43,10 +43,15 @@ where
         gather,
         broadcast,
         src,
-        mut full,
+        full,
         dst,
     } = job;
     check_full(baseline, rank, full.as_ref().map(|f| f.len()))?;
+    // A rank that keeps the whole tensor gathers or receives it straight into its shard.
+    let (mut full, dst) = match (full, dst) {
+        (None, Some((_, d))) if baseline.gets_tensor(rank) => (Some(d), None),
+        (full, dst) => (full, dst),
+    };
     let dst_layout = baseline.dst();
     let whole = Region::full(dst_layout.shape());
     let elem_bytes = dst_layout.dtype().size();
@@ -187,29 +192,28 @@ pub fn run_local_gather_broadcast(
     if let Some(gather) = &baseline.gather {
         let members = gather.src().mesh().ranks();
         let mut sources = take(src, members);
-        let mut targets = take(full, members);
+        let (mut targets, in_place) = take_tensors(baseline, full, dst, members);
         let ran = run_local(gather, &sources, &mut targets, options);
         src.append(&mut sources);
-        full.append(&mut targets);
+        put_back(targets, &in_place, full, dst);
         add(ran?);
     }
     if let Some(broadcast) = &baseline.broadcast {
         let holders = broadcast.src().mesh().ranks();
-        let from = if baseline.gather.is_some() {
-            &mut *full
+        let (sources, in_place) = if baseline.gather.is_some() {
+            take_tensors(baseline, full, dst, holders)
         } else {
-            &mut *src
+            (take(src, holders), Vec::new())
         };
-        let mut sources = take(from, holders);
-        let mut targets = take(full, broadcast.dst().mesh().ranks());
+        let (mut targets, received_in_place) =
+            take_tensors(baseline, full, dst, broadcast.dst().mesh().ranks());
         let ran = run_local(broadcast, &sources, &mut targets, options);
-        let back = if baseline.gather.is_some() {
-            &mut *full
+        if baseline.gather.is_some() {
+            put_back(sources, &in_place, full, dst);
         } else {
-            &mut *src
-        };
-        back.append(&mut sources);
-        full.append(&mut targets);
+            src.extend(sources);
+        }
+        put_back(targets, &received_in_place, full, dst);
         add(ran?);
     }
     // every destination rank keeps its box, all at once as separate processes would
@@ -219,6 +223,7 @@ pub fn run_local_gather_broadcast(
     let kept: Vec<(Rank, Result<u64>)> = std::thread::scope(|scope| {
         let handles: Vec<_> = dst
             .iter_mut()
+            .filter(|(rank, _)| !(baseline.keeps_all(**rank) && baseline.gets_tensor(**rank)))
             .map(|(&rank, shard)| {
                 let tensor = full
                     .get(&rank)
@@ -268,6 +273,35 @@ pub fn run_local_gather_broadcast(
         elapsed: started.elapsed(),
         ranks: per_rank.into_values().collect(),
     })
+}
+
+/// Moves the whole-tensor buffers of `ranks` out of `full`, or out of `dst` for the ranks that
+/// keep the whole tensor in their shard (returned second).
+fn take_tensors(
+    baseline: &GatherBroadcast,
+    full: &mut BTreeMap<Rank, Vec<u8>>,
+    dst: &mut BTreeMap<Rank, Vec<u8>>,
+    ranks: &[Rank],
+) -> (BTreeMap<Rank, Vec<u8>>, Vec<Rank>) {
+    let in_place: Vec<Rank> = ranks
+        .iter()
+        .copied()
+        .filter(|&r| !baseline.needs_full_buffer(r))
+        .collect();
+    let mut taken = take(full, ranks);
+    taken.append(&mut take(dst, &in_place));
+    (taken, in_place)
+}
+
+/// Undoes [`take_tensors`].
+fn put_back(
+    mut taken: BTreeMap<Rank, Vec<u8>>,
+    in_place: &[Rank],
+    full: &mut BTreeMap<Rank, Vec<u8>>,
+    dst: &mut BTreeMap<Rank, Vec<u8>>,
+) {
+    dst.append(&mut take(&mut taken, in_place));
+    full.append(&mut taken);
 }
 
 /// Moves the buffers of `ranks` out of `from`.

@@ -237,3 +237,41 @@ fn baseline_rejects_a_missing_full_buffer() {
     assert!(err.to_string().contains("rank 3"), "{err}");
     assert!(shards.values().all(|s| s.iter().all(|&b| b == 0)));
 }
+
+#[test]
+fn baseline_of_replicated_sides_moves_what_the_reshard_moves() {
+    use crate::exec::baseline::{full_buffers, run_local_gather_broadcast};
+    use crate::plan::GatherBroadcast;
+    for (src_spec, dst_spec) in [
+        ("mesh=2 place=R", "mesh=4 place=R"),
+        ("mesh=2 place=S(0)", "mesh=2x2 place=R,R"),
+        ("mesh=2 place=R", "mesh=4 place=S(1)"),
+    ] {
+        let src = layout(src_spec, &[16, 8], DType::F32, 0);
+        let dst = layout(dst_spec, &[16, 8], DType::F32, 2);
+        let gb = GatherBroadcast::new(&src, &dst).unwrap();
+        let mut sources = Fill::Index.shards(&src);
+        let mut shards = zeroed_shards(&dst);
+        let mut full = full_buffers(&gb);
+        // destinations that keep the whole tensor receive it in place
+        assert_eq!(
+            !full.contains_key(&2),
+            gb.keeps_all(2),
+            "{src_spec} -> {dst_spec}"
+        );
+        let stats = run_local_gather_broadcast(
+            &gb,
+            &mut sources,
+            &mut shards,
+            &mut full,
+            &ExecOptions::default(),
+        )
+        .unwrap();
+        Fill::Index.verify_shards(&dst, &shards).unwrap();
+        assert_eq!(stats.bytes_remote(), gb.wire_bytes());
+        if src.replication() == 2 && gb.keeps_all(2) {
+            let plan = Plan::new(src, dst).unwrap();
+            assert_eq!(stats.bytes_remote(), plan.totals().bytes_remote);
+        }
+    }
+}

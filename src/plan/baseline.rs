@@ -122,16 +122,27 @@ impl GatherBroadcast {
             .sum()
     }
 
-    /// Whether `rank` needs a buffer for the full tensor: it gathers or receives it. (A rank of
-    /// a fully replicated source holds the tensor in its source shard.)
+    /// Whether `rank` gathers or receives the whole tensor.
+    pub fn gets_tensor(&self, rank: Rank) -> bool {
+        [&self.gather, &self.broadcast]
+            .into_iter()
+            .flatten()
+            .any(|p| p.dst().mesh().contains(rank))
+    }
+
+    /// Whether `rank` keeps the whole tensor: its destination box is all of it, so the tensor
+    /// lands straight in its destination shard.
+    pub fn keeps_all(&self, rank: Rank) -> bool {
+        self.dst
+            .local_region(rank)
+            .is_some_and(|b| b.extent == self.dst.shape())
+    }
+
+    /// Whether `rank` needs a buffer for the whole tensor besides its shards: it gathers or
+    /// receives the tensor and keeps only part of it. (A rank of a fully replicated source
+    /// holds the tensor in its source shard.)
     pub fn needs_full_buffer(&self, rank: Rank) -> bool {
-        self.gather
-            .as_ref()
-            .is_some_and(|g| g.dst().mesh().contains(rank))
-            || self
-                .broadcast
-                .as_ref()
-                .is_some_and(|b| b.dst().mesh().contains(rank))
+        self.gets_tensor(rank) && !self.keeps_all(rank)
     }
 
     /// The destination layout whose boxes the ranks keep at the end.
