@@ -78,3 +78,9 @@ pub enum ModelError {
     #[error("fused parameter {name}: {reason}")]
     Fused { name: String, reason: String },
 }
+
+impl From<ModelError> for Error {
+    fn from(e: ModelError) -> Error {
+        Error::Model(Box::new(e))
+    }
+}
