@@ -172,6 +172,10 @@ pub enum Error {
         #[source]
         source: std::io::Error,
     },
+
+    /// A model, parallelism config or layout rule that cannot be refit.
+    #[error(transparent)]
+    Model(Box<crate::model::ModelError>),
 }
 
 /// A layout that cannot exist. Carries no side: [`Error::Layout`] adds it.

@@ -25,6 +25,7 @@ pub mod error;
 pub mod exec;
 pub mod fill;
 pub mod layout;
+pub mod model;
 pub mod plan;
 pub mod region;
 pub mod transport;

@@ -6,6 +6,7 @@ mod launch;
 mod picture;
 mod plan;
 mod processes;
+mod refit;
 mod run;
 mod units;
 
@@ -52,6 +53,9 @@ enum Command {
     /// Start N local processes with the rendezvous environment (RANK, WORLD_SIZE,
     /// MASTER_ADDR, MASTER_PORT, RESHARD_TOKEN), each running the given reshard command.
     Launch(launch::LaunchArgs),
+    /// A whole model (HF config or checkpoint) from a training to an inference parallelism:
+    /// planned, with what reshard moves against gather+broadcast.
+    Refit(refit::RefitArgs),
 }
 
 /// The tensor and the two layouts, shared by the commands.
@@ -144,6 +148,7 @@ pub fn main() -> ExitCode {
         Command::Bench(args) => bench::main(&args).map(|()| ExitCode::SUCCESS),
         Command::Demo => demo::main().map(|()| ExitCode::SUCCESS),
         Command::Launch(args) => launch::main(&args),
+        Command::Refit(args) => refit::main(&args).map(|()| ExitCode::SUCCESS),
     };
     match result {
         Ok(code) => code,

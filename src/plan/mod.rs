@@ -17,7 +17,7 @@ pub mod report;
 use std::ops::Range;
 
 pub use baseline::GatherBroadcast;
-pub use report::{PlanJson, Totals, TransferJson};
+pub use report::{PlanJson, Totals, TransferJson, gather_broadcast_bytes};
 
 use crate::error::{Dims, Error, Result};
 use crate::layout::{Layout, Rank};
