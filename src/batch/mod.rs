@@ -16,6 +16,7 @@
 //! them into one blob, sends it whole to every rank that needs any of them, and each unpacks
 //! its own boxes; many tiny messages become one per receiver.
 
+pub mod baseline;
 mod run;
 #[cfg(test)]
 mod tests;

@@ -7,6 +7,7 @@ mod picture;
 mod plan;
 mod processes;
 mod refit;
+mod refit_run;
 mod run;
 mod units;
 

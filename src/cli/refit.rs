@@ -41,6 +41,8 @@ pub struct RefitArgs {
     /// Print the refit JSON of the design notes.
     #[arg(long)]
     pub json: bool,
+    #[command(flatten)]
+    pub execute: super::refit_run::RefitRunArgs,
 }
 
 const REFIT_HELP: &str = "\
@@ -77,14 +79,30 @@ impl RefitArgs {
 pub fn main(args: &RefitArgs) -> Result<(), Failure> {
     let (_, refit, options) = args.refit()?;
     let totals = refit.summary(&options).map_err(Error::from)?;
+    // with --run every process runs its rank, and rank 0 reports
+    let run = if args.execute.run {
+        match super::refit_run::main(&args.execute, &refit, options)? {
+            Some(run) => Some(run),
+            None => return Ok(()),
+        }
+    } else {
+        None
+    };
     if args.json {
-        let json = RefitJson::of(&refit, &totals);
+        let mut json =
+            serde_json::to_value(RefitJson::of(&refit, &totals)).expect("refit JSON serializes");
+        if let Some(run) = &run {
+            json["run"] = serde_json::to_value(run).expect("run JSON serializes");
+        }
         println!(
             "{}",
             serde_json::to_string_pretty(&json).expect("refit JSON serializes")
         );
     } else {
         print!("{}", describe(args, &refit, &totals));
+        if let Some(run) = &run {
+            print!("{}", super::refit_run::describe(run));
+        }
     }
     Ok(())
 }
