@@ -59,12 +59,12 @@ def torch_dtype(layout: Layout) -> torch.dtype:
     try:
         return _TORCH_DTYPES[layout.dtype]
     except KeyError:
-        raise ReshardError(f"dtype {layout.dtype} has no torch equivalent in torch {torch.__version__}") from None
+        raise ReshardError(
+            f"dtype {layout.dtype} has no torch equivalent in torch {torch.__version__}"
+        ) from None
 
 
-def local_tensor(
-    layout: Layout, rank: int, global_tensor: torch.Tensor
-) -> Optional[torch.Tensor]:
+def local_tensor(layout: Layout, rank: int, global_tensor: torch.Tensor) -> Optional[torch.Tensor]:
     """The part of ``global_tensor`` that ``rank`` holds in ``layout`` (a view), or None."""
     region = layout.local_region(rank)
     if region is None:
@@ -105,6 +105,9 @@ def _local_plan(src: Layout, dst: Layout, rank: int) -> _LocalPlan:
     rp = rank_plan(src, dst, rank)
     src_region = src.local_region(rank)
     dst_region = dst.local_region(rank)
+    # a rank sends (receives) only if it holds a source (destination) shard
+    src_origin = () if src_region is None else src_region[0]
+    dst_origin = () if dst_region is None else dst_region[0]
     elem = src.elem_bytes
 
     def piece(t, origin) -> _Piece:
@@ -115,12 +118,12 @@ def _local_plan(src: Layout, dst: Layout, rank: int) -> _LocalPlan:
 
     sends: Dict[int, List[_Piece]] = {}
     for t in rp.sends:
-        sends.setdefault(t.dst, []).append(piece(t, src_region[0]))
+        sends.setdefault(t.dst, []).append(piece(t, src_origin))
     recvs: Dict[int, List[_Piece]] = {}
     for t in rp.recvs:
-        recvs.setdefault(t.src, []).append(piece(t, dst_region[0]))
+        recvs.setdefault(t.src, []).append(piece(t, dst_origin))
     locals_ = [
-        (_relative(t.offset, t.extent, src_region[0]), _relative(t.offset, t.extent, dst_region[0]))
+        (_relative(t.offset, t.extent, src_origin), _relative(t.offset, t.extent, dst_origin))
         for t in rp.locals
     ]
     return _LocalPlan(
@@ -161,8 +164,7 @@ def _check_ranks(name: str, what: str, layout: Layout, world: int) -> None:
     beyond = [r for r in layout.ranks if r >= world]
     if beyond:
         raise ReshardError(
-            f"{name}{what}: rank {beyond[0]} of {layout.spec} is not in the process group "
-            f"(size {world})"
+            f"{name}{what}: rank {beyond[0]} of {layout.spec} is not in the process group (size {world})"
         )
 
 
@@ -189,9 +191,7 @@ def _prepare(name: str, src_local, dst_local, src_layout, dst_layout, rank: int,
     _check_tensor(label, "src_local", src_local, src_layout, plan.src_shape, rank)
     _check_tensor(label, "dst_local", dst_local, dst_layout, plan.dst_shape, rank)
     if src_local is not None and dst_local is not None and src_local.device != dst_local.device:
-        raise ReshardError(
-            f"{label}src_local is on {src_local.device} but dst_local on {dst_local.device}"
-        )
+        raise ReshardError(f"{label}src_local is on {src_local.device} but dst_local on {dst_local.device}")
     return _Entry(plan, torch_dtype(src_layout), src_local, dst_local)
 
 
@@ -231,6 +231,11 @@ class _Message:
             at += piece.nbytes
 
 
+def _given(tensor: Optional[torch.Tensor]) -> torch.Tensor:
+    assert tensor is not None, "checked by _prepare"
+    return tensor
+
+
 def _peer(group, r: int) -> int:
     return r if group is None else dist.get_global_rank(group, r)
 
@@ -240,12 +245,13 @@ def _exchange(entries: List[_Entry], group, device: torch.device) -> None:
     sends: Dict[int, _Message] = {}
     recvs: Dict[int, _Message] = {}
     for e in entries:
+        # _prepare saw to it that a rank with sends (receives) has a source (destination)
         for peer, pieces in e.plan.sends.items():
             for p in pieces:
-                sends.setdefault(peer, _Message()).add(e.src, p, e.dtype)
+                sends.setdefault(peer, _Message()).add(_given(e.src), p, e.dtype)
         for peer, pieces in e.plan.recvs.items():
             for p in pieces:
-                recvs.setdefault(peer, _Message()).add(e.dst, p, e.dtype)
+                recvs.setdefault(peer, _Message()).add(_given(e.dst), p, e.dtype)
 
     ops = []
     for peer in sorted(sends):
@@ -269,7 +275,7 @@ def _exchange(entries: List[_Entry], group, device: torch.device) -> None:
     # local copies need no communication: they run while the messages travel
     for e in entries:
         for src_slices, dst_slices in e.plan.locals:
-            e.dst[dst_slices].copy_(e.src[src_slices])
+            _given(e.dst)[dst_slices].copy_(_given(e.src)[src_slices])
 
     for request in requests:
         request.wait()

@@ -21,30 +21,36 @@ def test_placement_forms_agree():
         [reshard.Shard(-2), "r"],
     ]
     layouts = [reshard.Layout((6, 4), "bf16", (2, 3), None, p) for p in forms]
-    assert all(l == layouts[0] for l in layouts)
-    assert len({hash(l) for l in layouts}) == 1
-    l = layouts[0]
-    assert l.placements == (reshard.Shard(0), reshard.Replicate())
-    assert l.mesh == (2, 3) and l.ranks == tuple(range(6)) and l.shape == (6, 4)
-    assert l.spec == "mesh=2x3 ranks=0..6 place=S(0),R"
-    assert eval(repr(l), vars(reshard)) == l
+    assert all(x == layouts[0] for x in layouts)
+    assert len({hash(x) for x in layouts}) == 1
+    layout = layouts[0]
+    assert layout.placements == (reshard.Shard(0), reshard.Replicate())
+    assert layout.mesh == (2, 3) and layout.ranks == tuple(range(6)) and layout.shape == (6, 4)
+    assert layout.spec == "mesh=2x3 ranks=0..6 place=S(0),R"
+    assert eval(repr(layout), vars(reshard)) == layout
 
 
 def test_dtype_forms():
     torch = pytest.importorskip("torch")
-    for dtype, name in [(torch.bfloat16, "bf16"), ("bfloat16", "bf16"), (torch.float8_e4m3fn, "fp8e4m3"),
-                        (torch.bool, "bool"), ("i64", "i64"), (torch.uint16, "u16")]:
+    for dtype, name in [
+        (torch.bfloat16, "bf16"),
+        ("bfloat16", "bf16"),
+        (torch.float8_e4m3fn, "fp8e4m3"),
+        (torch.bool, "bool"),
+        ("i64", "i64"),
+        (torch.uint16, "u16"),
+    ]:
         assert reshard.Layout((4,), dtype, 2, None, ["S(0)"]).dtype == name
 
 
 def test_local_region_and_from_spec():
-    l = reshard.Layout.from_spec("mesh=2x4 ranks=8..16 place=R,S(1)", (3, 10), "f32")
-    assert l.ranks == tuple(range(8, 16))
+    layout = reshard.Layout.from_spec("mesh=2x4 ranks=8..16 place=R,S(1)", (3, 10), "f32")
+    assert layout.ranks == tuple(range(8, 16))
     # 10 over 4: 3, 3, 3, 1; the two rows of the mesh are replicas
-    assert l.local_region(11) == ((0, 9), (3, 1))
-    assert l.local_region(15) == ((0, 9), (3, 1))
-    assert l.local_shape(12) == (3, 3)
-    assert l.local_region(3) is None and l.local_shape(3) is None
+    assert layout.local_region(11) == ((0, 9), (3, 1))
+    assert layout.local_region(15) == ((0, 9), (3, 1))
+    assert layout.local_shape(12) == (3, 3)
+    assert layout.local_region(3) is None and layout.local_shape(3) is None
     assert reshard.Layout.from_spec("mesh=4 place=S(0)", (8,), "u8", first_rank=2).ranks == (2, 3, 4, 5)
 
 

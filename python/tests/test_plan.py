@@ -47,8 +47,19 @@ def test_json_equals_the_command_line(reshard_cli):
         dst = reshard.Layout.from_spec(
             f"mesh={'x'.join(map(str, dmesh))} place={','.join(dp)}", shape, "f16", first_rank=first
         )
-        out = cli(reshard_cli, "plan", "--json", "--shape", ",".join(map(str, shape)) or "[]",
-                  "--dtype", "f16", "--src", src.spec, "--dst", dst.spec)
+        out = cli(
+            reshard_cli,
+            "plan",
+            "--json",
+            "--shape",
+            ",".join(map(str, shape)) or "[]",
+            "--dtype",
+            "f16",
+            "--src",
+            src.spec,
+            "--dst",
+            dst.spec,
+        )
         assert out.returncode == 0, out.stderr
         plan = reshard.plan(src, dst)
         assert plan.to_json().strip() == out.stdout.strip()
@@ -80,8 +91,18 @@ def test_errors_equal_the_command_line(reshard_cli, src, dst, shape):
 
 
 def test_dtype_error_equals_the_command_line(reshard_cli):
-    out = cli(reshard_cli, "plan", "--shape", "8", "--dtype", "c64", "--src", "mesh=2 place=S(0)",
-              "--dst", "mesh=2 place=R")
+    out = cli(
+        reshard_cli,
+        "plan",
+        "--shape",
+        "8",
+        "--dtype",
+        "c64",
+        "--src",
+        "mesh=2 place=S(0)",
+        "--dst",
+        "mesh=2 place=R",
+    )
     with pytest.raises(reshard.ReshardError) as e:
         reshard.Layout((8,), "c64", 2, None, ["S(0)"])
     assert out.stderr.strip() == f"error: {e.value}"
@@ -89,9 +110,13 @@ def test_dtype_error_equals_the_command_line(reshard_cli):
 
 def test_sides_must_agree():
     a = reshard.Layout((8, 8), "bf16", 2, None, ["S(0)"])
-    with pytest.raises(reshard.ReshardError, match=r"--shape: the sides disagree: --src has shape 8x8, --dst has shape 8x4"):
+    with pytest.raises(
+        reshard.ReshardError, match=r"--shape: the sides disagree: --src has shape 8x8, --dst has shape 8x4"
+    ):
         reshard.plan(a, reshard.Layout((8, 4), "bf16", 2, None, ["S(0)"]))
-    with pytest.raises(reshard.ReshardError, match=r"--dtype: the sides disagree: --src is bf16, --dst is f32"):
+    with pytest.raises(
+        reshard.ReshardError, match=r"--dtype: the sides disagree: --src is bf16, --dst is f32"
+    ):
         reshard.rank_plan(a, reshard.Layout((8, 8), "f32", 2, None, ["S(0)"]), 0)
 
 
@@ -119,7 +144,11 @@ def test_rank_parts_add_up():
         for r in plan.ranks:
             part = plan.for_rank(r)
             cheap = reshard.rank_plan(src, dst, r, min_split_bytes=split)
-            assert (part.sends, part.recvs, sorted(part.locals)) == (cheap.sends, cheap.recvs, sorted(cheap.locals))
+            assert (part.sends, part.recvs, sorted(part.locals)) == (
+                cheap.sends,
+                cheap.recvs,
+                sorted(cheap.locals),
+            )
             seen.update(part.sends + part.recvs + part.locals)
             region = dst.local_region(r)
             if region is None:

@@ -10,7 +10,7 @@ import torch.distributed as dist  # noqa: E402
 
 import reshard  # noqa: E402
 import reshard.torch as rt  # noqa: E402
-from conftest import random_mesh, random_placements, random_shape, run_ranks  # noqa: E402
+from conftest import random_placements, random_shape, run_ranks  # noqa: E402
 
 
 def numbered(shape, dtype):
@@ -29,6 +29,9 @@ def numbered(shape, dtype):
 def against_redistribute(rank, world, cases):
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor, init_device_mesh
 
+    def torch_place(text):
+        return Replicate() if text == "R" else Shard(int(text[2:-1]))
+
     rng = random.Random(1234)  # every rank draws the same cases
     compared = 0
     for case in range(cases):
@@ -37,7 +40,6 @@ def against_redistribute(rank, world, cases):
         src_text = random_placements(rng, len(mesh_shape), len(shape), negative=False)
         dst_text = random_placements(rng, len(mesh_shape), len(shape), negative=False)
         dtype = rng.choice([torch.float32, torch.bfloat16, torch.int64])
-        torch_place = [lambda p: Replicate() if p == "R" else Shard(int(p[2:-1]))][0]
         mesh = init_device_mesh("cpu", mesh_shape)
         full = numbered(shape, dtype)
         dt = distribute_tensor(full, mesh, [torch_place(p) for p in src_text])
@@ -49,7 +51,13 @@ def against_redistribute(rank, world, cases):
         assert dst == reshard.Layout.from_dtensor(out)
         mine = torch.full(dst.local_shape(rank), 7, dtype=dtype)
         rt.reshard_(dt.to_local(), mine, src, dst)
-        assert torch.equal(mine, rt.local_tensor(dst, rank, full)), (case, shape, mesh_shape, src_text, dst_text)
+        assert torch.equal(mine, rt.local_tensor(dst, rank, full)), (
+            case,
+            shape,
+            mesh_shape,
+            src_text,
+            dst_text,
+        )
         assert torch.equal(mine, out.to_local()), (case, shape, mesh_shape, src_text, dst_text)
         compared += 1
     assert compared == cases
@@ -133,11 +141,22 @@ def train_to_infer(rank, world):
     assert "the tensor given has shape (3, 3) and dtype float32" in str(e.value)
     with pytest.raises(reshard.ReshardError, match="--shape: the sides disagree"):
         rt.reshard_(None, None, src, reshard.Layout((8, 4), "f32", 2, [4, 5], ["S(1)"]))
-    with pytest.raises(reshard.ReshardError, match=r"dst_layout: rank 6 of mesh=2 ranks=5..7 place=S\(1\) is not in the process group \(size 6\)"):
+    with pytest.raises(
+        reshard.ReshardError,
+        match=r"dst_layout: rank 6 of mesh=2 ranks=5..7 place=S\(1\) is not in the process group \(size 6\)",
+    ):
         rt.reshard_(None, None, src, reshard.Layout(shape, "f32", 2, [5, 6], ["S(1)"]))
     with pytest.raises(reshard.ReshardError, match=r"w: dst_local: rank \d is not part of this layout"):
-        rt.reshard_many_({"w": (torch.zeros(1), torch.zeros(1), reshard.Layout((1,), "f32", 1, [rank], ["R"]),
-                                reshard.Layout((1,), "f32", 1, [(rank + 1) % world], ["R"]))})
+        rt.reshard_many_(
+            {
+                "w": (
+                    torch.zeros(1),
+                    torch.zeros(1),
+                    reshard.Layout((1,), "f32", 1, [rank], ["R"]),
+                    reshard.Layout((1,), "f32", 1, [(rank + 1) % world], ["R"]),
+                )
+            }
+        )
 
 
 def test_four_training_ranks_to_two_inference_ranks():
