@@ -112,6 +112,30 @@ fn dtype_of(obj: &Bound<'_, PyAny>) -> PyResult<DType> {
     text.parse::<DType>().map_err(error)
 }
 
+/// DTensor may nest the shards of one tensor dim in an order other than mesh-axis order
+/// (`DTensorSpec.shard_order`); reshard nests them in mesh-axis order only, so other orders
+/// are refused rather than mislaid.
+fn check_shard_order(dt: &Bound<'_, PyAny>) -> PyResult<()> {
+    let Ok(order) = dt.getattr("_spec").and_then(|s| s.getattr("shard_order")) else {
+        return Ok(());
+    };
+    if order.is_none() {
+        return Ok(());
+    }
+    for entry in order.try_iter()? {
+        let entry = entry?;
+        let dim: i64 = entry.getattr("tensor_dim")?.extract()?;
+        let axes: Vec<usize> = ints(&entry.getattr("mesh_dims")?, "shard_order")?;
+        if axes.windows(2).any(|w| w[0] >= w[1]) {
+            return Err(error(format!(
+                "placements: the DTensor shards tensor dim {dim} over mesh axes {axes:?} in that \
+                 order; reshard nests the shards of one dim in mesh-axis order only"
+            )));
+        }
+    }
+    Ok(())
+}
+
 /// `Shard(dim)`: split tensor dim `dim` across the ranks of one mesh axis with the
 /// `torch.chunk` rule. Negative dims count from the end, as in torch.
 #[pyclass(frozen, eq, hash, module = "reshard", name = "Shard")]
@@ -328,6 +352,7 @@ impl PyLayout {
             .call_method0("flatten")?
             .call_method0("tolist")?;
         let ranks: Vec<usize> = ints(&ranks, "ranks")?;
+        check_shard_order(dt)?;
         let placements = dt
             .getattr("placements")?
             .try_iter()?

@@ -108,3 +108,34 @@ def test_geometry_matches_dtensor():
                     empty += 1
             checked += 1
     assert checked > 1000 and nested > 30 and empty > 30
+
+
+def test_from_dtensor_reads_shape_dtype_mesh_and_order():
+    """The DTensor attributes it reads, on a stand-in (a real DTensor needs a process group;
+    test_torch checks real ones)."""
+    torch = pytest.importorskip("torch")
+    from types import SimpleNamespace
+
+    from torch.distributed.tensor import Replicate, Shard
+
+    def fake(order):
+        entries = [SimpleNamespace(tensor_dim=0, mesh_dims=order)]
+        return SimpleNamespace(
+            shape=torch.Size([10, 4]),
+            dtype=torch.float16,
+            device_mesh=SimpleNamespace(shape=(2, 2), mesh=torch.tensor([[7, 5], [3, 1]])),
+            placements=(Shard(0), Shard(0)),
+            _spec=SimpleNamespace(shard_order=tuple(entries)),
+        )
+
+    layout = reshard.Layout.from_dtensor(fake((0, 1)))
+    assert layout == reshard.Layout((10, 4), "f16", (2, 2), [7, 5, 3, 1], ["S(0)", "S(0)"])
+    assert layout.local_region(5) == ((3, 0), (2, 4))
+    with pytest.raises(
+        reshard.ReshardError, match=r"shards tensor dim 0 over mesh axes \[1, 0\] in that order"
+    ):
+        reshard.Layout.from_dtensor(fake((1, 0)))
+    partial = fake((0, 1))
+    partial.placements = (Replicate(), torch.distributed.tensor.Partial())
+    with pytest.raises(reshard.ReshardError, match=r"Partial\(sum\) is not supported"):
+        reshard.Layout.from_dtensor(partial)
