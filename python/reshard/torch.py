@@ -306,7 +306,10 @@ def reshard_(
     ``dst_layout`` (None if it receives none), both of the layouts' shape and dtype and on the
     device the process group's backend uses. ``dst_local`` may be strided but must not share
     memory with ``src_local``. Raises :class:`reshard.ReshardError` on bad input, before any
-    byte moves.
+    byte moves; the checks are local, so every rank must be given consistent layouts.
+
+    With NCCL, ``batch_isend_irecv`` wants the group's communicator to exist before a batch
+    that not every rank of the group joins: run one collective on the group first (a barrier).
     """
     reshard_many_({"": (src_local, dst_local, src_layout, dst_layout)}, group=group)
 
