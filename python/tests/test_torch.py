@@ -121,12 +121,30 @@ def train_to_infer(rank, world):
             dst,
         )
         want[name] = rt.local_tensor(dst, rank, full)
+    batches = []
+    post = dist.batch_isend_irecv
+
+    def recording(ops):
+        batches.append([(op.op.__name__, op.peer) for op in ops])
+        return post(ops)
+
+    dist.batch_isend_irecv = recording
     for bucket_bytes in (rt.DEFAULT_BUCKET_BYTES, 64):
+        batches.clear()
         rt.reshard_many_(dict(reversed(pairs.items())) if rank % 2 else pairs, bucket_bytes=bucket_bytes)
+        # one message per peer and direction in a batch; one batch when everything fits
+        assert all(len(set(b)) == len(b) for b in batches)
+        if bucket_bytes == rt.DEFAULT_BUCKET_BYTES:
+            assert len(batches) == 1
+            assert len(batches[0]) == (2 if rank < 4 else 4)
+        else:
+            assert len(batches) > 1
         for name, (_, d, _, _) in pairs.items():
             if d is not None:
                 assert torch.equal(d, want[name]), name
                 d.zero_()
+
+    dist.batch_isend_irecv = post
 
     # bad input is refused on every rank before any byte moves, so nobody waits
     shape = (8, 8)
