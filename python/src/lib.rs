@@ -23,8 +23,14 @@ create_exception!(
     "Bad input to reshard: the message is the command line's, naming the field and the value."
 );
 
-/// The default of `--min-split-bytes`, so that Python plans equal the command line's.
-const MIN_SPLIT_BYTES: u64 = 64 << 10;
+/// Plan options from an optional `min_split_bytes`; the default is the command line's, so
+/// that Python plans equal `reshard plan`'s.
+fn plan_options(min_split_bytes: Option<u64>) -> PlanOptions {
+    let default = PlanOptions::default();
+    PlanOptions {
+        min_split_bytes: min_split_bytes.unwrap_or(default.min_split_bytes),
+    }
+}
 
 fn error(e: impl Display) -> PyErr {
     ReshardError::new_err(e.to_string())
@@ -47,7 +53,7 @@ fn ints<T: for<'a, 'py> FromPyObject<'a, 'py>>(
             let item = item?;
             item.extract::<T>().map_err(|_| {
                 error(format!(
-                    "{field}: `{}` is not a non-negative integer below 2^63",
+                    "{field}: `{}` is not a non-negative integer",
                     describe(&item)
                 ))
             })
@@ -185,7 +191,7 @@ impl PyReplicate {
 
     #[pyo3(signature = (dim = None))]
     fn is_shard(&self, dim: Option<i64>) -> bool {
-        let _ = dim;
+        let _ = dim; // torch's signature; a replica shards no dim
         false
     }
 
@@ -700,13 +706,13 @@ impl PyPlan {
 /// The plan from `src` to `dst`. Raises `ReshardError` if the layouts disagree on the
 /// tensor (shape, dtype).
 #[pyfunction]
-#[pyo3(signature = (src, dst, min_split_bytes = MIN_SPLIT_BYTES))]
+#[pyo3(signature = (src, dst, min_split_bytes = None))]
 fn plan(
     src: &Bound<'_, PyLayout>,
     dst: &Bound<'_, PyLayout>,
-    min_split_bytes: u64,
+    min_split_bytes: Option<u64>,
 ) -> PyResult<PyPlan> {
-    let options = PlanOptions { min_split_bytes };
+    let options = plan_options(min_split_bytes);
     let inner = Plan::with_options(src.get().inner.clone(), dst.get().inner.clone(), options)
         .map_err(error)?;
     Ok(PyPlan { inner })
@@ -715,15 +721,15 @@ fn plan(
 /// `rank`'s part of the plan from `src` to `dst`, computed from the layouts alone (the same
 /// as `plan(src, dst).for_rank(rank)`, at a cost that follows this rank's pieces only).
 #[pyfunction]
-#[pyo3(signature = (src, dst, rank, min_split_bytes = MIN_SPLIT_BYTES))]
+#[pyo3(signature = (src, dst, rank, min_split_bytes = None))]
 fn rank_plan(
     src: &Bound<'_, PyLayout>,
     dst: &Bound<'_, PyLayout>,
     rank: usize,
-    min_split_bytes: u64,
+    min_split_bytes: Option<u64>,
 ) -> PyResult<PyRankPlan> {
     let (src, dst) = (&src.get().inner, &dst.get().inner);
-    let options = PlanOptions { min_split_bytes };
+    let options = plan_options(min_split_bytes);
     let inner = core_rank_plan(src, dst, rank, &options).map_err(error)?;
     Ok(PyRankPlan {
         inner,
@@ -744,6 +750,9 @@ mod _core {
     fn init(m: &pyo3::Bound<'_, pyo3::types::PyModule>) -> pyo3::PyResult<()> {
         use pyo3::types::PyModuleMethods;
         m.add("__version__", env!("CARGO_PKG_VERSION"))?;
-        m.add("DEFAULT_MIN_SPLIT_BYTES", super::MIN_SPLIT_BYTES)
+        m.add(
+            "DEFAULT_MIN_SPLIT_BYTES",
+            super::PlanOptions::default().min_split_bytes,
+        )
     }
 }
