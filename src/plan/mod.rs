@@ -15,7 +15,7 @@ mod report;
 
 use std::ops::Range;
 
-pub use report::{PlanJson, Totals, TransferJson};
+pub use report::{PlanJson, Totals, TransferJson, gather_broadcast_bytes, gather_replica};
 
 use crate::error::{Dims, Error, Result};
 use crate::layout::{Layout, Rank};
