@@ -2,9 +2,10 @@
 //! and the gather+broadcast baseline (collectives, one tensor after another). The
 //! assumptions are in the module docs of [`crate::sim`].
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::fmt;
 
+use rustc_hash::FxHashMap;
 use serde::Serialize;
 
 use super::SimError;
@@ -133,9 +134,40 @@ pub struct ReshardCost {
     pub pairs: usize,
 }
 
-/// The bytes and transfer counts between every pair of ranks, all plans together.
-fn pair_loads(plans: &[Plan]) -> HashMap<(Rank, Rank), Load> {
-    let mut pairs: HashMap<(Rank, Rank), Load> = HashMap::new();
+type Pairs = FxHashMap<(Rank, Rank), Load>;
+
+/// The bytes and transfer counts between every pair of ranks, all plans together. Reading
+/// millions of transfers is bound by memory latency (every region's extent is its own
+/// allocation), so the plans are split among the machine's cores.
+fn pair_loads(plans: &[Plan]) -> Pairs {
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let per_thread = plans.len().div_ceil(threads.max(1)).max(1);
+    if plans.len() <= per_thread {
+        return plan_pairs(plans);
+    }
+    let parts: Vec<Pairs> = std::thread::scope(|scope| {
+        let handles: Vec<_> = plans
+            .chunks(per_thread)
+            .map(|part| scope.spawn(move || plan_pairs(part)))
+            .collect();
+        handles
+            .into_iter()
+            // a panic in the pure loop below is a bug: pass it on
+            .map(|h| h.join().unwrap_or_else(|e| std::panic::resume_unwind(e)))
+            .collect()
+    });
+    let mut parts = parts.into_iter();
+    let mut pairs = parts.next().unwrap_or_default();
+    for part in parts {
+        for (k, load) in part {
+            pairs.entry(k).or_default().add(load.bytes, load.messages);
+        }
+    }
+    pairs
+}
+
+fn plan_pairs(plans: &[Plan]) -> Pairs {
+    let mut pairs = Pairs::default();
     for plan in plans {
         let elem = plan.elem_bytes();
         // transfers come sorted by (src, dst): add each run of one pair at once
