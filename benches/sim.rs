@@ -27,12 +27,28 @@ fn main() {
         Cluster::h100(),
         colocated(Cluster::h100()),
         Cluster::gb200(),
+        colocated(Cluster::gb200()),
     ] {
         let p = sim::price(plans, &cluster, &SimOptions::default()).unwrap();
         let s = p.simulation();
+        let busiest = p
+            .reshard
+            .busiest
+            .map(|b| format!("GPU {} {}", b.gpu, b.port));
+        let gb = |b: u64| b as f64 / 1e9;
+        let bytes = p.reshard.bytes;
         println!(
-            "{:<16} reshard {:.3} s (lower bound {:.3} s), gather+broadcast {:.2} s, speedup {:.1}x",
-            cluster.name, s.reshard_s, s.lower_bound_s, s.gather_broadcast_s, s.speedup
+            "{:<16} reshard {:.3} s (lower bound {:.3} s, busiest {}; GB over network {:.0}, \
+             NVLink {:.0}, memory {:.0}), gather+broadcast {:.2} s, speedup {:.1}x",
+            cluster.name,
+            s.reshard_s,
+            s.lower_bound_s,
+            busiest.unwrap_or_default(),
+            gb(bytes.network),
+            gb(bytes.nvlink),
+            gb(bytes.memory),
+            s.gather_broadcast_s,
+            s.speedup
         );
     }
     divan::main();
