@@ -360,5 +360,11 @@ proptest! {
         if cluster.nvlink_domain == 1 {
             prop_assert_eq!(r.bytes.nvlink, 0);
         }
+        // the same tensor twice: twice the bytes on every port, twice the baseline
+        let twice = [plan.clone(), plan];
+        let doubled = price(&twice, &cluster, &SimOptions::default()).unwrap();
+        prop_assert!(close(doubled.reshard.lower_bound_s, 2.0 * r.lower_bound_s));
+        prop_assert!(close(doubled.reshard.seconds, 2.0 * r.seconds));
+        prop_assert!(close(doubled.gather_broadcast.seconds, 2.0 * g.seconds));
     }
 }
