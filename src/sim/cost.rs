@@ -203,12 +203,25 @@ pub fn price_reshard(
     cluster: &Cluster,
     messages: Messages,
 ) -> Result<ReshardCost, SimError> {
-    let pairs = pair_loads(plans);
+    let mut pairs: Vec<((Rank, Rank), Load)> = pair_loads(plans).into_iter().collect();
+    // in rank order, so that an unplaced rank is always reported the same way
+    pairs.sort_unstable_by_key(|&(k, _)| k);
+    price_pairs(&pairs, cluster, messages)
+}
+
+/// Prices a reshard given as the bytes and transfer counts between pairs of ranks
+/// (`(src, dst)`, each pair once; `src == dst`: local copies), for planners and executors
+/// that do not hand over [`Plan`]s.
+pub fn price_pairs(
+    pairs: &[((Rank, Rank), Load)],
+    cluster: &Cluster,
+    messages: Messages,
+) -> Result<ReshardCost, SimError> {
     let mut ports: BTreeMap<usize, [Load; 5]> = BTreeMap::new();
     let mut bytes = LinkBytes::default();
     let mut total_messages = 0u64;
     let mut remote_pairs = 0usize;
-    for (&(src, dst), &load) in &pairs {
+    for &((src, dst), load) in pairs {
         let (gs, gd) = (cluster.gpu(src)?, cluster.gpu(dst)?);
         let link = cluster.link(gs, gd);
         let count = messages.count(load);
@@ -280,9 +293,16 @@ pub struct BaselineCost {
 /// Prices gather+broadcast for `plans`: per tensor, a ring all-gather inside one source
 /// replica, then a pipelined broadcast of the whole tensor, one tensor after another.
 pub fn price_gather_broadcast(plans: &[Plan], cluster: &Cluster) -> Result<BaselineCost, SimError> {
+    price_gather_broadcast_layouts(plans.iter().map(|p| (p.src(), p.dst())), cluster)
+}
+
+/// [`price_gather_broadcast`] from each tensor's source and destination layouts.
+pub fn price_gather_broadcast_layouts<'a>(
+    tensors: impl IntoIterator<Item = (&'a Layout, &'a Layout)>,
+    cluster: &Cluster,
+) -> Result<BaselineCost, SimError> {
     let mut cost = BaselineCost::default();
-    for plan in plans {
-        let (src, dst) = (plan.src(), plan.dst());
+    for (src, dst) in tensors {
         let holders = gather_replica(src, dst);
         let gather = ring_all_gather(src, &holders, cluster, &mut cost.bytes_by_link)?;
         let broadcast = chain_broadcast(src, dst, &holders, cluster, &mut cost.bytes_by_link)?;

@@ -96,7 +96,7 @@ use thiserror::Error;
 pub use cluster::{Cluster, Link, PRESETS};
 pub use cost::{
     BaselineCost, Busiest, LinkBytes, Load, Messages, Port, ReshardCost, price_gather_broadcast,
-    price_reshard,
+    price_gather_broadcast_layouts, price_pairs, price_reshard,
 };
 
 use crate::layout::Rank;

@@ -368,3 +368,37 @@ proptest! {
         prop_assert!(close(doubled.gather_broadcast.seconds, 2.0 * g.seconds));
     }
 }
+
+#[test]
+fn pairs_priced_directly() {
+    // what a batched planner reports: 1 MB in 3 messages across domains, 1 MB locally
+    let pairs = [
+        (
+            (0, 2),
+            Load {
+                bytes: 1_000_000,
+                messages: 3,
+            },
+        ),
+        (
+            (2, 2),
+            Load {
+                bytes: 1_000_000,
+                messages: 1,
+            },
+        ),
+    ];
+    let cost = price_pairs(&pairs, &toy(), Messages::PerTransfer).unwrap();
+    assert_us!(cost.seconds, 112);
+    assert_eq!((cost.messages, cost.pairs), (3, 1));
+    assert_eq!(cost.bytes.memory, 1_000_000);
+    let coalesced = price_pairs(
+        &pairs,
+        &toy(),
+        Messages::Coalesced {
+            chunk_bytes: 1_000_000,
+        },
+    )
+    .unwrap();
+    assert_us!(coalesced.seconds, 104);
+}
