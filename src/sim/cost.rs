@@ -134,21 +134,80 @@ pub struct ReshardCost {
     pub pairs: usize,
 }
 
-type Pairs = FxHashMap<(Rank, Rank), Load>;
+/// Per-pair totals: a dense matrix when the ranks are few (no hashing in the hot loop), a
+/// hash map otherwise.
+enum Pairs {
+    Dense { span: usize, loads: Vec<Load> },
+    Sparse(FxHashMap<(Rank, Rank), Load>),
+}
 
-/// The bytes and transfer counts between every pair of ranks, all plans together. Reading
-/// millions of transfers is bound by memory latency (every region's extent is its own
-/// allocation), so the plans are split among the machine's cores.
-fn pair_loads(plans: &[Plan]) -> Pairs {
+/// Up to this many ranks, per-pair totals live in a dense matrix (16 MiB at most).
+const DENSE_SPAN: usize = 1024;
+
+impl Pairs {
+    fn new(span: usize) -> Pairs {
+        if span <= DENSE_SPAN {
+            Pairs::Dense {
+                span,
+                loads: vec![Load::default(); span * span],
+            }
+        } else {
+            Pairs::Sparse(FxHashMap::default())
+        }
+    }
+
+    fn add(&mut self, (src, dst): (Rank, Rank), load: Load) {
+        match self {
+            Pairs::Dense { span, loads } => loads[src * *span + dst].add(load.bytes, load.messages),
+            Pairs::Sparse(map) => map
+                .entry((src, dst))
+                .or_default()
+                .add(load.bytes, load.messages),
+        }
+    }
+
+    fn merge(&mut self, other: Pairs) {
+        for (k, load) in other.into_sorted() {
+            self.add(k, load);
+        }
+    }
+
+    /// The pairs that carry anything, in rank order.
+    fn into_sorted(self) -> Vec<((Rank, Rank), Load)> {
+        match self {
+            Pairs::Dense { span, loads } => loads
+                .into_iter()
+                .enumerate()
+                .filter(|(_, l)| l.messages > 0)
+                .map(|(i, l)| ((i / span, i % span), l))
+                .collect(),
+            Pairs::Sparse(map) => {
+                let mut v: Vec<_> = map.into_iter().collect();
+                v.sort_unstable_by_key(|&(k, _)| k);
+                v
+            }
+        }
+    }
+}
+
+/// The bytes and transfer counts between every pair of ranks, all plans together, in rank
+/// order. Reading millions of transfers is bound by memory latency (every region's extent is
+/// its own allocation), so the plans are split among the machine's cores.
+fn pair_loads(plans: &[Plan]) -> Vec<((Rank, Rank), Load)> {
+    let span = plans
+        .iter()
+        .flat_map(|p| p.src().mesh().ranks().iter().chain(p.dst().mesh().ranks()))
+        .max()
+        .map_or(0, |&r| r + 1);
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     let per_thread = plans.len().div_ceil(threads.max(1)).max(1);
     if plans.len() <= per_thread {
-        return plan_pairs(plans);
+        return plan_pairs(plans, span).into_sorted();
     }
     let parts: Vec<Pairs> = std::thread::scope(|scope| {
         let handles: Vec<_> = plans
             .chunks(per_thread)
-            .map(|part| scope.spawn(move || plan_pairs(part)))
+            .map(|part| scope.spawn(move || plan_pairs(part, span)))
             .collect();
         handles
             .into_iter()
@@ -157,17 +216,15 @@ fn pair_loads(plans: &[Plan]) -> Pairs {
             .collect()
     });
     let mut parts = parts.into_iter();
-    let mut pairs = parts.next().unwrap_or_default();
+    let mut pairs = parts.next().unwrap_or_else(|| Pairs::new(span));
     for part in parts {
-        for (k, load) in part {
-            pairs.entry(k).or_default().add(load.bytes, load.messages);
-        }
+        pairs.merge(part);
     }
-    pairs
+    pairs.into_sorted()
 }
 
-fn plan_pairs(plans: &[Plan]) -> Pairs {
-    let mut pairs = Pairs::default();
+fn plan_pairs(plans: &[Plan], span: usize) -> Pairs {
+    let mut pairs = Pairs::new(span);
     for plan in plans {
         let elem = plan.elem_bytes();
         // transfers come sorted by (src, dst): add each run of one pair at once
@@ -178,7 +235,7 @@ fn plan_pairs(plans: &[Plan]) -> Pairs {
                 Some((k, load)) if *k == key => load.add(t.bytes(elem), 1),
                 _ => {
                     if let Some((k, load)) = run.take() {
-                        pairs.entry(k).or_default().add(load.bytes, load.messages);
+                        pairs.add(k, load);
                     }
                     run = Some((
                         key,
@@ -191,7 +248,7 @@ fn plan_pairs(plans: &[Plan]) -> Pairs {
             }
         }
         if let Some((k, load)) = run {
-            pairs.entry(k).or_default().add(load.bytes, load.messages);
+            pairs.add(k, load);
         }
     }
     pairs
@@ -203,10 +260,8 @@ pub fn price_reshard(
     cluster: &Cluster,
     messages: Messages,
 ) -> Result<ReshardCost, SimError> {
-    let mut pairs: Vec<((Rank, Rank), Load)> = pair_loads(plans).into_iter().collect();
     // in rank order, so that an unplaced rank is always reported the same way
-    pairs.sort_unstable_by_key(|&(k, _)| k);
-    price_pairs(&pairs, cluster, messages)
+    price_pairs(&pair_loads(plans), cluster, messages)
 }
 
 /// Prices a reshard given as the bytes and transfer counts between pairs of ranks

@@ -402,3 +402,26 @@ fn pairs_priced_directly() {
     .unwrap();
     assert_us!(coalesced.seconds, 104);
 }
+
+#[test]
+fn ranks_beyond_the_dense_matrix_price_the_same() {
+    // the same 1000 tiny tensors as above, between ranks far apart (per-pair totals in a map)
+    let near: Vec<Plan> = (0..1000)
+        .map(|_| plan(&[100], "mesh=1 ranks=0 place=R", "mesh=1 ranks=2 place=R"))
+        .collect();
+    let far: Vec<Plan> = (0..1000)
+        .map(|_| {
+            plan(
+                &[100],
+                "mesh=1 ranks=0 place=R",
+                "mesh=1 ranks=5000 place=R",
+            )
+        })
+        .collect();
+    let near = price(&near, &toy(), &SimOptions::default()).unwrap();
+    let far = price(&far, &toy(), &SimOptions::default()).unwrap();
+    assert_us!(far.reshard.seconds, 4010);
+    assert_eq!(far.reshard.seconds, near.reshard.seconds);
+    assert_eq!(far.reshard.bytes, near.reshard.bytes);
+    assert_eq!(far.reshard.busiest.unwrap().gpu, 0);
+}
