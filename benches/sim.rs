@@ -301,7 +301,7 @@ fn main() {
             "{} {} on {}: {} tensors, {:.0} GB, {transfers} transfers\n  \
              published {}\n  \
              modeled reshard {:.3} s, lower bound {:.3} s (busiest {}), \
-             gather+broadcast {:.2} s, speedup {:.1}x",
+             any plan at least {:.3} s, gather+broadcast {:.2} s, speedup {:.1}x",
             case.arch.name,
             case.label,
             cluster.name,
@@ -311,6 +311,7 @@ fn main() {
             s.reshard_s,
             s.lower_bound_s,
             busiest.unwrap_or_default(),
+            p.domain_bound_s,
             s.gather_broadcast_s,
             s.speedup
         );

@@ -97,6 +97,11 @@ fn describe_pricing(cluster: &Cluster, p: &Pricing) -> String {
         seconds(sim.reshard_s),
         seconds(sim.lower_bound_s)
     );
+    let _ = writeln!(
+        out,
+        "  any plan          at least {} (what must cross the NVLink domains' NICs)",
+        seconds(p.domain_bound_s)
+    );
     let g = &p.gather_broadcast;
     let _ = writeln!(
         out,

@@ -55,8 +55,13 @@
 //! not keep every port busy until the very end: a sender may wait on a receiver that is busy
 //! with another sender) and exact in the other (no port can go faster). The **lower bound**
 //! drops the latency: the largest, over GPUs and ports, of bytes over bandwidth. No schedule
-//! of these plans' bytes over these links beats it; a different choice of sources among
-//! replicas could.
+//! of these plans' bytes over these links beats it; a different plan could: one that picks
+//! other sources among replicas, or one that sends a byte into an NVLink domain once and fans
+//! it out there over NVLink (NCCL's node-aware mode). The **domain bound**
+//! ([`domain_bound`]) holds for every plan, relaying or not: per NVLink domain, the bytes its
+//! destination ranks need that no source rank inside it holds must enter through its GPUs'
+//! NICs, and the bytes only its source ranks hold that a destination outside needs must
+//! leave through them, spread evenly over the NICs of the domain's GPUs that run a rank.
 //!
 //! **Gather+broadcast baseline**, as NeMo-RL runs it with NCCL collectives, tensor after
 //! tensor with no overlap between tensors. For each tensor:
@@ -87,12 +92,14 @@
 //! pipelined executor), contention inside the NVSwitch or the fabric, congestion control,
 //! PCIe between GPU and NIC, and the compute that training and inference do meanwhile.
 
+mod bound;
 mod cluster;
 mod cost;
 
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
+pub use bound::domain_bound;
 pub use cluster::{Cluster, Link, PRESETS};
 pub use cost::{
     BaselineCost, Busiest, LinkBytes, Load, Messages, Port, ReshardCost, price_gather_broadcast,
@@ -162,6 +169,8 @@ pub struct SimOptions {
 pub struct Pricing {
     pub cluster: String,
     pub reshard: ReshardCost,
+    /// No plan of these tensors, relaying or not, is faster (see [`domain_bound`]).
+    pub domain_bound_s: f64,
     pub gather_broadcast: BaselineCost,
 }
 
@@ -193,6 +202,7 @@ pub fn price(plans: &[Plan], cluster: &Cluster, options: &SimOptions) -> Result<
     Ok(Pricing {
         cluster: cluster.name.clone(),
         reshard: price_reshard(plans, cluster, options.messages)?,
+        domain_bound_s: domain_bound(plans, cluster)?,
         gather_broadcast: price_gather_broadcast(plans, cluster)?,
     })
 }

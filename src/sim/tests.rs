@@ -425,3 +425,63 @@ fn ranks_beyond_the_dense_matrix_price_the_same() {
     assert_eq!(far.reshard.bytes, near.reshard.bytes);
     assert_eq!(far.reshard.busiest.unwrap().gpu, 0);
 }
+
+#[test]
+fn the_domain_bound_lets_a_relay_beat_the_direct_plan() {
+    // rank 0 (domain 0) holds 1 MB; ranks 2, 3 (domain 1) each need all of it. Sent directly,
+    // rank 0's NIC carries 2 MB (200 us); relayed, 1 MB leaves domain 0 through its one GPU's
+    // NIC (100 us) and enters domain 1 through two (50 us)
+    let p = plan(
+        &[1_000_000],
+        "mesh=1 ranks=0 place=R",
+        "mesh=2 ranks=2,3 place=R",
+    );
+    let priced = price(&[p], &toy(), &SimOptions::default()).unwrap();
+    assert_us!(priced.reshard.lower_bound_s, 200);
+    assert_us!(priced.domain_bound_s, 100);
+}
+
+#[test]
+fn the_domain_bound_counts_what_a_domain_already_holds() {
+    // domain 0 holds the top half (rank 0) and needs all of it (rank 1): 500 kB must enter
+    // through 2 NICs (25 us); domain 1 holds the bottom half (rank 2) and only it: 500 kB
+    // must leave through its GPU's NIC (50 us)
+    let p = plan(
+        &[2, 500_000],
+        "mesh=2 ranks=0,2 place=S(0)",
+        "mesh=1 ranks=1 place=R",
+    );
+    let priced = price(&[p], &toy(), &SimOptions::default()).unwrap();
+    assert_us!(priced.domain_bound_s, 50);
+    assert_us!(priced.reshard.lower_bound_s, 50);
+
+    // both domains hold all of it: nothing has to cross, yet the plan splits rank 1's piece
+    // between its two replicas, and half of it comes over the network
+    let p = plan(
+        &[1_000_000],
+        "mesh=2 ranks=0,2 place=R",
+        "mesh=1 ranks=1 place=R",
+    );
+    let priced = price(&[p], &toy(), &SimOptions::default()).unwrap();
+    assert_us!(priced.domain_bound_s, 0);
+    assert_us!(priced.reshard.lower_bound_s, 50);
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    /// The domain bound holds for every plan, so for this one too.
+    #[test]
+    fn the_domain_bound_is_below_the_plan_bound(
+        (src, dst) in arb_layout_pair(),
+        cluster in arb_cluster(),
+    ) {
+        let plan = Plan::new(src, dst).unwrap();
+        let priced = price(std::slice::from_ref(&plan), &cluster, &SimOptions::default()).unwrap();
+        prop_assert!(
+            priced.domain_bound_s <= priced.reshard.lower_bound_s * (1.0 + 1e-12),
+            "domain bound {} above the plan's {}", priced.domain_bound_s,
+            priced.reshard.lower_bound_s
+        );
+    }
+}
