@@ -14,6 +14,8 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::ops::Range;
 
+use rustc_hash::FxHashMap;
+
 use super::SimError;
 use super::cluster::{Cluster, Link};
 use crate::layout::Layout;
@@ -47,7 +49,7 @@ pub fn domain_bound(plans: &[Plan], cluster: &Cluster) -> Result<f64, SimError> 
         for (&domain, held) in &src_boxes.by_domain {
             let only_here = held
                 .iter()
-                .filter(|&&s| src_boxes.domains[s].len() == 1)
+                .filter(|&&s| src_boxes.domain_count[s] == 1)
                 .collect::<Vec<_>>();
             if only_here.is_empty() {
                 continue;
@@ -82,10 +84,12 @@ pub fn domain_bound(plans: &[Plan], cluster: &Cluster) -> Result<f64, SimError> 
 struct Boxes {
     /// Per box, its range along every dim.
     ranges: Vec<Vec<Range<u64>>>,
-    /// Per box, the domains of the ranks that hold it.
-    domains: Vec<BTreeSet<usize>>,
+    /// Per box, how many domains hold it.
+    domain_count: Vec<usize>,
+    /// Per box, the domains that hold it.
+    domains: Vec<Vec<usize>>,
     /// Per domain, the boxes its ranks hold.
-    by_domain: BTreeMap<usize, BTreeSet<usize>>,
+    by_domain: BTreeMap<usize, Vec<usize>>,
 }
 
 fn boxes_by_domain(
@@ -94,31 +98,44 @@ fn boxes_by_domain(
     gpus: &mut BTreeMap<usize, BTreeSet<usize>>,
 ) -> Result<Boxes, SimError> {
     let mesh = layout.mesh();
-    let mut ids: BTreeMap<usize, usize> = BTreeMap::new();
-    let mut boxes = Boxes {
-        ranges: Vec::new(),
-        domains: Vec::new(),
-        by_domain: BTreeMap::new(),
-    };
+    let mut ids: FxHashMap<usize, usize> = FxHashMap::default();
+    let mut ranges = Vec::new();
+    // (domain, box) for every rank, deduplicated below
+    let mut held: Vec<(usize, usize)> = Vec::with_capacity(mesh.size());
+    let mut last_gpu = None;
     for (position, &rank) in mesh.ranks().iter().enumerate() {
         let gpu = cluster.gpu(rank)?;
         let domain = cluster.domain(gpu);
-        gpus.entry(domain).or_default().insert(gpu);
+        if last_gpu != Some(gpu) {
+            gpus.entry(domain).or_default().insert(gpu);
+            last_gpu = Some(gpu);
+        }
         let index = layout.piece_index(&mesh.coords(position));
-        let next = boxes.ranges.len();
+        let next = ranges.len();
         let b = *ids.entry(layout.box_id(&index)).or_insert(next);
         if b == next {
-            boxes.ranges.push(
+            ranges.push(
                 index
                     .iter()
                     .enumerate()
                     .map(|(d, &i)| layout.dim_pieces(d)[i].clone())
                     .collect(),
             );
-            boxes.domains.push(BTreeSet::new());
         }
-        boxes.domains[b].insert(domain);
-        boxes.by_domain.entry(domain).or_default().insert(b);
+        held.push((domain, b));
+    }
+    held.sort_unstable();
+    held.dedup();
+    let mut boxes = Boxes {
+        domain_count: vec![0; ranges.len()],
+        domains: vec![Vec::new(); ranges.len()],
+        ranges,
+        by_domain: BTreeMap::new(),
+    };
+    for (domain, b) in held {
+        boxes.domain_count[b] += 1;
+        boxes.domains[b].push(domain);
+        boxes.by_domain.entry(domain).or_default().push(b);
     }
     Ok(boxes)
 }

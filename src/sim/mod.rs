@@ -199,11 +199,26 @@ impl Pricing {
 /// and as gather+broadcast. Fails on an invalid cluster or a rank it does not place.
 pub fn price(plans: &[Plan], cluster: &Cluster, options: &SimOptions) -> Result<Pricing, SimError> {
     cluster.validate()?;
+    // the bounds and the baseline on one more thread, while the reshard is priced
+    let (reshard, (bound, baseline)) = std::thread::scope(|scope| {
+        let others = scope.spawn(|| {
+            (
+                domain_bound(plans, cluster),
+                price_gather_broadcast(plans, cluster),
+            )
+        });
+        let reshard = price_reshard(plans, cluster, options.messages);
+        // a panic in pure arithmetic is a bug: pass it on
+        let others = others
+            .join()
+            .unwrap_or_else(|e| std::panic::resume_unwind(e));
+        (reshard, others)
+    });
     Ok(Pricing {
         cluster: cluster.name.clone(),
-        reshard: price_reshard(plans, cluster, options.messages)?,
-        domain_bound_s: domain_bound(plans, cluster)?,
-        gather_broadcast: price_gather_broadcast(plans, cluster)?,
+        reshard: reshard?,
+        domain_bound_s: bound?,
+        gather_broadcast: baseline?,
     })
 }
 
