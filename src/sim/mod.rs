@@ -45,8 +45,8 @@
 //! `ceil(pair bytes / chunk)` messages per pair instead ([`Messages::Coalesced`]). The
 //! latencies of the presets (5 us NVLink, 10 us network) are assumed, not taken from a spec
 //! sheet: the order of magnitude of NCCL's point-to-point times for small messages. On the
-//! DeepSeek-V3-sized refit of `benches/sim.rs` (one message per transfer) they add about 11%
-//! to the bandwidth time; plans of many tiny tensors are where they dominate.
+//! published-size refits of `benches/sim.rs` (one message per transfer) they add 6–13% to
+//! the bandwidth time; plans of many tiny tensors are where they dominate.
 //!
 //! **Reshard schedule.** Every transfer of every plan runs at once, and each port shares its
 //! bandwidth fairly among its transfers, so a GPU is done when its busiest port is:
