@@ -24,7 +24,8 @@
 //! otherwise; GPUs are numbered node by node, and GPUs `[k*D, (k+1)*D)` form NVLink domain `k`
 //! (`D` = `nvlink_domain`: 8 on an H100 server, 72 on a GB200 NVL72 rack). Two ranks on one
 //! GPU talk through its memory, two GPUs of one domain over NVLink, any other two over the
-//! network.
+//! network. `gpus_per_node` describes the hardware and checks that a domain is made of whole
+//! nodes; the links depend on domains alone.
 //!
 //! **Links.** Every GPU has five independent ports: NVLink send and receive, NIC send and
 //! receive (each at the per-GPU, per-direction bandwidth), and its memory for copies between
@@ -51,9 +52,10 @@
 //! **Reshard schedule.** Every transfer of every plan runs at once, and each port shares its
 //! bandwidth fairly among its transfers, so a GPU is done when its busiest port is:
 //! `time(port) = bytes / bandwidth + messages x latency`, and the reshard takes the largest
-//! `time(port)` over all GPUs and ports. This is optimistic in one way (a real executor does
-//! not keep every port busy until the very end: a sender may wait on a receiver that is busy
-//! with another sender) and exact in the other (no port can go faster). The **lower bound**
+//! `time(port)` over all GPUs and ports. This is optimistic: a real executor does not keep
+//! every port busy until the very end (a sender may wait on a receiver that is busy with
+//! another sender). It is pessimistic only in paying every message's latency one after
+//! another, where an executor may overlap a few. The **lower bound**
 //! drops the latency: the largest, over GPUs and ports, of bytes over bandwidth. No schedule
 //! of these plans' bytes over these links beats it; a different plan could: one that picks
 //! other sources among replicas, or one that sends a byte into an NVLink domain once and fans
