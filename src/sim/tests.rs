@@ -485,3 +485,25 @@ proptest! {
         );
     }
 }
+
+#[test]
+fn the_broadcast_chain_starts_at_the_root_and_wraps_around() {
+    // root on GPU 2; receivers on GPUs 0 and 3: the chain is 2 -> 3 (NVLink) -> 0 (network)
+    let p = plan(
+        &[1_000_000],
+        "mesh=1 ranks=2 place=R",
+        "mesh=2 ranks=0,3 place=R",
+    );
+    let priced = price(&[p], &toy(), &SimOptions::default()).unwrap();
+    assert_us!(priced.gather_broadcast.broadcast_s, (1 + 10) + (4 + 100));
+    assert_eq!(
+        priced.gather_broadcast.bytes_by_link,
+        LinkBytes {
+            memory: 0,
+            nvlink: 1_000_000,
+            network: 1_000_000,
+        }
+    );
+    // the reshard sends both copies from GPU 2: its NIC carries one
+    assert_us!(priced.reshard.seconds, 104);
+}
