@@ -4,9 +4,10 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use serde::Serialize;
 
-use crate::layout::{Layout, Placement, Rank};
+use crate::layout::{Layout, Rank};
 
 use super::Plan;
+use super::baseline::gather_replica;
 
 /// Byte and message counts of a plan (the `totals` object of the plan JSON).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
@@ -53,52 +54,20 @@ impl Totals {
 
 /// Wire bytes of the gather+broadcast baseline: a ring all-gather inside one source replica
 /// (each of its `k` ranks receives what it lacks: `(k - 1) x total`), then a broadcast of the
-/// whole tensor to every destination rank that does not hold it yet (see [`gather_replica`]).
+/// whole tensor to every destination rank that does not hold it yet. The replica chosen is the
+/// one that contains the most destination ranks; a fully replicated source needs no gather.
 pub fn gather_broadcast_bytes(src: &Layout, dst: &Layout) -> u64 {
     let total = src.total_bytes();
-    let replica_size = src.mesh().size() / src.replication();
-    let full_holders: BTreeSet<Rank> = gather_replica(src, dst).into_iter().collect();
-    let gather = (replica_size as u64 - 1).saturating_mul(total);
+    let holders: BTreeSet<Rank> = gather_replica(src, dst).into_iter().collect();
+    let replica_size = (src.mesh().size() / src.replication().max(1)) as u64;
+    let gather = (replica_size - 1).saturating_mul(total);
     let receivers = dst
         .mesh()
         .ranks()
         .iter()
-        .filter(|r| !full_holders.contains(r))
+        .filter(|r| !holders.contains(r))
         .count() as u64;
     gather.saturating_add(receivers.saturating_mul(total))
-}
-
-/// The source ranks that hold the whole tensor once the gather+broadcast baseline has
-/// gathered it, in mesh order: the replica that contains the most destination ranks (the
-/// first one on a tie), or every source rank when the source is fully replicated (no gather).
-pub fn gather_replica(src: &Layout, dst: &Layout) -> Vec<Rank> {
-    let mesh = src.mesh();
-    let replicated_axes: Vec<usize> = src
-        .placements()
-        .iter()
-        .enumerate()
-        .filter(|(_, p)| **p == Placement::Replicate)
-        .map(|(a, _)| a)
-        .collect();
-    let replica_size = mesh.size() / src.replication();
-    if replica_size == 1 {
-        return mesh.ranks().to_vec();
-    }
-    // Group the source ranks into replicas by their coordinates on the replicated axes.
-    let mut replicas: BTreeMap<Vec<usize>, Vec<Rank>> = BTreeMap::new();
-    for (position, &rank) in mesh.ranks().iter().enumerate() {
-        let coords = mesh.coords(position);
-        let key = replicated_axes.iter().map(|&a| coords[a]).collect();
-        replicas.entry(key).or_default().push(rank);
-    }
-    replicas
-        .into_values()
-        .max_by_key(|members| {
-            let inside = members.iter().filter(|&&r| dst.mesh().contains(r)).count();
-            // the first replica wins ties
-            (inside, std::cmp::Reverse(members[0]))
-        })
-        .unwrap_or_default()
 }
 
 /// One transfer in the plan JSON.

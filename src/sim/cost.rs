@@ -5,13 +5,15 @@
 use std::collections::BTreeMap;
 use std::fmt;
 
+use rayon::prelude::*;
 use rustc_hash::FxHashMap;
 use serde::Serialize;
 
 use super::SimError;
 use super::cluster::{Cluster, Link};
 use crate::layout::{Layout, Rank};
-use crate::plan::{Plan, gather_replica};
+use crate::plan::Plan;
+use crate::plan::baseline::gather_replica;
 
 /// How many messages the transfers between one pair of ranks make.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -192,35 +194,25 @@ impl Pairs {
 
 /// The bytes and transfer counts between every pair of ranks, all plans together, in rank
 /// order. Reading millions of transfers is bound by memory latency (every region's extent is
-/// its own allocation), so the plans are split among the machine's cores.
+/// its own allocation), so the plans are split among the cores (rayon's pool).
 fn pair_loads(plans: &[Plan]) -> Vec<((Rank, Rank), Load)> {
     let span = plans
         .iter()
         .flat_map(|p| p.src().mesh().ranks().iter().chain(p.dst().mesh().ranks()))
         .max()
         .map_or(0, |&r| r + 1);
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let per_thread = plans.len().div_ceil(threads.max(1)).max(1);
-    if plans.len() <= per_thread {
-        return plan_pairs(plans, span).into_sorted();
-    }
-    let parts: Vec<Pairs> = std::thread::scope(|scope| {
-        let handles: Vec<_> = plans
-            .chunks(per_thread)
-            .map(|part| scope.spawn(move || plan_pairs(part, span)))
-            .collect();
-        handles
-            .into_iter()
-            // a panic in the pure loop below is a bug: pass it on
-            .map(|h| h.join().unwrap_or_else(|e| std::panic::resume_unwind(e)))
-            .collect()
-    });
-    let mut parts = parts.into_iter();
-    let mut pairs = parts.next().unwrap_or_else(|| Pairs::new(span));
-    for part in parts {
-        pairs.merge(part);
-    }
-    pairs.into_sorted()
+    // one dense matrix per core at most: split the plans into as many parts
+    let parts = rayon::current_num_threads().max(1);
+    let per_part = plans.len().div_ceil(parts).max(1);
+    plans
+        .par_chunks(per_part)
+        .map(|part| plan_pairs(part, span))
+        .reduce_with(|mut a, b| {
+            a.merge(b);
+            a
+        })
+        .unwrap_or_else(|| Pairs::new(span))
+        .into_sorted()
 }
 
 fn plan_pairs(plans: &[Plan], span: usize) -> Pairs {

@@ -68,8 +68,9 @@
 //! **Gather+broadcast baseline**, as NeMo-RL runs it with NCCL collectives, tensor after
 //! tensor with no overlap between tensors. For each tensor:
 //! 1. a ring all-gather inside one source replica (the one
-//!    [`crate::plan::gather_replica`] names; none when the source is fully replicated): the
-//!    ring visits the replica in GPU order, so it crosses each NVLink domain boundary once;
+//!    [`crate::plan::baseline::gather_replica`] names; none when the source is fully
+//!    replicated): the ring visits the replica in GPU order, so it crosses each NVLink domain
+//!    boundary once;
 //!    `k - 1` steps, each as long as the slowest ring edge takes for the largest shard plus its
 //!    latency (NCCL pads uneven shards to equal sizes);
 //! 2. a pipelined broadcast of the whole tensor from the first GPU of that replica to every
@@ -201,21 +202,16 @@ impl Pricing {
 /// and as gather+broadcast. Fails on an invalid cluster or a rank it does not place.
 pub fn price(plans: &[Plan], cluster: &Cluster, options: &SimOptions) -> Result<Pricing, SimError> {
     cluster.validate()?;
-    // the bounds and the baseline on one more thread, while the reshard is priced
-    let (reshard, (bound, baseline)) = std::thread::scope(|scope| {
-        let others = scope.spawn(|| {
+    // the bounds and the baseline alongside the reshard
+    let (reshard, (bound, baseline)) = rayon::join(
+        || price_reshard(plans, cluster, options.messages),
+        || {
             (
                 domain_bound(plans, cluster),
                 price_gather_broadcast(plans, cluster),
             )
-        });
-        let reshard = price_reshard(plans, cluster, options.messages);
-        // a panic in pure arithmetic is a bug: pass it on
-        let others = others
-            .join()
-            .unwrap_or_else(|e| std::panic::resume_unwind(e));
-        (reshard, others)
-    });
+        },
+    );
     Ok(Pricing {
         cluster: cluster.name.clone(),
         reshard: reshard?,
