@@ -46,7 +46,7 @@
 //! `ceil(pair bytes / chunk)` messages per pair instead ([`Messages::Coalesced`]). The
 //! latencies of the presets (5 us NVLink, 10 us network) are assumed, not taken from a spec
 //! sheet: the order of magnitude of NCCL's point-to-point times for small messages. On the
-//! published-size refits of `benches/sim.rs` (one message per transfer) they add 6–13% to
+//! published refits of `benches/sim.rs` (one message per transfer) they add 7–13% to
 //! the bandwidth time; plans of many tiny tensors are where they dominate.
 //!
 //! **Reshard schedule.** Every transfer of every plan runs at once, and each port shares its
