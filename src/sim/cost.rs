@@ -21,16 +21,22 @@ pub enum Messages {
     /// One per transfer of the plans, as an executor that sends every box on its own does.
     #[default]
     PerTransfer,
+    /// One per pair of ranks, all tensors together: a batched executor that streams each peer
+    /// pair's transfers, whose chunks follow each other without waiting, pays the startup
+    /// once per stream.
+    PerPair,
     /// The bytes between each pair of ranks, all tensors together, cut into messages of at
-    /// most `chunk_bytes`, as a batched executor that coalesces per peer pair does.
-    Coalesced { chunk_bytes: u64 },
+    /// most `chunk_bytes`, each paying the startup: a batched executor that does not overlap
+    /// one chunk's startup with the previous chunk's bytes.
+    Chunked { chunk_bytes: u64 },
 }
 
 impl Messages {
     fn count(self, load: Load) -> u64 {
         match self {
             Messages::PerTransfer => load.messages,
-            Messages::Coalesced { chunk_bytes } => load.bytes.div_ceil(chunk_bytes.max(1)),
+            Messages::PerPair => 1,
+            Messages::Chunked { chunk_bytes } => load.bytes.div_ceil(chunk_bytes.max(1)),
         }
     }
 }

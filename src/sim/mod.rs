@@ -42,8 +42,9 @@
 //! the startup of a send that bandwidth cannot hide (a kernel launch, a handshake), paid one
 //! message after another on one port. Local copies cost no latency (one kernel per tensor).
 //! By default every transfer of the plans is one message ([`Messages::PerTransfer`]); an
-//! executor that coalesces each peer pair's transfers across tensors sends
-//! `ceil(pair bytes / chunk)` messages per pair instead ([`Messages::Coalesced`]). The
+//! executor that streams each peer pair's transfers across tensors pays one startup per pair
+//! ([`Messages::PerPair`]), or one per chunk if its chunks do not overlap
+//! ([`Messages::Chunked`]). The
 //! latencies of the presets (5 us NVLink, 10 us network) are assumed, not taken from a spec
 //! sheet: the order of magnitude of NCCL's point-to-point times for small messages. On the
 //! published refits of `benches/sim.rs` (one message per transfer) they add 7–13% to

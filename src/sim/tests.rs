@@ -150,15 +150,21 @@ fn many_small_messages_are_latency_bound_unless_coalesced() {
     assert_us!(one_each.reshard.seconds, 4010);
     assert_us!(one_each.reshard.lower_bound_s, 10);
     assert_eq!(one_each.reshard.pairs, 1);
-    let coalesced = SimOptions {
-        messages: Messages::Coalesced {
+    let chunked = SimOptions {
+        messages: Messages::Chunked {
             chunk_bytes: 64 << 10,
         },
     };
-    let batched = price(&plans, &toy(), &coalesced).unwrap();
+    let batched = price(&plans, &toy(), &chunked).unwrap();
     // 100 kB in two 64 KiB messages
     assert_eq!(batched.reshard.messages, 2);
     assert_us!(batched.reshard.seconds, 18);
+    let streamed = SimOptions {
+        messages: Messages::PerPair,
+    };
+    let streamed = price(&plans, &toy(), &streamed).unwrap();
+    assert_eq!(streamed.reshard.messages, 1);
+    assert_us!(streamed.reshard.seconds, 14);
     // the baseline broadcasts each tensor on its own: 1000 x (4 us + 0.01 us)
     assert_us!(one_each.gather_broadcast.seconds, 4010);
 }
@@ -395,7 +401,7 @@ fn pairs_priced_directly() {
     let coalesced = price_pairs(
         &pairs,
         &toy(),
-        Messages::Coalesced {
+        Messages::Chunked {
             chunk_bytes: 1_000_000,
         },
     )
