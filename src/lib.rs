@@ -7,7 +7,8 @@
 //! - [`plan`]: the transfers between two layouts, computed without communication;
 //! - [`exec`]: runs a plan over a [`transport::Transport`], in bounded chunks;
 //! - [`transport`]: moves chunks (`local`: ranks as threads of one process);
-//! - [`fill`]: deterministic contents for running and verifying reshards.
+//! - [`fill`]: deterministic contents for running and verifying reshards;
+//! - [`sim`]: a cluster cost model that prices plans at scales this machine cannot run.
 //!
 //! ```
 //! use reshard::{DType, Plan, layout::LayoutSpec};
@@ -28,6 +29,7 @@ pub mod layout;
 pub mod model;
 pub mod plan;
 pub mod region;
+pub mod sim;
 pub mod transport;
 
 #[cfg(test)]
