@@ -83,7 +83,7 @@ fn seconds(s: f64) -> String {
 }
 
 /// The modeled times, the busiest port, and the speedup.
-fn describe_pricing(cluster: &Cluster, p: &Pricing) -> String {
+pub(super) fn describe_pricing(cluster: &Cluster, p: &Pricing) -> String {
     let sim = p.simulation();
     let mut out = String::new();
     let _ = writeln!(out);
