@@ -34,7 +34,7 @@ const RUNS: [usize; 8] = [
     256 << 10,
     1 << 20,
 ];
-const SAMPLES: u32 = 20;
+const SAMPLES: u32 = 30;
 
 /// A region and the boxes of the two shards it is copied between (global coordinates).
 struct Case {
