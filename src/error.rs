@@ -88,6 +88,14 @@ pub enum Error {
         reason: String,
     },
 
+    /// A tensor or buffer of a many-tensor reshard (a model refit) that does not fit.
+    #[error("{what} `{name}`: {reason}")]
+    Batch {
+        what: &'static str,
+        name: String,
+        reason: String,
+    },
+
     #[error("{var}={value:?} is invalid: {reason}")]
     Env {
         var: &'static str,
@@ -164,6 +172,10 @@ pub enum Error {
         #[source]
         source: std::io::Error,
     },
+
+    /// A model, parallelism config or layout rule that cannot be refit.
+    #[error(transparent)]
+    Model(Box<crate::model::ModelError>),
 }
 
 /// A layout that cannot exist. Carries no side: [`Error::Layout`] adds it.

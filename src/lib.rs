@@ -19,11 +19,13 @@
 //! assert_eq!(totals.gather_broadcast_bytes, 640); // all-gather, then 4 full copies
 //! ```
 
+pub mod batch;
 pub mod dtype;
 pub mod error;
 pub mod exec;
 pub mod fill;
 pub mod layout;
+pub mod model;
 pub mod plan;
 pub mod region;
 pub mod transport;

@@ -1,0 +1,180 @@
+//! `reshard refit`: a whole model from a training parallelism to an inference parallelism,
+//! planned; what reshard moves against gather+broadcast.
+
+use std::fmt::Write;
+
+use clap::Args;
+use reshard::model::{Inference, Model, Ranks, Refit, RefitJson, RefitTotals, Rules, Training};
+use reshard::{Error, PlanOptions};
+
+use super::Failure;
+use super::units::{bytes, parse_bytes};
+
+#[derive(Args, Debug)]
+#[command(after_help = REFIT_HELP)]
+pub struct RefitArgs {
+    /// An HF config.json, a checkpoint folder (safetensors headers), or a shipped model:
+    /// deepseek-v3, kimi-k2, qwen3-235b-a22b, qwen3-30b-a3b, qwen3-32b, qwen3-0.6b,
+    /// llama-3.1-8b.
+    #[arg(long, value_name = "CONFIG_OR_DIR")]
+    pub model: String,
+    /// Training parallelism (Megatron-LM), e.g. "tp=2,cp=2,dp=4,ep=16,pp=4"; keys tp, cp, ep,
+    /// etp, dp, pp, fsdp[=N], world (to infer dp).
+    #[arg(long, value_name = "PAR")]
+    pub train: String,
+    /// Inference parallelism (vLLM), e.g. "tp=8,dp=8"; keys tp, dp, pp, ep, world.
+    #[arg(long, value_name = "PAR")]
+    pub infer: String,
+    /// Inference ranks are the training ranks (numbered from 0) instead of the ranks after
+    /// them.
+    #[arg(long)]
+    pub colocated: bool,
+    /// Lay out parameters matching GLOB as KIND (replicate, column, row, kv-column,
+    /// expert-column, expert-row), before the default rules; `train:` or `infer:` limits it to
+    /// one side. Repeatable.
+    #[arg(long = "override", value_name = "[train:|infer:]GLOB=KIND")]
+    pub overrides: Vec<String>,
+    /// Split a piece among the source replicas that hold it only into parts of at least this
+    /// size (0 splits every piece).
+    #[arg(long, value_name = "BYTES", default_value = "64KiB")]
+    pub min_split_bytes: String,
+    /// Print the refit JSON of the design notes.
+    #[arg(long)]
+    pub json: bool,
+    #[command(flatten)]
+    pub execute: super::refit_run::RefitRunArgs,
+}
+
+const REFIT_HELP: &str = "\
+Layout rules (README, section \"Whole-model refit\"): column-parallel weights Shard(0),
+row-parallel Shard(1), vocab-parallel embedding and lm_head, norms/router/biases replicated,
+experts stacked [E, out, in] and split by EP on dim 0 (and by expert TP inside), CP as
+replication, PP by layer blocks, FSDP as an extra Shard(0) axis.
+
+Example: reshard refit --model deepseek-v3 --train ep=16,pp=16,dp=16 --infer tp=32,dp=8";
+
+impl RefitArgs {
+    /// The model and its refit, everything parsed and checked before any planning.
+    pub fn refit(&self) -> Result<(Model, Refit, PlanOptions), Error> {
+        let options = PlanOptions {
+            min_split_bytes: parse_bytes("--min-split-bytes", &self.min_split_bytes)?,
+        };
+        let train = Training::parse(&self.train)?;
+        let infer = Inference::parse(&self.infer)?;
+        let rules = self
+            .overrides
+            .iter()
+            .try_fold(Rules::default(), |rules, o| rules.with_override_text(o))?;
+        let model = Model::load(&self.model)?;
+        let ranks = if self.colocated {
+            Ranks::Colocated
+        } else {
+            Ranks::Disjoint
+        };
+        let refit = Refit::new(&model, &train, &infer, &rules, ranks)?;
+        Ok((model, refit, options))
+    }
+}
+
+pub fn main(args: &RefitArgs) -> Result<(), Failure> {
+    let (_, refit, options) = args.refit()?;
+    let totals = refit.summary(&options).map_err(Error::from)?;
+    // with --run every process runs its rank, and rank 0 reports
+    let run = if args.execute.run {
+        match super::refit_run::main(&args.execute, &refit, options)? {
+            Some(run) => Some(run),
+            None => return Ok(()),
+        }
+    } else {
+        None
+    };
+    if args.json {
+        let mut json =
+            serde_json::to_value(RefitJson::of(&refit, &totals)).expect("refit JSON serializes");
+        if let Some(run) = &run {
+            json["run"] = serde_json::to_value(run).expect("run JSON serializes");
+        }
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&json).expect("refit JSON serializes")
+        );
+    } else {
+        print!("{}", describe(args, &refit, &totals));
+        if let Some(run) = &run {
+            print!("{}", super::refit_run::describe(run));
+        }
+    }
+    Ok(())
+}
+
+fn ratio(a: u64, b: u64) -> String {
+    if b == 0 {
+        "-".into()
+    } else {
+        format!("{:.1}x", a as f64 / b as f64)
+    }
+}
+
+/// The text report.
+pub fn describe(args: &RefitArgs, refit: &Refit, t: &RefitTotals) -> String {
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "model              {}: {} tensors, {:.2}B parameters, {} of weights",
+        refit.model,
+        t.tensors,
+        t.params as f64 / 1e9,
+        bytes(t.weight_bytes)
+    );
+    let _ = writeln!(
+        out,
+        "training           {} -> {} ranks (0..{})",
+        args.train, refit.train_ranks, refit.train_ranks
+    );
+    let _ = writeln!(
+        out,
+        "inference          {} -> {} ranks ({}..{}{})",
+        args.infer,
+        refit.infer_ranks,
+        refit.infer_base,
+        refit.infer_base + refit.infer_ranks,
+        if args.colocated { ", colocated" } else { "" }
+    );
+    let _ = writeln!(
+        out,
+        "fused buffers      {} in training, {} in inference",
+        refit.src_fused.len(),
+        refit.dst_fused.len()
+    );
+    let _ = writeln!(out);
+    let _ = writeln!(
+        out,
+        "reshard            {} between ranks in {} messages, {} copied locally",
+        bytes(t.bytes_remote),
+        t.messages,
+        bytes(t.bytes_local)
+    );
+    let _ = writeln!(
+        out,
+        "busiest rank       sends {}, receives {}",
+        bytes(t.max_rank_send_bytes),
+        bytes(t.max_rank_recv_bytes)
+    );
+    let _ = writeln!(
+        out,
+        "gather+broadcast   {} ({} what reshard moves)",
+        bytes(t.gather_broadcast_bytes),
+        ratio(t.gather_broadcast_bytes, t.bytes_remote)
+    );
+    let _ = writeln!(
+        out,
+        "logical payload    {} (2x the weights, as NVIDIA counts gather+broadcast)",
+        bytes(t.logical_payload_bytes)
+    );
+    let _ = writeln!(
+        out,
+        "plan               {:.3} s for all ranks",
+        t.plan_seconds
+    );
+    out
+}

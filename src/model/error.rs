@@ -1,0 +1,86 @@
+//! What can go wrong between a model description and a refit plan. Every variant names the
+//! field (a config key, a parallelism key, a tensor) and the value that caused it.
+
+use thiserror::Error;
+
+use crate::error::{Error, LayoutError};
+
+/// An error of the `model` module.
+#[derive(Debug, Error)]
+pub enum ModelError {
+    #[error("{path}: {source}")]
+    Io {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+
+    #[error("{path}: not a valid model config: {source}")]
+    ConfigJson {
+        path: String,
+        #[source]
+        source: serde_json::Error,
+    },
+
+    #[error(
+        "--model: `{value}` is neither a file, a folder nor a shipped model (known: {})",
+        .known.join(", ")
+    )]
+    UnknownModel { value: String, known: Vec<String> },
+
+    #[error(
+        "{path}: unsupported architecture (model_type `{model_type}`, architectures [{}]); supported: llama, qwen3, qwen3_moe, deepseek_v3 / kimi_k2",
+        .architectures.join(", ")
+    )]
+    UnsupportedArchitecture {
+        path: String,
+        model_type: String,
+        architectures: Vec<String>,
+    },
+
+    #[error("{path}: `{field}` is {value}: {reason}")]
+    InvalidConfig {
+        path: String,
+        field: &'static str,
+        value: String,
+        reason: String,
+    },
+
+    #[error("{path}: {reason}")]
+    Checkpoint { path: String, reason: String },
+
+    #[error("{side}: `{key}={value}`: {reason}")]
+    Parallel {
+        side: &'static str,
+        key: String,
+        value: String,
+        reason: String,
+    },
+
+    #[error("--override: `{value}`: {reason}")]
+    Override { value: String, reason: String },
+
+    #[error("tensor {tensor}: {side} layout: {source}")]
+    Layout {
+        tensor: String,
+        side: &'static str,
+        #[source]
+        source: LayoutError,
+    },
+
+    #[error("tensor {tensor}: {source}")]
+    Plan {
+        tensor: String,
+        #[source]
+        source: Error,
+    },
+
+    #[error("fused parameter {name}: {reason}")]
+    Fused { name: String, reason: String },
+}
+
+impl From<ModelError> for Error {
+    fn from(e: ModelError) -> Error {
+        Error::Model(Box::new(e))
+    }
+}

@@ -1,0 +1,377 @@
+//! A whole-model refit: every parameter with its training and inference layouts, the fused
+//! buffers of both sides, and its plan and totals.
+
+use std::time::Instant;
+
+use rayon::prelude::*;
+use serde::Serialize;
+
+use crate::layout::{Layout, Rank};
+use crate::plan::{self, Plan, PlanOptions, RankPlan};
+
+use super::error::ModelError;
+use super::fused::{Fused, megatron_fused, vllm_fused};
+use super::parallel::{Inference, Training};
+use super::params::Model;
+use super::rules::{ModelFacts, Rules, Which, infer_layout, train_layout};
+
+/// One parameter of a refit: where it is now and where it must go.
+#[derive(Clone, Debug)]
+pub struct RefitTensor {
+    pub name: String,
+    pub src: Layout,
+    pub dst: Layout,
+}
+
+/// Where the inference ranks sit relative to the training ranks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Ranks {
+    /// Inference ranks follow the training ranks (separate GPUs), as in the layout spec.
+    #[default]
+    Disjoint,
+    /// Both sides number their ranks from 0 (the same GPUs, time-shared).
+    Colocated,
+}
+
+/// Every tensor of a model with its two layouts, and the fused buffers of each side.
+#[derive(Clone, Debug)]
+pub struct Refit {
+    pub model: String,
+    pub tensors: Vec<RefitTensor>,
+    /// Megatron-LM's fused buffers (indices into `tensors`).
+    pub src_fused: Vec<Fused>,
+    /// vLLM's fused buffers (indices into `tensors`).
+    pub dst_fused: Vec<Fused>,
+    pub train_ranks: usize,
+    pub infer_ranks: usize,
+    /// The first inference rank.
+    pub infer_base: Rank,
+}
+
+impl Refit {
+    /// Lays out every parameter of `model` on both sides and checks the fused buffers.
+    ///
+    /// ```
+    /// use reshard::model::{Inference, Model, Ranks, Refit, Rules, Training};
+    /// let model = Model::load("qwen3-0.6b").unwrap();
+    /// let refit = Refit::new(&model, &Training::parse("tp=2,pp=2").unwrap(),
+    ///     &Inference::parse("tp=4").unwrap(), &Rules::default(), Ranks::Disjoint).unwrap();
+    /// assert_eq!((refit.train_ranks, refit.infer_ranks, refit.infer_base), (4, 4, 4));
+    /// let totals = refit.summary(&Default::default()).unwrap();
+    /// assert_eq!(totals.logical_payload_bytes, 2 * model.weight_bytes());
+    /// ```
+    pub fn new(
+        model: &Model,
+        train: &Training,
+        infer: &Inference,
+        rules: &Rules,
+        ranks: Ranks,
+    ) -> Result<Refit, ModelError> {
+        if let Some(heads) = model.heads {
+            for (side, tp) in [("--train", train.tp), ("--infer", infer.tp)] {
+                if !heads.attention.is_multiple_of(tp as u64) {
+                    return Err(ModelError::Parallel {
+                        side,
+                        key: "tp".into(),
+                        value: tp.to_string(),
+                        reason: format!(
+                            "does not divide the model's {} attention heads",
+                            heads.attention
+                        ),
+                    });
+                }
+            }
+        }
+        let facts = ModelFacts {
+            num_layers: model.num_layers,
+            heads: model.heads,
+            tied_embeddings: !model.params.iter().any(|p| p.name == "lm_head.weight"),
+        };
+        let infer_base = match ranks {
+            Ranks::Disjoint => train.world(),
+            Ranks::Colocated => 0,
+        };
+        let tensors = model
+            .params
+            .par_iter()
+            .map(|p| {
+                let src = train_layout(p, rules.kind(&p.name, Which::Train), train, &facts)?;
+                let dst = infer_layout(
+                    p,
+                    rules.kind(&p.name, Which::Infer),
+                    infer,
+                    &facts,
+                    infer_base,
+                )?;
+                Ok(RefitTensor {
+                    name: p.name.clone(),
+                    src,
+                    dst,
+                })
+            })
+            .collect::<Result<Vec<_>, ModelError>>()?;
+        let names: Vec<&str> = tensors.iter().map(|t| t.name.as_str()).collect();
+        let refit = Refit {
+            model: model.name.clone(),
+            src_fused: megatron_fused(&names),
+            dst_fused: vllm_fused(&names),
+            tensors,
+            train_ranks: train.world(),
+            infer_ranks: infer.world(),
+            infer_base,
+        };
+        refit.validate_fused()?;
+        Ok(refit)
+    }
+
+    /// Checks every fused buffer of both sides ([`Fused::validate`]).
+    pub fn validate_fused(&self) -> Result<(), ModelError> {
+        for f in &self.src_fused {
+            f.validate(&self.member_layouts(f, |t| &t.src))?;
+        }
+        for f in &self.dst_fused {
+            f.validate(&self.member_layouts(f, |t| &t.dst))?;
+        }
+        Ok(())
+    }
+
+    /// The layouts of `fused`'s members on one side (`side` picks it from a tensor).
+    pub fn member_layouts<'a>(
+        &'a self,
+        fused: &Fused,
+        side: impl Fn(&'a RefitTensor) -> &'a Layout,
+    ) -> Vec<&'a Layout> {
+        fused
+            .members
+            .iter()
+            .map(|&m| side(&self.tensors[m]))
+            .collect()
+    }
+
+    /// Every rank of either side, counted once.
+    pub fn world(&self) -> usize {
+        self.train_ranks.max(self.infer_base + self.infer_ranks)
+    }
+
+    pub fn weight_bytes(&self) -> u64 {
+        self.tensors.iter().map(|t| t.src.total_bytes()).sum()
+    }
+
+    pub fn params(&self) -> u64 {
+        self.tensors
+            .iter()
+            .map(|t| t.src.shape().iter().product::<u64>())
+            .sum()
+    }
+
+    /// The plan of every tensor, in tensor order (planned in parallel).
+    pub fn plans(&self, options: &PlanOptions) -> Result<Vec<Plan>, ModelError> {
+        self.tensors
+            .par_iter()
+            .map(|t| plan_tensor(t, options))
+            .collect()
+    }
+
+    /// Plans every tensor and adds up the totals, keeping no plan (memory stays flat however
+    /// large the model).
+    pub fn summary(&self, options: &PlanOptions) -> Result<RefitTotals, ModelError> {
+        let start = Instant::now();
+        let world = self.world();
+        let sum = self
+            .tensors
+            .par_iter()
+            .try_fold(
+                || Sums::new(world),
+                |mut acc, t| {
+                    acc.add(&plan_tensor(t, options)?);
+                    Ok::<_, ModelError>(acc)
+                },
+            )
+            .try_reduce(|| Sums::new(world), |a, b| Ok(a.merge(b)))?;
+        Ok(self.totals(sum, start.elapsed().as_secs_f64()))
+    }
+
+    /// The totals of plans already made by [`Refit::plans`] (`plan_seconds` as given).
+    pub fn totals_of(&self, plans: &[Plan], plan_seconds: f64) -> RefitTotals {
+        let mut sum = Sums::new(self.world());
+        plans.iter().for_each(|p| sum.add(p));
+        self.totals(sum, plan_seconds)
+    }
+
+    /// `rank`'s part of every tensor's plan, in tensor order, computed from the layouts alone
+    /// ([`plan::rank_plan`]); tensors the rank has no part in give empty plans.
+    pub fn rank_plans(
+        &self,
+        rank: Rank,
+        options: &PlanOptions,
+    ) -> Result<Vec<RankPlan>, ModelError> {
+        self.tensors
+            .iter()
+            .map(|t| {
+                plan::rank_plan(&t.src, &t.dst, rank, options).map_err(|source| ModelError::Plan {
+                    tensor: t.name.clone(),
+                    source,
+                })
+            })
+            .collect()
+    }
+
+    fn totals(&self, sum: Sums, plan_seconds: f64) -> RefitTotals {
+        let weight_bytes = self.weight_bytes();
+        RefitTotals {
+            tensors: self.tensors.len(),
+            params: self.params(),
+            weight_bytes,
+            bytes_remote: sum.bytes_remote,
+            bytes_local: sum.bytes_local,
+            messages: sum.messages,
+            max_rank_send_bytes: sum.sent.iter().copied().max().unwrap_or(0),
+            max_rank_recv_bytes: sum.received.iter().copied().max().unwrap_or(0),
+            gather_broadcast_bytes: sum.gather_broadcast,
+            logical_payload_bytes: 2 * weight_bytes,
+            plan_seconds,
+        }
+    }
+}
+
+fn plan_tensor(t: &RefitTensor, options: &PlanOptions) -> Result<Plan, ModelError> {
+    Plan::with_options(t.src.clone(), t.dst.clone(), *options).map_err(|source| ModelError::Plan {
+        tensor: t.name.clone(),
+        source,
+    })
+}
+
+/// Running sums over tensors; per-rank bytes are summed over tensors before taking the max.
+struct Sums {
+    bytes_remote: u64,
+    bytes_local: u64,
+    messages: u64,
+    gather_broadcast: u64,
+    sent: Vec<u64>,
+    received: Vec<u64>,
+}
+
+impl Sums {
+    fn new(world: usize) -> Sums {
+        Sums {
+            bytes_remote: 0,
+            bytes_local: 0,
+            messages: 0,
+            gather_broadcast: 0,
+            sent: vec![0; world],
+            received: vec![0; world],
+        }
+    }
+
+    fn add(&mut self, plan: &Plan) {
+        let elem = plan.elem_bytes();
+        for t in plan.transfers() {
+            let bytes = t.bytes(elem);
+            if t.is_local() {
+                self.bytes_local += bytes;
+            } else {
+                self.bytes_remote += bytes;
+                self.messages += 1;
+                self.sent[t.src] += bytes;
+                self.received[t.dst] += bytes;
+            }
+        }
+        self.gather_broadcast += plan::gather_broadcast_bytes(plan.src(), plan.dst());
+    }
+
+    fn merge(mut self, other: Sums) -> Sums {
+        self.bytes_remote += other.bytes_remote;
+        self.bytes_local += other.bytes_local;
+        self.messages += other.messages;
+        self.gather_broadcast += other.gather_broadcast;
+        for (a, b) in self.sent.iter_mut().zip(other.sent) {
+            *a += b;
+        }
+        for (a, b) in self.received.iter_mut().zip(other.received) {
+            *a += b;
+        }
+        self
+    }
+}
+
+/// The totals of a whole-model refit.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RefitTotals {
+    pub tensors: usize,
+    pub params: u64,
+    pub weight_bytes: u64,
+    /// Bytes that cross between ranks, over all tensors.
+    pub bytes_remote: u64,
+    /// Bytes copied inside a rank (colocated sides).
+    pub bytes_local: u64,
+    pub messages: u64,
+    /// The most bytes one rank sends, over all tensors together.
+    pub max_rank_send_bytes: u64,
+    /// The most bytes one rank receives, over all tensors together.
+    pub max_rank_recv_bytes: u64,
+    /// What gather+broadcast moves, tensor by tensor ([`plan::gather_broadcast_bytes`]).
+    pub gather_broadcast_bytes: u64,
+    /// 2x the weights: how NVIDIA counts the traffic of gather+broadcast.
+    pub logical_payload_bytes: u64,
+    pub plan_seconds: f64,
+}
+
+/// The `reshard` part of the refit JSON.
+#[derive(Clone, Debug, Serialize)]
+pub struct RefitReshardJson {
+    pub bytes_remote: u64,
+    pub bytes_local: u64,
+    pub messages: u64,
+    pub max_rank_send_bytes: u64,
+    pub max_rank_recv_bytes: u64,
+}
+
+/// The `gather_broadcast` part of the refit JSON.
+#[derive(Clone, Debug, Serialize)]
+pub struct RefitGatherBroadcastJson {
+    pub bytes: u64,
+    pub logical_payload_bytes: u64,
+}
+
+/// The refit JSON of the design notes (`reshard refit --json`). `simulation` is filled by the
+/// cluster cost model when asked for, and left out otherwise.
+#[derive(Clone, Debug, Serialize)]
+pub struct RefitJson {
+    pub model: String,
+    pub tensors: usize,
+    pub params: u64,
+    pub weight_bytes: u64,
+    pub train_ranks: usize,
+    pub infer_ranks: usize,
+    pub plan_seconds: f64,
+    pub reshard: RefitReshardJson,
+    pub gather_broadcast: RefitGatherBroadcastJson,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub simulation: Option<serde_json::Value>,
+}
+
+impl RefitJson {
+    pub fn of(refit: &Refit, totals: &RefitTotals) -> RefitJson {
+        RefitJson {
+            model: refit.model.clone(),
+            tensors: totals.tensors,
+            params: totals.params,
+            weight_bytes: totals.weight_bytes,
+            train_ranks: refit.train_ranks,
+            infer_ranks: refit.infer_ranks,
+            plan_seconds: totals.plan_seconds,
+            reshard: RefitReshardJson {
+                bytes_remote: totals.bytes_remote,
+                bytes_local: totals.bytes_local,
+                messages: totals.messages,
+                max_rank_send_bytes: totals.max_rank_send_bytes,
+                max_rank_recv_bytes: totals.max_rank_recv_bytes,
+            },
+            gather_broadcast: RefitGatherBroadcastJson {
+                bytes: totals.gather_broadcast_bytes,
+                logical_payload_bytes: totals.logical_payload_bytes,
+            },
+            simulation: None,
+        }
+    }
+}
