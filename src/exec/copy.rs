@@ -131,7 +131,9 @@ impl CopyGeometry {
 
     /// Copies bytes `range` of the region's stream from `src` to `dst`. A [`Place::Stream`]
     /// side's buffer holds exactly that range; a [`Place::Within`] side's buffer is the whole
-    /// local shard.
+    /// local shard. A destination of 8 MiB or more (the whole region in a shard, or this
+    /// range in a message) is written around the caches, and the copy returns only once
+    /// those writes are ordered before any later store.
     ///
     /// Panics if a buffer is too small: the executor checks sizes before any copy.
     pub fn copy(&self, src: &[u8], dst: &mut [u8], range: Range<usize>) {
