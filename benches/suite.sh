@@ -8,7 +8,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
-cargo build --release --features mpi --examples --quiet
+cargo build --release --features mpi --bins --examples --quiet
 MPIRUN=(mpirun -n 8 --oversubscribe --bind-to none --mca mpi_yield_when_idle 1)
 R=target/release/reshard
 BYTES=${SUITE_BYTES:-128MiB}
