@@ -7,6 +7,10 @@ use std::hint::black_box;
 use reshard::PlanOptions;
 use reshard::model::{Inference, Model, Ranks, Refit, Rules, Training};
 
+/// The same allocator as the `reshard` binary.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn main() {
     divan::main();
 }
