@@ -2,6 +2,7 @@
 //! planned; what reshard moves against gather+broadcast.
 
 use std::fmt::Write;
+use std::time::Instant;
 
 use clap::Args;
 use reshard::model::{Inference, Model, Ranks, Refit, RefitJson, RefitTotals, Rules, Training};
@@ -63,13 +64,25 @@ impl RefitArgs {
             .overrides
             .iter()
             .try_fold(Rules::default(), |rules, o| rules.with_override_text(o))?;
+        let start = Instant::now();
         let model = Model::load(&self.model)?;
+        tracing::debug!(
+            "model {}: {} tensors in {:.3} s",
+            model.name,
+            model.params.len(),
+            start.elapsed().as_secs_f64()
+        );
         let ranks = if self.colocated {
             Ranks::Colocated
         } else {
             Ranks::Disjoint
         };
+        let start = Instant::now();
         let refit = Refit::new(&model, &train, &infer, &rules, ranks)?;
+        tracing::debug!(
+            "layouts of both sides and fused buffers checked in {:.3} s",
+            start.elapsed().as_secs_f64()
+        );
         Ok((model, refit, options))
     }
 }
