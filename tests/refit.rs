@@ -303,3 +303,97 @@ fn cli_errors_name_the_field_and_value() {
         assert!(err.starts_with(message), "{args:?}: {err}");
     }
 }
+
+/// Writes a safetensors file (zero data) holding `tensors`.
+fn write_safetensors(path: &std::path::Path, tensors: &[(String, Vec<u64>)]) {
+    let mut header = serde_json::Map::new();
+    let mut at = 0u64;
+    for (name, shape) in tensors {
+        let bytes = 2 * shape.iter().product::<u64>();
+        header.insert(
+            name.clone(),
+            serde_json::json!({"dtype": "BF16", "shape": shape, "data_offsets": [at, at + bytes]}),
+        );
+        at += bytes;
+    }
+    let text = serde_json::to_vec(&header).unwrap();
+    let mut out = (text.len() as u64).to_le_bytes().to_vec();
+    out.extend_from_slice(&text);
+    out.resize(out.len() + at as usize, 0);
+    std::fs::write(path, out).unwrap();
+}
+
+/// A checkpoint folder (per-expert tensors over two files, an index, a config) gives the same
+/// tensors as the config alone, and the same refit.
+#[test]
+fn cli_reads_a_checkpoint_folder() {
+    let dir = std::env::temp_dir().join(format!("reshard-refit-ckpt-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let config = r#"{"architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 64,
+        "hidden_size": 16, "intermediate_size": 32, "moe_intermediate_size": 8,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 4, "num_experts": 4, "tie_word_embeddings": false,
+        "torch_dtype": "bfloat16"}"#;
+    std::fs::write(dir.join("config.json"), config).unwrap();
+    let from_config = Model::load(dir.join("config.json").to_str().unwrap()).unwrap();
+    // the checkpoint's own naming: one tensor per expert
+    let mut tensors: Vec<(String, Vec<u64>)> = Vec::new();
+    for p in &from_config.params {
+        match p.name.split_once(".experts.") {
+            Some((head, tail)) => {
+                for e in 0..p.shape[0] {
+                    tensors.push((format!("{head}.experts.{e}.{tail}"), p.shape[1..].to_vec()));
+                }
+            }
+            None => tensors.push((p.name.clone(), p.shape.clone())),
+        }
+    }
+    let (a, b) = tensors.split_at(tensors.len() / 2);
+    write_safetensors(&dir.join("model-00001-of-00002.safetensors"), a);
+    write_safetensors(&dir.join("model-00002-of-00002.safetensors"), b);
+    let weight_map: serde_json::Map<String, Value> = a
+        .iter()
+        .map(|(n, _)| (n.clone(), Value::from("model-00001-of-00002.safetensors")))
+        .chain(
+            b.iter()
+                .map(|(n, _)| (n.clone(), Value::from("model-00002-of-00002.safetensors"))),
+        )
+        .collect();
+    let index = serde_json::json!({"metadata": {}, "weight_map": weight_map});
+    std::fs::write(dir.join("model.safetensors.index.json"), index.to_string()).unwrap();
+
+    let from_checkpoint = Model::load(dir.to_str().unwrap()).unwrap();
+    let mut x: Vec<_> = from_checkpoint.params.clone();
+    let mut y: Vec<_> = from_config.params.clone();
+    x.sort_by(|p, q| p.name.cmp(&q.name));
+    y.sort_by(|p, q| p.name.cmp(&q.name));
+    assert_eq!(x, y);
+    assert_eq!(from_checkpoint.heads, from_config.heads);
+
+    let json = |model: &str| -> Value {
+        let out = reshard(&[
+            "refit",
+            "--model",
+            model,
+            "--train",
+            "tp=2,ep=2,pp=2",
+            "--infer",
+            "tp=2,dp=2",
+            "--json",
+        ]);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let mut v: Value = serde_json::from_slice(&out.stdout).unwrap();
+        v["plan_seconds"] = Value::Null;
+        v["model"] = Value::Null;
+        v
+    };
+    assert_eq!(
+        json(dir.to_str().unwrap()),
+        json(dir.join("config.json").to_str().unwrap())
+    );
+}
