@@ -232,6 +232,30 @@ fn cli_text_report() {
 }
 
 #[test]
+fn cli_lists_layouts_and_rules() {
+    let out = reshard(&[
+        "refit",
+        "--model",
+        "qwen3-235b-a22b",
+        "--train",
+        "tp=2,ep=4,dp=2",
+        "--infer",
+        "tp=8",
+        "--layouts",
+    ]);
+    assert!(out.status.success());
+    let text = String::from_utf8_lossy(&out.stdout);
+    for line in [
+        "model.layers.0.self_attn.k_proj.weight  512x4096 bf16\n  train  kv-column     mesh=2x2 ranks=0..4 place=R,S(0)  (rule `*.self_attn.k_proj.*`)\n  infer  kv-column     mesh=4x2 ranks=4..12 place=S(0),R  (rule `*.self_attn.k_proj.*`)",
+        "model.layers.93.mlp.experts.down_proj.weight  128x4096x1536 bf16\n  train  expert-row    mesh=4 ranks=0..4 place=S(0)",
+        "fused (infer) model.layers.0.self_attn.qkv_proj.weight = concat(dim 0: model.layers.0.self_attn.q_proj.weight, model.layers.0.self_attn.k_proj.weight, model.layers.0.self_attn.v_proj.weight)",
+        "fused (infer) model.layers.5.mlp.experts.w13_weight = concat(dim 1: ",
+    ] {
+        assert!(text.contains(line), "missing `{line}`");
+    }
+}
+
+#[test]
 fn cli_errors_name_the_field_and_value() {
     let cases: [(&[&str], &str); 6] = [
         (

@@ -348,10 +348,23 @@ impl Axis {
     }
 }
 
-/// The layout over `axes` (mesh order = nesting order), ranks `base + sum(coord x stride)`.
-/// Size-1 axes are dropped; a single rank gets a one-axis replicated mesh.
+/// The layout over `axes` (for axes sharding the same dim, list order = nesting order), ranks
+/// `base + sum(coord x stride)`. Size-1 axes are dropped; a single rank gets a one-axis
+/// replicated mesh.
 fn build(param: &Param, base: Rank, axes: &[Axis], which: Which) -> Result<Layout, ModelError> {
-    let axes: Vec<Axis> = axes.iter().copied().filter(|a| a.size > 1).collect();
+    let mut axes: Vec<Axis> = axes.iter().copied().filter(|a| a.size > 1).collect();
+    // Slowest axes first, so that ranks read in row-major order where possible (`ranks=0..8`),
+    // but never swapping two axes that shard the same dim: their order is the nesting order.
+    for end in (1..axes.len()).rev() {
+        for i in 0..end {
+            let (a, b) = (axes[i], axes[i + 1]);
+            let same_dim =
+                matches!((a.place, b.place), (Placement::Shard(x), Placement::Shard(y)) if x == y);
+            if a.stride < b.stride && !same_dim {
+                axes.swap(i, i + 1);
+            }
+        }
+    }
     let axes = if axes.is_empty() {
         vec![Axis::new(1, 1, Placement::Replicate)]
     } else {
