@@ -435,16 +435,11 @@ fn tp_axes(
 
 fn expert_dim(param: &Param, kind: Kind, which: Which) -> Result<usize, ModelError> {
     if param.shape.len() != 3 {
-        return Err(ModelError::Layout {
+        return Err(ModelError::KindShape {
             tensor: param.name.clone(),
             side: which.flag(),
-            source: crate::error::LayoutError::MalformedSpec {
-                spec: kind.to_string(),
-                reason: format!(
-                    "expert kinds need a stacked [E, out, in] tensor, this one is {}-D",
-                    param.shape.len()
-                ),
-            },
+            kind: kind.name(),
+            ndim: param.shape.len(),
         });
     }
     Ok(if kind == Kind::ExpertColumn { 1 } else { 2 })
@@ -784,10 +779,9 @@ mod tests {
         // an expert kind on a 2-D tensor is an error naming it
         let err =
             infer_layout(&p("x.weight", &[4, 4]), Kind::ExpertRow, &i, &FACTS, 0).unwrap_err();
-        assert!(
-            err.to_string()
-                .starts_with("tensor x.weight: --infer layout"),
-            "{err}"
+        assert_eq!(
+            err.to_string(),
+            "tensor x.weight: --infer: kind expert-row needs a stacked [E, out, in] tensor, this one is 2-D"
         );
     }
 
