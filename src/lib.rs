@@ -7,7 +7,9 @@
 //! - [`plan`]: the transfers between two layouts, computed without communication;
 //! - [`exec`]: runs a plan over a [`transport::Transport`], in bounded chunks;
 //! - [`transport`]: moves chunks (`local`: ranks as threads of one process);
-//! - [`fill`]: deterministic contents for running and verifying reshards.
+//! - [`fill`]: deterministic contents for running and verifying reshards;
+//! - [`model`]: whole models (HF configs, checkpoint headers), training and inference
+//!   parallelism, the per-parameter layout rules, and the plan of a whole-model refit.
 //!
 //! ```
 //! use reshard::{DType, Plan, layout::LayoutSpec};
