@@ -88,6 +88,14 @@ pub enum Error {
         reason: String,
     },
 
+    /// A tensor or buffer of a many-tensor reshard (a model refit) that does not fit.
+    #[error("{what} `{name}`: {reason}")]
+    Batch {
+        what: &'static str,
+        name: String,
+        reason: String,
+    },
+
     #[error("{var}={value:?} is invalid: {reason}")]
     Env {
         var: &'static str,

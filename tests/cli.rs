@@ -398,3 +398,117 @@ fn bad_input_names_the_field_and_the_value() {
         stderr(&out)
     );
 }
+
+#[test]
+fn bench_reports_both_methods_verified() {
+    let out = reshard(
+        &[
+            &["bench"][..],
+            &SEED,
+            &["--transport", "local", "--iters", "3", "--json"],
+        ]
+        .concat(),
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    let j: Value = serde_json::from_str(&stdout(&out)).unwrap();
+    assert_eq!(j["shape"], serde_json::json!([8, 8]));
+    assert_eq!(j["transport"], "local");
+    assert_eq!(j["iters"], 3);
+    assert_eq!(j["verified"], true);
+    assert_eq!(j["dst_bytes"], 128);
+    assert_eq!(j["reshard"]["wire_bytes"], 128);
+    // the all-gather moves one row shard each way, then four full copies
+    assert_eq!(j["gather_broadcast"]["wire_bytes"], 640);
+    assert_eq!(j["byte_ratio"], 5.0);
+    for method in ["reshard", "gather_broadcast"] {
+        let m = &j[method];
+        let (lo, mid, hi) = (
+            m["min_s"].as_f64().unwrap(),
+            m["median_s"].as_f64().unwrap(),
+            m["max_s"].as_f64().unwrap(),
+        );
+        assert!(0.0 < lo && lo <= mid && mid <= hi, "{m}");
+        let gbps = m["gbps"].as_f64().unwrap();
+        assert!(
+            (gbps - 128.0 / mid / 1e9).abs() <= 1e-9 * gbps.max(1.0),
+            "{m}"
+        );
+    }
+    // the baseline holds the whole tensor on every rank that gathers or receives it
+    assert_eq!(j["gather_broadcast"]["peak_extra_bytes_per_rank"], 128);
+    let speedup = j["speedup"].as_f64().unwrap();
+    let ratio = j["gather_broadcast"]["median_s"].as_f64().unwrap()
+        / j["reshard"]["median_s"].as_f64().unwrap();
+    assert!(
+        (speedup - ratio).abs() < 1e-9 * ratio,
+        "{speedup} vs {ratio}"
+    );
+}
+
+#[test]
+fn bench_suite_covers_the_refit_layouts() {
+    let out = reshard(&[
+        "bench",
+        "--suite",
+        "refit",
+        "--suite-bytes",
+        "64KiB",
+        "--iters",
+        "1",
+        "--warmup",
+        "0",
+        "--json",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let j: Value = serde_json::from_str(&stdout(&out)).unwrap();
+    assert_eq!(j["suite"], "refit");
+    let cases = j["cases"].as_array().unwrap();
+    assert_eq!(cases.len(), 9);
+    for c in cases {
+        assert_eq!(c["verified"], true, "{c}");
+        let ratio = c["byte_ratio"].as_f64().unwrap();
+        let wire = |m: &str| c[m]["wire_bytes"].as_f64().unwrap();
+        assert_eq!(ratio, wire("gather_broadcast") / wire("reshard"), "{c}");
+    }
+    let by_name = |n: &str| cases.iter().find(|c| c["name"] == n).unwrap();
+    assert_eq!(by_name("tp4-s0-to-tp4-s1")["byte_ratio"], 7.0);
+    assert_eq!(by_name("replicated-2-to-4")["byte_ratio"], 1.0);
+    // text output names every case
+    let out = reshard(&[
+        "bench",
+        "--suite",
+        "refit",
+        "--suite-bytes",
+        "16KiB",
+        "--iters",
+        "1",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    for c in cases {
+        assert!(stdout(&out).contains(c["name"].as_str().unwrap()));
+    }
+}
+
+#[test]
+fn bench_rejects_bad_input_by_name() {
+    let cases: [(&[&str], &str); 4] = [
+        (&["bench", "--suite", "refit", "--shape", "8,8"], "--shape"),
+        (
+            &["bench", "--shape", "8,8", "--src", "mesh=2 place=S(0)"],
+            "--dst",
+        ),
+        (
+            &["bench", "--suite", "refit", "--suite-bytes", "lots"],
+            "--suite-bytes",
+        ),
+        (
+            &[&["bench"][..], &SEED, &["--iters", "0"]].concat(),
+            "--iters",
+        ),
+    ];
+    for (args, field) in cases {
+        let out = reshard(args);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {}", stderr(&out));
+        assert!(stderr(&out).contains(field), "{args:?}: {}", stderr(&out));
+    }
+}

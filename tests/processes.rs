@@ -301,3 +301,91 @@ fn ranks_agree_on_the_outcome() {
         );
     }
 }
+
+/// `bench` under `launch`: both methods on every transport, every case verified, the report
+/// from rank 0 alone.
+#[test]
+fn bench_suite_runs_over_processes() {
+    for transport in ["tcp", "shm"] {
+        let child = Command::new(EXE)
+            .args(["launch", "--nproc", "8", "--", "bench", "--suite", "refit"])
+            .args(["--suite-bytes", "256KiB", "--iters", "2", "--json"])
+            .args(["--transport", transport, "--timeout", "30"])
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let out = wait_bounded(child, Duration::from_secs(120), "bench under launch");
+        assert!(out.status.success(), "{transport}: {}", text(&out.stderr));
+        let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(j["transport"], transport);
+        let cases = j["cases"].as_array().unwrap();
+        assert_eq!(cases.len(), 9);
+        for c in cases {
+            assert_eq!(c["verified"], true, "{c}");
+            assert_eq!(c["iters"], 2);
+        }
+        let tp = cases
+            .iter()
+            .find(|c| c["name"] == "tp4-s0-to-tp4-s1")
+            .unwrap();
+        assert_eq!(tp["byte_ratio"], 7.0, "{tp}");
+    }
+}
+
+/// A small Qwen3-shaped model (real structure, small sizes), refit for real over processes:
+/// training TP2 x PP2 to inference TP4 and to TP2 x DP2 (fused qkv_proj and gate_up_proj),
+/// every destination byte verified for both methods.
+#[test]
+fn refit_runs_over_processes() {
+    let dir = common::temp_dir("refit");
+    std::fs::create_dir_all(&dir).unwrap();
+    let config = dir.join("config.json");
+    std::fs::write(
+        &config,
+        r#"{"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 1000,
+            "hidden_size": 64, "intermediate_size": 192, "num_hidden_layers": 4,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+            "tie_word_embeddings": false, "torch_dtype": "bfloat16"}"#,
+    )
+    .unwrap();
+    for (transport, infer, pack_below) in [
+        ("tcp", "tp=4", "64KiB"),
+        ("shm", "tp=2,dp=2", "0"),
+        ("shm", "tp=4", "1MiB"),
+    ] {
+        let child = Command::new(EXE)
+            .args(["launch", "--nproc", "8", "--", "refit", "--model"])
+            .arg(&config)
+            .args(["--train", "tp=2,pp=2", "--infer", infer, "--run", "--json"])
+            .args(["--transport", transport, "--iters", "1", "--timeout", "30"])
+            .args(["--pack-below", pack_below])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let out = wait_bounded(child, Duration::from_secs(120), "refit under launch");
+        assert!(
+            out.status.success(),
+            "{transport} {infer}: {}",
+            text(&out.stderr)
+        );
+        let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let run = &j["run"];
+        assert_eq!(run["verified"], true, "{run}");
+        assert_eq!(run["transport"], transport);
+        // every destination byte, once: what the plan moves (the sides share no rank)
+        let planned = &j["reshard"];
+        assert_eq!(
+            run["dst_bytes"].as_u64().unwrap(),
+            planned["bytes_remote"].as_u64().unwrap() + planned["bytes_local"].as_u64().unwrap()
+        );
+        if pack_below == "0" {
+            assert_eq!(run["reshard"]["wire_bytes"], planned["bytes_remote"], "{j}");
+        }
+        assert_eq!(
+            run["gather_broadcast"]["wire_bytes"], j["gather_broadcast"]["bytes"],
+            "{j}"
+        );
+    }
+}

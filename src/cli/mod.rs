@@ -1,10 +1,13 @@
 //! Command-line interface: argument parsing and output only; the work is the library's.
 
+mod bench;
 mod demo;
 mod launch;
 mod picture;
 mod plan;
+mod processes;
 mod refit;
+mod refit_run;
 mod run;
 mod units;
 
@@ -44,6 +47,8 @@ enum Command {
     Plan(plan::PlanArgs),
     /// Execute a reshard on filled buffers, optionally verify and dump the result.
     Run(run::RunArgs),
+    /// Reshard against gather+broadcast on the same transport and data, both verified.
+    Bench(bench::BenchArgs),
     /// The seed example, planned, drawn, executed, verified and compared to gather+broadcast.
     Demo,
     /// Start N local processes with the rendezvous environment (RANK, WORLD_SIZE,
@@ -141,6 +146,7 @@ pub fn main() -> ExitCode {
     let result = match cli.command {
         Command::Plan(args) => plan::main(&args).map(|()| ExitCode::SUCCESS),
         Command::Run(args) => run::main(&args).map(|()| ExitCode::SUCCESS),
+        Command::Bench(args) => bench::main(&args).map(|()| ExitCode::SUCCESS),
         Command::Demo => demo::main().map(|()| ExitCode::SUCCESS),
         Command::Launch(args) => launch::main(&args),
         Command::Refit(args) => refit::main(&args).map(|()| ExitCode::SUCCESS),

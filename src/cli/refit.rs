@@ -48,6 +48,8 @@ pub struct RefitArgs {
     /// chose the kind), and the fused buffers.
     #[arg(long, conflicts_with = "json")]
     pub layouts: bool,
+    #[command(flatten)]
+    pub execute: super::refit_run::RefitRunArgs,
 }
 
 const REFIT_HELP: &str = "\
@@ -59,7 +61,7 @@ replication, PP by layer blocks, FSDP as an extra Shard(0) axis.
 Example: reshard refit --model deepseek-v3 --train ep=16,pp=16,dp=16 --infer tp=32,dp=8";
 
 impl RefitArgs {
-    /// The model and its refit, everything parsed and checked before any planning.
+    /// The default rules with the `--override`s before them.
     pub fn rules(&self) -> Result<Rules, Error> {
         Ok(self
             .overrides
@@ -67,6 +69,7 @@ impl RefitArgs {
             .try_fold(Rules::default(), |rules, o| rules.with_override_text(o))?)
     }
 
+    /// The model and its refit, everything parsed and checked before any planning.
     pub fn refit(&self) -> Result<(Model, Refit, PlanOptions), Error> {
         let options = PlanOptions {
             min_split_bytes: parse_bytes("--min-split-bytes", &self.min_split_bytes)?,
@@ -100,8 +103,21 @@ impl RefitArgs {
 pub fn main(args: &RefitArgs) -> Result<(), Failure> {
     let (_, refit, options) = args.refit()?;
     let totals = refit.summary(&options).map_err(Error::from)?;
+    // with --run every process runs its rank, and rank 0 reports
+    let run = if args.execute.run {
+        match super::refit_run::main(&args.execute, &refit, options)? {
+            Some(run) => Some(run),
+            None => return Ok(()),
+        }
+    } else {
+        None
+    };
     if args.json {
-        let json = RefitJson::of(&refit, &totals);
+        let mut json =
+            serde_json::to_value(RefitJson::of(&refit, &totals)).expect("refit JSON serializes");
+        if let Some(run) = &run {
+            json["run"] = serde_json::to_value(run).expect("run JSON serializes");
+        }
         println!(
             "{}",
             serde_json::to_string_pretty(&json).expect("refit JSON serializes")
@@ -111,6 +127,9 @@ pub fn main(args: &RefitArgs) -> Result<(), Failure> {
             print!("{}", list_layouts(&refit, &args.rules()?));
         }
         print!("{}", describe(args, &refit, &totals));
+        if let Some(run) = &run {
+            print!("{}", super::refit_run::describe(run));
+        }
     }
     Ok(())
 }

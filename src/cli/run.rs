@@ -1,63 +1,29 @@
 //! `reshard run`: execute a reshard on filled buffers; verify and dump the result.
 
 use std::path::{Path, PathBuf};
-use std::time::Duration;
-
-use clap::{Args, ValueEnum};
-
 use std::time::Instant;
+
+use clap::Args;
+use serde::Serialize;
 
 use reshard::exec::{self, ExecOptions, RankJob};
 use reshard::fill::Fill;
+use reshard::transport::Job;
 use reshard::transport::group::{Group, GroupEnv};
 use reshard::transport::segment::SharedBuffer;
-use reshard::transport::shm::ShmTransport;
-use reshard::transport::tcp::TcpTransport;
-use reshard::transport::{Job, Transport};
-use reshard::{Error, Plan, Rank};
-use reshard::{RankPlan, Region};
-use serde::Serialize;
+use reshard::{Error, Plan, Rank, RankPlan};
 
-use super::units::{bytes, parse_bytes};
+use super::processes::{
+    AnyTransport, Destination, ExecArgs, Links, TransportKind, check_memory, check_world, connect,
+    not_in_a_job, under_mpirun,
+};
+use super::units::bytes;
 use super::{Failure, TensorArgs};
-
-/// Which transport moves the bytes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum TransportKind {
-    /// Every rank a thread of this process; receivers copy straight from the senders' shards.
-    Local,
-    /// Processes and hosts over TCP (under `reshard launch`, `mpirun`, or hand-set RANK,
-    /// WORLD_SIZE, MASTER_ADDR, MASTER_PORT).
-    Tcp,
-    /// Processes on one host: receivers copy straight from the senders' memory
-    /// (cross-memory attach), control over TCP.
-    Shm,
-    /// The site's MPI, under mpirun (build with `--features mpi`).
-    Mpi,
-    /// The best transport for where the ranks are: local in one process; between processes,
-    /// shm for peers on the same host and tcp for the others; mpi under mpirun when built
-    /// with MPI and no MASTER_PORT is set.
-    Auto,
-}
-
-impl TransportKind {
-    fn name(self) -> &'static str {
-        match self {
-            TransportKind::Local => "local",
-            TransportKind::Tcp => "tcp",
-            TransportKind::Shm => "shm",
-            TransportKind::Mpi => "mpi",
-            TransportKind::Auto => "auto",
-        }
-    }
-}
 
 #[derive(Args, Debug)]
 pub struct RunArgs {
     #[command(flatten)]
     tensor: TensorArgs,
-    #[arg(long, value_enum, default_value = "auto")]
-    transport: TransportKind,
     /// Contents of the global tensor: index (element i holds i mod 2^bits), hash or hash:SEED.
     #[arg(long, default_value = "index")]
     fill: String,
@@ -67,20 +33,8 @@ pub struct RunArgs {
     /// Check every destination byte against the fill; exit non-zero on any mismatch.
     #[arg(long)]
     verify: bool,
-    /// Largest chunk a transfer is cut into.
-    #[arg(long, value_name = "BYTES", default_value = "4MiB")]
-    chunk_bytes: String,
-    /// Bound on the staging memory of one rank.
-    #[arg(long, value_name = "BYTES", default_value = "64MiB")]
-    staging_bytes: String,
-    /// Seconds a rank waits for a peer before failing.
-    #[arg(
-        long,
-        value_name = "SECONDS",
-        default_value_t = 60.0,
-        allow_hyphen_values = true
-    )]
-    timeout: f64,
+    #[command(flatten)]
+    exec: ExecArgs,
     /// Timed repetitions of the data phase (the report gives their median, min and max).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
     iters: u32,
@@ -111,35 +65,15 @@ struct RunJson {
     verified: bool,
 }
 
-impl RunArgs {
-    fn options(&self) -> Result<ExecOptions, Error> {
-        let chunk = parse_bytes("--chunk-bytes", &self.chunk_bytes)?;
-        let staging = parse_bytes("--staging-bytes", &self.staging_bytes)?;
-        if !(self.timeout.is_finite() && self.timeout >= 1e-3 && self.timeout < 1e9) {
-            return Err(Error::InvalidOption {
-                field: "--timeout",
-                value: self.timeout.to_string(),
-                reason: "expected a number of seconds between 0.001 and 1e9".into(),
-            });
-        }
-        let options = ExecOptions {
-            chunk_bytes: usize::try_from(chunk).unwrap_or(usize::MAX),
-            staging_bytes: usize::try_from(staging).unwrap_or(usize::MAX),
-            timeout: Duration::from_secs_f64(self.timeout),
-        };
-        options.validate()?;
-        Ok(options)
-    }
-}
-
 pub fn main(args: &RunArgs) -> Result<(), Failure> {
     // Everything the user typed is checked before a buffer is allocated or a byte moves.
     let plan = args.tensor.plan()?;
     let fill: Fill = args.fill.parse()?;
-    let options = args.options()?;
+    let options = args.exec.options()?;
     let env = GroupEnv::from_env()?;
-    let mpi_auto = args.transport == TransportKind::Auto && cfg!(feature = "mpi") && under_mpirun();
-    match (args.transport, env) {
+    let mpi_auto =
+        args.exec.transport == TransportKind::Auto && cfg!(feature = "mpi") && under_mpirun();
+    match (args.exec.transport, env) {
         (TransportKind::Local | TransportKind::Auto, None) if !mpi_auto => {
             run_threads(args, &plan, fill, &options)
         }
@@ -163,7 +97,12 @@ fn run_threads(
     fill: Fill,
     options: &ExecOptions,
 ) -> Result<(), Failure> {
-    check_memory(plan, None)?;
+    check_memory(
+        plan.src()
+            .shard_bytes()
+            .saturating_add(plan.dst().shard_bytes()),
+        plan.src().shape(),
+    )?;
     let sources = fill.shards(plan.src());
     let mut shards = exec::zeroed_shards(plan.dst());
     let mut times = Vec::new();
@@ -195,22 +134,6 @@ fn run_threads(
     Ok(())
 }
 
-/// Checks that the job has a process for every rank the layouts use.
-fn check_world(plan: &Plan, world: usize) -> Result<(), Error> {
-    let highest = plan.ranks().last().copied().unwrap_or(0);
-    if highest >= world {
-        return Err(Error::Env {
-            var: "WORLD_SIZE",
-            value: world.to_string(),
-            reason: format!(
-                "the layouts use ranks up to {highest}, so the job needs at least {} processes",
-                highest + 1
-            ),
-        });
-    }
-    Ok(())
-}
-
 /// This process is one rank of a job; rank 0 reports for all.
 fn run_process(
     args: &RunArgs,
@@ -219,69 +142,45 @@ fn run_process(
     options: &ExecOptions,
     env: Option<GroupEnv>,
 ) -> Result<(), Failure> {
-    let env = match (args.transport, env) {
+    let env = match (args.exec.transport, env) {
         (TransportKind::Mpi, _) => return run_mpi(args, plan, fill, options),
         (TransportKind::Auto, None) if cfg!(feature = "mpi") && under_mpirun() => {
             return run_mpi(args, plan, fill, options);
         }
         (_, Some(env)) => env,
-        (kind, None) => {
-            return Err(Failure::Input(Error::InvalidOption {
-                field: "--transport",
-                value: kind.name().into(),
-                reason: "it runs one rank per process: start it with `reshard launch --nproc N -- \
-                         run ...`, or set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT (also \
-                         under mpirun, with -x)"
-                    .into(),
-            }));
-        }
+        (kind, None) => return Err(Failure::Input(not_in_a_job(kind))),
     };
-    check_world(plan, env.world)?;
-    check_memory(plan, Some(env.rank))?;
+    check_world(highest(plan), env.world)?;
+    check_memory(rank_bytes(plan, env.rank), plan.src().shape())?;
     let group = Group::join(env, options.timeout)?;
-    let kind = args.transport;
+    let kind = args.exec.transport;
     process_rank(args, plan, fill, options, &group, |mine, destination| {
-        let links = TcpTransport::new(
-            group.rank(),
-            group.connect_peers(&mine.peers())?,
-            options.timeout,
-        )?;
-        if kind == TransportKind::Tcp {
-            return Ok(Box::new(links) as AnyTransport<'_>);
-        }
-        let far = mine.peers().into_iter().find(|&p| !group.same_host(p));
-        if let (TransportKind::Shm, Some(far)) = (kind, far) {
-            return Err(Error::InvalidOption {
-                field: "--transport",
-                value: "shm".into(),
-                reason: format!("rank {far} runs on another host; use tcp or auto"),
-            });
-        }
-        // shm (or auto) for the peers on this host
-        let near = mine.peers().into_iter().filter(|&p| group.same_host(p));
-        let near = near.map(|p| (p, group.pid(p))).collect();
-        let mut shm = ShmTransport::new(links, near, options.staging_bytes, options.timeout);
-        // RESHARD_SHM_DIRECT=0 keeps senders out of the receivers' shards: rings only
-        let direct = std::env::var("RESHARD_SHM_DIRECT").map_or(true, |v| v != "0");
-        let destination = destination.filter(|_| direct);
-        shm.exchange_destinations(destination, &mine.senders(), &mine.receivers())?;
-        Ok(Box::new(shm) as AnyTransport<'_>)
+        let links = Links {
+            senders: mine.senders(),
+            receivers: mine.receivers(),
+        };
+        connect(kind, &group, &links, destination, options)
     })
 }
 
-/// Whether this process was started by OpenMPI's or another PMI launcher.
-fn under_mpirun() -> bool {
-    ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"]
-        .iter()
-        .any(|v| std::env::var_os(v).is_some())
+/// The highest rank a plan uses.
+fn highest(plan: &Plan) -> Rank {
+    plan.ranks().last().copied().unwrap_or(0)
+}
+
+/// The shard bytes one rank holds.
+fn rank_bytes(plan: &Plan, rank: Rank) -> u64 {
+    plan.src()
+        .local_bytes(rank)
+        .saturating_add(plan.dst().local_bytes(rank))
 }
 
 #[cfg(feature = "mpi")]
 fn run_mpi(args: &RunArgs, plan: &Plan, fill: Fill, options: &ExecOptions) -> Result<(), Failure> {
     use reshard::transport::mpi::MpiJob;
     let job = MpiJob::init()?;
-    check_world(plan, job.world())?;
-    check_memory(plan, Some(job.rank()))?;
+    check_world(highest(plan), job.world())?;
+    check_memory(rank_bytes(plan, job.rank()), plan.src().shape())?;
     process_rank(args, plan, fill, options, &job, |_, _| {
         let transport = job.transport(plan.src().shape(), plan.elem_bytes());
         Ok(Box::new(transport) as AnyTransport<'_>)
@@ -290,13 +189,7 @@ fn run_mpi(args: &RunArgs, plan: &Plan, fill: Fill, options: &ExecOptions) -> Re
 
 #[cfg(not(feature = "mpi"))]
 fn run_mpi(_: &RunArgs, _: &Plan, _: Fill, _: &ExecOptions) -> Result<(), Failure> {
-    Err(Failure::Input(Error::InvalidOption {
-        field: "--transport",
-        value: "mpi".into(),
-        reason: "this reshard was built without MPI; build it with `cargo build --release --features mpi` \
-                 (needs an MPI library such as Debian's libopenmpi-dev, and libclang-dev)"
-            .into(),
-    }))
+    Err(Failure::Input(super::processes::no_mpi()))
 }
 
 /// Runs this rank's part under `job`, then reports; rank 0 prints the job's report.
@@ -352,12 +245,6 @@ fn process_rank<'j, J: Job>(
     }
     Ok(())
 }
-
-/// Whichever transport a multi-process run uses.
-type AnyTransport<'a> = Box<dyn for<'b> Transport<'b> + 'a>;
-
-/// This rank's destination shard in shared memory, and its box, when it has one.
-type Destination<'a> = Option<(&'a SharedBuffer, &'a Region)>;
 
 /// This rank's share of a multi-process run: its shards, its links, its transfers, its check.
 /// Returns the report it sends to rank 0.
@@ -433,42 +320,11 @@ fn rank_part<'j, J: Job>(
     }))
 }
 
-/// Refuses a run whose buffers cannot fit in this machine's available memory, instead of
-/// letting the allocator abort half-way.
-fn check_memory(plan: &Plan, only: Option<Rank>) -> Result<(), Error> {
-    let side = |l: &reshard::Layout| match only {
-        Some(rank) => l.local_bytes(rank),
-        None => l.shard_bytes(),
-    };
-    let needed = side(plan.src()).saturating_add(side(plan.dst()));
-    let available = std::fs::read_to_string("/proc/meminfo").ok().and_then(|m| {
-        m.lines()
-            .find_map(|l| l.strip_prefix("MemAvailable:"))
-            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-            .map(|kib| kib * 1024)
-    });
-    match available {
-        Some(available) if needed > available => Err(Error::InvalidOption {
-            field: "--shape",
-            value: plan
-                .src()
-                .shape()
-                .iter()
-                .map(u64::to_string)
-                .collect::<Vec<_>>()
-                .join(","),
-            reason: format!(
-                "running it here needs {} of shard buffers, but only {} of memory is available",
-                bytes(needed),
-                bytes(available)
-            ),
-        }),
-        _ => Ok(()),
-    }
-}
-
 /// Writes `DIR/rank<R>.bin` for every shard.
-fn dump<'a>(dir: &Path, shards: impl IntoIterator<Item = (Rank, &'a [u8])>) -> Result<(), Error> {
+pub(super) fn dump<'a>(
+    dir: &Path,
+    shards: impl IntoIterator<Item = (Rank, &'a [u8])>,
+) -> Result<(), Error> {
     let io = |path: &Path, source| Error::Io {
         path: path.display().to_string(),
         source,

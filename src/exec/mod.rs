@@ -5,6 +5,7 @@
 //! receives on another, both in the plan's schedule order (one total order on rank pairs, so
 //! blocking transports cannot deadlock). [`run_local`] runs all ranks as threads of this process.
 
+pub mod baseline;
 pub mod copy;
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -132,34 +133,146 @@ pub fn run_rank<'buf, T: Transport<'buf> + ?Sized>(
     } = job;
     let rank = plan.rank;
     let elem_bytes = src_layout.dtype().size();
-    let chunk = options.chunk_bytes;
     check_job(
         plan,
         elem_bytes,
         src,
         dst.as_ref().map(|(b, d)| (*b, d.len())),
     )?;
+    // every sender's box, for the receives
+    let senders: BTreeMap<Rank, Region> = plan
+        .recvs
+        .iter()
+        .map(|t| {
+            let b = src_layout
+                .local_region(t.src)
+                .ok_or_else(|| Error::Protocol {
+                    rank,
+                    peer: t.src,
+                    detail: "the plan receives from a rank that is not a source".into(),
+                })?;
+            Ok((t.src, b))
+        })
+        .collect::<Result<_>>()?;
+    let src_len = src.map_or(0, |s| s.1.len());
+    let dst_len = dst.as_ref().map_or(0, |d| d.1.len());
+    let step = |t: &'buf Transfer, src_box: &'buf Region, dst_box: &'buf Region| Step {
+        from: t.src,
+        to: t.dst,
+        region: &t.region,
+        elem_bytes,
+        src_box,
+        dst_box,
+        src_at: Some((0, 0..src_len)),
+        dst_at: Some((0, 0..dst_len)),
+    };
+    let (src_box, dst_box) = (src.map(|s| s.0), dst.as_ref().map(|d| d.0));
+    let mut steps = Steps {
+        rank,
+        ..Steps::default()
+    };
+    if let Some(src_box) = src_box {
+        steps.sends = plan
+            .sends
+            .iter()
+            .map(|t| step(t, src_box, &t.region))
+            .collect();
+        if let Some(dst_box) = dst_box {
+            steps.locals = plan
+                .locals
+                .iter()
+                .map(|t| step(t, src_box, dst_box))
+                .collect();
+        }
+    }
+    if let Some(dst_box) = dst_box {
+        steps.recvs = plan
+            .recvs
+            .iter()
+            .map(|t| Step {
+                src_box: &senders[&t.src],
+                src_at: None,
+                ..step(t, &t.region, dst_box)
+            })
+            .collect();
+    }
+    let src_bufs: Vec<&'buf [u8]> = src.map(|s| s.1).into_iter().collect();
+    let mut dst_bufs: Vec<&mut [u8]> = dst.map(|d| d.1).into_iter().collect();
+    run_steps(&steps, &src_bufs, &mut dst_bufs, transport, options)
+}
+
+/// One transfer as a rank runs it: the region, the boxes that hold it on both sides, and
+/// where those boxes lie in this rank's buffers.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Step<'a> {
+    pub from: Rank,
+    pub to: Rank,
+    /// In global tensor coordinates.
+    pub region: &'a Region,
+    pub elem_bytes: usize,
+    /// The box holding `region` on the sender: a dense row-major piece of a source buffer.
+    pub src_box: &'a Region,
+    /// The box holding `region` on the receiver.
+    pub dst_box: &'a Region,
+    /// On this rank, when it sends: the source buffer and the bytes of `src_box` in it.
+    pub src_at: Option<(usize, std::ops::Range<usize>)>,
+    /// On this rank, when it receives: the destination buffer and the bytes of `dst_box`.
+    pub dst_at: Option<(usize, std::ops::Range<usize>)>,
+}
+
+impl Step<'_> {
+    pub fn bytes(&self) -> u64 {
+        self.region.volume() * self.elem_bytes as u64
+    }
+}
+
+/// One rank's steps, each list in schedule order. The sends borrow for as long as the
+/// transport may hold their chunks (`'s`); the rest only for the run (`'r`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Steps<'s, 'r> {
+    pub rank: Rank,
+    pub sends: Vec<Step<'s>>,
+    pub recvs: Vec<Step<'r>>,
+    pub locals: Vec<Step<'r>>,
+}
+
+/// Runs one rank's steps over `transport`: the sends on one thread, the local copies and the
+/// receives on another (or all on one when the transport's sends never block). A failure on
+/// either side breaks every link; the error lists exactly what did not arrive.
+pub fn run_steps<'buf, T: Transport<'buf> + ?Sized>(
+    steps: &Steps<'buf, '_>,
+    src_bufs: &[&'buf [u8]],
+    dst_bufs: &mut [&mut [u8]],
+    transport: &T,
+    options: &ExecOptions,
+) -> Result<RankStats> {
+    let rank = steps.rank;
+    let chunk = options.chunk_bytes;
+    check_steps(steps, src_bufs, dst_bufs)?;
     let mut stats = RankStats {
         rank,
         ..RankStats::default()
     };
+    // `check_steps` made sure every slot is in range
+    let source = |s: &Step<'_>| -> &'buf [u8] {
+        let (b, bytes) = s.src_at.clone().expect("checked");
+        &src_bufs[b][bytes]
+    };
 
     let send_all = || -> Result<(u64, u64)> {
         let (mut bytes, mut chunks) = (0u64, 0u64);
-        let Some((src_box, src)) = src else {
-            return Ok((0, 0));
-        };
-        for t in &plan.sends {
-            let len = t.bytes(elem_bytes) as usize;
+        for s in &steps.sends {
+            let len = s.bytes() as usize;
             let chunk = transport.chunk_bytes(len, chunk).max(1);
+            let src = source(s);
             for start in (0..len).step_by(chunk) {
                 transport.send(Outgoing {
                     from: rank,
-                    to: t.dst,
+                    to: s.to,
                     src,
-                    src_box,
-                    region: &t.region,
-                    elem_bytes,
+                    src_box: s.src_box,
+                    region: s.region,
+                    elem_bytes: s.elem_bytes,
                     range: start..start.saturating_add(chunk).min(len),
                 })?;
                 chunks += 1;
@@ -169,41 +282,31 @@ pub fn run_rank<'buf, T: Transport<'buf> + ?Sized>(
         Ok((bytes, chunks))
     };
 
-    let receive_all = |stats: &mut RankStats| -> Result<()> {
-        let Some((dst_box, dst)) = dst else {
-            return Ok(());
-        };
-        if let Some((src_box, src)) = src {
-            for t in &plan.locals {
-                let g = CopyGeometry::new(
-                    &t.region,
-                    Place::Within(src_box),
-                    Place::Within(dst_box),
-                    elem_bytes,
-                );
-                g.copy(src, dst, 0..g.len());
-                stats.bytes_local += g.len() as u64;
-            }
+    let receive_all = |stats: &mut RankStats, dst_bufs: &mut [&mut [u8]]| -> Result<()> {
+        for s in &steps.locals {
+            let (b, bytes) = s.dst_at.clone().expect("checked");
+            let g = CopyGeometry::new(
+                s.region,
+                Place::Within(s.src_box),
+                Place::Within(s.dst_box),
+                s.elem_bytes,
+            );
+            g.copy(source(s), &mut dst_bufs[b][bytes], 0..g.len());
+            stats.bytes_local += g.len() as u64;
         }
-        for t in &plan.recvs {
-            let len = t.bytes(elem_bytes) as usize;
-            let src_box = src_layout
-                .local_region(t.src)
-                .ok_or_else(|| Error::Protocol {
-                    rank,
-                    peer: t.src,
-                    detail: "the plan receives from a rank that is not a source".into(),
-                })?;
+        for s in &steps.recvs {
+            let len = s.bytes() as usize;
+            let (b, bytes) = s.dst_at.clone().expect("checked");
             let chunk = transport.chunk_bytes(len, chunk).max(1);
             for start in (0..len).step_by(chunk) {
                 transport.recv(Incoming {
-                    from: t.src,
+                    from: s.from,
                     to: rank,
-                    dst: &mut *dst,
-                    dst_box,
-                    src_box: &src_box,
-                    region: &t.region,
-                    elem_bytes,
+                    dst: &mut dst_bufs[b][bytes.clone()],
+                    dst_box: s.dst_box,
+                    src_box: s.src_box,
+                    region: s.region,
+                    elem_bytes: s.elem_bytes,
                     range: start..start.saturating_add(chunk).min(len),
                 })?;
                 stats.chunks_received += 1;
@@ -224,7 +327,7 @@ pub fn run_rank<'buf, T: Transport<'buf> + ?Sized>(
         // everything is posted first, then received, on this one thread
         let sent = send_all().inspect_err(give_up_on);
         let received = match &sent {
-            Ok(_) => receive_all(&mut stats).inspect_err(give_up_on),
+            Ok(_) => receive_all(&mut stats, dst_bufs).inspect_err(give_up_on),
             Err(_) => Err(Error::Internal {
                 rank,
                 detail: "nothing was received: sending failed first".into(),
@@ -238,7 +341,7 @@ pub fn run_rank<'buf, T: Transport<'buf> + ?Sized>(
             if sender.is_err() {
                 transport.abort();
             }
-            let received = receive_all(&mut stats).inspect_err(give_up_on);
+            let received = receive_all(&mut stats, dst_bufs).inspect_err(give_up_on);
             let sent = match sender {
                 Ok(sender) => sender.join().unwrap_or_else(|_| {
                     Err(Error::Internal {
@@ -258,24 +361,24 @@ pub fn run_rank<'buf, T: Transport<'buf> + ?Sized>(
     let mut failures = Vec::new();
     if let Err(e) = received {
         failures.push(e);
-        // whole transfers are counted once complete, so the first ones add up to `done`
+        // whole steps are counted once complete, so the first ones add up to `done`
         let done = stats.bytes_received;
         let mut seen = 0u64;
-        let missing: Vec<&Transfer> = plan
+        let missing: Vec<&Step<'_>> = steps
             .recvs
             .iter()
-            .filter(|t| {
-                seen += t.bytes(elem_bytes);
+            .filter(|s| {
+                seen += s.bytes();
                 seen > done
             })
             .collect();
-        let mut from: Vec<Rank> = missing.iter().map(|t| t.src).collect();
+        let mut from: Vec<Rank> = missing.iter().map(|s| s.from).collect();
         from.sort_unstable();
         from.dedup();
         failures.push(Error::NotArrived {
             rank,
             transfers: missing.len(),
-            bytes: missing.iter().map(|t| t.bytes(elem_bytes)).sum(),
+            bytes: missing.iter().map(|s| s.bytes()).sum(),
             from,
         });
     }
@@ -308,6 +411,62 @@ pub fn run_rank<'buf, T: Transport<'buf> + ?Sized>(
     stats.chunks_sent = chunks_sent;
     stats.peak_staging_bytes = transport.peak_staging_bytes();
     Ok(stats)
+}
+
+/// Checks a rank's steps against its buffers before any byte moves: every slot lies inside
+/// its buffer and holds exactly its box, and every region lies inside its boxes.
+fn check_steps(steps: &Steps<'_, '_>, src_bufs: &[&[u8]], dst_bufs: &[&mut [u8]]) -> Result<()> {
+    let rank = steps.rank;
+    let slot =
+        |side: Side, at: &Option<(usize, std::ops::Range<usize>)>, s: &Step<'_>, lens: &[usize]| {
+            let peer = if side == Side::Src { s.to } else { s.from };
+            let holder = if side == Side::Src {
+                s.src_box
+            } else {
+                s.dst_box
+            };
+            let Some((b, bytes)) = at else {
+                return Err(Error::MissingBuffer { side, rank });
+            };
+            let expected = holder.volume().saturating_mul(s.elem_bytes as u64);
+            match lens.get(*b) {
+                Some(&len) if bytes.start <= bytes.end && bytes.end <= len => {}
+                _ => return Err(Error::MissingBuffer { side, rank }),
+            }
+            if bytes.len() as u64 != expected {
+                return Err(Error::BufferSize {
+                    side,
+                    rank,
+                    extent: Dims(holder.extent.clone()),
+                    expected,
+                    got: bytes.len() as u64,
+                });
+            }
+            if holder.ndim() != s.region.ndim() || !holder.contains(s.region) {
+                return Err(Error::Protocol {
+                    rank,
+                    peer,
+                    detail: format!(
+                        "this rank's {side} shard does not hold {} of the plan",
+                        s.region
+                    ),
+                });
+            }
+            Ok(())
+        };
+    let src_lens: Vec<usize> = src_bufs.iter().map(|b| b.len()).collect();
+    let dst_lens: Vec<usize> = dst_bufs.iter().map(|b| b.len()).collect();
+    for s in &steps.sends {
+        slot(Side::Src, &s.src_at, s, &src_lens)?;
+    }
+    for s in &steps.recvs {
+        slot(Side::Dst, &s.dst_at, s, &dst_lens)?;
+    }
+    for s in &steps.locals {
+        slot(Side::Src, &s.src_at, s, &src_lens)?;
+        slot(Side::Dst, &s.dst_at, s, &dst_lens)?;
+    }
+    Ok(())
 }
 
 /// Checks a rank's job before any byte moves: the shards it needs are there and of the right

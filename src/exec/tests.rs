@@ -185,3 +185,93 @@ fn staging_stays_bounded_for_large_transfers() {
     );
     Fill::Index.verify_shards(plan.dst(), &shards).unwrap();
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(400))]
+
+    /// The gather+broadcast baseline leaves the same destination shards as the reference, and
+    /// moves exactly the bytes the plan totals predict for it.
+    #[test]
+    fn baseline_matches_the_reference(
+        (src, dst) in arb_layout_pair(),
+        seed in any::<u64>(),
+        chunk_bytes in prop_oneof![Just(3usize), Just(4 << 20)],
+    ) {
+        use crate::exec::baseline::{full_buffers, run_local_gather_broadcast};
+        use crate::plan::GatherBroadcast;
+        let fill = Fill::Hash { seed };
+        let gb = GatherBroadcast::new(&src, &dst).unwrap();
+        let mut sources = reference_shards(&src, fill);
+        let mut shards = zeroed_shards(&dst);
+        let mut full = full_buffers(&gb);
+        let stats = run_local_gather_broadcast(
+            &gb, &mut sources, &mut shards, &mut full, &small_chunks(chunk_bytes),
+        ).unwrap();
+        prop_assert_eq!(&shards, &reference_shards(&dst, fill));
+        prop_assert_eq!(&sources, &reference_shards(&src, fill));
+        prop_assert_eq!(stats.bytes_remote(), crate::plan::report::gather_broadcast_bytes(&src, &dst));
+        prop_assert_eq!(stats.bytes_remote(), gb.wire_bytes());
+    }
+}
+
+#[test]
+fn baseline_rejects_a_missing_full_buffer() {
+    use crate::exec::baseline::{full_buffers, run_local_gather_broadcast};
+    use crate::plan::GatherBroadcast;
+    let src = layout("mesh=2 place=S(0)", &[8, 8], DType::Bf16, 0);
+    let dst = layout("mesh=4 place=S(1)", &[8, 8], DType::Bf16, 2);
+    let gb = GatherBroadcast::new(&src, &dst).unwrap();
+    let mut sources = Fill::Index.shards(&src);
+    let mut shards = zeroed_shards(&dst);
+    let mut full = full_buffers(&gb);
+    assert_eq!(full.len(), 6);
+    full.remove(&3);
+    let err = run_local_gather_broadcast(
+        &gb,
+        &mut sources,
+        &mut shards,
+        &mut full,
+        &ExecOptions::default(),
+    )
+    .unwrap_err();
+    assert!(err.to_string().contains("rank 3"), "{err}");
+    assert!(shards.values().all(|s| s.iter().all(|&b| b == 0)));
+}
+
+#[test]
+fn baseline_of_replicated_sides_moves_what_the_reshard_moves() {
+    use crate::exec::baseline::{full_buffers, run_local_gather_broadcast};
+    use crate::plan::GatherBroadcast;
+    for (src_spec, dst_spec) in [
+        ("mesh=2 place=R", "mesh=4 place=R"),
+        ("mesh=2 place=S(0)", "mesh=2x2 place=R,R"),
+        ("mesh=2 place=R", "mesh=4 place=S(1)"),
+    ] {
+        let src = layout(src_spec, &[16, 8], DType::F32, 0);
+        let dst = layout(dst_spec, &[16, 8], DType::F32, 2);
+        let gb = GatherBroadcast::new(&src, &dst).unwrap();
+        let mut sources = Fill::Index.shards(&src);
+        let mut shards = zeroed_shards(&dst);
+        let mut full = full_buffers(&gb);
+        // destinations that keep the whole tensor receive it in place
+        assert_eq!(
+            !full.contains_key(&2),
+            gb.keeps_all(2),
+            "{src_spec} -> {dst_spec}"
+        );
+        let stats = run_local_gather_broadcast(
+            &gb,
+            &mut sources,
+            &mut shards,
+            &mut full,
+            &ExecOptions::default(),
+        )
+        .unwrap();
+        Fill::Index.verify_shards(&dst, &shards).unwrap();
+        assert_eq!(stats.bytes_remote(), gb.wire_bytes());
+        if src.replication() == 2 && gb.keeps_all(2) {
+            let plan = Plan::new(src, dst).unwrap();
+            assert_eq!(stats.bytes_remote(), plan.totals().bytes_remote);
+        }
+    }
+}

@@ -11,10 +11,12 @@
 //!    out starting at a rotation that depends on the destination and the source box, so that
 //!    every replica serves an equal share: two data-parallel replicas each serve half.
 
-mod report;
+pub mod baseline;
+pub mod report;
 
 use std::ops::Range;
 
+pub use baseline::GatherBroadcast;
 pub use report::{PlanJson, Totals, TransferJson, gather_broadcast_bytes};
 
 use crate::error::{Dims, Error, Result};

@@ -4,9 +4,10 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use serde::Serialize;
 
-use crate::layout::{Layout, Placement, Rank};
+use crate::layout::{Layout, Rank};
 
 use super::Plan;
+use super::baseline::gather_replica;
 
 /// Byte and message counts of a plan (the `totals` object of the plan JSON).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
@@ -57,41 +58,14 @@ impl Totals {
 /// one that contains the most destination ranks; a fully replicated source needs no gather.
 pub fn gather_broadcast_bytes(src: &Layout, dst: &Layout) -> u64 {
     let total = src.total_bytes();
-    let mesh = src.mesh();
-    let replicated_axes: Vec<usize> = src
-        .placements()
-        .iter()
-        .enumerate()
-        .filter(|(_, p)| **p == Placement::Replicate)
-        .map(|(a, _)| a)
-        .collect();
-    let replica_size = mesh.size() / src.replication();
-    // Group the source ranks into replicas by their coordinates on the replicated axes.
-    let mut replicas: BTreeMap<Vec<usize>, Vec<Rank>> = BTreeMap::new();
-    for (position, &rank) in mesh.ranks().iter().enumerate() {
-        let coords = mesh.coords(position);
-        let key = replicated_axes.iter().map(|&a| coords[a]).collect();
-        replicas.entry(key).or_default().push(rank);
-    }
-    let full_holders: BTreeSet<Rank> = if replica_size == 1 {
-        mesh.ranks().iter().copied().collect()
-    } else {
-        replicas
-            .values()
-            .max_by_key(|members| {
-                let inside = members.iter().filter(|&&r| dst.mesh().contains(r)).count();
-                // the first replica wins ties
-                (inside, std::cmp::Reverse(members[0]))
-            })
-            .map(|m| m.iter().copied().collect())
-            .unwrap_or_default()
-    };
-    let gather = (replica_size as u64 - 1).saturating_mul(total);
+    let holders: BTreeSet<Rank> = gather_replica(src, dst).into_iter().collect();
+    let replica_size = (src.mesh().size() / src.replication().max(1)) as u64;
+    let gather = (replica_size - 1).saturating_mul(total);
     let receivers = dst
         .mesh()
         .ranks()
         .iter()
-        .filter(|r| !full_holders.contains(r))
+        .filter(|r| !holders.contains(r))
         .count() as u64;
     gather.saturating_add(receivers.saturating_mul(total))
 }

@@ -1,0 +1,48 @@
+"""Reshard a distributed tensor between two DTensor layouts, point to point.
+
+Every destination rank receives exactly the regions of the source shards that overlap its
+own shard, from a rank that holds them, instead of an all-gather followed by a broadcast.
+
+    >>> import reshard
+    >>> src = reshard.Layout((8, 8), "bf16", mesh=2, ranks=None, placements=["S(0)"])
+    >>> dst = reshard.Layout((8, 8), "bf16", mesh=4, ranks=range(2, 6), placements=[reshard.Shard(1)])
+    >>> plan = reshard.plan(src, dst)
+    >>> len(plan.transfers), plan.totals["bytes_remote"], plan.totals["gather_broadcast_bytes"]
+    (8, 128, 640)
+    >>> sorted(plan.for_rank(2).recvs)[0]
+    Transfer(src=0, dst=2, offset=[0, 0], extent=[4, 2], bytes=16)
+    >>> src
+    Layout(shape=(8, 8), dtype='bf16', mesh=(2,), ranks=range(0, 2), placements=[Shard(0)])
+
+Layouts, plans and errors come from the Rust core (``reshard._core``). ``reshard.torch``
+moves torch tensors with ``torch.distributed`` point-to-point; it imports torch, this module
+does not.
+"""
+
+from ._core import (
+    DEFAULT_MIN_SPLIT_BYTES,
+    Layout,
+    Plan,
+    RankPlan,
+    Replicate,
+    ReshardError,
+    Shard,
+    Transfer,
+    __version__,
+    plan,
+    rank_plan,
+)
+
+__all__ = [
+    "DEFAULT_MIN_SPLIT_BYTES",
+    "Layout",
+    "Plan",
+    "RankPlan",
+    "Replicate",
+    "ReshardError",
+    "Shard",
+    "Transfer",
+    "__version__",
+    "plan",
+    "rank_plan",
+]

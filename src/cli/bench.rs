@@ -1,0 +1,800 @@
+//! `reshard bench`: reshard against gather+broadcast on the same transport, the same data and
+//! the same buffers, repetition after repetition in turn, both results verified.
+
+use std::time::Instant;
+
+use clap::{Args, ValueEnum};
+use indicatif::{ProgressBar, ProgressStyle};
+use serde::Serialize;
+
+use reshard::exec::baseline::{self, BaselineJob};
+use reshard::exec::{self, ExecOptions, RankJob};
+use reshard::fill::Fill;
+use reshard::plan::GatherBroadcast;
+use reshard::transport::Job;
+use reshard::transport::group::{Group, GroupEnv};
+use reshard::transport::segment::SharedBuffer;
+use reshard::{Error, Plan, Rank, RankPlan};
+
+use super::processes::{
+    AnyTransport, Destination, ExecArgs, Links, TransportKind, check_memory, check_world, connect,
+    not_in_a_job, spread, under_mpirun,
+};
+use super::units::{bytes, parse_bytes};
+use super::{Failure, TensorArgs};
+
+/// A named set of layouts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Suite {
+    /// Refit-like layouts of training and inference parallelism, on at most 8 ranks.
+    Refit,
+}
+
+#[derive(Args, Debug)]
+pub struct BenchArgs {
+    /// Global tensor shape (not with --suite).
+    #[arg(long, value_name = "D0,D1,...", required_unless_present = "suite")]
+    shape: Option<String>,
+    /// Element type.
+    #[arg(long, default_value = "bf16")]
+    dtype: String,
+    /// Source layout, e.g. "mesh=4 place=S(0)" (not with --suite).
+    #[arg(long, value_name = "SPEC", required_unless_present = "suite")]
+    src: Option<String>,
+    /// Destination layout, e.g. "mesh=2 place=S(1)" (not with --suite).
+    #[arg(long, value_name = "SPEC", required_unless_present = "suite")]
+    dst: Option<String>,
+    /// Run a named suite of layouts instead of one.
+    #[arg(long, value_enum, conflicts_with_all = ["shape", "src", "dst"])]
+    suite: Option<Suite>,
+    /// Size of each tensor of the suite (its shapes scale to it).
+    #[arg(
+        long,
+        value_name = "BYTES",
+        default_value = "128MiB",
+        requires = "suite"
+    )]
+    suite_bytes: String,
+    /// Split a piece among the replicas that hold it only into parts of at least this size.
+    #[arg(long, value_name = "BYTES", default_value = "64KiB")]
+    min_split_bytes: String,
+    #[command(flatten)]
+    exec: ExecArgs,
+    /// Contents of the global tensor: index, hash or hash:SEED.
+    #[arg(long, default_value = "index")]
+    fill: String,
+    /// Timed repetitions of each method (the report gives their median, min and max).
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..))]
+    iters: u32,
+    /// Untimed repetitions of each method first.
+    #[arg(long, default_value_t = 1)]
+    warmup: u32,
+    /// Print a JSON report instead of text.
+    #[arg(long)]
+    json: bool,
+}
+
+/// One layout pair to measure.
+struct Case {
+    name: String,
+    src_spec: String,
+    dst_spec: String,
+    plan: Plan,
+    baseline: GatherBroadcast,
+}
+
+impl Case {
+    fn new(name: &str, tensor: TensorArgs) -> Result<Case, Error> {
+        let plan = tensor.plan()?;
+        let baseline = GatherBroadcast::new(plan.src(), plan.dst())?;
+        Ok(Case {
+            name: name.to_string(),
+            src_spec: tensor.src,
+            dst_spec: tensor.dst,
+            plan,
+            baseline,
+        })
+    }
+
+    fn dst_bytes(&self) -> u64 {
+        self.plan.dst().shard_bytes()
+    }
+
+    fn highest_rank(&self) -> Rank {
+        self.plan
+            .ranks()
+            .into_iter()
+            .chain(self.baseline.ranks())
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// Bytes of every buffer the case allocates on `rank` (or on all ranks).
+    fn memory(&self, rank: Option<Rank>) -> u64 {
+        let (src, dst) = (self.plan.src(), self.plan.dst());
+        let full = self.baseline.dst().total_bytes();
+        let ranks = match rank {
+            Some(r) => vec![r],
+            None => self.baseline.ranks(),
+        };
+        let fulls = ranks
+            .iter()
+            .filter(|&&r| self.baseline.needs_full_buffer(r))
+            .count() as u64;
+        let shards = match rank {
+            Some(r) => src.local_bytes(r).saturating_add(dst.local_bytes(r)),
+            None => src.shard_bytes().saturating_add(dst.shard_bytes()),
+        };
+        shards.saturating_add(fulls.saturating_mul(full))
+    }
+}
+
+/// The layouts of `--suite refit`: training-to-inference moves scaled to `bytes` per tensor.
+fn refit_suite(bytes: u64, dtype: &str, min_split_bytes: &str) -> Result<Vec<Case>, Error> {
+    let elem = dtype.parse::<reshard::DType>()?.size() as u64;
+    let elements = (bytes / elem).max(64 * 64);
+    // a square matrix of about `elements`, and 16 stacked experts [16, m, 2m]
+    let side = round_down((elements as f64).sqrt() as u64, 64).max(64);
+    let m = round_down(((elements / 32) as f64).sqrt() as u64, 16).max(16);
+    let square = format!("{side},{side}");
+    let experts = format!("16,{m},{}", 2 * m);
+    let cases: [(&str, &str, &str, &str); 9] = [
+        (
+            "tp4-to-tp2",
+            &square,
+            "mesh=4 place=S(0)",
+            "mesh=2 place=S(1)",
+        ),
+        (
+            "dp2xtp2-to-tp4",
+            &square,
+            "mesh=2x2 place=R,S(0)",
+            "mesh=4 place=S(1)",
+        ),
+        (
+            "ep4-experts-to-tp2",
+            &experts,
+            "mesh=4 place=S(0)",
+            "mesh=2 place=S(1)",
+        ),
+        (
+            "fsdp2xtp2-to-tp4",
+            &square,
+            "mesh=2x2 place=S(0),S(1)",
+            "mesh=4 place=S(0)",
+        ),
+        (
+            "tp2-to-dp2xtp2",
+            &square,
+            "mesh=2 place=S(0)",
+            "mesh=2x2 place=R,S(0)",
+        ),
+        (
+            "colocated-tp4-to-tp2",
+            &square,
+            "mesh=4 place=S(0)",
+            "mesh=2 ranks=0..2 place=S(1)",
+        ),
+        (
+            "seed-2-to-4",
+            &square,
+            "mesh=2 place=S(0)",
+            "mesh=4 place=S(1)",
+        ),
+        (
+            "replicated-2-to-4",
+            &square,
+            "mesh=2 place=R",
+            "mesh=4 place=R",
+        ),
+        (
+            "tp4-s0-to-tp4-s1",
+            &square,
+            "mesh=4 place=S(0)",
+            "mesh=4 place=S(1)",
+        ),
+    ];
+    cases
+        .iter()
+        .map(|(name, shape, src, dst)| {
+            Case::new(
+                name,
+                TensorArgs {
+                    shape: shape.to_string(),
+                    dtype: dtype.to_string(),
+                    src: src.to_string(),
+                    dst: dst.to_string(),
+                    min_split_bytes: min_split_bytes.to_string(),
+                },
+            )
+        })
+        .collect()
+}
+
+fn round_down(n: u64, to: u64) -> u64 {
+    n / to * to
+}
+
+impl BenchArgs {
+    fn cases(&self) -> Result<Vec<Case>, Error> {
+        if self.suite.is_some() {
+            let bytes = parse_bytes("--suite-bytes", &self.suite_bytes)?;
+            return refit_suite(bytes, &self.dtype, &self.min_split_bytes);
+        }
+        let tensor = TensorArgs {
+            shape: self.shape.clone().unwrap_or_default(),
+            dtype: self.dtype.clone(),
+            src: self.src.clone().unwrap_or_default(),
+            dst: self.dst.clone().unwrap_or_default(),
+            min_split_bytes: self.min_split_bytes.clone(),
+        };
+        Ok(vec![Case::new("", tensor)?])
+    }
+
+    fn repetitions(&self) -> u32 {
+        self.warmup + self.iters
+    }
+}
+
+/// Timings and counts of one method over the repetitions.
+#[derive(Clone, Debug, Default)]
+struct Measured {
+    times: Vec<f64>,
+    wire_bytes: u64,
+    peak_extra: u64,
+}
+
+#[derive(Serialize)]
+struct MethodJson {
+    median_s: f64,
+    min_s: f64,
+    max_s: f64,
+    wire_bytes: u64,
+    gbps: f64,
+    peak_extra_bytes_per_rank: u64,
+}
+
+impl MethodJson {
+    fn of(m: &Measured, dst_bytes: u64) -> MethodJson {
+        let (median_s, min_s, max_s) = spread(&m.times);
+        MethodJson {
+            median_s,
+            min_s,
+            max_s,
+            wire_bytes: m.wire_bytes,
+            gbps: dst_bytes as f64 / median_s.max(1e-12) / 1e9,
+            peak_extra_bytes_per_rank: m.peak_extra,
+        }
+    }
+}
+
+#[derive(Serialize)]
+struct CaseJson {
+    #[serde(skip_serializing_if = "String::is_empty")]
+    name: String,
+    shape: Vec<u64>,
+    dtype: String,
+    src: String,
+    dst: String,
+    transport: String,
+    iters: u32,
+    verified: bool,
+    dst_bytes: u64,
+    reshard: MethodJson,
+    gather_broadcast: MethodJson,
+    speedup: f64,
+    /// Wire bytes of gather+broadcast over those of the reshard: the speedup a machine whose
+    /// time follows bytes would show.
+    byte_ratio: f64,
+}
+
+#[derive(Serialize)]
+struct SuiteJson {
+    suite: String,
+    transport: String,
+    cases: Vec<CaseJson>,
+}
+
+pub fn main(args: &BenchArgs) -> Result<(), Failure> {
+    // Everything the user typed is checked before a buffer is allocated or a byte moves.
+    let cases = args.cases()?;
+    let fill: Fill = args.fill.parse()?;
+    let options = args.exec.options()?;
+    let env = GroupEnv::from_env()?;
+    let kind = args.exec.transport;
+    let mpi = cfg!(feature = "mpi") && under_mpirun();
+    let results = match (kind, env) {
+        (TransportKind::Local | TransportKind::Auto, None)
+            if !(kind == TransportKind::Auto && mpi) =>
+        {
+            bench_threads(args, &cases, fill, &options)?
+        }
+        (TransportKind::Local, Some(env)) => {
+            return Err(Failure::Input(Error::InvalidOption {
+                field: "--transport",
+                value: "local".into(),
+                reason: format!(
+                    "local runs every rank as a thread of one process, but this is rank {} of {} processes; use tcp, shm or auto",
+                    env.rank, env.world
+                ),
+            }));
+        }
+        (TransportKind::Mpi, _) | (TransportKind::Auto, None) => {
+            bench_mpi(args, &cases, fill, &options)?
+        }
+        (_, None) => return Err(Failure::Input(not_in_a_job(kind))),
+        (_, Some(env)) => {
+            let highest = cases.iter().map(Case::highest_rank).max().unwrap_or(0);
+            check_world(highest, env.world)?;
+            let rank = env.rank;
+            for case in &cases {
+                check_memory(case.memory(Some(rank)), case.plan.src().shape())?;
+            }
+            let group = Group::join(env, options.timeout)?;
+            bench_processes(
+                args,
+                &cases,
+                fill,
+                &options,
+                &group,
+                &|links, destination| connect(kind, &group, links, destination, &options),
+            )?
+        }
+    };
+    if let Some((name, results)) = results {
+        report(args, &cases, &name, &results);
+    }
+    Ok(())
+}
+
+/// One case's outcome on one run: both methods measured, both verified.
+#[derive(Clone, Debug, Default)]
+struct CaseResult {
+    reshard: Measured,
+    gather_broadcast: Measured,
+    verified: bool,
+}
+
+/// A progress bar on a terminal, over every repetition of every case and method.
+fn progress(args: &BenchArgs, cases: usize) -> ProgressBar {
+    let bar = ProgressBar::new(cases as u64 * u64::from(args.repetitions()) * 2);
+    bar.set_style(
+        ProgressStyle::with_template("{spinner} {msg:24} [{bar:30}] {pos}/{len} {elapsed}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar())
+            .progress_chars("=> "),
+    );
+    bar
+}
+
+/// A pattern no fill produces everywhere: a destination that is not written fails to verify.
+fn poison(buf: &mut [u8]) {
+    buf.fill(0xA5);
+}
+
+/// Every rank a thread of this process.
+fn bench_threads(
+    args: &BenchArgs,
+    cases: &[Case],
+    fill: Fill,
+    options: &ExecOptions,
+) -> Result<Option<(String, Vec<CaseResult>)>, Failure> {
+    for case in cases {
+        check_memory(case.memory(None), case.plan.src().shape())?;
+    }
+    let bar = progress(args, cases.len());
+    let mut results = Vec::new();
+    for case in cases {
+        bar.set_message(case.name.clone());
+        let (plan, gb) = (&case.plan, &case.baseline);
+        let mut sources = fill.shards(plan.src());
+        let mut shards = exec::zeroed_shards(plan.dst());
+        let mut full = baseline::full_buffers(gb);
+        let mut result = CaseResult::default();
+        for i in 0..args.repetitions() {
+            let timed = i >= args.warmup;
+            let last = i + 1 == args.repetitions();
+            shards.values_mut().for_each(|s| poison(s));
+            let stats = exec::run_local(plan, &sources, &mut shards, options)?;
+            bar.inc(1);
+            if last {
+                fill.verify_shards(plan.dst(), &shards)?;
+            }
+            if timed {
+                result.reshard.times.push(stats.elapsed.as_secs_f64());
+                result.reshard.wire_bytes = stats.bytes_remote();
+                result.reshard.peak_extra = stats.peak_staging_bytes();
+            }
+            shards.values_mut().for_each(|s| poison(s));
+            let stats = baseline::run_local_gather_broadcast(
+                gb,
+                &mut sources,
+                &mut shards,
+                &mut full,
+                options,
+            )?;
+            bar.inc(1);
+            if last {
+                fill.verify_shards(plan.dst(), &shards)?;
+            }
+            if timed {
+                result
+                    .gather_broadcast
+                    .times
+                    .push(stats.elapsed.as_secs_f64());
+                result.gather_broadcast.wire_bytes = stats.bytes_remote();
+                let full_bytes = if full.is_empty() {
+                    0
+                } else {
+                    gb.dst().total_bytes()
+                };
+                result.gather_broadcast.peak_extra =
+                    stats.peak_staging_bytes().saturating_add(full_bytes);
+            }
+        }
+        result.verified = true;
+        results.push(result);
+    }
+    bar.finish_and_clear();
+    Ok(Some(("local".into(), results)))
+}
+
+#[cfg(feature = "mpi")]
+fn bench_mpi(
+    args: &BenchArgs,
+    cases: &[Case],
+    fill: Fill,
+    options: &ExecOptions,
+) -> Result<Option<(String, Vec<CaseResult>)>, Failure> {
+    use reshard::transport::mpi::MpiJob;
+    let job = MpiJob::init()?;
+    let highest = cases.iter().map(Case::highest_rank).max().unwrap_or(0);
+    check_world(highest, job.world())?;
+    for case in cases {
+        check_memory(case.memory(Some(job.rank())), case.plan.src().shape())?;
+    }
+    // every case of this job moves the same element type through MPI
+    let shape = cases
+        .first()
+        .map(|c| c.plan.src().shape().to_vec())
+        .unwrap_or_default();
+    let elem = cases.first().map_or(1, |c| c.plan.elem_bytes());
+    bench_processes(args, cases, fill, options, &job, &|_, _| {
+        Ok(Box::new(job.transport(&shape, elem)) as AnyTransport<'_>)
+    })
+}
+
+#[cfg(not(feature = "mpi"))]
+fn bench_mpi(
+    _: &BenchArgs,
+    _: &[Case],
+    _: Fill,
+    _: &ExecOptions,
+) -> Result<Option<(String, Vec<CaseResult>)>, Failure> {
+    Err(Failure::Input(super::processes::no_mpi()))
+}
+
+/// This process is one rank of a job: it runs every case with the others; rank 0 gets every
+/// rank's measurements and returns them.
+fn bench_processes<'j, J: Job>(
+    args: &BenchArgs,
+    cases: &[Case],
+    fill: Fill,
+    options: &ExecOptions,
+    job: &'j J,
+    connect: &dyn Fn(&Links, Destination<'_>) -> Result<AnyTransport<'j>, Error>,
+) -> Result<Option<(String, Vec<CaseResult>)>, Failure> {
+    let rank = job.rank();
+    let bar = if rank == 0 {
+        progress(args, cases.len())
+    } else {
+        ProgressBar::hidden()
+    };
+    let mut name = String::new();
+    let outcome: Result<Vec<serde_json::Value>, Error> = cases
+        .iter()
+        .map(|case| {
+            bar.set_message(case.name.clone());
+            let (report, transport) = bench_rank(args, case, fill, options, job, connect, &bar)?;
+            name = transport;
+            Ok(report)
+        })
+        .collect();
+    bar.finish_and_clear();
+    if let Err(e) = &outcome {
+        eprintln!("error: {e}");
+        if matches!(e, Error::JobFailed { .. }) {
+            return Err(Failure::Run(outcome.unwrap_err()));
+        }
+    }
+    let mine = outcome
+        .map(|reports| serde_json::json!({ "transport": name, "cases": reports }))
+        .map_err(|e| e.to_string());
+    let reports = job.finish(mine)?;
+    if rank != 0 {
+        return Ok(None);
+    }
+    let name = reports
+        .first()
+        .and_then(|r| r["transport"].as_str())
+        .unwrap_or("?")
+        .to_string();
+    let results = (0..cases.len())
+        .map(|c| {
+            let method = |key: &str| {
+                let per_rank: Vec<&serde_json::Value> =
+                    reports.iter().map(|r| &r["cases"][c][key]).collect();
+                let u = |v: &serde_json::Value, k: &str| v[k].as_u64().unwrap_or(0);
+                let repetitions = per_rank
+                    .first()
+                    .and_then(|v| v["times"].as_array())
+                    .map_or(0, Vec::len);
+                Measured {
+                    // per repetition, the slowest rank's time
+                    times: (0..repetitions)
+                        .map(|i| {
+                            per_rank
+                                .iter()
+                                .map(|v| v["times"][i].as_f64().unwrap_or(0.0))
+                                .fold(0.0, f64::max)
+                        })
+                        .collect(),
+                    wire_bytes: per_rank.iter().map(|v| u(v, "wire_bytes")).sum(),
+                    peak_extra: per_rank
+                        .iter()
+                        .map(|v| u(v, "peak_extra"))
+                        .max()
+                        .unwrap_or(0),
+                }
+            };
+            CaseResult {
+                reshard: method("reshard"),
+                gather_broadcast: method("gather_broadcast"),
+                verified: true,
+            }
+        })
+        .collect();
+    Ok(Some((name, results)))
+}
+
+/// This rank's share of one case: both methods, in turn, on the same buffers. Returns the
+/// report for rank 0 and the transport's name.
+fn bench_rank<'j, J: Job>(
+    args: &BenchArgs,
+    case: &Case,
+    fill: Fill,
+    options: &ExecOptions,
+    job: &'j J,
+    connect: &dyn Fn(&Links, Destination<'_>) -> Result<AnyTransport<'j>, Error>,
+    bar: &ProgressBar,
+) -> Result<(serde_json::Value, String), Error> {
+    let rank = job.rank();
+    let (plan, gb) = (&case.plan, &case.baseline);
+    let (src, dst) = (plan.src(), plan.dst());
+    let mine = reshard::plan::rank_plan(src, dst, rank, &plan.options())?;
+    let part = |p: &Option<Plan>| -> Result<Option<RankPlan>, Error> {
+        p.as_ref()
+            .filter(|p| p.ranks().contains(&rank))
+            .map(|p| reshard::plan::rank_plan(p.src(), p.dst(), rank, &p.options()))
+            .transpose()
+    };
+    let (gather, broadcast) = (part(&gb.gather)?, part(&gb.broadcast)?);
+
+    let src_box = src.local_region(rank);
+    let dst_box = dst.local_region(rank);
+    let source = src_box.as_ref().map(|b| {
+        let mut buf = vec![0u8; src.local_bytes(rank) as usize];
+        fill.fill_region(src, b, &mut buf);
+        buf
+    });
+    let shared = |len: u64| SharedBuffer::new(len as usize);
+    let mut shard = dst_box
+        .as_ref()
+        .map(|_| shared(dst.local_bytes(rank)))
+        .transpose()?;
+    let mut full = gb
+        .needs_full_buffer(rank)
+        .then(|| shared(gb.dst().total_bytes()))
+        .transpose()?;
+    let whole = reshard::Region::full(dst.shape());
+
+    // Both methods' links, opened one after the other by every rank.
+    job.barrier()?;
+    let reshard_links = Links {
+        senders: mine.senders(),
+        receivers: mine.receivers(),
+    };
+    let reshard_transport = connect(
+        &reshard_links,
+        dst_box
+            .as_ref()
+            .and_then(|b| shard.as_ref().map(|s| (s, b))),
+    )?;
+    job.barrier()?;
+    let mut baseline_links = Links::default();
+    for p in [&gather, &broadcast].into_iter().flatten() {
+        baseline_links.senders.extend(p.senders());
+        baseline_links.receivers.extend(p.receivers());
+    }
+    // the whole tensor lands in the full buffer, or in the shard of a rank that keeps it all
+    let tensor = full
+        .as_ref()
+        .or(shard.as_ref().filter(|_| gb.gets_tensor(rank)));
+    let baseline_transport = connect(&baseline_links, tensor.map(|f| (f, &whole)))?;
+
+    let mut reshard = Measured::default();
+    let mut gather_broadcast = Measured::default();
+    for i in 0..args.repetitions() {
+        let timed = i >= args.warmup;
+        let last = i + 1 == args.repetitions();
+        if let Some(s) = shard.as_deref_mut() {
+            poison(s);
+        }
+        job.barrier()?;
+        let started = Instant::now();
+        let work = RankJob {
+            plan: &mine,
+            src_layout: src,
+            src: src_box.as_ref().zip(source.as_deref()),
+            dst: dst_box.as_ref().zip(shard.as_deref_mut()),
+        };
+        let stats = exec::run_rank(work, &*reshard_transport, options)?;
+        let elapsed = started.elapsed().as_secs_f64();
+        bar.inc(1);
+        if last {
+            verify(fill, plan, rank, shard.as_deref())?;
+        }
+        if timed {
+            reshard.times.push(elapsed);
+            reshard.wire_bytes = stats.bytes_received;
+            reshard.peak_extra = stats.peak_staging_bytes;
+        }
+
+        if let Some(s) = shard.as_deref_mut() {
+            poison(s);
+        }
+        job.barrier()?;
+        let started = Instant::now();
+        let work = BaselineJob {
+            baseline: gb,
+            gather: gather.as_ref(),
+            broadcast: broadcast.as_ref(),
+            src: src_box.as_ref().zip(source.as_deref()),
+            full: full.as_deref_mut(),
+            dst: dst_box.as_ref().zip(shard.as_deref_mut()),
+        };
+        let stats = baseline::run_rank_gather_broadcast(rank, work, &*baseline_transport, options)?;
+        let elapsed = started.elapsed().as_secs_f64();
+        bar.inc(1);
+        if last {
+            verify(fill, plan, rank, shard.as_deref())?;
+        }
+        if timed {
+            gather_broadcast.times.push(elapsed);
+            gather_broadcast.wire_bytes = stats.bytes_received;
+            let full_bytes = full.as_ref().map_or(0, |f| f.len() as u64);
+            gather_broadcast.peak_extra = stats.peak_staging_bytes.saturating_add(full_bytes);
+        }
+    }
+    let method = |m: &Measured| {
+        serde_json::json!({
+            "times": m.times,
+            "wire_bytes": m.wire_bytes,
+            "peak_extra": m.peak_extra,
+        })
+    };
+    let report = serde_json::json!({
+        "reshard": method(&reshard),
+        "gather_broadcast": method(&gather_broadcast),
+    });
+    Ok((report, reshard_transport.name().to_string()))
+}
+
+/// Checks this rank's destination shard against the fill.
+fn verify(fill: Fill, plan: &Plan, rank: Rank, shard: Option<&[u8]>) -> Result<(), Error> {
+    let (Some(region), Some(buf)) = (plan.dst().local_region(rank), shard) else {
+        return Ok(());
+    };
+    match fill.check_region(plan.dst(), &region, buf) {
+        None => Ok(()),
+        Some((offset, expected, found, mismatches)) => Err(Error::VerifyFailed {
+            rank,
+            offset,
+            expected,
+            found,
+            mismatches,
+        }),
+    }
+}
+
+fn report(args: &BenchArgs, cases: &[Case], transport: &str, results: &[CaseResult]) {
+    let json_of = |case: &Case, r: &CaseResult| {
+        let dst_bytes = case.dst_bytes();
+        let reshard = MethodJson::of(&r.reshard, dst_bytes);
+        let gather_broadcast = MethodJson::of(&r.gather_broadcast, dst_bytes);
+        CaseJson {
+            name: case.name.clone(),
+            shape: case.plan.src().shape().to_vec(),
+            dtype: case.plan.src().dtype().to_string(),
+            src: case.src_spec.clone(),
+            dst: case.dst_spec.clone(),
+            transport: transport.to_string(),
+            iters: args.iters,
+            verified: r.verified,
+            dst_bytes,
+            speedup: gather_broadcast.median_s / reshard.median_s.max(1e-12),
+            byte_ratio: r.gather_broadcast.wire_bytes as f64 / r.reshard.wire_bytes.max(1) as f64,
+            reshard,
+            gather_broadcast,
+        }
+    };
+    let all: Vec<CaseJson> = cases
+        .iter()
+        .zip(results)
+        .map(|(c, r)| json_of(c, r))
+        .collect();
+    if args.json {
+        let text = match (args.suite, all.len()) {
+            (None, 1) => serde_json::to_string_pretty(&all[0]),
+            _ => serde_json::to_string_pretty(&SuiteJson {
+                suite: "refit".into(),
+                transport: transport.to_string(),
+                cases: all,
+            }),
+        };
+        println!("{}", text.expect("bench JSON serializes"));
+        return;
+    }
+    println!(
+        "reshard vs gather+broadcast over {transport}, median of {} (after {} warm-up), every destination byte verified",
+        args.iters, args.warmup
+    );
+    println!(
+        "{:<22} {:>10} {:>10} {:>10} {:>10} {:>9} {:>9} {:>8} {:>7} {:>11} {:>11}",
+        "case",
+        "dst",
+        "reshard",
+        "g+b",
+        "reshard",
+        "GB/s",
+        "g+b GB/s",
+        "speedup",
+        "bytes",
+        "extra mem",
+        "g+b extra"
+    );
+    println!(
+        "{:<22} {:>10} {:>10} {:>10} {:>10} {:>9} {:>9} {:>8} {:>7} {:>11} {:>11}",
+        "", "bytes", "ms", "ms", "wire", "", "", "", "ratio", "reshard", "per rank"
+    );
+    for (case, j) in cases.iter().zip(&all) {
+        let name = if case.name.is_empty() {
+            println!(
+                "{}: {} -> {}",
+                j.shape
+                    .iter()
+                    .map(u64::to_string)
+                    .collect::<Vec<_>>()
+                    .join("x"),
+                case.src_spec,
+                case.dst_spec
+            );
+            format!("{}-D {}", j.shape.len(), j.dtype)
+        } else {
+            case.name.clone()
+        };
+        println!(
+            "{:<22} {:>10} {:>10.2} {:>10.2} {:>10} {:>9.2} {:>9.2} {:>7.2}x {:>6.2}x {:>11} {:>11}",
+            name,
+            bytes(j.dst_bytes),
+            j.reshard.median_s * 1e3,
+            j.gather_broadcast.median_s * 1e3,
+            bytes(j.reshard.wire_bytes),
+            j.reshard.gbps,
+            j.gather_broadcast.gbps,
+            j.speedup,
+            j.byte_ratio,
+            bytes(j.reshard.peak_extra_bytes_per_rank),
+            bytes(j.gather_broadcast.peak_extra_bytes_per_rank),
+        );
+    }
+}

@@ -1,0 +1,227 @@
+//! What `run` and `bench` share: the transport choice and executor options, and the set-up of
+//! one rank of a multi-process job (world check, memory check, links).
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use clap::{Args, ValueEnum};
+
+use reshard::exec::ExecOptions;
+use reshard::transport::group::Group;
+use reshard::transport::segment::SharedBuffer;
+use reshard::transport::shm::ShmTransport;
+use reshard::transport::tcp::TcpTransport;
+use reshard::transport::{Job, Transport};
+use reshard::{Error, Rank, Region};
+
+use super::units::{bytes, parse_bytes};
+
+/// Which transport moves the bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum TransportKind {
+    /// Every rank a thread of this process; receivers copy straight from the senders' shards.
+    Local,
+    /// Processes and hosts over TCP (under `reshard launch`, `mpirun`, or hand-set RANK,
+    /// WORLD_SIZE, MASTER_ADDR, MASTER_PORT).
+    Tcp,
+    /// Processes on one host: receivers copy straight from the senders' memory
+    /// (cross-memory attach), control over TCP.
+    Shm,
+    /// The site's MPI, under mpirun (build with `--features mpi`).
+    Mpi,
+    /// The best transport for where the ranks are: local in one process; between processes,
+    /// shm for peers on the same host and tcp for the others; mpi under mpirun when built
+    /// with MPI and no MASTER_PORT is set.
+    Auto,
+}
+
+impl TransportKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            TransportKind::Local => "local",
+            TransportKind::Tcp => "tcp",
+            TransportKind::Shm => "shm",
+            TransportKind::Mpi => "mpi",
+            TransportKind::Auto => "auto",
+        }
+    }
+}
+
+/// How the bytes move: the transport and the executor's knobs.
+#[derive(Args, Debug, Clone)]
+pub struct ExecArgs {
+    #[arg(long, value_enum, default_value = "auto")]
+    pub transport: TransportKind,
+    /// Largest chunk a transfer is cut into.
+    #[arg(long, value_name = "BYTES", default_value = "4MiB")]
+    chunk_bytes: String,
+    /// Bound on the staging memory of one rank.
+    #[arg(long, value_name = "BYTES", default_value = "64MiB")]
+    staging_bytes: String,
+    /// Seconds a rank waits for a peer before failing.
+    #[arg(
+        long,
+        value_name = "SECONDS",
+        default_value_t = 60.0,
+        allow_hyphen_values = true
+    )]
+    timeout: f64,
+}
+
+impl ExecArgs {
+    pub fn options(&self) -> Result<ExecOptions, Error> {
+        let chunk = parse_bytes("--chunk-bytes", &self.chunk_bytes)?;
+        let staging = parse_bytes("--staging-bytes", &self.staging_bytes)?;
+        if !(self.timeout.is_finite() && self.timeout >= 1e-3 && self.timeout < 1e9) {
+            return Err(Error::InvalidOption {
+                field: "--timeout",
+                value: self.timeout.to_string(),
+                reason: "expected a number of seconds between 0.001 and 1e9".into(),
+            });
+        }
+        let options = ExecOptions {
+            chunk_bytes: usize::try_from(chunk).unwrap_or(usize::MAX),
+            staging_bytes: usize::try_from(staging).unwrap_or(usize::MAX),
+            timeout: Duration::from_secs_f64(self.timeout),
+        };
+        options.validate()?;
+        Ok(options)
+    }
+}
+
+/// Whichever transport a multi-process run uses.
+pub type AnyTransport<'a> = Box<dyn for<'b> Transport<'b> + 'a>;
+
+/// This rank's destination buffer in shared memory, and its box, when it has one: same-host
+/// senders may write straight into it.
+pub type Destination<'a> = Option<(&'a SharedBuffer, &'a Region)>;
+
+/// The peers one rank exchanges data with, in each direction.
+#[derive(Clone, Debug, Default)]
+pub struct Links {
+    pub senders: BTreeSet<Rank>,
+    pub receivers: BTreeSet<Rank>,
+}
+
+impl Links {
+    pub fn peers(&self) -> BTreeSet<Rank> {
+        self.senders.union(&self.receivers).copied().collect()
+    }
+}
+
+/// Opens this rank's links for `kind` (tcp, shm or auto) to `links`' peers. Every rank of the
+/// job must call it at the same point (it connects to peers and waits for them).
+pub fn connect<'g>(
+    kind: TransportKind,
+    group: &'g Group,
+    links: &Links,
+    destination: Destination<'_>,
+    options: &ExecOptions,
+) -> Result<AnyTransport<'g>, Error> {
+    let peers = links.peers();
+    let tcp = TcpTransport::new(group.rank(), group.connect_peers(&peers)?, options.timeout)?;
+    if kind == TransportKind::Tcp {
+        return Ok(Box::new(tcp));
+    }
+    let far = peers.iter().copied().find(|&p| !group.same_host(p));
+    if let (TransportKind::Shm, Some(far)) = (kind, far) {
+        return Err(Error::InvalidOption {
+            field: "--transport",
+            value: "shm".into(),
+            reason: format!("rank {far} runs on another host; use tcp or auto"),
+        });
+    }
+    // shm (or auto) for the peers on this host
+    let near = peers.iter().copied().filter(|&p| group.same_host(p));
+    let near = near.map(|p| (p, group.pid(p))).collect();
+    let mut shm = ShmTransport::new(tcp, near, options.staging_bytes, options.timeout);
+    // RESHARD_SHM_DIRECT=0 keeps senders out of the receivers' shards: rings only
+    let direct = std::env::var("RESHARD_SHM_DIRECT").map_or(true, |v| v != "0");
+    let destination = destination.filter(|_| direct);
+    shm.exchange_destinations(destination, &links.senders, &links.receivers)?;
+    Ok(Box::new(shm))
+}
+
+/// Checks that the job has a process for every rank the layouts use (`highest`).
+pub fn check_world(highest: Rank, world: usize) -> Result<(), Error> {
+    if highest >= world {
+        return Err(Error::Env {
+            var: "WORLD_SIZE",
+            value: world.to_string(),
+            reason: format!(
+                "the layouts use ranks up to {highest}, so the job needs at least {} processes",
+                highest + 1
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// Refuses a run whose buffers (`needed` bytes) cannot fit in this machine's available memory,
+/// instead of letting the allocator abort half-way. `shape` names the tensor in the error.
+pub fn check_memory(needed: u64, shape: &[u64]) -> Result<(), Error> {
+    let available = std::fs::read_to_string("/proc/meminfo").ok().and_then(|m| {
+        m.lines()
+            .find_map(|l| l.strip_prefix("MemAvailable:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+            .map(|kib| kib * 1024)
+    });
+    match available {
+        Some(available) if needed > available => Err(Error::InvalidOption {
+            field: "--shape",
+            value: shape
+                .iter()
+                .map(u64::to_string)
+                .collect::<Vec<_>>()
+                .join(","),
+            reason: format!(
+                "running it here needs {} of buffers, but only {} of memory is available",
+                bytes(needed),
+                bytes(available)
+            ),
+        }),
+        _ => Ok(()),
+    }
+}
+
+/// Whether this process was started by OpenMPI's or another PMI launcher.
+pub fn under_mpirun() -> bool {
+    ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"]
+        .iter()
+        .any(|v| std::env::var_os(v).is_some())
+}
+
+/// The error for a multi-process transport started as a lone process.
+pub fn not_in_a_job(kind: TransportKind) -> Error {
+    Error::InvalidOption {
+        field: "--transport",
+        value: kind.name().into(),
+        reason: "it runs one rank per process: start it with `reshard launch --nproc N -- \
+                 run ...`, or set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT (also \
+                 under mpirun, with -x)"
+            .into(),
+    }
+}
+
+/// The error for `--transport mpi` in a build without MPI.
+#[cfg(not(feature = "mpi"))]
+pub fn no_mpi() -> Error {
+    Error::InvalidOption {
+        field: "--transport",
+        value: "mpi".into(),
+        reason: "this reshard was built without MPI; build it with `cargo build --release --features mpi` \
+                 (needs an MPI library such as Debian's libopenmpi-dev, and libclang-dev)"
+            .into(),
+    }
+}
+
+/// Seconds of `times`: (median, min, max).
+pub fn spread(times: &[f64]) -> (f64, f64, f64) {
+    let mut sorted = times.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    (
+        sorted.get(sorted.len() / 2).copied().unwrap_or(0.0),
+        sorted.first().copied().unwrap_or(0.0),
+        sorted.last().copied().unwrap_or(0.0),
+    )
+}

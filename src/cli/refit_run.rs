@@ -1,0 +1,414 @@
+//! `reshard refit --run`: the whole model moved for real, one rank per process, by the batched
+//! reshard and by per-tensor gather+broadcast in turn, on the same buffers, both verified.
+
+use std::time::Instant;
+
+use clap::Args;
+use serde::Serialize;
+
+use reshard::batch::baseline::{BatchBaseline, run_rank_batch_baseline};
+use reshard::batch::{
+    Batch, BatchOptions, DEFAULT_PACK_BELOW, Fusion, RankBatch, Tensor, run_rank_batch,
+};
+use reshard::exec::ExecOptions;
+use reshard::fill::Fill;
+use reshard::model::Refit;
+use reshard::transport::Job;
+use reshard::transport::group::{Group, GroupEnv};
+use reshard::{Error, PlanOptions, Side};
+
+use super::Failure;
+use super::processes::{
+    AnyTransport, ExecArgs, Links, TransportKind, check_memory, check_world, connect, not_in_a_job,
+    spread, under_mpirun,
+};
+use super::units::{bytes, parse_bytes};
+
+#[derive(Args, Debug)]
+pub struct RefitRunArgs {
+    /// Execute the refit: one rank per process (under `reshard launch --nproc N` or `mpirun`),
+    /// every tensor filled, moved by reshard and by gather+broadcast in turn, both verified.
+    #[arg(long)]
+    pub run: bool,
+    #[command(flatten)]
+    pub exec: ExecArgs,
+    /// Timed repetitions of each method.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..))]
+    pub iters: u32,
+    /// Untimed repetitions of each method first.
+    #[arg(long, default_value_t = 1)]
+    pub warmup: u32,
+    /// Tensors smaller than this whose source is fully replicated (norms, biases, routers)
+    /// go in one packed broadcast per source rank; 0 sends every tensor by reshard.
+    #[arg(long, value_name = "BYTES", default_value_t = DEFAULT_PACK_BELOW.to_string())]
+    pub pack_below: String,
+}
+
+/// The batch of a refit: every tensor, and the fused buffers of both sides.
+pub fn batch_of(refit: &Refit, plan: PlanOptions, pack_below: u64) -> Result<Batch, Error> {
+    let tensors = refit
+        .tensors
+        .iter()
+        .map(|t| Tensor {
+            name: t.name.clone(),
+            src: t.src.clone(),
+            dst: t.dst.clone(),
+        })
+        .collect();
+    let fusion = |side| {
+        move |f: &reshard::model::Fused| Fusion {
+            name: f.name.clone(),
+            side,
+            dim: f.dim,
+            members: f.members.clone(),
+        }
+    };
+    let fusions = refit
+        .src_fused
+        .iter()
+        .map(fusion(Side::Src))
+        .chain(refit.dst_fused.iter().map(fusion(Side::Dst)))
+        .collect();
+    Batch::new(tensors, fusions, BatchOptions { plan, pack_below })
+}
+
+#[derive(Serialize)]
+struct MethodJson {
+    median_s: f64,
+    min_s: f64,
+    max_s: f64,
+    wire_bytes: u64,
+    gbps: f64,
+    peak_extra_bytes_per_rank: u64,
+}
+
+/// The `run` object added to the refit JSON.
+#[derive(Serialize)]
+pub struct RunJson {
+    transport: String,
+    iters: u32,
+    verified: bool,
+    pack_below: u64,
+    dst_bytes: u64,
+    reshard: MethodJson,
+    gather_broadcast: MethodJson,
+    speedup: f64,
+}
+
+/// Runs this rank's part; rank 0 returns the report.
+pub fn main(
+    args: &RefitRunArgs,
+    refit: &Refit,
+    plan: PlanOptions,
+) -> Result<Option<RunJson>, Failure> {
+    let pack_below = parse_bytes("--pack-below", &args.pack_below)?;
+    let options = args.exec.options()?;
+    let batch = batch_of(refit, plan, pack_below)?;
+    let baseline = BatchBaseline::new(&batch)?;
+    let kind = args.exec.transport;
+    let env = GroupEnv::from_env()?;
+    let mpi = cfg!(feature = "mpi") && under_mpirun();
+    match (kind, env) {
+        (TransportKind::Local, _) | (TransportKind::Auto, None)
+            if !(kind == TransportKind::Auto && mpi) =>
+        {
+            Err(Failure::Input(Error::InvalidOption {
+                field: "--run",
+                value: kind.name().into(),
+                reason: format!(
+                    "a refit runs one rank per process: start it with `reshard launch --nproc {} -- refit ... --run` (or under mpirun)",
+                    batch.world()
+                ),
+            }))
+        }
+        (TransportKind::Mpi, _) | (TransportKind::Auto, None) => {
+            run_mpi(args, &batch, &baseline, pack_below, &options)
+        }
+        (_, None) => Err(Failure::Input(not_in_a_job(kind))),
+        (_, Some(env)) => {
+            check_world(batch.world().saturating_sub(1), env.world)?;
+            let group = Group::join(env, options.timeout)?;
+            run_processes(
+                args,
+                &batch,
+                &baseline,
+                pack_below,
+                &options,
+                &group,
+                &|links| connect(kind, &group, links, None, &options),
+            )
+        }
+    }
+}
+
+#[cfg(feature = "mpi")]
+fn run_mpi(
+    args: &RefitRunArgs,
+    batch: &Batch,
+    baseline: &BatchBaseline,
+    pack_below: u64,
+    options: &ExecOptions,
+) -> Result<Option<RunJson>, Failure> {
+    use reshard::transport::mpi::MpiJob;
+    let job = MpiJob::init()?;
+    check_world(batch.world().saturating_sub(1), job.world())?;
+    let first = batch.tensors().first();
+    let shape = first.map(|t| t.src.shape().to_vec()).unwrap_or_default();
+    let elem = first.map_or(1, |t| t.src.dtype().size());
+    run_processes(args, batch, baseline, pack_below, options, &job, &|_| {
+        Ok(Box::new(job.transport(&shape, elem)) as AnyTransport<'_>)
+    })
+}
+
+#[cfg(not(feature = "mpi"))]
+fn run_mpi(
+    _: &RefitRunArgs,
+    _: &Batch,
+    _: &BatchBaseline,
+    _: u64,
+    _: &ExecOptions,
+) -> Result<Option<RunJson>, Failure> {
+    Err(Failure::Input(super::processes::no_mpi()))
+}
+
+/// Every tensor's contents: a hash of the element index, seeded by the tensor's position.
+fn fill_of(tensor: usize) -> Fill {
+    Fill::Hash {
+        seed: tensor as u64,
+    }
+}
+
+fn poison(bufs: &mut [Vec<u8>]) {
+    bufs.iter_mut().for_each(|b| b.fill(0xA5));
+}
+
+/// Checks every piece of this rank's destination buffers against its tensor's fill.
+fn verify(batch: &Batch, rb: &RankBatch, dst: &[Vec<u8>]) -> Result<(), Error> {
+    for (buffer, bytes) in rb.dst.iter().zip(dst) {
+        for p in &buffer.pieces {
+            let layout = &batch.tensors()[p.tensor].dst;
+            if let Some((offset, expected, found, mismatches)) =
+                fill_of(p.tensor).check_region(layout, &p.region, &bytes[p.bytes.clone()])
+            {
+                return Err(Error::VerifyFailed {
+                    rank: rb.rank,
+                    offset: offset + p.bytes.start as u64,
+                    expected,
+                    found,
+                    mismatches,
+                });
+            }
+        }
+    }
+    Ok(())
+}
+
+#[allow(clippy::too_many_arguments)]
+fn run_processes<'j, J: Job>(
+    args: &RefitRunArgs,
+    batch: &Batch,
+    baseline: &BatchBaseline,
+    pack_below: u64,
+    options: &ExecOptions,
+    job: &'j J,
+    connect: &dyn Fn(&Links) -> Result<AnyTransport<'j>, Error>,
+) -> Result<Option<RunJson>, Failure> {
+    let rank = job.rank();
+    let outcome = run_rank(args, batch, baseline, options, job, connect);
+    if let Err(e) = &outcome {
+        eprintln!("error: {e}");
+        if matches!(e, Error::JobFailed { .. }) {
+            return Err(Failure::Run(outcome.unwrap_err()));
+        }
+    }
+    let reports = job.finish(outcome.map_err(|e| e.to_string()))?;
+    if rank != 0 {
+        return Ok(None);
+    }
+    let name = reports
+        .first()
+        .and_then(|r| r["transport"].as_str())
+        .unwrap_or("?")
+        .to_string();
+    let dst_bytes: u64 = reports
+        .iter()
+        .map(|r| r["dst_bytes"].as_u64().unwrap_or(0))
+        .sum();
+    let method = |key: &str| {
+        let repetitions = reports
+            .first()
+            .and_then(|r| r[key]["times"].as_array())
+            .map_or(0, Vec::len);
+        // per repetition, the slowest rank's time
+        let times: Vec<f64> = (0..repetitions)
+            .map(|i| {
+                reports
+                    .iter()
+                    .map(|r| r[key]["times"][i].as_f64().unwrap_or(0.0))
+                    .fold(0.0, f64::max)
+            })
+            .collect();
+        let (median_s, min_s, max_s) = spread(&times);
+        MethodJson {
+            median_s,
+            min_s,
+            max_s,
+            wire_bytes: reports
+                .iter()
+                .map(|r| r[key]["wire_bytes"].as_u64().unwrap_or(0))
+                .sum(),
+            gbps: dst_bytes as f64 / median_s.max(1e-12) / 1e9,
+            peak_extra_bytes_per_rank: reports
+                .iter()
+                .map(|r| r[key]["peak_extra"].as_u64().unwrap_or(0))
+                .max()
+                .unwrap_or(0),
+        }
+    };
+    let (reshard, gather_broadcast) = (method("reshard"), method("gather_broadcast"));
+    Ok(Some(RunJson {
+        transport: name,
+        iters: args.iters,
+        verified: true,
+        pack_below,
+        dst_bytes,
+        speedup: gather_broadcast.median_s / reshard.median_s.max(1e-12),
+        reshard,
+        gather_broadcast,
+    }))
+}
+
+/// This rank's buffers, links and both methods in turn; the report for rank 0.
+fn run_rank<'j, J: Job>(
+    args: &RefitRunArgs,
+    batch: &Batch,
+    baseline: &BatchBaseline,
+    options: &ExecOptions,
+    job: &'j J,
+    connect: &dyn Fn(&Links) -> Result<AnyTransport<'j>, Error>,
+) -> Result<serde_json::Value, Error> {
+    let rank = job.rank();
+    let rb = batch.rank_batch(rank)?;
+    let mine = baseline.for_rank(rank)?;
+    let full_len = baseline.full_bytes(rank);
+    let src_len: usize = rb.src.iter().map(|b| b.len).sum();
+    let dst_len: usize = rb.dst.iter().map(|b| b.len).sum();
+    let shape = batch
+        .tensors()
+        .first()
+        .map(|t| t.src.shape().to_vec())
+        .unwrap_or_default();
+    check_memory((src_len + dst_len + full_len) as u64, &shape)?;
+    let mut src: Vec<Vec<u8>> = rb.src.iter().map(|b| vec![0u8; b.len]).collect();
+    for (buffer, bytes) in rb.src.iter().zip(&mut src) {
+        for p in &buffer.pieces {
+            let layout = &batch.tensors()[p.tensor].src;
+            fill_of(p.tensor).fill_region(layout, &p.region, &mut bytes[p.bytes.clone()]);
+        }
+    }
+    let mut dst: Vec<Vec<u8>> = rb.dst.iter().map(|b| vec![0u8; b.len]).collect();
+    let mut full = vec![0u8; full_len];
+
+    // Both methods' links, opened one after the other by every rank.
+    job.barrier()?;
+    let mut links = Links::default();
+    for m in rb.moves.iter().filter(|m| m.from != m.to) {
+        if m.to == rank {
+            links.senders.insert(m.from);
+        } else {
+            links.receivers.insert(m.to);
+        }
+    }
+    let reshard_transport = connect(&links)?;
+    job.barrier()?;
+    let mut links = Links::default();
+    for p in mine.parts.iter().flat_map(|(g, b)| [g, b]).flatten() {
+        links.senders.extend(p.senders());
+        links.receivers.extend(p.receivers());
+    }
+    let baseline_transport = connect(&links)?;
+
+    let srcs: Vec<&[u8]> = src.iter().map(Vec::as_slice).collect();
+    let mut times = (Vec::new(), Vec::new());
+    let mut wire = (0, 0);
+    let mut peak = (0, 0);
+    for i in 0..args.warmup + args.iters {
+        let timed = i >= args.warmup;
+        let last = i + 1 == args.warmup + args.iters;
+        poison(&mut dst);
+        job.barrier()?;
+        let started = Instant::now();
+        let stats = {
+            let mut dsts: Vec<&mut [u8]> = dst.iter_mut().map(Vec::as_mut_slice).collect();
+            run_rank_batch(batch, &rb, &srcs, &mut dsts, &*reshard_transport, options)?
+        };
+        let elapsed = started.elapsed().as_secs_f64();
+        if last {
+            verify(batch, &rb, &dst)?;
+        }
+        if timed {
+            times.0.push(elapsed);
+            wire.0 = stats.bytes_received;
+            peak.0 = stats.peak_staging_bytes;
+        }
+
+        poison(&mut dst);
+        job.barrier()?;
+        let started = Instant::now();
+        let stats = {
+            let mut dsts: Vec<&mut [u8]> = dst.iter_mut().map(Vec::as_mut_slice).collect();
+            run_rank_batch_baseline(
+                batch,
+                baseline,
+                &mine,
+                &rb,
+                &srcs,
+                &mut dsts,
+                &mut full,
+                &*baseline_transport,
+                options,
+            )?
+        };
+        let elapsed = started.elapsed().as_secs_f64();
+        if last {
+            verify(batch, &rb, &dst)?;
+        }
+        if timed {
+            times.1.push(elapsed);
+            wire.1 = stats.bytes_received;
+            peak.1 = stats.peak_staging_bytes + full_len as u64;
+        }
+    }
+    let method = |times: &Vec<f64>, wire: u64, peak: u64| serde_json::json!({ "times": times, "wire_bytes": wire, "peak_extra": peak });
+    Ok(serde_json::json!({
+        "transport": reshard_transport.name(),
+        "dst_bytes": dst_len,
+        "reshard": method(&times.0, wire.0, peak.0),
+        "gather_broadcast": method(&times.1, wire.1, peak.1),
+    }))
+}
+
+/// The text lines of a run.
+pub fn describe(run: &RunJson) -> String {
+    let line = |name: &str, m: &MethodJson| {
+        format!(
+            "{name:<18} {:.3} s (min {:.3}, max {:.3}), {:.2} GB/s, {} on the wire, {} extra per rank\n",
+            m.median_s,
+            m.min_s,
+            m.max_s,
+            m.gbps,
+            bytes(m.wire_bytes),
+            bytes(m.peak_extra_bytes_per_rank)
+        )
+    };
+    format!(
+        "\nrun over {}, median of {}, every destination byte verified ({} of destination buffers; packed below {})\n{}{}speedup            {:.2}x\n",
+        run.transport,
+        run.iters,
+        bytes(run.dst_bytes),
+        bytes(run.pack_below),
+        line("reshard", &run.reshard),
+        line("gather+broadcast", &run.gather_broadcast),
+        run.speedup
+    )
+}
