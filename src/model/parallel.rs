@@ -35,7 +35,8 @@ pub struct Inference {
     pub dp: usize,
     pub pp: usize,
     /// vLLM's expert parallelism: the routed experts of a stage are split over all its
-    /// `tp x dp` ranks, without tensor parallelism inside an expert. Written `ep` or
+    /// `tp x dp` ranks, without tensor parallelism inside an expert (without it, those ranks
+    /// tensor-split every expert). Written `ep` or
     /// `ep=N` with `N = tp x dp`.
     pub ep: bool,
 }

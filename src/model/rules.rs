@@ -50,10 +50,10 @@
 //!
 //! - Ranks right after the training ranks (or from 0 with `--colocated`), tp fastest, then pp,
 //!   then dp (vLLM's `(dp, pp, tp)` rank grid): rank `base + t + tp x (s + pp x d)`.
-//! - TP applies the kind; DP replicates. Experts without `ep`: TP splits dim 1 or 2 of every
-//!   expert, DP replicates. With `ep`: the experts of a stage are split (dim 0) over all its
-//!   `tp x dp` ranks (one `torch.chunk` split, in EP-rank order `d x tp + t`), with no TP
-//!   inside an expert.
+//! - TP applies the kind; DP replicates. Expert layers form one group of all `tp x dp` ranks
+//!   of a stage, in the order `d x tp + t` (vLLM flattens TP across DP for MoE layers): without
+//!   `ep`, that group tensor-splits dim 1 or 2 of every expert; with `ep`, it splits the
+//!   experts (dim 0), with no TP inside an expert. Either is one `torch.chunk` split.
 //!
 //! # Pipeline stages (both sides)
 //!
@@ -540,13 +540,15 @@ pub fn infer_layout(
     let dp_stride = i.tp * i.pp;
     if kind.is_expert() {
         let dim = expert_dim(param, kind, which)?;
-        if i.ep {
-            // one split over the stage's tp x dp ranks in EP-rank order d x tp + t
-            axes.push(Axis::blocks(i.dp, dp_stride, i.tp, 1, Placement::Shard(0)));
-        } else {
-            axes.push(Axis::new(i.tp, 1, Placement::Shard(dim)));
-            axes.push(Axis::new(i.dp, dp_stride, Placement::Replicate));
-        }
+        // one split over the stage's tp x dp ranks, in the order d x tp + t
+        let split = if i.ep { 0 } else { dim };
+        axes.push(Axis::blocks(
+            i.dp,
+            dp_stride,
+            i.tp,
+            1,
+            Placement::Shard(split),
+        ));
     } else {
         axes.extend(tp_axes(param, kind, i.tp, facts, which)?);
         axes.push(Axis::new(i.dp, dp_stride, Placement::Replicate));
@@ -798,13 +800,22 @@ mod tests {
     #[test]
     fn vllm_experts() {
         let up = p("model.layers.0.mlp.experts.up_proj.weight", &[8, 16, 32]);
-        // no EP: TP splits every expert's intermediate dim; DP replicates
+        // no EP: TP flattened across DP splits every expert's intermediate dim
         let i = Inference::parse("tp=2,dp=2").unwrap();
         let l = infer_layout(&up, Kind::ExpertColumn, &i, &FACTS, 0).unwrap();
         assert_eq!(
             region(&l, 3),
-            Some(Region::from_ranges(&[0..8, 8..16, 0..32]))
+            Some(Region::from_ranges(&[0..8, 12..16, 0..32]))
         );
+        assert_eq!(l.replication(), 1);
+        // pipeline stages in between: stage 0's ranks are 0, 1 (d=0) and 4, 5 (d=1)
+        let i = Inference::parse("tp=2,dp=2,pp=2").unwrap();
+        let l = infer_layout(&up, Kind::ExpertColumn, &i, &FACTS, 0).unwrap();
+        let rows: Vec<u64> = [0, 1, 4, 5]
+            .iter()
+            .map(|&r| region(&l, r).unwrap().offset[1])
+            .collect();
+        assert_eq!(rows, [0, 4, 8, 12]);
         // EP over tp x dp = 4 ranks: experts split in rank order d x tp + t
         let i = Inference::parse("tp=2,dp=2,ep").unwrap();
         let l = infer_layout(&up, Kind::ExpertColumn, &i, &FACTS, 0).unwrap();
@@ -969,7 +980,7 @@ mod tests {
         }
 
         /// Every inference rank holds what vLLM's rank grid says: `base + t + tp (s + pp d)`;
-        /// experts with EP split over `d tp + t`.
+        /// expert layers split over the flattened group `d tp + t`.
         #[test]
         fn vllm_rank_formula(i in arb_inference(), layer in 0u64..8, base in 0usize..5) {
             let facts = ModelFacts { num_layers: 8, heads: None, tied_embeddings: false };
@@ -988,10 +999,11 @@ mod tests {
                 }
                 let cols = nested(23, &[(i.tp, t)]);
                 prop_assert_eq!(dense.local_region(r), Some(Region::from_ranges(&[0..5, cols])));
+                let group = (i.tp * i.dp, d * i.tp + t);
                 let want = if i.ep {
-                    Region::from_ranges(&[nested(13, &[(i.tp * i.dp, d * i.tp + t)]), 0..5, 0..11])
+                    Region::from_ranges(&[nested(13, &[group]), 0..5, 0..11])
                 } else {
-                    Region::from_ranges(&[0..13, 0..5, nested(11, &[(i.tp, t)])])
+                    Region::from_ranges(&[0..13, 0..5, nested(11, &[group])])
                 };
                 prop_assert_eq!(experts.local_region(r), Some(want));
             }
