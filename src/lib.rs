@@ -9,7 +9,8 @@
 //! - [`transport`]: moves chunks (`local`: ranks as threads of one process);
 //! - [`fill`]: deterministic contents for running and verifying reshards;
 //! - [`model`]: whole models (HF configs, checkpoint headers), training and inference
-//!   parallelism, the per-parameter layout rules, and the plan of a whole-model refit.
+//!   parallelism, the per-parameter layout rules, and the plan of a whole-model refit;
+//! - [`sim`]: a cluster cost model that prices plans at scales this machine cannot run.
 //!
 //! ```
 //! use reshard::{DType, Plan, layout::LayoutSpec};
@@ -30,6 +31,7 @@ pub mod layout;
 pub mod model;
 pub mod plan;
 pub mod region;
+pub mod sim;
 pub mod transport;
 
 #[cfg(test)]

@@ -400,6 +400,70 @@ fn bad_input_names_the_field_and_the_value() {
 }
 
 #[test]
+fn plan_simulate_prices_the_plan_on_a_cluster() {
+    let plain = reshard(&[&["plan"], &SEED[..], &["--json"]].concat());
+    let plain: Value = serde_json::from_str(&stdout(&plain)).unwrap();
+    assert!(plain.get("simulation").is_none());
+
+    let out = reshard(&[&["plan"], &SEED[..], &["--json", "--simulate", "h100"]].concat());
+    assert!(out.status.success(), "{}", stderr(&out));
+    let json: Value = serde_json::from_str(&stdout(&out)).unwrap();
+    assert_eq!(json["totals"], plain["totals"]);
+    let sim = &json["simulation"];
+    assert_eq!(sim["cluster"], "h100");
+    let num = |k: &str| sim[k].as_f64().unwrap_or_else(|| panic!("{k}: {sim}"));
+    assert!(num("lower_bound_s") > 0.0 && num("lower_bound_s") <= num("reshard_s"));
+    assert!((num("speedup") - num("gather_broadcast_s") / num("reshard_s")).abs() < 1e-9);
+
+    let text = reshard(&[&["plan"], &SEED[..], &["--simulate", "gb200"]].concat());
+    assert!(text.status.success(), "{}", stderr(&text));
+    assert!(
+        stdout(&text).contains("simulated on gb200"),
+        "{}",
+        stdout(&text)
+    );
+
+    // a cluster file: the same hardware with a tenth of the NIC bandwidth is slower
+    let dir = temp_dir("simulate");
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("slow.json");
+    std::fs::write(
+        &file,
+        r#"{"base": "h100", "nvlink_domain": 1, "gpus_per_node": 1, "nic_gb_s": 5}"#,
+    )
+    .unwrap();
+    let slow = reshard(
+        &[
+            &["plan"],
+            &SEED[..],
+            &["--json", "--simulate", file.to_str().unwrap()],
+        ]
+        .concat(),
+    );
+    assert!(slow.status.success(), "{}", stderr(&slow));
+    let slow: Value = serde_json::from_str(&stdout(&slow)).unwrap();
+    assert_eq!(slow["simulation"]["cluster"], "slow");
+    assert!(slow["simulation"]["reshard_s"].as_f64().unwrap() > num("reshard_s"));
+
+    std::fs::write(&file, r#"{"base": "h100", "nic_gbs": 5}"#).unwrap();
+    let bad = reshard(
+        &[
+            &["plan"],
+            &SEED[..],
+            &["--simulate", file.to_str().unwrap()],
+        ]
+        .concat(),
+    );
+    assert_eq!(bad.status.code(), Some(2));
+    assert!(
+        stderr(&bad).contains("--simulate") && stderr(&bad).contains("nic_gbs"),
+        "{}",
+        stderr(&bad)
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
 fn bench_reports_both_methods_verified() {
     let out = reshard(
         &[

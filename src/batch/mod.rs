@@ -87,7 +87,7 @@ impl Default for BatchOptions {
 }
 
 /// The default packing threshold (see BENCHMARKS.md for the measurement behind it).
-pub const DEFAULT_PACK_BELOW: u64 = 64 << 10;
+pub const DEFAULT_PACK_BELOW: u64 = 1 << 20;
 
 /// Most pieces one fused buffer may be cut into on one rank.
 const MAX_PIECES: usize = 1 << 20;

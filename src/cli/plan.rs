@@ -3,8 +3,10 @@
 use std::fmt::Write;
 
 use clap::Args;
-use reshard::Plan;
 use reshard::plan::PlanJson;
+use reshard::sim::{Cluster, Pricing, SimOptions, Simulation};
+use reshard::{Error, Plan};
+use serde::Serialize;
 
 use super::units::bytes;
 use super::{Failure, TensorArgs, picture};
@@ -19,18 +21,97 @@ pub struct PlanArgs {
     /// Print at most this many transfers in the table (JSON always has all).
     #[arg(long, default_value_t = 64)]
     max_rows: usize,
+    /// Price the plan on a cluster, as a reshard and as gather+broadcast: h100, gb200, or a
+    /// JSON cluster file (see the `sim` module docs).
+    #[arg(long, value_name = "CLUSTER")]
+    simulate: Option<String>,
+}
+
+/// The plan JSON, with a `simulation` object when `--simulate` is given.
+#[derive(Serialize)]
+struct PlanWithSimulation {
+    #[serde(flatten)]
+    plan: PlanJson,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    simulation: Option<Simulation>,
 }
 
 pub fn main(args: &PlanArgs) -> Result<(), Failure> {
     let plan = args.tensor.plan()?;
+    let pricing = match &args.simulate {
+        None => None,
+        Some(arg) => Some(simulate(&plan, arg)?),
+    };
     if args.json {
-        let json =
-            serde_json::to_string_pretty(&PlanJson::of(&plan)).expect("plan JSON serializes");
+        let json = PlanWithSimulation {
+            plan: PlanJson::of(&plan),
+            simulation: pricing.as_ref().map(|(_, p)| p.simulation()),
+        };
+        let json = serde_json::to_string_pretty(&json).expect("plan JSON serializes");
         println!("{json}");
     } else {
         print!("{}", describe(&plan, args.max_rows));
+        if let Some((cluster, p)) = &pricing {
+            print!("{}", describe_pricing(cluster, p));
+        }
     }
     Ok(())
+}
+
+/// Prices the plan on the cluster `arg` names; errors name `--simulate`.
+fn simulate(plan: &Plan, arg: &str) -> Result<(Cluster, Pricing), Error> {
+    let invalid = |e: reshard::sim::SimError| Error::InvalidOption {
+        field: "--simulate",
+        value: arg.to_string(),
+        reason: e.to_string(),
+    };
+    let cluster = Cluster::load(arg).map_err(invalid)?;
+    let pricing = reshard::sim::price(std::slice::from_ref(plan), &cluster, &SimOptions::default())
+        .map_err(invalid)?;
+    Ok((cluster, pricing))
+}
+
+/// Seconds as people read them: `12.3 us`, `4.56 ms`, `1.23 s`.
+fn seconds(s: f64) -> String {
+    if s >= 1.0 {
+        format!("{s:.3} s")
+    } else if s >= 1e-3 {
+        format!("{:.3} ms", s * 1e3)
+    } else {
+        format!("{:.1} us", s * 1e6)
+    }
+}
+
+/// The modeled times, the busiest port, and the speedup.
+pub(super) fn describe_pricing(cluster: &Cluster, p: &Pricing) -> String {
+    let sim = p.simulation();
+    let mut out = String::new();
+    let _ = writeln!(out);
+    let _ = writeln!(out, "simulated on {}", cluster.summary());
+    let busiest = p.reshard.busiest.map_or(String::new(), |b| {
+        format!("; busiest: GPU {} {}", b.gpu, b.port)
+    });
+    let _ = writeln!(
+        out,
+        "  reshard           {} (lower bound {}{busiest})",
+        seconds(sim.reshard_s),
+        seconds(sim.lower_bound_s)
+    );
+    let _ = writeln!(
+        out,
+        "  any plan          at least {} (what must cross the NVLink domains' NICs)",
+        seconds(p.domain_bound_s)
+    );
+    let g = &p.gather_broadcast;
+    let _ = writeln!(
+        out,
+        "  gather+broadcast  {} (all-gather {}, broadcast {})",
+        seconds(sim.gather_broadcast_s),
+        seconds(g.gather_s),
+        seconds(g.broadcast_s)
+    );
+    let _ = writeln!(out, "  speedup           {:.1}x", sim.speedup);
+    out
 }
 
 /// The layouts, the transfer table, the totals and (for 2-D tensors) the picture.

@@ -8,6 +8,7 @@ use clap::Args;
 use reshard::model::{
     Inference, Model, Ranks, Refit, RefitJson, RefitTotals, Rules, Training, Which,
 };
+use reshard::sim::{Cluster, Messages, SimOptions};
 use reshard::{Error, PlanOptions};
 
 use super::Failure;
@@ -41,6 +42,10 @@ pub struct RefitArgs {
     /// size (0 splits every piece).
     #[arg(long, value_name = "BYTES", default_value = "64KiB")]
     pub min_split_bytes: String,
+    /// Price the refit on a cluster: h100, gb200 or a cluster JSON file (see README,
+    /// "Pricing on a cluster"), as the batched executor runs it (one stream per peer pair).
+    #[arg(long, value_name = "CLUSTER")]
+    pub simulate: Option<String>,
     /// Print the refit JSON of the design notes.
     #[arg(long)]
     pub json: bool,
@@ -102,7 +107,26 @@ impl RefitArgs {
 
 pub fn main(args: &RefitArgs) -> Result<(), Failure> {
     let (_, refit, options) = args.refit()?;
-    let totals = refit.summary(&options).map_err(Error::from)?;
+    // with --simulate the plans are kept for pricing; otherwise only their totals
+    let (totals, pricing) = match &args.simulate {
+        None => (refit.summary(&options).map_err(Error::from)?, None),
+        Some(arg) => {
+            let invalid = |e: reshard::sim::SimError| Error::InvalidOption {
+                field: "--simulate",
+                value: arg.to_string(),
+                reason: e.to_string(),
+            };
+            let cluster = Cluster::load(arg).map_err(invalid)?;
+            let started = std::time::Instant::now();
+            let plans = refit.plans(&options).map_err(Error::from)?;
+            let totals = refit.totals_of(&plans, started.elapsed().as_secs_f64());
+            let sim = SimOptions {
+                messages: Messages::PerPair,
+            };
+            let pricing = reshard::sim::price(&plans, &cluster, &sim).map_err(invalid)?;
+            (totals, Some((cluster, pricing)))
+        }
+    };
     // with --run every process runs its rank, and rank 0 reports
     let run = if args.execute.run {
         match super::refit_run::main(&args.execute, &refit, options)? {
@@ -115,6 +139,10 @@ pub fn main(args: &RefitArgs) -> Result<(), Failure> {
     if args.json {
         let mut json =
             serde_json::to_value(RefitJson::of(&refit, &totals)).expect("refit JSON serializes");
+        if let Some((_, p)) = &pricing {
+            json["simulation"] =
+                serde_json::to_value(p.simulation()).expect("simulation JSON serializes");
+        }
         if let Some(run) = &run {
             json["run"] = serde_json::to_value(run).expect("run JSON serializes");
         }
@@ -127,6 +155,9 @@ pub fn main(args: &RefitArgs) -> Result<(), Failure> {
             print!("{}", list_layouts(&refit, &args.rules()?));
         }
         print!("{}", describe(args, &refit, &totals));
+        if let Some((cluster, p)) = &pricing {
+            print!("{}", super::plan::describe_pricing(cluster, p));
+        }
         if let Some(run) = &run {
             print!("{}", super::refit_run::describe(run));
         }

@@ -136,12 +136,11 @@ impl Plan {
 
     pub fn with_options(src: Layout, dst: Layout, options: PlanOptions) -> Result<Plan> {
         check_compatible(&src, &dst)?;
-        let mut transfers: Vec<Transfer> = dst
-            .mesh()
-            .ranks()
-            .iter()
-            .flat_map(|&r| receives(&src, &dst, r, &options))
-            .collect();
+        let holders = Holders::table(&src);
+        let mut transfers = Vec::new();
+        for &r in dst.mesh().ranks() {
+            receives(&src, &dst, &holders, r, &options, &mut transfers);
+        }
         transfers.sort_unstable();
         Ok(Plan {
             src,
@@ -255,9 +254,16 @@ pub fn rank_plan(
     check_compatible(src, dst)?;
     let mut rp = RankPlan::new(rank);
     // local copies are among the receives; the sends repeat them
-    receives(src, dst, rank, options)
-        .iter()
-        .for_each(|t| rp.take(t));
+    let mut received = Vec::new();
+    receives(
+        src,
+        dst,
+        &Holders::OnDemand(src),
+        rank,
+        options,
+        &mut received,
+    );
+    received.iter().for_each(|t| rp.take(t));
     let sends = sends(src, dst, rank, options);
     sends
         .iter()
@@ -298,10 +304,12 @@ fn order_for_schedule(rp: &mut RankPlan, world: usize) {
         .sort_by(|a, b| schedule_key(a, world).cmp(&schedule_key(b, world)));
 }
 
-/// The pieces of `layout` that overlap `region`: per-dim piece indices and the overlap.
-fn overlaps(layout: &Layout, region: &Region) -> Vec<(Vec<usize>, Region)> {
+/// Calls `f` with the per-dim piece indices and the overlap of every piece of `layout` that
+/// overlaps `region`, last dim fastest. A callback rather than a list: a full plan visits
+/// millions of pieces, and each would otherwise cost allocations it drops at once.
+fn for_each_overlap(layout: &Layout, region: &Region, mut f: impl FnMut(&[usize], Region)) {
     if region.is_empty() {
-        return Vec::new();
+        return;
     }
     let per_dim: Vec<Vec<(usize, Range<u64>)>> = (0..layout.ndim())
         .map(|d| {
@@ -318,27 +326,26 @@ fn overlaps(layout: &Layout, region: &Region) -> Vec<(Vec<usize>, Region)> {
         })
         .collect();
     if per_dim.iter().any(Vec::is_empty) {
-        return Vec::new();
+        return;
     }
-    let mut out = Vec::new();
-    let mut pick = vec![0usize; per_dim.len()];
+    let n = per_dim.len();
+    let mut pick = vec![0usize; n];
+    let mut index = vec![0usize; n];
     loop {
-        let index = pick
-            .iter()
-            .enumerate()
-            .map(|(d, &k)| per_dim[d][k].0)
-            .collect();
-        let ranges: Vec<Range<u64>> = pick
-            .iter()
-            .enumerate()
-            .map(|(d, &k)| per_dim[d][k].1.clone())
-            .collect();
-        out.push((index, Region::from_ranges(&ranges)));
+        let mut offset = Vec::with_capacity(n);
+        let mut extent = Vec::with_capacity(n);
+        for d in 0..n {
+            let (i, r) = &per_dim[d][pick[d]];
+            index[d] = *i;
+            offset.push(r.start);
+            extent.push(r.end - r.start);
+        }
+        f(&index, Region { offset, extent });
         // odometer, last dim fastest
-        let mut d = per_dim.len();
+        let mut d = n;
         loop {
             if d == 0 {
-                return out;
+                return;
             }
             d -= 1;
             pick[d] += 1;
@@ -350,28 +357,62 @@ fn overlaps(layout: &Layout, region: &Region) -> Vec<(Vec<usize>, Region)> {
     }
 }
 
-/// Every transfer into `rank`'s destination shard (local copies included).
-fn receives(src: &Layout, dst: &Layout, rank: Rank, options: &PlanOptions) -> Vec<Transfer> {
+/// Who holds each box of the source layout: looked up per box for one rank's plan, or
+/// tabulated once by box id for a full plan, whose every destination asks again.
+enum Holders<'a> {
+    OnDemand(&'a Layout),
+    Table(Vec<Vec<Rank>>),
+}
+
+impl Holders<'_> {
+    /// Every box's holders, in mesh order as [`Layout::holders`] lists them.
+    fn table(layout: &Layout) -> Holders<'static> {
+        let boxes = (0..layout.ndim())
+            .map(|d| layout.dim_pieces(d).len())
+            .product();
+        let mesh = layout.mesh();
+        let mut table = vec![Vec::new(); boxes];
+        for (position, &rank) in mesh.ranks().iter().enumerate() {
+            let index = layout.piece_index(&mesh.coords(position));
+            table[layout.box_id(&index)].push(rank);
+        }
+        Holders::Table(table)
+    }
+
+    fn of(&self, index: &[usize], box_id: usize) -> std::borrow::Cow<'_, [Rank]> {
+        match self {
+            Holders::OnDemand(layout) => layout.holders(index).into(),
+            Holders::Table(table) => table[box_id].as_slice().into(),
+        }
+    }
+}
+
+/// Every transfer into `rank`'s destination shard (local copies included), appended to `out`.
+fn receives(
+    src: &Layout,
+    dst: &Layout,
+    holders: &Holders<'_>,
+    rank: Rank,
+    options: &PlanOptions,
+    out: &mut Vec<Transfer>,
+) {
     let Some(position) = dst.mesh().position(rank) else {
-        return Vec::new();
+        return;
     };
     let target = dst.region_at(position);
-    let mut out = Vec::new();
-    for (index, piece) in overlaps(src, &target) {
-        let holders = src.holders(&index);
-        let box_id = src.box_id(&index);
+    for_each_overlap(src, &target, |index, piece| {
+        let box_id = src.box_id(index);
         assign(
             piece,
-            &holders,
+            &holders.of(index, box_id),
             rank,
             position,
             box_id,
             src.dtype().size(),
             options,
-            &mut out,
+            out,
         );
-    }
-    out
+    });
 }
 
 /// Every transfer out of `rank`'s source shard (local copies included).
@@ -384,8 +425,8 @@ fn sends(src: &Layout, dst: &Layout, rank: Rank, options: &PlanOptions) -> Vec<T
     let holders = src.holders(&index);
     let box_id = src.box_id(&index);
     let mut all = Vec::new();
-    for (dst_index, piece) in overlaps(dst, &held) {
-        for receiver in dst.holders(&dst_index) {
+    for_each_overlap(dst, &held, |dst_index, piece| {
+        for receiver in dst.holders(dst_index) {
             let dst_position = dst.mesh().position(receiver).unwrap_or_default();
             let elem = src.dtype().size();
             assign(
@@ -399,7 +440,7 @@ fn sends(src: &Layout, dst: &Layout, rank: Rank, options: &PlanOptions) -> Vec<T
                 &mut all,
             );
         }
-    }
+    });
     all.retain(|t| t.src == rank);
     all
 }

@@ -1,0 +1,256 @@
+//! The copy kernels of the executor against `copy_from_slice` of the same number of bytes.
+//!
+//! Every case copies a column block of a row-major bf16 shard: the block's row segment is one
+//! contiguous run of `run` bytes, from 64 B to 1 MiB, and the block holds 32 MiB whatever the
+//! run, so every case moves the same bytes as `memcpy`. The shards are twice (2-D) or four
+//! times (3-D) the block, so buffers total 96 to 160 MiB and the copies run from memory, not
+//! from the caches. Throughput is bytes of the region per second; read ratios within one run.
+//!
+//! `cargo bench --bench kernels`; results in BENCHMARKS.md ("Kernels").
+
+use std::hint::black_box;
+
+use divan::Bencher;
+use divan::counter::BytesCount;
+use reshard::Region;
+use reshard::exec::copy::{CopyGeometry, Place};
+
+fn main() {
+    divan::main();
+}
+
+/// Bytes of the region every case copies.
+const COPIED: usize = 32 << 20;
+/// bf16.
+const ELEM: usize = 2;
+/// Contiguous run sizes in bytes.
+const RUNS: [usize; 8] = [
+    64,
+    256,
+    1 << 10,
+    4 << 10,
+    16 << 10,
+    64 << 10,
+    256 << 10,
+    1 << 20,
+];
+const SAMPLES: u32 = 30;
+
+/// A region and the boxes of the two shards it is copied between (global coordinates).
+struct Case {
+    region: Region,
+    /// The shard the region is read from; it holds the region in its upper half along the
+    /// last dim (and along dim 1 in 3-D).
+    src_box: Region,
+    /// A second shard, shifted so that the region sits in its lower half instead.
+    dst_box: Region,
+}
+
+/// 2-D: a `rows x cols` block of a `rows x 2 cols` shard, `cols` elements making `run` bytes.
+fn case_2d(run: usize) -> Case {
+    let cols = (run / ELEM) as u64;
+    let rows = (COPIED / run) as u64;
+    Case {
+        region: Region::from_ranges(&[0..rows, cols..2 * cols]),
+        src_box: Region::from_ranges(&[0..rows, 0..2 * cols]),
+        dst_box: Region::from_ranges(&[0..rows, cols..3 * cols]),
+    }
+}
+
+/// 3-D: a `p x q x cols` block of a `p x 2q x 2 cols` shard: two outer loops, one run per
+/// (p, q) pair.
+fn case_3d(run: usize) -> Case {
+    let cols = (run / ELEM) as u64;
+    let rows = (COPIED / run) as u64;
+    let q = rows.min(16);
+    let p = rows / q;
+    Case {
+        region: Region::from_ranges(&[0..p, q..2 * q, cols..2 * cols]),
+        src_box: Region::from_ranges(&[0..p, 0..2 * q, 0..2 * cols]),
+        dst_box: Region::from_ranges(&[0..p, q..3 * q, cols..3 * cols]),
+    }
+}
+
+/// A buffer of `len` bytes, every page written, with contents that tell offsets apart.
+fn filled(len: usize) -> Vec<u8> {
+    (0..len).map(|i| (i % 251) as u8).collect()
+}
+
+fn bytes_of(b: &Region) -> usize {
+    b.volume() as usize * ELEM
+}
+
+/// Byte offset of `region`'s first element inside the row-major buffer of `holder`.
+fn first_byte(region: &Region, holder: &Region) -> usize {
+    (0..holder.ndim()).fold(0, |acc, d| {
+        acc * holder.extent[d] as usize + (region.offset[d] - holder.offset[d]) as usize
+    }) * ELEM
+}
+
+fn counted<'a, 'b>(bencher: Bencher<'a, 'b>) -> Bencher<'a, 'b> {
+    bencher.counter(BytesCount::new(COPIED))
+}
+
+/// Shard -> stream: what a sender does before a message leaves.
+fn pack(bencher: Bencher, case: Case) {
+    let g = CopyGeometry::new(
+        &case.region,
+        Place::Within(&case.src_box),
+        Place::Stream,
+        ELEM,
+    );
+    assert_eq!(g.len(), COPIED);
+    let src = filled(bytes_of(&case.src_box));
+    let mut stream = vec![1u8; COPIED];
+    g.copy(&src, &mut stream, 0..COPIED);
+    // the stream starts with the block's first run, where the region's corner sits
+    let corner = first_byte(&case.region, &case.src_box);
+    assert_eq!(stream[..g.run_bytes()], src[corner..corner + g.run_bytes()]);
+    counted(bencher).bench_local(|| g.copy(black_box(&src), black_box(&mut stream), 0..COPIED));
+}
+
+/// Stream -> shard: what a receiver does when a message arrives.
+fn unpack(bencher: Bencher, case: Case) {
+    let g = CopyGeometry::new(
+        &case.region,
+        Place::Stream,
+        Place::Within(&case.dst_box),
+        ELEM,
+    );
+    assert_eq!(g.len(), COPIED);
+    let stream = filled(COPIED);
+    let mut dst = vec![1u8; bytes_of(&case.dst_box)];
+    g.copy(&stream, &mut dst, 0..COPIED);
+    let corner = first_byte(&case.region, &case.dst_box);
+    assert_eq!(dst[corner..corner + g.run_bytes()], stream[..g.run_bytes()]);
+    counted(bencher).bench_local(|| g.copy(black_box(&stream), black_box(&mut dst), 0..COPIED));
+}
+
+/// Shard -> shard: a local copy, or a receive straight from a peer's mapped shard.
+fn direct(bencher: Bencher, case: Case) {
+    let g = CopyGeometry::new(
+        &case.region,
+        Place::Within(&case.src_box),
+        Place::Within(&case.dst_box),
+        ELEM,
+    );
+    assert_eq!(g.len(), COPIED);
+    let src = filled(bytes_of(&case.src_box));
+    let mut dst = vec![1u8; bytes_of(&case.dst_box)];
+    g.copy(&src, &mut dst, 0..COPIED);
+    let (s, d) = (
+        first_byte(&case.region, &case.src_box),
+        first_byte(&case.region, &case.dst_box),
+    );
+    assert_eq!(dst[d..d + g.run_bytes()], src[s..s + g.run_bytes()]);
+    counted(bencher).bench_local(|| g.copy(black_box(&src), black_box(&mut dst), 0..COPIED));
+}
+
+#[divan::bench(args = RUNS, sample_count = SAMPLES, sample_size = 1)]
+fn pack_2d(bencher: Bencher, run: usize) {
+    pack(bencher, case_2d(run));
+}
+
+#[divan::bench(args = RUNS, sample_count = SAMPLES, sample_size = 1)]
+fn unpack_2d(bencher: Bencher, run: usize) {
+    unpack(bencher, case_2d(run));
+}
+
+#[divan::bench(args = RUNS, sample_count = SAMPLES, sample_size = 1)]
+fn direct_2d(bencher: Bencher, run: usize) {
+    direct(bencher, case_2d(run));
+}
+
+#[divan::bench(args = RUNS, sample_count = SAMPLES, sample_size = 1)]
+fn pack_3d(bencher: Bencher, run: usize) {
+    pack(bencher, case_3d(run));
+}
+
+#[divan::bench(args = RUNS, sample_count = SAMPLES, sample_size = 1)]
+fn unpack_3d(bencher: Bencher, run: usize) {
+    unpack(bencher, case_3d(run));
+}
+
+#[divan::bench(args = RUNS, sample_count = SAMPLES, sample_size = 1)]
+fn direct_3d(bencher: Bencher, run: usize) {
+    direct(bencher, case_3d(run));
+}
+
+/// The reference: one `copy_from_slice` of the same 32 MiB between two touched buffers.
+#[divan::bench(sample_count = SAMPLES, sample_size = 1)]
+fn memcpy(bencher: Bencher) {
+    let src = filled(COPIED);
+    let mut dst = vec![1u8; COPIED];
+    counted(bencher).bench_local(|| black_box(&mut dst).copy_from_slice(black_box(&src)));
+}
+
+/// The same 32 MiB, dense on both sides, one `copy_from_slice` per run: what the per-run call
+/// costs without any stride.
+#[divan::bench(args = RUNS, sample_count = SAMPLES, sample_size = 1)]
+fn memcpy_runs(bencher: Bencher, run: usize) {
+    let src = filled(COPIED);
+    let mut dst = vec![1u8; COPIED];
+    counted(bencher).bench_local(|| {
+        let dst = black_box(&mut dst);
+        for (d, s) in dst
+            .chunks_exact_mut(run)
+            .zip(black_box(&src).chunks_exact(run))
+        {
+            d.copy_from_slice(s);
+        }
+    });
+}
+
+/// Run of the chunked cases: 6 KiB, so that chunk boundaries fall inside runs.
+const CHUNKED_RUN: usize = 6 << 10;
+/// Chunk sizes of the chunked cases; 4 MiB is the executor's default.
+const CHUNKS: [usize; 3] = [64 << 10, 1 << 20, 4 << 20];
+
+/// Shard -> message in chunks, as a sender does: every chunk is packed into the same
+/// chunk-sized message buffer, starting where the previous one stopped.
+#[divan::bench(args = CHUNKS, sample_count = SAMPLES, sample_size = 1)]
+fn pack_chunks(bencher: Bencher, chunk: usize) {
+    let case = case_2d(CHUNKED_RUN);
+    let g = CopyGeometry::new(
+        &case.region,
+        Place::Within(&case.src_box),
+        Place::Stream,
+        ELEM,
+    );
+    let src = filled(bytes_of(&case.src_box));
+    let mut message = vec![1u8; chunk];
+    bencher.counter(BytesCount::new(g.len())).bench_local(|| {
+        for start in (0..g.len()).step_by(chunk) {
+            let end = (start + chunk).min(g.len());
+            g.copy(
+                black_box(&src),
+                black_box(&mut message[..end - start]),
+                start..end,
+            );
+        }
+    });
+}
+
+/// Message -> shard in chunks, as a receiver does, from one chunk-sized message buffer.
+#[divan::bench(args = CHUNKS, sample_count = SAMPLES, sample_size = 1)]
+fn unpack_chunks(bencher: Bencher, chunk: usize) {
+    let case = case_2d(CHUNKED_RUN);
+    let g = CopyGeometry::new(
+        &case.region,
+        Place::Stream,
+        Place::Within(&case.dst_box),
+        ELEM,
+    );
+    let message = filled(chunk);
+    let mut dst = vec![1u8; bytes_of(&case.dst_box)];
+    bencher.counter(BytesCount::new(g.len())).bench_local(|| {
+        for start in (0..g.len()).step_by(chunk) {
+            let end = (start + chunk).min(g.len());
+            g.copy(
+                black_box(&message[..end - start]),
+                black_box(&mut dst),
+                start..end,
+            );
+        }
+    });
+}
