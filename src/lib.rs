@@ -8,6 +8,8 @@
 //! - [`exec`]: runs a plan over a [`transport::Transport`], in bounded chunks;
 //! - [`transport`]: moves chunks (`local`: ranks as threads of one process);
 //! - [`fill`]: deterministic contents for running and verifying reshards;
+//! - [`model`]: whole models (HF configs, checkpoint headers), training and inference
+//!   parallelism, the per-parameter layout rules, and the plan of a whole-model refit;
 //! - [`sim`]: a cluster cost model that prices plans at scales this machine cannot run.
 //!
 //! ```

@@ -4,6 +4,11 @@ mod cli;
 
 use std::process::ExitCode;
 
+/// Planning a whole model makes millions of small boxes; mimalloc allocates and frees them
+/// several times faster than the system allocator.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn main() -> ExitCode {
     // `reshard plan ... | head` ends quietly, as command-line tools do, instead of panicking
     // on a closed pipe.

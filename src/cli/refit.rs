@@ -2,9 +2,12 @@
 //! planned; what reshard moves against gather+broadcast.
 
 use std::fmt::Write;
+use std::time::Instant;
 
 use clap::Args;
-use reshard::model::{Inference, Model, Ranks, Refit, RefitJson, RefitTotals, Rules, Training};
+use reshard::model::{
+    Inference, Model, Ranks, Refit, RefitJson, RefitTotals, Rules, Training, Which,
+};
 use reshard::sim::{Cluster, Messages, SimOptions};
 use reshard::{Error, PlanOptions};
 
@@ -46,6 +49,10 @@ pub struct RefitArgs {
     /// Print the refit JSON of the design notes.
     #[arg(long)]
     pub json: bool,
+    /// Also list every tensor with its kind and layout on both sides (and the rule that
+    /// chose the kind), and the fused buffers.
+    #[arg(long, conflicts_with = "json")]
+    pub layouts: bool,
     #[command(flatten)]
     pub execute: super::refit_run::RefitRunArgs,
 }
@@ -59,6 +66,14 @@ replication, PP by layer blocks, FSDP as an extra Shard(0) axis.
 Example: reshard refit --model deepseek-v3 --train ep=16,pp=16,dp=16 --infer tp=32,dp=8";
 
 impl RefitArgs {
+    /// The default rules with the `--override`s before them.
+    pub fn rules(&self) -> Result<Rules, Error> {
+        Ok(self
+            .overrides
+            .iter()
+            .try_fold(Rules::default(), |rules, o| rules.with_override_text(o))?)
+    }
+
     /// The model and its refit, everything parsed and checked before any planning.
     pub fn refit(&self) -> Result<(Model, Refit, PlanOptions), Error> {
         let options = PlanOptions {
@@ -66,17 +81,26 @@ impl RefitArgs {
         };
         let train = Training::parse(&self.train)?;
         let infer = Inference::parse(&self.infer)?;
-        let rules = self
-            .overrides
-            .iter()
-            .try_fold(Rules::default(), |rules, o| rules.with_override_text(o))?;
+        let rules = self.rules()?;
+        let start = Instant::now();
         let model = Model::load(&self.model)?;
+        tracing::debug!(
+            "model {}: {} tensors in {:.3} s",
+            model.name,
+            model.params.len(),
+            start.elapsed().as_secs_f64()
+        );
         let ranks = if self.colocated {
             Ranks::Colocated
         } else {
             Ranks::Disjoint
         };
+        let start = Instant::now();
         let refit = Refit::new(&model, &train, &infer, &rules, ranks)?;
+        tracing::debug!(
+            "layouts of both sides and fused buffers checked in {:.3} s",
+            start.elapsed().as_secs_f64()
+        );
         Ok((model, refit, options))
     }
 }
@@ -127,6 +151,9 @@ pub fn main(args: &RefitArgs) -> Result<(), Failure> {
             serde_json::to_string_pretty(&json).expect("refit JSON serializes")
         );
     } else {
+        if args.layouts {
+            print!("{}", list_layouts(&refit, &args.rules()?));
+        }
         print!("{}", describe(args, &refit, &totals));
         if let Some((cluster, p)) = &pricing {
             print!("{}", super::plan::describe_pricing(cluster, p));
@@ -136,6 +163,44 @@ pub fn main(args: &RefitArgs) -> Result<(), Failure> {
         }
     }
     Ok(())
+}
+
+/// Every tensor's kind and layout on both sides, and the fused buffers.
+pub fn list_layouts(refit: &Refit, rules: &Rules) -> String {
+    let mut out = String::new();
+    for t in &refit.tensors {
+        let shape: Vec<String> = t.src.shape().iter().map(u64::to_string).collect();
+        let _ = writeln!(out, "{}  {} {}", t.name, shape.join("x"), t.src.dtype());
+        for (side, which, layout) in [
+            ("train", Which::Train, &t.src),
+            ("infer", Which::Infer, &t.dst),
+        ] {
+            let _ = writeln!(
+                out,
+                "  {side}  {:<13} {layout}  (rule `{}`)",
+                rules.kind(&t.name, which).to_string(),
+                rules.pattern(&t.name, which).unwrap_or("-")
+            );
+        }
+    }
+    for (side, groups) in [("train", &refit.src_fused), ("infer", &refit.dst_fused)] {
+        for f in groups.iter() {
+            let members: Vec<&str> = f
+                .members
+                .iter()
+                .map(|&m| refit.tensors[m].name.as_str())
+                .collect();
+            let _ = writeln!(
+                out,
+                "fused ({side}) {} = concat(dim {}: {})",
+                f.name,
+                f.dim,
+                members.join(", ")
+            );
+        }
+    }
+    let _ = writeln!(out);
+    out
 }
 
 fn ratio(a: u64, b: u64) -> String {

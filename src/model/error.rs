@@ -68,6 +68,16 @@ pub enum ModelError {
         source: LayoutError,
     },
 
+    #[error(
+        "tensor {tensor}: {side}: kind {kind} needs a stacked [E, out, in] tensor, this one is {ndim}-D"
+    )]
+    KindShape {
+        tensor: String,
+        side: &'static str,
+        kind: &'static str,
+        ndim: usize,
+    },
+
     #[error("tensor {tensor}: {source}")]
     Plan {
         tensor: String,

@@ -86,6 +86,19 @@ impl Fused {
                 )));
             }
         }
+        // members on the same mesh, split the same way along the shared dims, agree on
+        // every rank without looking at each (the common case: gate and up, q and k and v)
+        let same_split = |l: &Layout| {
+            l.mesh() == first.mesh()
+                && (0..first.ndim()).filter(|&d| d != self.dim).all(|d| {
+                    l.shape()[d] == first.shape()[d]
+                        && l.dim_pieces(d) == first.dim_pieces(d)
+                        && shard_axes(l, d) == shard_axes(first, d)
+                })
+        };
+        if layouts.iter().skip(1).all(|l| same_split(l)) {
+            return Ok(());
+        }
         for &rank in &ranks {
             let boxes: Vec<_> = layouts
                 .iter()
@@ -119,6 +132,16 @@ impl Fused {
             })
             .collect()
     }
+}
+
+/// The mesh axes that shard tensor dim `dim`, in mesh order.
+fn shard_axes(l: &Layout, dim: usize) -> Vec<usize> {
+    l.placements()
+        .iter()
+        .enumerate()
+        .filter(|(_, p)| **p == crate::layout::Placement::Shard(dim))
+        .map(|(a, _)| a)
+        .collect()
 }
 
 /// One way of fusing: member name suffixes (sharing a prefix), the fused suffix, the dim.

@@ -14,7 +14,7 @@
 //! assert_eq!(refit.tensors.len(), model.params.len());
 //! let expert = refit.tensors.iter().find(|t| t.name == "model.layers.0.mlp.experts.up_proj.weight").unwrap();
 //! assert_eq!(expert.src.local_region(0).unwrap().extent, [16, 768, 2048]); // 128 experts / ep 8
-//! assert_eq!(expert.dst.local_region(16).unwrap().extent, [128, 96, 2048]); // 768 / tp 8
+//! assert_eq!(expert.dst.local_region(16).unwrap().extent, [128, 48, 2048]); // 768 / (tp 8 x dp 2)
 //! ```
 
 mod config;

@@ -35,7 +35,8 @@ pub struct Inference {
     pub dp: usize,
     pub pp: usize,
     /// vLLM's expert parallelism: the routed experts of a stage are split over all its
-    /// `tp x dp` ranks, without tensor parallelism inside an expert. Written `ep` or
+    /// `tp x dp` ranks, without tensor parallelism inside an expert (without it, those ranks
+    /// tensor-split every expert). Written `ep` or
     /// `ep=N` with `N = tp x dp`.
     pub ep: bool,
 }
@@ -88,7 +89,7 @@ fn pairs(
     Ok(out)
 }
 
-/// The value of `key`: 1 when absent; a bare key is an error unless `bare` allows it.
+/// The value of `key`, `None` when absent; a bare key (no value) is an error.
 fn size(
     side: &'static str,
     map: &BTreeMap<String, Option<usize>>,
@@ -104,6 +105,23 @@ fn size(
             reason: "needs a value".into(),
         }),
     }
+}
+
+/// The product of `sizes`, if the ranks it counts stay below 2^31.
+fn world_of(side: &'static str, sizes: &[(&str, usize)]) -> Result<usize, ModelError> {
+    sizes
+        .iter()
+        .try_fold(1usize, |acc, (_, n)| acc.checked_mul(*n))
+        .filter(|&w| w < 1 << 31)
+        .ok_or_else(|| {
+            let text: Vec<String> = sizes.iter().map(|(k, n)| format!("{k}={n}")).collect();
+            ModelError::Parallel {
+                side,
+                key: "world".into(),
+                value: text.join(","),
+                reason: "the ranks must number below 2^31".into(),
+            }
+        })
 }
 
 /// `dp` from `world=` when `dp` is not given; both given must agree.
@@ -154,6 +172,10 @@ impl Training {
         )?;
         let get = |k| size(TRAIN, &map, k).map(|v| v.unwrap_or(1));
         let (tp, cp, ep, etp, pp) = (get("tp")?, get("cp")?, get("ep")?, get("etp")?, get("pp")?);
+        world_of(
+            TRAIN,
+            &[("tp", tp), ("cp", cp), ("pp", pp), ("ep", ep), ("etp", etp)],
+        )?;
         let dp = data_parallel(
             TRAIN,
             size(TRAIN, &map, "dp")?,
@@ -161,6 +183,7 @@ impl Training {
             tp * cp * pp,
             "tp x cp x pp",
         )?;
+        world_of(TRAIN, &[("tp", tp), ("cp", cp), ("dp", dp), ("pp", pp)])?;
         let fsdp = match map.get("fsdp") {
             None => None,
             Some(None) => Some(dp),
@@ -246,6 +269,7 @@ impl Inference {
         let map = pairs(INFER, text, &["tp", "dp", "pp", "ep", "world"])?;
         let get = |k| size(INFER, &map, k).map(|v| v.unwrap_or(1));
         let (tp, pp) = (get("tp")?, get("pp")?);
+        world_of(INFER, &[("tp", tp), ("pp", pp)])?;
         let dp = data_parallel(
             INFER,
             size(INFER, &map, "dp")?,
@@ -253,6 +277,7 @@ impl Inference {
             tp * pp,
             "tp x pp",
         )?;
+        world_of(INFER, &[("tp", tp), ("pp", pp), ("dp", dp)])?;
         let ep = match map.get("ep") {
             None | Some(Some(1)) => false,
             Some(None) => true,
@@ -343,6 +368,10 @@ mod tests {
             (
                 Training::parse("dp=6,fsdp=4").unwrap_err(),
                 "--train: `fsdp=4`: must divide dp = 6",
+            ),
+            (
+                Training::parse("tp=65536,dp=65536").unwrap_err(),
+                "--train: `world=tp=65536,cp=1,dp=65536,pp=1`: the ranks must number below 2^31",
             ),
             (
                 Inference::parse("tp=8,cp=2").unwrap_err(),

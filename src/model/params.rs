@@ -29,13 +29,16 @@ impl Param {
         }
     }
 
-    /// Number of elements.
+    /// Number of elements (saturating: layouts refuse shapes over 2^64 bytes).
     pub fn numel(&self) -> u64 {
-        self.shape.iter().product()
+        self.shape
+            .iter()
+            .try_fold(1u64, |acc, &d| acc.checked_mul(d))
+            .unwrap_or(u64::MAX)
     }
 
     pub fn bytes(&self) -> u64 {
-        self.numel() * self.dtype.size() as u64
+        self.numel().saturating_mul(self.dtype.size() as u64)
     }
 
     /// The decoder layer the parameter belongs to (`model.layers.N.`), if any.
@@ -79,11 +82,15 @@ pub struct Model {
 
 impl Model {
     pub fn num_params(&self) -> u64 {
-        self.params.iter().map(Param::numel).sum()
+        self.params
+            .iter()
+            .fold(0, |acc, p| acc.saturating_add(p.numel()))
     }
 
     pub fn weight_bytes(&self) -> u64 {
-        self.params.iter().map(Param::bytes).sum()
+        self.params
+            .iter()
+            .fold(0, |acc, p| acc.saturating_add(p.bytes()))
     }
 
     /// Derives every parameter of a supported architecture from its config.
@@ -139,7 +146,7 @@ impl Model {
                                 &mut out,
                                 &format!("{p}.mlp.shared_experts"),
                                 h,
-                                inter * shared,
+                                inter.saturating_mul(shared),
                             );
                         }
                     }
@@ -240,14 +247,20 @@ fn gqa_attention(
     arch: Architecture,
 ) {
     let a = format!("{p}.self_attn");
-    out.push(&format!("{a}.q_proj.weight"), &[heads * hd, h]);
-    out.push(&format!("{a}.k_proj.weight"), &[kv * hd, h]);
-    out.push(&format!("{a}.v_proj.weight"), &[kv * hd, h]);
-    out.push(&format!("{a}.o_proj.weight"), &[h, heads * hd]);
+    out.push(
+        &format!("{a}.q_proj.weight"),
+        &[heads.saturating_mul(hd), h],
+    );
+    out.push(&format!("{a}.k_proj.weight"), &[kv.saturating_mul(hd), h]);
+    out.push(&format!("{a}.v_proj.weight"), &[kv.saturating_mul(hd), h]);
+    out.push(
+        &format!("{a}.o_proj.weight"),
+        &[h, heads.saturating_mul(hd)],
+    );
     if config.attention_bias {
-        out.push(&format!("{a}.q_proj.bias"), &[heads * hd]);
-        out.push(&format!("{a}.k_proj.bias"), &[kv * hd]);
-        out.push(&format!("{a}.v_proj.bias"), &[kv * hd]);
+        out.push(&format!("{a}.q_proj.bias"), &[heads.saturating_mul(hd)]);
+        out.push(&format!("{a}.k_proj.bias"), &[kv.saturating_mul(hd)]);
+        out.push(&format!("{a}.v_proj.bias"), &[kv.saturating_mul(hd)]);
         if arch == Architecture::Llama {
             out.push(&format!("{a}.o_proj.bias"), &[h]);
         }
@@ -280,21 +293,24 @@ fn mla_attention(
             out.push(&format!("{a}.q_a_layernorm.weight"), &[q_lora]);
             out.push(
                 &format!("{a}.q_b_proj.weight"),
-                &[heads * (nope + rope), q_lora],
+                &[heads.saturating_mul(nope.saturating_add(rope)), q_lora],
             );
         }
-        None => out.push(&format!("{a}.q_proj.weight"), &[heads * (nope + rope), h]),
+        None => out.push(
+            &format!("{a}.q_proj.weight"),
+            &[heads.saturating_mul(nope.saturating_add(rope)), h],
+        ),
     }
     out.push(
         &format!("{a}.kv_a_proj_with_mqa.weight"),
-        &[kv_lora + rope, h],
+        &[kv_lora.saturating_add(rope), h],
     );
     out.push(&format!("{a}.kv_a_layernorm.weight"), &[kv_lora]);
     out.push(
         &format!("{a}.kv_b_proj.weight"),
-        &[heads * (nope + v), kv_lora],
+        &[heads.saturating_mul(nope.saturating_add(v)), kv_lora],
     );
-    out.push(&format!("{a}.o_proj.weight"), &[h, heads * v]);
+    out.push(&format!("{a}.o_proj.weight"), &[h, heads.saturating_mul(v)]);
     Ok(())
 }
 

@@ -154,14 +154,16 @@ impl Refit {
     }
 
     pub fn weight_bytes(&self) -> u64 {
-        self.tensors.iter().map(|t| t.src.total_bytes()).sum()
+        self.tensors
+            .iter()
+            .fold(0, |acc, t| acc.saturating_add(t.src.total_bytes()))
     }
 
     pub fn params(&self) -> u64 {
-        self.tensors
-            .iter()
-            .map(|t| t.src.shape().iter().product::<u64>())
-            .sum()
+        // a layout's bytes fit in u64, so its element count does too
+        self.tensors.iter().fold(0, |acc, t| {
+            acc.saturating_add(t.src.total_bytes() / t.src.dtype().size() as u64)
+        })
     }
 
     /// The plan of every tensor, in tensor order (planned in parallel).
@@ -228,7 +230,7 @@ impl Refit {
             max_rank_send_bytes: sum.sent.iter().copied().max().unwrap_or(0),
             max_rank_recv_bytes: sum.received.iter().copied().max().unwrap_or(0),
             gather_broadcast_bytes: sum.gather_broadcast,
-            logical_payload_bytes: 2 * weight_bytes,
+            logical_payload_bytes: weight_bytes.saturating_mul(2),
             plan_seconds,
         }
     }
@@ -263,32 +265,38 @@ impl Sums {
         }
     }
 
+    // saturating throughout: replicated destinations of near-2^64-byte tensors overflow u64
     fn add(&mut self, plan: &Plan) {
         let elem = plan.elem_bytes();
+        let add = |total: &mut u64, bytes: u64| *total = total.saturating_add(bytes);
         for t in plan.transfers() {
             let bytes = t.bytes(elem);
             if t.is_local() {
-                self.bytes_local += bytes;
+                add(&mut self.bytes_local, bytes);
             } else {
-                self.bytes_remote += bytes;
+                add(&mut self.bytes_remote, bytes);
                 self.messages += 1;
-                self.sent[t.src] += bytes;
-                self.received[t.dst] += bytes;
+                add(&mut self.sent[t.src], bytes);
+                add(&mut self.received[t.dst], bytes);
             }
         }
-        self.gather_broadcast += plan::gather_broadcast_bytes(plan.src(), plan.dst());
+        add(
+            &mut self.gather_broadcast,
+            plan::gather_broadcast_bytes(plan.src(), plan.dst()),
+        );
     }
 
     fn merge(mut self, other: Sums) -> Sums {
-        self.bytes_remote += other.bytes_remote;
-        self.bytes_local += other.bytes_local;
+        let add = |a: &mut u64, b: u64| *a = a.saturating_add(b);
+        add(&mut self.bytes_remote, other.bytes_remote);
+        add(&mut self.bytes_local, other.bytes_local);
         self.messages += other.messages;
-        self.gather_broadcast += other.gather_broadcast;
+        add(&mut self.gather_broadcast, other.gather_broadcast);
         for (a, b) in self.sent.iter_mut().zip(other.sent) {
-            *a += b;
+            add(a, b);
         }
         for (a, b) in self.received.iter_mut().zip(other.received) {
-            *a += b;
+            add(a, b);
         }
         self
     }

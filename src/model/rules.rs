@@ -50,9 +50,10 @@
 //!
 //! - Ranks right after the training ranks (or from 0 with `--colocated`), tp fastest, then pp,
 //!   then dp (vLLM's `(dp, pp, tp)` rank grid): rank `base + t + tp x (s + pp x d)`.
-//! - TP applies the kind; DP replicates. Experts without `ep`: TP splits dim 1 or 2 of every
-//!   expert, DP replicates. With `ep`: the experts of a stage are split (dim 0) over all its
-//!   `tp x dp` ranks, in the order `d x tp + t`, with no TP inside an expert.
+//! - TP applies the kind; DP replicates. Expert layers form one group of all `tp x dp` ranks
+//!   of a stage, in the order `d x tp + t` (vLLM flattens TP across DP for MoE layers): without
+//!   `ep`, that group tensor-splits dim 1 or 2 of every expert; with `ep`, it splits the
+//!   experts (dim 0), with no TP inside an expert. Either is one `torch.chunk` split.
 //!
 //! # Pipeline stages (both sides)
 //!
@@ -331,10 +332,15 @@ pub fn stage_of_layer(layer: u64, layers: u64, pp: usize) -> usize {
 }
 
 /// One mesh axis: its size, the rank distance between neighbours along it, its placement.
+/// An axis may also run over two strides (`inner` ranks at `stride`, then the next block of
+/// `inner` at `outer_stride`), for a split over ranks that are not evenly spaced, like vLLM's
+/// expert parallelism across pipeline stages.
 #[derive(Clone, Copy, Debug)]
 struct Axis {
     size: usize,
     stride: usize,
+    inner: usize,
+    outer_stride: usize,
     place: Placement,
 }
 
@@ -343,15 +349,57 @@ impl Axis {
         Axis {
             size,
             stride,
+            inner: size,
+            outer_stride: 0,
             place,
         }
     }
+
+    /// `outer x inner` positions: `inner` ranks at `stride`, blocks of them at `outer_stride`.
+    fn blocks(
+        outer: usize,
+        outer_stride: usize,
+        inner: usize,
+        stride: usize,
+        place: Placement,
+    ) -> Axis {
+        Axis {
+            size: outer * inner,
+            stride,
+            inner,
+            outer_stride,
+            place,
+        }
+    }
+
+    /// The rank distance of coordinate `c` from coordinate 0.
+    fn offset(&self, c: usize) -> usize {
+        (c / self.inner) * self.outer_stride + (c % self.inner) * self.stride
+    }
+
+    /// The largest distance between neighbours: what orders axes slowest first.
+    fn span(&self) -> usize {
+        self.stride.max(self.outer_stride)
+    }
 }
 
-/// The layout over `axes` (mesh order = nesting order), ranks `base + sum(coord x stride)`.
-/// Size-1 axes are dropped; a single rank gets a one-axis replicated mesh.
+/// The layout over `axes` (for axes sharding the same dim, list order = nesting order), ranks
+/// `base + sum(offset of each coord)`. Size-1 axes are dropped; a single rank gets a one-axis
+/// replicated mesh.
 fn build(param: &Param, base: Rank, axes: &[Axis], which: Which) -> Result<Layout, ModelError> {
-    let axes: Vec<Axis> = axes.iter().copied().filter(|a| a.size > 1).collect();
+    let mut axes: Vec<Axis> = axes.iter().copied().filter(|a| a.size > 1).collect();
+    // Slowest axes first, so that ranks read in row-major order where possible (`ranks=0..8`),
+    // but never swapping two axes that shard the same dim: their order is the nesting order.
+    for end in (1..axes.len()).rev() {
+        for i in 0..end {
+            let (a, b) = (axes[i], axes[i + 1]);
+            let same_dim =
+                matches!((a.place, b.place), (Placement::Shard(x), Placement::Shard(y)) if x == y);
+            if a.span() < b.span() && !same_dim {
+                axes.swap(i, i + 1);
+            }
+        }
+    }
     let axes = if axes.is_empty() {
         vec![Axis::new(1, 1, Placement::Replicate)]
     } else {
@@ -363,7 +411,7 @@ fn build(param: &Param, base: Rank, axes: &[Axis], which: Which) -> Result<Layou
     for mut position in 0..count {
         let mut rank = base;
         for a in axes.iter().rev() {
-            rank += (position % a.size) * a.stride;
+            rank += a.offset(position % a.size);
             position /= a.size;
         }
         ranks.push(rank);
@@ -422,16 +470,11 @@ fn tp_axes(
 
 fn expert_dim(param: &Param, kind: Kind, which: Which) -> Result<usize, ModelError> {
     if param.shape.len() != 3 {
-        return Err(ModelError::Layout {
+        return Err(ModelError::KindShape {
             tensor: param.name.clone(),
             side: which.flag(),
-            source: crate::error::LayoutError::MalformedSpec {
-                spec: kind.to_string(),
-                reason: format!(
-                    "expert kinds need a stacked [E, out, in] tensor, this one is {}-D",
-                    param.shape.len()
-                ),
-            },
+            kind: kind.name(),
+            ndim: param.shape.len(),
         });
     }
     Ok(if kind == Kind::ExpertColumn { 1 } else { 2 })
@@ -497,13 +540,15 @@ pub fn infer_layout(
     let dp_stride = i.tp * i.pp;
     if kind.is_expert() {
         let dim = expert_dim(param, kind, which)?;
-        if i.ep {
-            axes.push(Axis::new(i.dp, dp_stride, Placement::Shard(0)));
-            axes.push(Axis::new(i.tp, 1, Placement::Shard(0)));
-        } else {
-            axes.push(Axis::new(i.tp, 1, Placement::Shard(dim)));
-            axes.push(Axis::new(i.dp, dp_stride, Placement::Replicate));
-        }
+        // one split over the stage's tp x dp ranks, in the order d x tp + t
+        let split = if i.ep { 0 } else { dim };
+        axes.push(Axis::blocks(
+            i.dp,
+            dp_stride,
+            i.tp,
+            1,
+            Placement::Shard(split),
+        ));
     } else {
         axes.extend(tp_axes(param, kind, i.tp, facts, which)?);
         axes.push(Axis::new(i.dp, dp_stride, Placement::Replicate));
@@ -755,13 +800,22 @@ mod tests {
     #[test]
     fn vllm_experts() {
         let up = p("model.layers.0.mlp.experts.up_proj.weight", &[8, 16, 32]);
-        // no EP: TP splits every expert's intermediate dim; DP replicates
+        // no EP: TP flattened across DP splits every expert's intermediate dim
         let i = Inference::parse("tp=2,dp=2").unwrap();
         let l = infer_layout(&up, Kind::ExpertColumn, &i, &FACTS, 0).unwrap();
         assert_eq!(
             region(&l, 3),
-            Some(Region::from_ranges(&[0..8, 8..16, 0..32]))
+            Some(Region::from_ranges(&[0..8, 12..16, 0..32]))
         );
+        assert_eq!(l.replication(), 1);
+        // pipeline stages in between: stage 0's ranks are 0, 1 (d=0) and 4, 5 (d=1)
+        let i = Inference::parse("tp=2,dp=2,pp=2").unwrap();
+        let l = infer_layout(&up, Kind::ExpertColumn, &i, &FACTS, 0).unwrap();
+        let rows: Vec<u64> = [0, 1, 4, 5]
+            .iter()
+            .map(|&r| region(&l, r).unwrap().offset[1])
+            .collect();
+        assert_eq!(rows, [0, 4, 8, 12]);
         // EP over tp x dp = 4 ranks: experts split in rank order d x tp + t
         let i = Inference::parse("tp=2,dp=2,ep").unwrap();
         let l = infer_layout(&up, Kind::ExpertColumn, &i, &FACTS, 0).unwrap();
@@ -771,10 +825,9 @@ mod tests {
         // an expert kind on a 2-D tensor is an error naming it
         let err =
             infer_layout(&p("x.weight", &[4, 4]), Kind::ExpertRow, &i, &FACTS, 0).unwrap_err();
-        assert!(
-            err.to_string()
-                .starts_with("tensor x.weight: --infer layout"),
-            "{err}"
+        assert_eq!(
+            err.to_string(),
+            "tensor x.weight: --infer: kind expert-row needs a stacked [E, out, in] tensor, this one is 2-D"
         );
     }
 
@@ -849,5 +902,111 @@ mod tests {
             err,
             "--override: `*=sideways`: unknown kind `sideways` (expected replicate, column, row, kv-column, expert-column, expert-row)"
         );
+    }
+
+    use crate::layout::chunk;
+    use proptest::prelude::*;
+
+    fn arb_training() -> impl Strategy<Value = Training> {
+        (
+            1usize..=4,
+            1usize..=2,
+            1usize..=4,
+            1usize..=4,
+            1usize..=4,
+            1usize..=2,
+            0usize..=2,
+        )
+            .prop_filter_map("consistent sizes", |(tp, cp, dp, pp, ep, etp, fsdp)| {
+                let fsdp = match fsdp {
+                    0 => String::new(),
+                    1 => ",fsdp".into(),
+                    _ => ",fsdp=2".into(),
+                };
+                Training::parse(&format!(
+                    "tp={tp},cp={cp},dp={dp},pp={pp},ep={ep},etp={etp}{fsdp}"
+                ))
+                .ok()
+            })
+    }
+
+    fn arb_inference() -> impl Strategy<Value = Inference> {
+        (1usize..=4, 1usize..=3, 1usize..=4, any::<bool>()).prop_map(|(tp, dp, pp, ep)| Inference {
+            tp,
+            dp,
+            pp,
+            ep,
+        })
+    }
+
+    /// Nested chunking of `0..n` by `(parts, index)` pairs, outermost first.
+    fn nested(n: u64, cuts: &[(usize, usize)]) -> std::ops::Range<u64> {
+        cuts.iter().fold(0..n, |r, &(parts, i)| {
+            let c = chunk(r.end - r.start, parts as u64, i as u64);
+            r.start + c.start..r.start + c.end
+        })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(300))]
+
+        /// Every training rank holds what Megatron's rank formula says: `t + tp (c + cp (d +
+        /// dp s))` for dense layers, `et + etp (e + ep (ed + edp s))` for experts.
+        #[test]
+        fn megatron_rank_formula(t in arb_training(), layer in 0u64..8) {
+            let facts = ModelFacts { num_layers: 8, heads: None, tied_embeddings: false };
+            let stage = stage_of_layer(layer, 8, t.pp);
+            let q = p(&format!("model.layers.{layer}.self_attn.q_proj.weight"), &[23, 5]);
+            let dense = train_layout(&q, Kind::Column, &t, &facts).unwrap();
+            let up = p(&format!("model.layers.{layer}.mlp.experts.up_proj.weight"), &[7, 11, 5]);
+            let experts = train_layout(&up, Kind::ExpertColumn, &t, &facts).unwrap();
+            let fsdp = t.fsdp.unwrap_or(1);
+            for r in 0..t.world() {
+                let (tp_i, c_i, d_i, s) = (r % t.tp, r / t.tp % t.cp, r / (t.tp * t.cp) % t.dp, r / t.stage_size());
+                prop_assert_eq!(dense.mesh().contains(r), s == stage);
+                prop_assert_eq!(experts.mesh().contains(r), s == stage);
+                if s != stage {
+                    continue;
+                }
+                let _ = c_i; // CP replicates
+                let rows = nested(23, &[(t.tp, tp_i), (fsdp, d_i % fsdp)]);
+                prop_assert_eq!(dense.local_region(r), Some(Region::from_ranges(&[rows, 0..5])));
+                let local = r % t.stage_size();
+                let (et, e, ed) = (local % t.etp, local / t.etp % t.ep, local / (t.etp * t.ep));
+                let first = nested(7, &[(t.ep, e), (fsdp, ed % fsdp)]);
+                let inner = nested(11, &[(t.etp, et)]);
+                prop_assert_eq!(experts.local_region(r), Some(Region::from_ranges(&[first, inner, 0..5])));
+            }
+        }
+
+        /// Every inference rank holds what vLLM's rank grid says: `base + t + tp (s + pp d)`;
+        /// expert layers split over the flattened group `d tp + t`.
+        #[test]
+        fn vllm_rank_formula(i in arb_inference(), layer in 0u64..8, base in 0usize..5) {
+            let facts = ModelFacts { num_layers: 8, heads: None, tied_embeddings: false };
+            let stage = stage_of_layer(layer, 8, i.pp);
+            let o = p(&format!("model.layers.{layer}.self_attn.o_proj.weight"), &[5, 23]);
+            let dense = infer_layout(&o, Kind::Row, &i, &facts, base).unwrap();
+            let down = p(&format!("model.layers.{layer}.mlp.experts.down_proj.weight"), &[13, 5, 11]);
+            let experts = infer_layout(&down, Kind::ExpertRow, &i, &facts, base).unwrap();
+            prop_assert!(!dense.mesh().contains(base + i.world()));
+            for r in base..base + i.world() {
+                let x = r - base;
+                let (t, s, d) = (x % i.tp, x / i.tp % i.pp, x / (i.tp * i.pp));
+                prop_assert_eq!(dense.mesh().contains(r), s == stage);
+                if s != stage {
+                    continue;
+                }
+                let cols = nested(23, &[(i.tp, t)]);
+                prop_assert_eq!(dense.local_region(r), Some(Region::from_ranges(&[0..5, cols])));
+                let group = (i.tp * i.dp, d * i.tp + t);
+                let want = if i.ep {
+                    Region::from_ranges(&[nested(13, &[group]), 0..5, 0..11])
+                } else {
+                    Region::from_ranges(&[0..13, 0..5, nested(11, &[group])])
+                };
+                prop_assert_eq!(experts.local_region(r), Some(want));
+            }
+        }
     }
 }
