@@ -154,12 +154,7 @@ where
             dst: None,
         };
         let s = run_rank_gather_broadcast(rank, job, transport, options)?;
-        stats.bytes_sent += s.bytes_sent;
-        stats.bytes_received += s.bytes_received;
-        stats.bytes_local += s.bytes_local;
-        stats.chunks_sent += s.chunks_sent;
-        stats.chunks_received += s.chunks_received;
-        stats.peak_staging_bytes = stats.peak_staging_bytes.max(s.peak_staging_bytes);
+        stats.absorb(&s);
         // keep: every piece of this tensor in this rank's destination buffers
         let tensor: Option<&[u8]> = if gets {
             Some(&full[..total])

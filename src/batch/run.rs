@@ -177,20 +177,5 @@ pub fn run_local_batch(
             })
             .collect()
     });
-    let mut stats = RunStats {
-        elapsed: started.elapsed(),
-        ranks: Vec::new(),
-    };
-    let mut failures = Vec::new();
-    for r in results {
-        match r {
-            Ok(s) => stats.ranks.push(s),
-            Err(e) => failures.push(e),
-        }
-    }
-    if failures.is_empty() {
-        Ok(stats)
-    } else {
-        Err(Error::Incomplete { failures })
-    }
+    RunStats::gather(started.elapsed(), results)
 }

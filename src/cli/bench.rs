@@ -17,8 +17,8 @@ use reshard::transport::segment::SharedBuffer;
 use reshard::{Error, Plan, Rank, RankPlan};
 
 use super::processes::{
-    AnyTransport, Destination, ExecArgs, Links, TransportKind, check_memory, check_world, connect,
-    not_in_a_job, spread, under_mpirun,
+    AnyTransport, Destination, ExecArgs, Links, Measured, MethodJson, TransportKind, check_memory,
+    check_world, connect, not_in_a_job, under_mpirun,
 };
 use super::units::{bytes, parse_bytes};
 use super::{Failure, TensorArgs};
@@ -233,38 +233,6 @@ impl BenchArgs {
 
     fn repetitions(&self) -> u32 {
         self.warmup + self.iters
-    }
-}
-
-/// Timings and counts of one method over the repetitions.
-#[derive(Clone, Debug, Default)]
-struct Measured {
-    times: Vec<f64>,
-    wire_bytes: u64,
-    peak_extra: u64,
-}
-
-#[derive(Serialize)]
-struct MethodJson {
-    median_s: f64,
-    min_s: f64,
-    max_s: f64,
-    wire_bytes: u64,
-    gbps: f64,
-    peak_extra_bytes_per_rank: u64,
-}
-
-impl MethodJson {
-    fn of(m: &Measured, dst_bytes: u64) -> MethodJson {
-        let (median_s, min_s, max_s) = spread(&m.times);
-        MethodJson {
-            median_s,
-            min_s,
-            max_s,
-            wire_bytes: m.wire_bytes,
-            gbps: dst_bytes as f64 / median_s.max(1e-12) / 1e9,
-            peak_extra_bytes_per_rank: m.peak_extra,
-        }
     }
 }
 
@@ -523,28 +491,7 @@ fn bench_processes<'j, J: Job>(
             let method = |key: &str| {
                 let per_rank: Vec<&serde_json::Value> =
                     reports.iter().map(|r| &r["cases"][c][key]).collect();
-                let u = |v: &serde_json::Value, k: &str| v[k].as_u64().unwrap_or(0);
-                let repetitions = per_rank
-                    .first()
-                    .and_then(|v| v["times"].as_array())
-                    .map_or(0, Vec::len);
-                Measured {
-                    // per repetition, the slowest rank's time
-                    times: (0..repetitions)
-                        .map(|i| {
-                            per_rank
-                                .iter()
-                                .map(|v| v["times"][i].as_f64().unwrap_or(0.0))
-                                .fold(0.0, f64::max)
-                        })
-                        .collect(),
-                    wire_bytes: per_rank.iter().map(|v| u(v, "wire_bytes")).sum(),
-                    peak_extra: per_rank
-                        .iter()
-                        .map(|v| u(v, "peak_extra"))
-                        .max()
-                        .unwrap_or(0),
-                }
+                Measured::combine(&per_rank)
             };
             CaseResult {
                 reshard: method("reshard"),
@@ -675,16 +622,9 @@ fn bench_rank<'j, J: Job>(
             gather_broadcast.peak_extra = stats.peak_staging_bytes.saturating_add(full_bytes);
         }
     }
-    let method = |m: &Measured| {
-        serde_json::json!({
-            "times": m.times,
-            "wire_bytes": m.wire_bytes,
-            "peak_extra": m.peak_extra,
-        })
-    };
     let report = serde_json::json!({
-        "reshard": method(&reshard),
-        "gather_broadcast": method(&gather_broadcast),
+        "reshard": reshard.report(),
+        "gather_broadcast": gather_broadcast.report(),
     });
     Ok((report, reshard_transport.name().to_string()))
 }

@@ -225,3 +225,74 @@ pub fn spread(times: &[f64]) -> (f64, f64, f64) {
         sorted.last().copied().unwrap_or(0.0),
     )
 }
+
+/// Timings and counts of one method over the repetitions: one rank's, or the job's.
+#[derive(Clone, Debug, Default)]
+pub struct Measured {
+    pub times: Vec<f64>,
+    pub wire_bytes: u64,
+    pub peak_extra: u64,
+}
+
+impl Measured {
+    /// This rank's measurements, for rank 0.
+    pub fn report(&self) -> serde_json::Value {
+        serde_json::json!({
+            "times": self.times,
+            "wire_bytes": self.wire_bytes,
+            "peak_extra": self.peak_extra,
+        })
+    }
+
+    /// The job's measurements from every rank's [`Measured::report`]: per repetition the
+    /// slowest rank's time, the bytes every rank received, the largest extra memory.
+    pub fn combine(per_rank: &[&serde_json::Value]) -> Measured {
+        let repetitions = per_rank
+            .first()
+            .and_then(|v| v["times"].as_array())
+            .map_or(0, Vec::len);
+        let u = |v: &serde_json::Value, k: &str| v[k].as_u64().unwrap_or(0);
+        Measured {
+            times: (0..repetitions)
+                .map(|i| {
+                    per_rank
+                        .iter()
+                        .map(|v| v["times"][i].as_f64().unwrap_or(0.0))
+                        .fold(0.0, f64::max)
+                })
+                .collect(),
+            wire_bytes: per_rank.iter().map(|v| u(v, "wire_bytes")).sum(),
+            peak_extra: per_rank
+                .iter()
+                .map(|v| u(v, "peak_extra"))
+                .max()
+                .unwrap_or(0),
+        }
+    }
+}
+
+/// One method's line of a bench or refit report.
+#[derive(Debug, serde::Serialize)]
+pub struct MethodJson {
+    pub median_s: f64,
+    pub min_s: f64,
+    pub max_s: f64,
+    pub wire_bytes: u64,
+    pub gbps: f64,
+    pub peak_extra_bytes_per_rank: u64,
+}
+
+impl MethodJson {
+    /// The summary of `m`, with GB/s of `dst_bytes` of destination data.
+    pub fn of(m: &Measured, dst_bytes: u64) -> MethodJson {
+        let (median_s, min_s, max_s) = spread(&m.times);
+        MethodJson {
+            median_s,
+            min_s,
+            max_s,
+            wire_bytes: m.wire_bytes,
+            gbps: dst_bytes as f64 / median_s.max(1e-12) / 1e9,
+            peak_extra_bytes_per_rank: m.peak_extra,
+        }
+    }
+}

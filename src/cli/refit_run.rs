@@ -19,8 +19,8 @@ use reshard::{Error, PlanOptions, Side};
 
 use super::Failure;
 use super::processes::{
-    AnyTransport, ExecArgs, Links, TransportKind, check_memory, check_world, connect, not_in_a_job,
-    spread, under_mpirun,
+    AnyTransport, ExecArgs, Links, Measured, MethodJson, TransportKind, check_memory, check_world,
+    connect, not_in_a_job, under_mpirun,
 };
 use super::units::{bytes, parse_bytes};
 
@@ -70,16 +70,6 @@ pub fn batch_of(refit: &Refit, plan: PlanOptions, pack_below: u64) -> Result<Bat
         .chain(refit.dst_fused.iter().map(fusion(Side::Dst)))
         .collect();
     Batch::new(tensors, fusions, BatchOptions { plan, pack_below })
-}
-
-#[derive(Serialize)]
-struct MethodJson {
-    median_s: f64,
-    min_s: f64,
-    max_s: f64,
-    wire_bytes: u64,
-    gbps: f64,
-    peak_extra_bytes_per_rank: u64,
 }
 
 /// The `run` object added to the refit JSON.
@@ -235,35 +225,8 @@ fn run_processes<'j, J: Job>(
         .map(|r| r["dst_bytes"].as_u64().unwrap_or(0))
         .sum();
     let method = |key: &str| {
-        let repetitions = reports
-            .first()
-            .and_then(|r| r[key]["times"].as_array())
-            .map_or(0, Vec::len);
-        // per repetition, the slowest rank's time
-        let times: Vec<f64> = (0..repetitions)
-            .map(|i| {
-                reports
-                    .iter()
-                    .map(|r| r[key]["times"][i].as_f64().unwrap_or(0.0))
-                    .fold(0.0, f64::max)
-            })
-            .collect();
-        let (median_s, min_s, max_s) = spread(&times);
-        MethodJson {
-            median_s,
-            min_s,
-            max_s,
-            wire_bytes: reports
-                .iter()
-                .map(|r| r[key]["wire_bytes"].as_u64().unwrap_or(0))
-                .sum(),
-            gbps: dst_bytes as f64 / median_s.max(1e-12) / 1e9,
-            peak_extra_bytes_per_rank: reports
-                .iter()
-                .map(|r| r[key]["peak_extra"].as_u64().unwrap_or(0))
-                .max()
-                .unwrap_or(0),
-        }
+        let per_rank: Vec<&serde_json::Value> = reports.iter().map(|r| &r[key]).collect();
+        MethodJson::of(&Measured::combine(&per_rank), dst_bytes)
     };
     let (reshard, gather_broadcast) = (method("reshard"), method("gather_broadcast"));
     Ok(Some(RunJson {
@@ -329,9 +292,7 @@ fn run_rank<'j, J: Job>(
     let baseline_transport = connect(&links)?;
 
     let srcs: Vec<&[u8]> = src.iter().map(Vec::as_slice).collect();
-    let mut times = (Vec::new(), Vec::new());
-    let mut wire = (0, 0);
-    let mut peak = (0, 0);
+    let (mut reshard, mut gather_broadcast) = (Measured::default(), Measured::default());
     for i in 0..args.warmup + args.iters {
         let timed = i >= args.warmup;
         let last = i + 1 == args.warmup + args.iters;
@@ -347,9 +308,9 @@ fn run_rank<'j, J: Job>(
             verify(batch, &rb, &dst)?;
         }
         if timed {
-            times.0.push(elapsed);
-            wire.0 = stats.bytes_received;
-            peak.0 = stats.peak_staging_bytes;
+            reshard.times.push(elapsed);
+            reshard.wire_bytes = stats.bytes_received;
+            reshard.peak_extra = stats.peak_staging_bytes;
         }
 
         poison(&mut dst);
@@ -374,17 +335,16 @@ fn run_rank<'j, J: Job>(
             verify(batch, &rb, &dst)?;
         }
         if timed {
-            times.1.push(elapsed);
-            wire.1 = stats.bytes_received;
-            peak.1 = stats.peak_staging_bytes + full_len as u64;
+            gather_broadcast.times.push(elapsed);
+            gather_broadcast.wire_bytes = stats.bytes_received;
+            gather_broadcast.peak_extra = stats.peak_staging_bytes + full_len as u64;
         }
     }
-    let method = |times: &Vec<f64>, wire: u64, peak: u64| serde_json::json!({ "times": times, "wire_bytes": wire, "peak_extra": peak });
     Ok(serde_json::json!({
         "transport": reshard_transport.name(),
         "dst_bytes": dst_len,
-        "reshard": method(&times.0, wire.0, peak.0),
-        "gather_broadcast": method(&times.1, wire.1, peak.1),
+        "reshard": reshard.report(),
+        "gather_broadcast": gather_broadcast.report(),
     }))
 }
 

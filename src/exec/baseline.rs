@@ -59,14 +59,7 @@ where
         rank,
         ..RankStats::default()
     };
-    let mut add = |s: RankStats| {
-        stats.bytes_sent += s.bytes_sent;
-        stats.bytes_received += s.bytes_received;
-        stats.bytes_local += s.bytes_local;
-        stats.chunks_sent += s.chunks_sent;
-        stats.chunks_received += s.chunks_received;
-        stats.peak_staging_bytes = stats.peak_staging_bytes.max(s.peak_staging_bytes);
-    };
+    let mut add = |s: RankStats| stats.absorb(&s);
     if let (Some(plan), Some(gather)) = (gather, &baseline.gather) {
         let work = RankJob {
             plan,
@@ -178,16 +171,13 @@ pub fn run_local_gather_broadcast(
     let mut per_rank: BTreeMap<Rank, RankStats> = BTreeMap::new();
     let mut add = |stats: RunStats| {
         for s in stats.ranks {
-            let mine = per_rank.entry(s.rank).or_insert(RankStats {
-                rank: s.rank,
-                ..RankStats::default()
-            });
-            mine.bytes_sent += s.bytes_sent;
-            mine.bytes_received += s.bytes_received;
-            mine.bytes_local += s.bytes_local;
-            mine.chunks_sent += s.chunks_sent;
-            mine.chunks_received += s.chunks_received;
-            mine.peak_staging_bytes = mine.peak_staging_bytes.max(s.peak_staging_bytes);
+            per_rank
+                .entry(s.rank)
+                .or_insert(RankStats {
+                    rank: s.rank,
+                    ..RankStats::default()
+                })
+                .absorb(&s);
         }
     };
     if let Some(gather) = &baseline.gather {

@@ -83,6 +83,18 @@ pub struct RankStats {
     pub peak_staging_bytes: u64,
 }
 
+impl RankStats {
+    /// Adds `other`'s counts to these, as one rank's phases add up; the peak is the larger.
+    pub fn absorb(&mut self, other: &RankStats) {
+        self.bytes_sent += other.bytes_sent;
+        self.bytes_received += other.bytes_received;
+        self.bytes_local += other.bytes_local;
+        self.chunks_sent += other.chunks_sent;
+        self.chunks_received += other.chunks_received;
+        self.peak_staging_bytes = self.peak_staging_bytes.max(other.peak_staging_bytes);
+    }
+}
+
 /// What a whole run did.
 #[derive(Clone, Debug, Default)]
 pub struct RunStats {
@@ -91,6 +103,29 @@ pub struct RunStats {
 }
 
 impl RunStats {
+    /// The run's stats from every rank's outcome, or every rank's failure.
+    pub fn gather(
+        elapsed: Duration,
+        results: impl IntoIterator<Item = Result<RankStats>>,
+    ) -> Result<RunStats> {
+        let mut stats = RunStats {
+            elapsed,
+            ranks: Vec::new(),
+        };
+        let mut failures = Vec::new();
+        for r in results {
+            match r {
+                Ok(s) => stats.ranks.push(s),
+                Err(e) => failures.push(e),
+            }
+        }
+        if failures.is_empty() {
+            Ok(stats)
+        } else {
+            Err(Error::Incomplete { failures })
+        }
+    }
+
     pub fn bytes_remote(&self) -> u64 {
         self.ranks.iter().map(|r| r.bytes_received).sum()
     }
@@ -678,23 +713,9 @@ pub fn run_local_with_faults(
             .collect()
     });
     let elapsed = started.elapsed();
-    let mut stats = RunStats {
-        elapsed,
-        ranks: Vec::new(),
-    };
-    let mut failures = Vec::new();
-    for r in results {
-        match r {
-            Ok(s) => stats.ranks.push(s),
-            Err(e) => failures.push(e),
-        }
-    }
-    if failures.is_empty() {
-        tracing::debug!(?elapsed, bytes = stats.bytes_remote(), "local run done");
-        Ok(stats)
-    } else {
-        Err(Error::Incomplete { failures })
-    }
+    let stats = RunStats::gather(elapsed, results)?;
+    tracing::debug!(?elapsed, bytes = stats.bytes_remote(), "local run done");
+    Ok(stats)
 }
 
 fn regions(layout: &Layout) -> BTreeMap<Rank, Region> {
