@@ -134,15 +134,13 @@ fn main() {
                 );
             }
         }
-        if let Some(b) = &dst_box {
-            if !keeps_all {
-                let from: &[u8] = if gb.needs_full_buffer(rank) {
-                    &full
-                } else {
-                    &source
-                };
-                keep_slice(from, &whole, b, &mut shard, dtype.size());
-            }
+        if let (Some(b), false) = (&dst_box, keeps_all) {
+            let from: &[u8] = if gb.needs_full_buffer(rank) {
+                &full
+            } else {
+                &source
+            };
+            keep_slice(from, &whole, b, &mut shard, dtype.size());
         }
         world.barrier();
         // SAFETY: plain wall clock.
@@ -151,10 +149,11 @@ fn main() {
             times.push(took);
         }
     }
-    if let Some(b) = &dst_box {
-        if let Some((offset, ..)) = Fill::Index.check_region(&dst, b, &shard) {
-            panic!("rank {rank}: wrong byte at {offset}");
-        }
+    if let Some((offset, ..)) = dst_box
+        .as_ref()
+        .and_then(|b| Fill::Index.check_region(&dst, b, &shard))
+    {
+        panic!("rank {rank}: wrong byte at {offset}");
     }
     if rank == 0 {
         times.sort_by(f64::total_cmp);

@@ -59,3 +59,46 @@ fn auto_picks_mpi_under_mpirun() {
         text(&out.stdout)
     );
 }
+
+/// `bench` and `refit --run` under mpirun: both methods over MPI, every byte verified, the
+/// report from rank 0 alone.
+#[test]
+fn bench_and_refit_run_under_mpirun() {
+    let child = mpirun(8)
+        .args(["bench", "--suite", "refit", "--suite-bytes", "64KiB"])
+        .args(["--iters", "1", "--transport", "mpi", "--json"])
+        .spawn()
+        .unwrap();
+    let out = wait_bounded(child, Duration::from_secs(180), "bench under mpirun");
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(j["transport"], "mpi");
+    let cases = j["cases"].as_array().unwrap();
+    assert_eq!(cases.len(), 9);
+    assert!(cases.iter().all(|c| c["verified"] == true), "{j}");
+
+    let dir = common::temp_dir("mpi-refit");
+    std::fs::create_dir_all(&dir).unwrap();
+    let config = dir.join("config.json");
+    std::fs::write(
+        &config,
+        r#"{"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+            "vocab_size": 512, "hidden_size": 32, "intermediate_size": 64,
+            "moe_intermediate_size": 16, "num_experts": 8, "num_experts_per_tok": 2,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "head_dim": 8, "tie_word_embeddings": false, "torch_dtype": "bfloat16"}"#,
+    )
+    .unwrap();
+    let child = mpirun(8)
+        .args(["refit", "--model"])
+        .arg(&config)
+        .args(["--train", "tp=2,ep=2,pp=2", "--infer", "tp=4", "--run"])
+        .args(["--iters", "1", "--transport", "mpi", "--json"])
+        .spawn()
+        .unwrap();
+    let out = wait_bounded(child, Duration::from_secs(180), "refit under mpirun");
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(j["run"]["verified"], true, "{j}");
+    assert_eq!(j["run"]["transport"], "mpi");
+}

@@ -420,12 +420,14 @@ fn bench_mpi(
     for case in cases {
         check_memory(case.memory(Some(job.rank())), case.plan.src().shape())?;
     }
-    // every case of this job moves the same element type through MPI
-    let shape = cases
-        .first()
-        .map(|c| c.plan.src().shape().to_vec())
-        .unwrap_or_default();
-    let elem = cases.first().map_or(1, |c| c.plan.elem_bytes());
+    // one tensor too large for subarray datatypes sends every case packed
+    let pick = cases
+        .iter()
+        .map(|c| c.plan.src())
+        .find(|l| !reshard::transport::mpi::fits_datatypes(l.shape(), l.dtype().size()))
+        .or(cases.first().map(|c| c.plan.src()));
+    let shape = pick.map(|l| l.shape().to_vec()).unwrap_or_default();
+    let elem = pick.map_or(1, |l| l.dtype().size());
     bench_processes(args, cases, fill, options, &job, &|_, _| {
         Ok(Box::new(job.transport(&shape, elem)) as AnyTransport<'_>)
     })

@@ -30,6 +30,19 @@ const DATA_TAG: i32 = 17;
 /// (beyond what MPI's int counts and sizes safely describe) move in packed chunks.
 const WHOLE_TRANSFER_LIMIT: usize = 1 << 30;
 
+/// Whether subarray datatypes can describe the regions of a tensor of `shape`: they count in
+/// C ints, so every dim, in bytes for the innermost, must fit.
+pub fn fits_datatypes(shape: &[u64], elem_bytes: usize) -> bool {
+    shape.iter().enumerate().all(|(d, &n)| {
+        let n = if d + 1 == shape.len() {
+            n.saturating_mul(elem_bytes as u64)
+        } else {
+            n
+        };
+        n <= c_int::MAX as u64
+    })
+}
+
 /// A committed MPI datatype for `region` inside the dense row-major buffer of `holder`
 /// (elements of `elem` bytes, counted as bytes). Free it with [`free_datatype`].
 ///
@@ -109,17 +122,10 @@ impl MpiJob {
     }
 
     /// The data transport over this job's world communicator, for a tensor of `shape` with
-    /// elements of `elem_bytes`.
+    /// elements of `elem_bytes` (for several tensors: one that [`fits_datatypes`] refuses, if
+    /// any, so that every transfer takes the packed path).
     pub fn transport(&self, shape: &[u64], elem_bytes: usize) -> MpiTransport<'_> {
-        // subarray datatypes count in C ints: every dim, in bytes for the innermost, must fit
-        let fits = shape.iter().enumerate().all(|(d, &n)| {
-            let n = if d + 1 == shape.len() {
-                n.saturating_mul(elem_bytes as u64)
-            } else {
-                n
-            };
-            n <= c_int::MAX as u64
-        });
+        let fits = fits_datatypes(shape, elem_bytes);
         MpiTransport {
             world: &self.world,
             rank: self.world.rank() as Rank,
