@@ -18,7 +18,7 @@ use reshard::{Error, Plan, Rank, RankPlan};
 
 use super::processes::{
     AnyTransport, Destination, ExecArgs, Links, Measured, MethodJson, TransportKind, check_memory,
-    check_world, connect, not_in_a_job, under_mpirun,
+    check_world, conclude, connect, not_in_a_job, under_mpirun,
 };
 use super::units::{bytes, parse_bytes};
 use super::{Failure, TensorArgs};
@@ -470,24 +470,12 @@ fn bench_processes<'j, J: Job>(
         })
         .collect();
     bar.finish_and_clear();
-    if let Err(e) = &outcome {
-        eprintln!("error: {e}");
-        if matches!(e, Error::JobFailed { .. }) {
-            return Err(Failure::Run(outcome.unwrap_err()));
-        }
-    }
-    let mine = outcome
-        .map(|reports| serde_json::json!({ "transport": name, "cases": reports }))
-        .map_err(|e| e.to_string());
-    let reports = job.finish(mine)?;
-    if rank != 0 {
+    let mine = outcome.map(|reports| serde_json::json!({ "transport": name, "cases": reports }));
+    let Some(reports) = conclude(job, mine)? else {
         return Ok(None);
-    }
-    let name = reports
-        .first()
-        .and_then(|r| r["transport"].as_str())
-        .unwrap_or("?")
-        .to_string();
+    };
+    let name = reports.transport();
+    let reports = reports.ranks;
     let results = (0..cases.len())
         .map(|c| {
             let method = |key: &str| {

@@ -14,6 +14,7 @@ use reshard::transport::tcp::TcpTransport;
 use reshard::transport::{Job, Transport};
 use reshard::{Error, Rank, Region};
 
+use super::Failure;
 use super::units::{bytes, parse_bytes};
 
 /// Which transport moves the bytes.
@@ -295,4 +296,38 @@ impl MethodJson {
             peak_extra_bytes_per_rank: m.peak_extra,
         }
     }
+}
+
+/// What rank 0 hears from every rank at the end of a job.
+pub struct Reports {
+    /// Every rank's report, indexed by rank.
+    pub ranks: Vec<serde_json::Value>,
+}
+
+impl Reports {
+    /// The transport the ranks name in their reports' `transport` field.
+    pub fn transport(&self) -> String {
+        self.ranks
+            .first()
+            .and_then(|r| r["transport"].as_str())
+            .unwrap_or("?")
+            .to_string()
+    }
+}
+
+/// Ends this rank's part of a job: prints its own failure, hands its report (or the failure)
+/// to rank 0's verdict, and returns every rank's report on rank 0, `None` on the others.
+pub fn conclude<J: Job>(
+    job: &J,
+    outcome: Result<serde_json::Value, Error>,
+) -> Result<Option<Reports>, Failure> {
+    if let Err(e) = &outcome {
+        eprintln!("error: {e}");
+        if matches!(e, Error::JobFailed { .. }) {
+            // the verdict is already out: rank 0 told everyone at the barrier
+            return Err(Failure::Run(outcome.unwrap_err()));
+        }
+    }
+    let ranks = job.finish(outcome.map_err(|e| e.to_string()))?;
+    Ok((job.rank() == 0).then_some(Reports { ranks }))
 }

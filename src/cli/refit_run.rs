@@ -20,7 +20,7 @@ use reshard::{Error, PlanOptions, Side};
 use super::Failure;
 use super::processes::{
     AnyTransport, ExecArgs, Links, Measured, MethodJson, TransportKind, check_memory, check_world,
-    connect, not_in_a_job, under_mpirun,
+    conclude, connect, not_in_a_job, under_mpirun,
 };
 use super::units::{bytes, parse_bytes};
 
@@ -208,23 +208,12 @@ fn run_processes<'j, J: Job>(
     job: &'j J,
     connect: &dyn Fn(&Links) -> Result<AnyTransport<'j>, Error>,
 ) -> Result<Option<RunJson>, Failure> {
-    let rank = job.rank();
     let outcome = run_rank(args, batch, baseline, options, job, connect);
-    if let Err(e) = &outcome {
-        eprintln!("error: {e}");
-        if matches!(e, Error::JobFailed { .. }) {
-            return Err(Failure::Run(outcome.unwrap_err()));
-        }
-    }
-    let reports = job.finish(outcome.map_err(|e| e.to_string()))?;
-    if rank != 0 {
+    let Some(reports) = conclude(job, outcome)? else {
         return Ok(None);
-    }
-    let name = reports
-        .first()
-        .and_then(|r| r["transport"].as_str())
-        .unwrap_or("?")
-        .to_string();
+    };
+    let name = reports.transport();
+    let reports = reports.ranks;
     let dst_bytes: u64 = reports
         .iter()
         .map(|r| r["dst_bytes"].as_u64().unwrap_or(0))

@@ -14,8 +14,8 @@ use reshard::transport::segment::SharedBuffer;
 use reshard::{Error, Plan, Rank, RankPlan};
 
 use super::processes::{
-    AnyTransport, Destination, ExecArgs, Links, TransportKind, check_memory, check_world, connect,
-    not_in_a_job, under_mpirun,
+    AnyTransport, Destination, ExecArgs, Links, TransportKind, check_memory, check_world, conclude,
+    connect, not_in_a_job, under_mpirun,
 };
 use super::units::bytes;
 use super::{Failure, TensorArgs};
@@ -201,17 +201,10 @@ fn process_rank<'j, J: Job>(
     job: &'j J,
     connect: impl FnOnce(&RankPlan, Destination<'_>) -> Result<AnyTransport<'j>, Error>,
 ) -> Result<(), Failure> {
-    let rank = job.rank();
     let outcome = rank_part(args, plan, fill, options, job, connect);
-    if let Err(e) = &outcome {
-        eprintln!("error: {e}");
-        if matches!(e, Error::JobFailed { .. }) {
-            // the verdict is already out: rank 0 told everyone at the barrier
-            return Err(Failure::Run(outcome.unwrap_err()));
-        }
-    }
-    let reports = job.finish(outcome.map_err(|e| e.to_string()))?;
-    if rank == 0 {
+    if let Some(reports) = conclude(job, outcome)? {
+        let name = reports.transport();
+        let reports = reports.ranks;
         let field = |r: &serde_json::Value, k: &str| r[k].as_f64().unwrap_or(0.0);
         // per repetition, the slowest rank's time
         let iters = args.iters as usize;
@@ -236,11 +229,6 @@ fn process_rank<'j, J: Job>(
                 .max()
                 .unwrap_or(0),
         };
-        let name = reports
-            .first()
-            .and_then(|r| r["transport"].as_str())
-            .unwrap_or("?")
-            .to_string();
         report(args, plan, &summary, &name, args.verify);
     }
     Ok(())
