@@ -115,14 +115,16 @@ impl Fill {
             .mesh()
             .ranks()
             .iter()
-            .enumerate()
-            .map(|(p, &r)| {
-                let region = layout.region_at(p);
-                let mut buf = vec![0u8; layout.local_bytes(r) as usize];
-                self.fill_region(layout, &region, &mut buf);
-                (r, buf)
-            })
+            .filter_map(|&r| self.shard(layout, r).map(|buf| (r, buf)))
             .collect()
+    }
+
+    /// `rank`'s filled shard of `layout`, if it holds one.
+    pub fn shard(self, layout: &Layout, rank: Rank) -> Option<Vec<u8>> {
+        let region = layout.local_region(rank)?;
+        let mut buf = vec![0u8; layout.local_bytes(rank) as usize];
+        self.fill_region(layout, &region, &mut buf);
+        Some(buf)
     }
 
     /// Checks `buf` against the fill; returns (first wrong byte offset, expected, found, count).
@@ -152,6 +154,28 @@ impl Fill {
             }
         });
         first.map(|(o, e, g)| (o, e, g, count))
+    }
+
+    /// Checks `buf`, the bytes of box `region` that start at byte `at` of one of `rank`'s
+    /// buffers, against the fill: the first wrong byte (its offset in that buffer) and how many
+    /// are wrong, as an error.
+    pub fn verify_region(
+        self,
+        layout: &Layout,
+        region: &Region,
+        buf: &[u8],
+        (rank, at): (Rank, u64),
+    ) -> Result<()> {
+        match self.check_region(layout, region, buf) {
+            None => Ok(()),
+            Some((offset, expected, found, mismatches)) => Err(Error::VerifyFailed {
+                rank,
+                offset: at + offset,
+                expected,
+                found,
+                mismatches,
+            }),
+        }
     }
 
     /// Checks every destination shard of `layout` against the fill, byte for byte.

@@ -518,11 +518,7 @@ fn bench_rank<'j, J: Job>(
 
     let src_box = src.local_region(rank);
     let dst_box = dst.local_region(rank);
-    let source = src_box.as_ref().map(|b| {
-        let mut buf = vec![0u8; src.local_bytes(rank) as usize];
-        fill.fill_region(src, b, &mut buf);
-        buf
-    });
+    let source = fill.shard(src, rank);
     let shared = |len: u64| SharedBuffer::new(len as usize);
     let mut shard = dst_box
         .as_ref()
@@ -621,18 +617,9 @@ fn bench_rank<'j, J: Job>(
 
 /// Checks this rank's destination shard against the fill.
 fn verify(fill: Fill, plan: &Plan, rank: Rank, shard: Option<&[u8]>) -> Result<(), Error> {
-    let (Some(region), Some(buf)) = (plan.dst().local_region(rank), shard) else {
-        return Ok(());
-    };
-    match fill.check_region(plan.dst(), &region, buf) {
-        None => Ok(()),
-        Some((offset, expected, found, mismatches)) => Err(Error::VerifyFailed {
-            rank,
-            offset,
-            expected,
-            found,
-            mismatches,
-        }),
+    match (plan.dst().local_region(rank), shard) {
+        (Some(region), Some(buf)) => fill.verify_region(plan.dst(), &region, buf, (rank, 0)),
+        _ => Ok(()),
     }
 }
 

@@ -182,17 +182,13 @@ fn verify(batch: &Batch, rb: &RankBatch, dst: &[Vec<u8>]) -> Result<(), Error> {
     for (buffer, bytes) in rb.dst.iter().zip(dst) {
         for p in &buffer.pieces {
             let layout = &batch.tensors()[p.tensor].dst;
-            if let Some((offset, expected, found, mismatches)) =
-                fill_of(p.tensor).check_region(layout, &p.region, &bytes[p.bytes.clone()])
-            {
-                return Err(Error::VerifyFailed {
-                    rank: rb.rank,
-                    offset: offset + p.bytes.start as u64,
-                    expected,
-                    found,
-                    mismatches,
-                });
-            }
+            let piece = &bytes[p.bytes.clone()];
+            fill_of(p.tensor).verify_region(
+                layout,
+                &p.region,
+                piece,
+                (rb.rank, p.bytes.start as u64),
+            )?;
         }
     }
     Ok(())

@@ -248,11 +248,7 @@ fn rank_part<'j, J: Job>(
     let rank_plan = reshard::plan::rank_plan(plan.src(), plan.dst(), rank, &plan.options())?;
     let src_box = plan.src().local_region(rank);
     let dst_box = plan.dst().local_region(rank);
-    let source = src_box.as_ref().map(|b| {
-        let mut buf = vec![0u8; plan.src().local_bytes(rank) as usize];
-        fill.fill_region(plan.src(), b, &mut buf);
-        buf
-    });
+    let source = fill.shard(plan.src(), rank);
     // in shared memory, so that senders on this host can write into it directly
     let mut shard = match &dst_box {
         Some(_) => Some(SharedBuffer::new(plan.dst().local_bytes(rank) as usize)?),
@@ -283,18 +279,8 @@ fn rank_part<'j, J: Job>(
         }
     }
     let stats = stats.expect("at least one iteration");
-    let mismatch = match (args.verify, &dst_box, &shard) {
-        (true, Some(b), Some(buf)) => fill.check_region(plan.dst(), b, buf),
-        _ => None,
-    };
-    if let Some((offset, expected, found, mismatches)) = mismatch {
-        return Err(Error::VerifyFailed {
-            rank,
-            offset,
-            expected,
-            found,
-            mismatches,
-        });
+    if let (true, Some(b), Some(buf)) = (args.verify, &dst_box, &shard) {
+        fill.verify_region(plan.dst(), b, buf, (rank, 0))?;
     }
     if let (Some(dir), Some(buf)) = (&args.dump, &shard) {
         dump(dir, [(rank, &buf[..])])?;
