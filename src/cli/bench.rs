@@ -420,16 +420,9 @@ fn bench_mpi(
     for case in cases {
         check_memory(case.memory(Some(job.rank())), case.plan.src().shape())?;
     }
-    // one tensor too large for subarray datatypes sends every case packed
-    let pick = cases
-        .iter()
-        .map(|c| c.plan.src())
-        .find(|l| !reshard::transport::mpi::fits_datatypes(l.shape(), l.dtype().size()))
-        .or(cases.first().map(|c| c.plan.src()));
-    let shape = pick.map(|l| l.shape().to_vec()).unwrap_or_default();
-    let elem = pick.map_or(1, |l| l.dtype().size());
     bench_processes(args, cases, fill, options, &job, &|_, _| {
-        Ok(Box::new(job.transport(&shape, elem)) as AnyTransport<'_>)
+        let layouts = cases.iter().map(|c| c.plan.src());
+        Ok(Box::new(job.transport(layouts)) as AnyTransport<'_>)
     })
 }
 

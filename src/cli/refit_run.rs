@@ -142,16 +142,9 @@ fn run_mpi(
     use reshard::transport::mpi::MpiJob;
     let job = MpiJob::init()?;
     check_world(batch.world().saturating_sub(1), job.world())?;
-    // one tensor too large for subarray datatypes sends every tensor packed
-    let tensors = batch.tensors();
-    let pick = tensors
-        .iter()
-        .find(|t| !reshard::transport::mpi::fits_datatypes(t.src.shape(), t.src.dtype().size()))
-        .or(tensors.first());
-    let shape = pick.map(|t| t.src.shape().to_vec()).unwrap_or_default();
-    let elem = pick.map_or(1, |t| t.src.dtype().size());
     run_processes(args, batch, baseline, pack_below, options, &job, &|_| {
-        Ok(Box::new(job.transport(&shape, elem)) as AnyTransport<'_>)
+        let layouts = batch.tensors().iter().map(|t| &t.src);
+        Ok(Box::new(job.transport(layouts)) as AnyTransport<'_>)
     })
 }
 

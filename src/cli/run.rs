@@ -182,7 +182,7 @@ fn run_mpi(args: &RunArgs, plan: &Plan, fill: Fill, options: &ExecOptions) -> Re
     check_world(highest(plan), job.world())?;
     check_memory(rank_bytes(plan, job.rank()), plan.src().shape())?;
     process_rank(args, plan, fill, options, &job, |_, _| {
-        let transport = job.transport(plan.src().shape(), plan.elem_bytes());
+        let transport = job.transport([plan.src()]);
         Ok(Box::new(transport) as AnyTransport<'_>)
     })
 }

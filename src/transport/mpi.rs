@@ -20,7 +20,7 @@ use mpi::traits::*;
 
 use crate::error::{Error, Result};
 use crate::exec::copy::{CopyGeometry, Place};
-use crate::layout::Rank;
+use crate::layout::{Layout, Rank};
 use crate::region::Region;
 
 use super::{Incoming, Job, Outgoing, Transport};
@@ -32,7 +32,7 @@ const WHOLE_TRANSFER_LIMIT: usize = 1 << 30;
 
 /// Whether subarray datatypes can describe the regions of a tensor of `shape`: they count in
 /// C ints, so every dim, in bytes for the innermost, must fit.
-pub fn fits_datatypes(shape: &[u64], elem_bytes: usize) -> bool {
+fn fits_datatypes(shape: &[u64], elem_bytes: usize) -> bool {
     shape.iter().enumerate().all(|(d, &n)| {
         let n = if d + 1 == shape.len() {
             n.saturating_mul(elem_bytes as u64)
@@ -121,11 +121,13 @@ impl MpiJob {
         })
     }
 
-    /// The data transport over this job's world communicator, for a tensor of `shape` with
-    /// elements of `elem_bytes` (for several tensors: one that [`fits_datatypes`] refuses, if
-    /// any, so that every transfer takes the packed path).
-    pub fn transport(&self, shape: &[u64], elem_bytes: usize) -> MpiTransport<'_> {
-        let fits = fits_datatypes(shape, elem_bytes);
+    /// The data transport over this job's world communicator, for the tensors of `layouts`:
+    /// subarray datatypes when they describe every tensor, packed chunks otherwise (both ends
+    /// of a transfer must choose alike, so the choice covers all the job's tensors).
+    pub fn transport<'l>(&self, layouts: impl IntoIterator<Item = &'l Layout>) -> MpiTransport<'_> {
+        let fits = layouts
+            .into_iter()
+            .all(|l| fits_datatypes(l.shape(), l.dtype().size()));
         MpiTransport {
             world: &self.world,
             rank: self.world.rank() as Rank,
