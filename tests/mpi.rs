@@ -79,16 +79,7 @@ fn bench_and_refit_run_under_mpirun() {
 
     let dir = common::temp_dir("mpi-refit");
     std::fs::create_dir_all(&dir).unwrap();
-    let config = dir.join("config.json");
-    std::fs::write(
-        &config,
-        r#"{"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
-            "vocab_size": 512, "hidden_size": 32, "intermediate_size": 64,
-            "moe_intermediate_size": 16, "num_experts": 8, "num_experts_per_tok": 2,
-            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-            "head_dim": 8, "tie_word_embeddings": false, "torch_dtype": "bfloat16"}"#,
-    )
-    .unwrap();
+    let config = common::tiny_moe_config(&dir);
     let child = mpirun(8)
         .args(["refit", "--model"])
         .arg(&config)

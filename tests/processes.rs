@@ -350,16 +350,7 @@ fn refit_runs_over_processes() {
     )
     .unwrap();
     // and a small Qwen3-MoE: stacked experts, vLLM's w13 fused along dim 1 of [E, 2I, H]
-    let moe = dir.join("moe.json");
-    std::fs::write(
-        &moe,
-        r#"{"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
-            "vocab_size": 512, "hidden_size": 32, "intermediate_size": 64,
-            "moe_intermediate_size": 16, "num_experts": 8, "num_experts_per_tok": 2,
-            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-            "head_dim": 8, "tie_word_embeddings": false, "torch_dtype": "bfloat16"}"#,
-    )
-    .unwrap();
+    let moe = common::tiny_moe_config(&dir);
     for (model, train, transport, infer, pack_below) in [
         (&config, "tp=2,pp=2", "tcp", "tp=4", "64KiB"),
         (&config, "tp=2,pp=2", "shm", "tp=2,dp=2", "0"),

@@ -63,9 +63,34 @@ where
     )?;
     let (mut root_blobs, mut received) = rb.blobs();
     rb.pack(batch, src, &mut root_blobs);
+    run_packed(
+        batch,
+        rb,
+        src,
+        &root_blobs,
+        &mut received,
+        dst,
+        transport,
+        options,
+    )
+}
+
+/// Runs `rank`'s steps once its rooted blobs are packed, then unpacks what it received: the
+/// blobs follow the rank's own buffers, on both sides.
+#[allow(clippy::too_many_arguments)]
+fn run_packed<'buf, T: Transport<'buf> + ?Sized>(
+    batch: &Batch,
+    rb: &'buf RankBatch,
+    src: &[&'buf [u8]],
+    root_blobs: &'buf [Vec<u8>],
+    received: &mut [Vec<u8>],
+    dst: &mut [&mut [u8]],
+    transport: &T,
+    options: &ExecOptions,
+) -> Result<RankStats> {
     let steps = rb.steps();
     let mut stats = {
-        let all_src: Vec<&[u8]> = src
+        let all_src: Vec<&'buf [u8]> = src
             .iter()
             .copied()
             .chain(root_blobs.iter().map(Vec::as_slice))
@@ -77,8 +102,9 @@ where
             .collect();
         run_steps(&steps, &all_src, &mut all_dst, transport, options)?
     };
-    stats.bytes_local += rb.unpack(batch, &root_blobs, &received, dst);
-    let blobs: usize = root_blobs.iter().chain(&received).map(Vec::len).sum();
+    stats.rank = rb.rank;
+    stats.bytes_local += rb.unpack(batch, root_blobs, received, dst);
+    let blobs: usize = root_blobs.iter().chain(&*received).map(Vec::len).sum();
     stats.peak_staging_bytes += blobs as u64;
     Ok(stats)
 }
@@ -142,26 +168,14 @@ pub fn run_local_batch(
                         Some(d) => d.iter_mut().map(Vec::as_mut_slice).collect(),
                         None => Vec::new(),
                     };
-                    let steps = rb.steps();
-                    let mut stats = {
-                        let all_src: Vec<&[u8]> = srcs
-                            .iter()
-                            .copied()
-                            .chain(root_blobs.iter().map(Vec::as_slice))
-                            .collect();
-                        let mut all_dst: Vec<&mut [u8]> = mine
-                            .iter_mut()
-                            .map(|b| &mut **b)
-                            .chain(received.iter_mut().map(Vec::as_mut_slice))
-                            .collect();
-                        match endpoint {
-                            Some(e) => run_steps(&steps, &all_src, &mut all_dst, &e, options)?,
-                            None => RankStats::default(),
-                        }
-                    };
-                    stats.rank = rank;
-                    stats.bytes_local += rb.unpack(batch, root_blobs, received, &mut mine);
-                    Ok(stats)
+                    let endpoint = endpoint.ok_or_else(|| Error::Internal {
+                        rank,
+                        detail: "the rank has no endpoint".into(),
+                    })?;
+                    let endpoint = &endpoint;
+                    run_packed(
+                        batch, rb, &srcs, root_blobs, received, &mut mine, endpoint, options,
+                    )
                 })
             })
             .collect();

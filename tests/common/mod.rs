@@ -225,3 +225,19 @@ impl Drop for RandomRun {
         let _ = std::fs::remove_dir_all(&self.dirs.1);
     }
 }
+
+/// A small Qwen3-MoE config (real structure: stacked experts, router, qk norms; small sizes)
+/// written into `dir`; returns its path.
+pub fn tiny_moe_config(dir: &Path) -> PathBuf {
+    let path = dir.join("moe.json");
+    std::fs::write(
+        &path,
+        r#"{"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+            "vocab_size": 512, "hidden_size": 32, "intermediate_size": 64,
+            "moe_intermediate_size": 16, "num_experts": 8, "num_experts_per_tok": 2,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "head_dim": 8, "tie_word_embeddings": false, "torch_dtype": "bfloat16"}"#,
+    )
+    .unwrap();
+    path
+}
