@@ -1,8 +1,6 @@
 //! `reshard bench`: reshard against gather+broadcast on the same transport, the same data and
 //! the same buffers, repetition after repetition in turn, both results verified.
 
-use std::time::Instant;
-
 use clap::{Args, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
@@ -555,50 +553,38 @@ fn bench_rank<'j, J: Job>(
         if let Some(s) = shard.as_deref_mut() {
             poison(s);
         }
-        job.barrier()?;
-        let started = Instant::now();
-        let work = RankJob {
-            plan: &mine,
-            src_layout: src,
-            src: src_box.as_ref().zip(source.as_deref()),
-            dst: dst_box.as_ref().zip(shard.as_deref_mut()),
-        };
-        let stats = exec::run_rank(work, &*reshard_transport, options)?;
-        let elapsed = started.elapsed().as_secs_f64();
+        reshard.repeat(job, timed, 0, || {
+            let work = RankJob {
+                plan: &mine,
+                src_layout: src,
+                src: src_box.as_ref().zip(source.as_deref()),
+                dst: dst_box.as_ref().zip(shard.as_deref_mut()),
+            };
+            exec::run_rank(work, &*reshard_transport, options)
+        })?;
         bar.inc(1);
         if last {
             verify(fill, plan, rank, shard.as_deref())?;
-        }
-        if timed {
-            reshard.times.push(elapsed);
-            reshard.wire_bytes = stats.bytes_received;
-            reshard.peak_extra = stats.peak_staging_bytes;
         }
 
         if let Some(s) = shard.as_deref_mut() {
             poison(s);
         }
-        job.barrier()?;
-        let started = Instant::now();
-        let work = BaselineJob {
-            baseline: gb,
-            gather: gather.as_ref(),
-            broadcast: broadcast.as_ref(),
-            src: src_box.as_ref().zip(source.as_deref()),
-            full: full.as_deref_mut(),
-            dst: dst_box.as_ref().zip(shard.as_deref_mut()),
-        };
-        let stats = baseline::run_rank_gather_broadcast(rank, work, &*baseline_transport, options)?;
-        let elapsed = started.elapsed().as_secs_f64();
+        let full_bytes = full.as_ref().map_or(0, |f| f.len() as u64);
+        gather_broadcast.repeat(job, timed, full_bytes, || {
+            let work = BaselineJob {
+                baseline: gb,
+                gather: gather.as_ref(),
+                broadcast: broadcast.as_ref(),
+                src: src_box.as_ref().zip(source.as_deref()),
+                full: full.as_deref_mut(),
+                dst: dst_box.as_ref().zip(shard.as_deref_mut()),
+            };
+            baseline::run_rank_gather_broadcast(rank, work, &*baseline_transport, options)
+        })?;
         bar.inc(1);
         if last {
             verify(fill, plan, rank, shard.as_deref())?;
-        }
-        if timed {
-            gather_broadcast.times.push(elapsed);
-            gather_broadcast.wire_bytes = stats.bytes_received;
-            let full_bytes = full.as_ref().map_or(0, |f| f.len() as u64);
-            gather_broadcast.peak_extra = stats.peak_staging_bytes.saturating_add(full_bytes);
         }
     }
     let report = serde_json::json!({

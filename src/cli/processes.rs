@@ -236,6 +236,27 @@ pub struct Measured {
 }
 
 impl Measured {
+    /// Runs one repetition of a method from a barrier, so that every rank starts together,
+    /// and keeps its time and counts when `timed`; `extra` is memory the method holds besides
+    /// its transport's staging.
+    pub fn repeat<J: Job>(
+        &mut self,
+        job: &J,
+        timed: bool,
+        extra: u64,
+        run: impl FnOnce() -> Result<reshard::exec::RankStats, Error>,
+    ) -> Result<(), Error> {
+        job.barrier()?;
+        let started = std::time::Instant::now();
+        let stats = run()?;
+        if timed {
+            self.times.push(started.elapsed().as_secs_f64());
+            self.wire_bytes = stats.bytes_received;
+            self.peak_extra = stats.peak_staging_bytes.saturating_add(extra);
+        }
+        Ok(())
+    }
+
     /// This rank's measurements, for rank 0.
     pub fn report(&self) -> serde_json::Value {
         serde_json::json!({

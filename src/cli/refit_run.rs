@@ -1,8 +1,6 @@
 //! `reshard refit --run`: the whole model moved for real, one rank per process, by the batched
 //! reshard and by per-tensor gather+broadcast in turn, on the same buffers, both verified.
 
-use std::time::Instant;
-
 use clap::Args;
 use serde::Serialize;
 
@@ -280,47 +278,24 @@ fn run_rank<'j, J: Job>(
         let timed = i >= args.warmup;
         let last = i + 1 == args.warmup + args.iters;
         poison(&mut dst);
-        job.barrier()?;
-        let started = Instant::now();
-        let stats = {
+        reshard.repeat(job, timed, 0, || {
             let mut dsts: Vec<&mut [u8]> = dst.iter_mut().map(Vec::as_mut_slice).collect();
-            run_rank_batch(batch, &rb, &srcs, &mut dsts, &*reshard_transport, options)?
-        };
-        let elapsed = started.elapsed().as_secs_f64();
+            run_rank_batch(batch, &rb, &srcs, &mut dsts, &*reshard_transport, options)
+        })?;
         if last {
             verify(batch, &rb, &dst)?;
-        }
-        if timed {
-            reshard.times.push(elapsed);
-            reshard.wire_bytes = stats.bytes_received;
-            reshard.peak_extra = stats.peak_staging_bytes;
         }
 
         poison(&mut dst);
-        job.barrier()?;
-        let started = Instant::now();
-        let stats = {
+        gather_broadcast.repeat(job, timed, full_len as u64, || {
             let mut dsts: Vec<&mut [u8]> = dst.iter_mut().map(Vec::as_mut_slice).collect();
+            let transport = &*baseline_transport;
             run_rank_batch_baseline(
-                batch,
-                baseline,
-                &mine,
-                &rb,
-                &srcs,
-                &mut dsts,
-                &mut full,
-                &*baseline_transport,
-                options,
-            )?
-        };
-        let elapsed = started.elapsed().as_secs_f64();
+                batch, baseline, &mine, &rb, &srcs, &mut dsts, &mut full, transport, options,
+            )
+        })?;
         if last {
             verify(batch, &rb, &dst)?;
-        }
-        if timed {
-            gather_broadcast.times.push(elapsed);
-            gather_broadcast.wire_bytes = stats.bytes_received;
-            gather_broadcast.peak_extra = stats.peak_staging_bytes + full_len as u64;
         }
     }
     Ok(serde_json::json!({
