@@ -133,7 +133,9 @@ impl CopyGeometry {
     /// side's buffer holds exactly that range; a [`Place::Within`] side's buffer is the whole
     /// local shard. A destination of 8 MiB or more (the whole region in a shard, or this
     /// range in a message) is written around the caches, and the copy returns only once
-    /// those writes are ordered before any later store.
+    /// those writes are ordered before any later store. While one run is copied, the source
+    /// of a run a little further on is prefetched: the hardware prefetchers stop at page
+    /// boundaries, and a strided source starts a new page with nearly every run.
     ///
     /// Panics if a buffer is too small: the executor checks sizes before any copy.
     pub fn copy(&self, src: &[u8], dst: &mut [u8], range: Range<usize>) {
@@ -143,15 +145,23 @@ impl CopyGeometry {
         } else {
             self.len
         };
-        if written >= STREAMING_BYTES {
-            self.for_each_run(range, |s, d, len| {
-                streaming::copy(&mut dst[d..d + len], &src[s..s + len]);
-            });
-            streaming::fence();
-        } else {
-            self.for_each_run(range, |s, d, len| {
+        let streaming = written >= STREAMING_BYTES;
+        if self.run < PREFETCH_MIN_RUN {
+            for (s, d, len) in self.runs_of(range) {
                 dst[d..d + len].copy_from_slice(&src[s..s + len]);
-            });
+            }
+        } else {
+            let mut ahead = self.runs_of(range.clone());
+            for _ in 0..PREFETCH_AHEAD.div_ceil(self.run) {
+                ahead.next();
+            }
+            for (s, d, len) in self.runs_of(range) {
+                let next = ahead.next().map_or(&[][..], |(s, _, len)| &src[s..s + len]);
+                lines::copy(&mut dst[d..d + len], &src[s..s + len], next, streaming);
+            }
+        }
+        if streaming {
+            lines::fence();
         }
     }
 
@@ -159,45 +169,85 @@ impl CopyGeometry {
     /// the region's stream, in order, with offsets into the buffers [`CopyGeometry::copy`]
     /// takes.
     pub fn for_each_run(&self, range: Range<usize>, mut f: impl FnMut(usize, usize, usize)) {
-        debug_assert!(range.end <= self.len);
-        if range.is_empty() {
-            return;
+        for (s, d, len) in self.runs_of(range) {
+            f(s, d, len);
         }
+    }
+
+    /// The contiguous pieces of bytes `range` of the region's stream, in order, as
+    /// `(src_offset, dst_offset, len)` (see [`CopyGeometry::for_each_run`]).
+    fn runs_of(&self, range: Range<usize>) -> Runs<'_> {
+        debug_assert!(range.end <= self.len);
         let shift = |s: &Strides| if s.stream { range.start } else { 0 };
-        let (src_shift, dst_shift) = (shift(&self.src), shift(&self.dst));
-        let run_index = range.start / self.run;
-        let mut intra = range.start % self.run;
+        // an empty range walks nothing (an empty region may have runs, or trip counts, of 0)
+        let run_index = range.start.checked_div(self.run).unwrap_or(0);
         // Odometer over the outer loops, positioned at `run_index`.
         let n = self.counts.len();
         let mut idx = vec![0usize; n];
         let mut rest = run_index;
-        for k in (0..n).rev() {
+        for k in (0..n).rev().filter(|_| !range.is_empty()) {
             idx[k] = rest % self.counts[k];
             rest /= self.counts[k];
         }
-        let mut s_off = self.src.base + dot(&idx, &self.src.outer);
-        let mut d_off = self.dst.base + dot(&idx, &self.dst.outer);
-        let mut pos = range.start;
-        while pos < range.end {
-            let len = (self.run - intra).min(range.end - pos);
-            f(s_off + intra - src_shift, d_off + intra - dst_shift, len);
-            pos += len;
-            intra = 0;
-            // advance the odometer by one run
-            let mut k = n;
-            while k > 0 {
-                k -= 1;
-                idx[k] += 1;
-                s_off += self.src.outer[k];
-                d_off += self.dst.outer[k];
-                if idx[k] < self.counts[k] {
-                    break;
-                }
-                s_off -= self.src.outer[k] * self.counts[k];
-                d_off -= self.dst.outer[k] * self.counts[k];
-                idx[k] = 0;
-            }
+        Runs {
+            g: self,
+            s_off: self.src.base + dot(&idx, &self.src.outer),
+            d_off: self.dst.base + dot(&idx, &self.dst.outer),
+            idx,
+            intra: range.start.checked_rem(self.run).unwrap_or(0),
+            shifts: (shift(&self.src), shift(&self.dst)),
+            pos: range.start,
+            end: range.end,
         }
+    }
+}
+
+/// Walks the runs of a byte range of a region's stream (see [`CopyGeometry::runs_of`]).
+#[derive(Clone, Debug)]
+struct Runs<'g> {
+    g: &'g CopyGeometry,
+    idx: Vec<usize>,
+    s_off: usize,
+    d_off: usize,
+    /// Bytes of the current run before `pos` (only the first run starts inside).
+    intra: usize,
+    /// Subtracted from the offsets on a side whose buffer holds only the range.
+    shifts: (usize, usize),
+    pos: usize,
+    end: usize,
+}
+
+impl Iterator for Runs<'_> {
+    type Item = (usize, usize, usize);
+
+    fn next(&mut self) -> Option<Self::Item> {
+        if self.pos >= self.end {
+            return None;
+        }
+        let g = self.g;
+        let len = (g.run - self.intra).min(self.end - self.pos);
+        let item = (
+            self.s_off + self.intra - self.shifts.0,
+            self.d_off + self.intra - self.shifts.1,
+            len,
+        );
+        self.pos += len;
+        self.intra = 0;
+        // advance the odometer by one run
+        let mut k = g.counts.len();
+        while k > 0 {
+            k -= 1;
+            self.idx[k] += 1;
+            self.s_off += g.src.outer[k];
+            self.d_off += g.dst.outer[k];
+            if self.idx[k] < g.counts[k] {
+                break;
+            }
+            self.s_off -= g.src.outer[k] * g.counts[k];
+            self.d_off -= g.dst.outer[k] * g.counts[k];
+            self.idx[k] = 0;
+        }
+        Some(item)
     }
 }
 
@@ -212,18 +262,31 @@ fn dot(a: &[usize], b: &[usize]) -> usize {
 /// the transport reads it.
 const STREAMING_BYTES: usize = 8 << 20;
 
-/// Copies that bypass the caches on the destination side.
+/// Runs shorter than this are copied without prefetching: the walk would cost more than the
+/// misses it hides.
+const PREFETCH_MIN_RUN: usize = 256;
+
+/// How far ahead of the run being copied the prefetched run starts, in bytes of the stream
+/// (rounded up to whole runs). One run ahead for runs of 2 KiB and more; measured here on
+/// 4 threads: 4 KiB runs 6.0-6.6 GB/s without, 6.7-9.1 with; 1 KiB runs 4.0 -> 5.6-5.9.
+const PREFETCH_AHEAD: usize = 2048;
+
+/// Copies of one contiguous run, line by line, prefetching another run's source alongside.
 #[cfg(target_arch = "x86_64")]
-mod streaming {
-    use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_sfence, _mm_stream_si128};
+mod lines {
+    use std::arch::x86_64::{
+        __m128i, _MM_HINT_T0, _mm_loadu_si128, _mm_prefetch, _mm_sfence, _mm_storeu_si128,
+        _mm_stream_si128,
+    };
 
     /// Cache line size: streaming stores pay off when they fill whole lines.
     const LINE: usize = 64;
 
-    /// Copies `src` into `dst` (equal lengths): whole destination cache lines with
-    /// non-temporal stores, the unaligned ends with ordinary ones. Call [`fence`] before the
-    /// bytes may be read by another thread.
-    pub(super) fn copy(dst: &mut [u8], src: &[u8]) {
+    /// Copies `src` into `dst` (equal lengths) and prefetches `ahead` (any length; its lines
+    /// up to the copy's length), one line per line copied. With `streaming`, whole destination
+    /// cache lines are written with non-temporal stores and the unaligned ends with ordinary
+    /// ones; call [`fence`] before the bytes may be read by another thread.
+    pub(super) fn copy(dst: &mut [u8], src: &[u8], ahead: &[u8], streaming: bool) {
         assert_eq!(dst.len(), src.len(), "copy between unequal lengths");
         let len = dst.len();
         let head = dst.as_ptr().align_offset(LINE).min(len);
@@ -234,20 +297,33 @@ mod streaming {
         }
         let body_end = head + lines * LINE;
         dst[..head].copy_from_slice(&src[..head]);
+        let prefetched = lines.min(ahead.len().div_ceil(LINE));
         // SAFETY: SSE2 is part of every x86_64 CPU. Bytes head..body_end lie inside both
         // slices (body_end <= len); the destination is 64-byte aligned at head, so every
         // 16-byte store is aligned as `_mm_stream_si128` requires; the loads are unaligned
-        // ones, and the slices cannot overlap (one is borrowed mutably).
+        // ones, and the slices cannot overlap (one is borrowed mutably). Prefetches touch
+        // lines of `ahead` only (line `i < prefetched` starts inside it), and never fault.
         unsafe {
             let mut s = src.as_ptr().add(head).cast::<__m128i>();
             let mut d = dst.as_mut_ptr().add(head).cast::<__m128i>();
-            for _ in 0..lines {
+            let p = ahead.as_ptr().cast::<i8>();
+            for i in 0..lines {
+                if i < prefetched {
+                    _mm_prefetch::<_MM_HINT_T0>(p.add(i * LINE));
+                }
                 let (a, b) = (_mm_loadu_si128(s), _mm_loadu_si128(s.add(1)));
                 let (c, e) = (_mm_loadu_si128(s.add(2)), _mm_loadu_si128(s.add(3)));
-                _mm_stream_si128(d, a);
-                _mm_stream_si128(d.add(1), b);
-                _mm_stream_si128(d.add(2), c);
-                _mm_stream_si128(d.add(3), e);
+                if streaming {
+                    _mm_stream_si128(d, a);
+                    _mm_stream_si128(d.add(1), b);
+                    _mm_stream_si128(d.add(2), c);
+                    _mm_stream_si128(d.add(3), e);
+                } else {
+                    _mm_storeu_si128(d, a);
+                    _mm_storeu_si128(d.add(1), b);
+                    _mm_storeu_si128(d.add(2), c);
+                    _mm_storeu_si128(d.add(3), e);
+                }
                 s = s.add(4);
                 d = d.add(4);
             }
@@ -265,8 +341,8 @@ mod streaming {
 
 /// Elsewhere, ordinary copies.
 #[cfg(not(target_arch = "x86_64"))]
-mod streaming {
-    pub(super) fn copy(dst: &mut [u8], src: &[u8]) {
+mod lines {
+    pub(super) fn copy(dst: &mut [u8], src: &[u8], _ahead: &[u8], _streaming: bool) {
         dst.copy_from_slice(src);
     }
 
@@ -357,16 +433,22 @@ mod tests {
     }
 
     #[test]
-    fn streaming_copy_matches_plain_copy_at_every_alignment() {
+    fn line_copies_match_plain_copies_at_every_alignment() {
         let src: Vec<u8> = (0..5000).map(|i| (i * 13 % 251) as u8).collect();
-        for len in [0, 1, 63, 64, 127, 128, 129, 191, 200, 1000, 4097] {
-            for (s_at, d_at) in [(0, 0), (1, 0), (0, 1), (5, 17), (63, 62), (64, 33)] {
-                let mut got = vec![0u8; 4200];
-                let mut want = got.clone();
-                streaming::copy(&mut got[d_at..d_at + len], &src[s_at..s_at + len]);
-                streaming::fence();
-                want[d_at..d_at + len].copy_from_slice(&src[s_at..s_at + len]);
-                assert_eq!(got, want, "len {len}, offsets {s_at} -> {d_at}");
+        for streaming in [false, true] {
+            for len in [0, 1, 63, 64, 127, 128, 129, 191, 200, 1000, 4097] {
+                for (s_at, d_at) in [(0, 0), (1, 0), (0, 1), (5, 17), (63, 62), (64, 33)] {
+                    // prefetching nothing, less than the copy, and more than it
+                    for ahead in [&src[..0], &src[4000..4100], &src[100..]] {
+                        let mut got = vec![0u8; 4200];
+                        let mut want = got.clone();
+                        let (from, to) = (&src[s_at..s_at + len], &mut got[d_at..d_at + len]);
+                        lines::copy(to, from, ahead, streaming);
+                        lines::fence();
+                        want[d_at..d_at + len].copy_from_slice(&src[s_at..s_at + len]);
+                        assert_eq!(got, want, "len {len}, {s_at} -> {d_at}, {streaming}");
+                    }
+                }
             }
         }
     }
