@@ -147,6 +147,27 @@ fn advance(segs: &[(usize, usize)], first: &mut usize, skip: &mut usize, mut n: 
     }
 }
 
+/// `write_vectored` without the signal: `writev` to a peer that has gone raises SIGPIPE, which
+/// the command line leaves at its default (so that `reshard plan | head` ends quietly), and a
+/// killed peer would then take this process down without a word. `sendmsg` with
+/// `MSG_NOSIGNAL` reports the broken pipe as an error instead, as `TcpStream::write` does.
+fn send_vectored(w: &TcpStream, slices: &[IoSlice<'_>]) -> std::io::Result<usize> {
+    let fd = std::os::fd::AsRawFd::as_raw_fd(w);
+    // SAFETY: an all-zero msghdr is a valid empty message.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    // `IoSlice` is ABI-compatible with `iovec` on Unix; sendmsg only reads the slices.
+    msg.msg_iov = slices.as_ptr().cast_mut().cast();
+    msg.msg_iovlen = slices.len() as _;
+    // SAFETY: `fd` is an open socket owned by `w`, and `msg` points at `slices`, which live
+    // for the whole call.
+    let n = unsafe { libc::sendmsg(fd, &msg, libc::MSG_NOSIGNAL) };
+    if n < 0 {
+        Err(std::io::Error::last_os_error())
+    } else {
+        Ok(n as usize)
+    }
+}
+
 fn write_all_vectored(
     w: &mut TcpStream,
     base: &[u8],
@@ -164,7 +185,11 @@ fn write_all_vectored(
                 IoSlice::new(&base[o + s..o + l])
             })
             .collect();
-        let n = w.write_vectored(&slices)?;
+        let n = match send_vectored(w, &slices) {
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        };
         if n == 0 {
             return Err(std::io::ErrorKind::WriteZero.into());
         }
@@ -270,5 +295,42 @@ impl<'buf> Transport<'buf> for TcpTransport {
 
     fn peak_staging_bytes(&self) -> u64 {
         self.peak_staging.load(Ordering::Relaxed)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::{TcpListener, TcpStream};
+
+    use super::*;
+
+    #[test]
+    fn a_vanished_peer_is_an_error_not_a_signal() {
+        // the command line's disposition: without MSG_NOSIGNAL, this process would die here
+        // SAFETY: swapping one signal's disposition and restoring it below.
+        let before = unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut w = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (r, _) = listener.accept().unwrap();
+        drop(r);
+        let data = vec![7u8; 1 << 20];
+        let segs: Vec<(usize, usize)> = (0..128).map(|i| (i * 8192, 4096)).collect();
+        let mut result = Ok(());
+        for _ in 0..1000 {
+            result = write_all_vectored(&mut w, &data, &segs);
+            if result.is_err() {
+                break;
+            }
+        }
+        // SAFETY: as above.
+        unsafe { libc::signal(libc::SIGPIPE, before) };
+        let e = result.expect_err("writing to a closed peer must fail");
+        assert!(
+            matches!(
+                e.kind(),
+                std::io::ErrorKind::BrokenPipe | std::io::ErrorKind::ConnectionReset
+            ),
+            "{e}"
+        );
     }
 }
