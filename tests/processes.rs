@@ -107,6 +107,10 @@ fn kill_trials(transport: &str, seed: u64) {
         "3",
         "--chunk-bytes",
         "256KiB",
+        // several repetitions keep data moving for most of the kill window, in release
+        // builds too
+        "--iters",
+        "10",
     ];
     let mut rng = Lcg(seed);
     let (mut hits, mut tries) = (0, 0);

@@ -17,7 +17,7 @@ use crate::error::{Dims, Error, Result, Side};
 use crate::layout::{Layout, Rank};
 use crate::plan::{Plan, RankPlan, Transfer};
 use crate::region::Region;
-use crate::transport::{Fault, Incoming, LocalFabric, Outgoing, Transport};
+use crate::transport::{Fault, LocalFabric, Outgoing, Receive, Transport};
 
 /// Knobs of the executor.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -317,39 +317,45 @@ pub fn run_steps<'buf, T: Transport<'buf> + ?Sized>(
         Ok((bytes, chunks))
     };
 
-    let receive_all = |stats: &mut RankStats, dst_bufs: &mut [&mut [u8]]| -> Result<()> {
-        for s in &steps.locals {
-            let (b, bytes) = s.dst_at.clone().expect("checked");
-            let g = CopyGeometry::new(
-                s.region,
-                Place::Within(s.src_box),
-                Place::Within(s.dst_box),
-                s.elem_bytes,
-            );
-            g.copy(source(s), &mut dst_bufs[b][bytes], 0..g.len());
-            stats.bytes_local += g.len() as u64;
-        }
-        for s in &steps.recvs {
-            let len = s.bytes() as usize;
-            let (b, bytes) = s.dst_at.clone().expect("checked");
-            let chunk = transport.chunk_bytes(len, chunk).max(1);
-            for start in (0..len).step_by(chunk) {
-                transport.recv(Incoming {
-                    from: s.from,
-                    to: rank,
-                    dst: &mut dst_bufs[b][bytes.clone()],
-                    dst_box: s.dst_box,
-                    src_box: s.src_box,
-                    region: s.region,
-                    elem_bytes: s.elem_bytes,
-                    range: start..start.saturating_add(chunk).min(len),
-                })?;
-                stats.chunks_received += 1;
+    let receive_all =
+        |stats: &mut RankStats, arrived: &mut [bool], dst_bufs: &mut [&mut [u8]]| -> Result<()> {
+            for s in &steps.locals {
+                let (b, bytes) = s.dst_at.clone().expect("checked");
+                let g = CopyGeometry::new(
+                    s.region,
+                    Place::Within(s.src_box),
+                    Place::Within(s.dst_box),
+                    s.elem_bytes,
+                );
+                g.copy(source(s), &mut dst_bufs[b][bytes], 0..g.len());
+                stats.bytes_local += g.len() as u64;
             }
-            stats.bytes_received += len as u64;
-        }
-        Ok(())
-    };
+            let expected: Vec<Receive<'_>> = steps
+                .recvs
+                .iter()
+                .map(|s| {
+                    let (buffer, bytes) = s.dst_at.clone().expect("checked");
+                    Receive {
+                        from: s.from,
+                        to: rank,
+                        region: s.region,
+                        src_box: s.src_box,
+                        dst_box: s.dst_box,
+                        elem_bytes: s.elem_bytes,
+                        buffer,
+                        bytes,
+                    }
+                })
+                .collect();
+            let landed = &mut |i: usize| {
+                let len = expected[i].len();
+                arrived[i] = true;
+                stats.bytes_received += len as u64;
+                stats.chunks_received +=
+                    len.div_ceil(transport.chunk_bytes(len, chunk).max(1)) as u64;
+            };
+            transport.recv_all(&expected, dst_bufs, chunk, landed)
+        };
 
     // A failure on either side breaks every link at once, so that the other side and the
     // peers stop now rather than at their timeouts.
@@ -357,12 +363,13 @@ pub fn run_steps<'buf, T: Transport<'buf> + ?Sized>(
         tracing::warn!(rank, error = %e, "failed: breaking every link");
         transport.abort();
     };
+    let mut arrived = vec![false; steps.recvs.len()];
     let started = std::time::Instant::now();
     let (sent, received) = if !transport.sends_block() {
         // everything is posted first, then received, on this one thread
         let sent = send_all().inspect_err(give_up_on);
         let received = match &sent {
-            Ok(_) => receive_all(&mut stats, dst_bufs).inspect_err(give_up_on),
+            Ok(_) => receive_all(&mut stats, &mut arrived, dst_bufs).inspect_err(give_up_on),
             Err(_) => Err(Error::Internal {
                 rank,
                 detail: "nothing was received: sending failed first".into(),
@@ -376,7 +383,7 @@ pub fn run_steps<'buf, T: Transport<'buf> + ?Sized>(
             if sender.is_err() {
                 transport.abort();
             }
-            let received = receive_all(&mut stats, dst_bufs).inspect_err(give_up_on);
+            let received = receive_all(&mut stats, &mut arrived, dst_bufs).inspect_err(give_up_on);
             let sent = match sender {
                 Ok(sender) => sender.join().unwrap_or_else(|_| {
                     Err(Error::Internal {
@@ -396,16 +403,11 @@ pub fn run_steps<'buf, T: Transport<'buf> + ?Sized>(
     let mut failures = Vec::new();
     if let Err(e) = received {
         failures.push(e);
-        // whole steps are counted once complete, so the first ones add up to `done`
-        let done = stats.bytes_received;
-        let mut seen = 0u64;
         let missing: Vec<&Step<'_>> = steps
             .recvs
             .iter()
-            .filter(|s| {
-                seen += s.bytes();
-                seen > done
-            })
+            .zip(&arrived)
+            .filter_map(|(s, &arrived)| (!arrived).then_some(s))
             .collect();
         let mut from: Vec<Rank> = missing.iter().map(|s| s.from).collect();
         from.sort_unstable();

@@ -120,6 +120,48 @@ impl Incoming<'_> {
     }
 }
 
+/// A whole transfer as its receiver expects it: from whom, what, and where it lands.
+#[derive(Clone, Debug)]
+pub struct Receive<'a> {
+    pub from: Rank,
+    pub to: Rank,
+    pub region: &'a Region,
+    /// The sender's source box (for transports that read the sender's memory directly).
+    pub src_box: &'a Region,
+    /// The receiver's box holding `region`.
+    pub dst_box: &'a Region,
+    pub elem_bytes: usize,
+    /// Which destination buffer holds `dst_box`, and at which bytes.
+    pub buffer: usize,
+    pub bytes: Range<usize>,
+}
+
+impl Receive<'_> {
+    /// Bytes of the transfer.
+    pub fn len(&self) -> usize {
+        self.region.volume() as usize * self.elem_bytes
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Bytes `range` of the transfer as one chunk, landing in `dst` (the bytes `self.bytes`
+    /// of buffer `self.buffer`).
+    pub fn chunk<'d>(&'d self, dst: &'d mut [u8], range: Range<usize>) -> Incoming<'d> {
+        Incoming {
+            from: self.from,
+            to: self.to,
+            dst,
+            dst_box: self.dst_box,
+            src_box: self.src_box,
+            region: self.region,
+            elem_bytes: self.elem_bytes,
+            range,
+        }
+    }
+}
+
 /// The control plane of a multi-process run: a barrier and a common verdict.
 pub trait Job {
     fn rank(&self) -> Rank;
@@ -165,6 +207,30 @@ pub trait Transport<'buf>: Sync {
     /// Waits (within the transport's timeout) for the next chunk from `chunk.from` and writes
     /// it into the destination shard.
     fn recv(&self, chunk: Incoming<'_>) -> Result<()>;
+
+    /// Receives every transfer of `expected` into `dst_bufs`, each cut into chunks as
+    /// [`Transport::chunk_bytes`] says for `chunk`, and calls `landed(i)` once transfer `i`
+    /// is complete. Transfers from one peer complete in their order; the default takes all of
+    /// them one after another through [`Transport::recv`], while a transport that can wait on
+    /// several peers at once takes each peer's next chunk as it comes.
+    fn recv_all(
+        &self,
+        expected: &[Receive<'_>],
+        dst_bufs: &mut [&mut [u8]],
+        chunk: usize,
+        landed: &mut dyn FnMut(usize),
+    ) -> Result<()> {
+        for (i, e) in expected.iter().enumerate() {
+            let len = e.len();
+            let chunk = self.chunk_bytes(len, chunk).max(1);
+            for start in (0..len).step_by(chunk) {
+                let dst = &mut dst_bufs[e.buffer][e.bytes.clone()];
+                self.recv(e.chunk(dst, start..start.saturating_add(chunk).min(len)))?;
+            }
+            landed(i);
+        }
+        Ok(())
+    }
 
     /// Breaks every link at once, so that a rank that failed stops its other thread and its
     /// peers notice now rather than after their timeout.
