@@ -15,7 +15,7 @@ use crate::exec::copy::{CopyGeometry, Place};
 use crate::layout::Rank;
 
 use super::frame::{self, FrameError};
-use super::{Incoming, Outgoing, Transport};
+use super::{Incoming, Outgoing, Receive, Transport};
 
 /// Runs at least this long move straight between shard and socket.
 pub const VECTORED_MIN_RUN: usize = 1024;
@@ -198,35 +198,154 @@ fn write_all_vectored(
     Ok(())
 }
 
+/// Where a vectored transfer into a list of segments stands: the first segment not yet
+/// complete, and how many of its bytes are in.
+#[derive(Clone, Copy, Debug, Default)]
+struct Cursor {
+    first: usize,
+    skip: usize,
+}
+
+/// One `readv` into what remains of `segs` (pieces of `base`): the bytes read, 0 at the end
+/// of the stream.
+fn read_some_vectored(
+    r: &mut TcpStream,
+    base: &mut [u8],
+    segs: &[(usize, usize)],
+    at: &mut Cursor,
+) -> std::io::Result<usize> {
+    let end = (at.first + MAX_IOVECS).min(segs.len());
+    // carve disjoint slices: the segments of a region increase in offset
+    let mut slices: Vec<IoSliceMut<'_>> = Vec::with_capacity(end - at.first);
+    let mut rest: &mut [u8] = base;
+    let mut consumed = 0;
+    for (i, &(o, l)) in segs[at.first..end].iter().enumerate() {
+        let s = if i == 0 { at.skip } else { 0 };
+        let tail = std::mem::take(&mut rest);
+        let (_, from) = tail.split_at_mut(o + s - consumed);
+        let (piece, after) = from.split_at_mut(l - s);
+        consumed = o + l;
+        rest = after;
+        slices.push(IoSliceMut::new(piece));
+    }
+    let n = r.read_vectored(&mut slices)?;
+    advance(segs, &mut at.first, &mut at.skip, n);
+    Ok(n)
+}
+
 fn read_exact_vectored(
     r: &mut TcpStream,
     base: &mut [u8],
     segs: &[(usize, usize)],
 ) -> std::io::Result<()> {
-    let mut first = 0;
-    let mut skip = 0;
-    while first < segs.len() {
-        let end = (first + MAX_IOVECS).min(segs.len());
-        // carve disjoint slices: the segments of a region increase in offset
-        let mut slices: Vec<IoSliceMut<'_>> = Vec::with_capacity(end - first);
-        let mut rest: &mut [u8] = base;
-        let mut consumed = 0;
-        for (i, &(o, l)) in segs[first..end].iter().enumerate() {
-            let s = if i == 0 { skip } else { 0 };
-            let tail = std::mem::take(&mut rest);
-            let (_, from) = tail.split_at_mut(o + s - consumed);
-            let (piece, after) = from.split_at_mut(l - s);
-            consumed = o + l;
-            rest = after;
-            slices.push(IoSliceMut::new(piece));
+    let mut at = Cursor::default();
+    while at.first < segs.len() {
+        match read_some_vectored(r, base, segs, &mut at) {
+            Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
         }
-        let n = r.read_vectored(&mut slices)?;
-        if n == 0 {
-            return Err(std::io::ErrorKind::UnexpectedEof.into());
-        }
-        advance(segs, &mut first, &mut skip, n);
     }
     Ok(())
+}
+
+/// One peer's stream in a batch receive ([`TcpTransport::recv_all`]): its transfers, in
+/// order, and how far the current one has come.
+#[derive(Debug)]
+struct Inbound {
+    peer: Rank,
+    fd: std::os::fd::RawFd,
+    /// Indices of the peer's transfers in the batch, in order, and the current one.
+    transfers: Vec<usize>,
+    next: usize,
+    /// Bytes of the current transfer received in whole chunks.
+    done: usize,
+    /// The chunk being read straight into the shard, once its header is in.
+    reading: Option<ChunkRead>,
+}
+
+/// A chunk on its way into the shard: its bytes of the transfer, their pieces in the shard,
+/// and how far the reads have come.
+#[derive(Debug)]
+struct ChunkRead {
+    range: std::ops::Range<usize>,
+    segs: Vec<(usize, usize)>,
+    at: Cursor,
+}
+
+impl TcpTransport {
+    /// Takes the next step of `inbound`'s stream, which has bytes waiting: reads a chunk's
+    /// header, or what has arrived of the chunk, into the destination shard. A chunk of
+    /// short runs goes through the staging buffer whole. Calls `landed` for every transfer
+    /// that completes.
+    fn step(
+        &self,
+        inbound: &mut Inbound,
+        expected: &[Receive<'_>],
+        dst_bufs: &mut [&mut [u8]],
+        chunk: usize,
+        landed: &mut dyn FnMut(usize),
+    ) -> Result<()> {
+        let peer = inbound.peer;
+        let i = inbound.transfers[inbound.next];
+        let e = &expected[i];
+        let len = e.len();
+        let g = CopyGeometry::new(
+            e.region,
+            Place::Stream,
+            Place::Within(e.dst_box),
+            e.elem_bytes,
+        );
+        let dst = &mut dst_bufs[e.buffer][e.bytes.clone()];
+        let mut r = self.reader(peer)?;
+        match inbound.reading.as_mut() {
+            None => {
+                let size = self.chunk_bytes(len, chunk).max(1);
+                let range = inbound.done..inbound.done.saturating_add(size).min(len);
+                let what = || format!("bytes {range:?} of {} from rank {peer}", e.region);
+                frame::read_data_header(&mut *r, range.len() as u64)
+                    .map_err(|err| self.fail(peer, what(), err))?;
+                if g.run_bytes() >= VECTORED_MIN_RUN {
+                    let segs = segments(&g, range.clone(), false);
+                    inbound.reading = Some(ChunkRead {
+                        range,
+                        segs,
+                        at: Cursor::default(),
+                    });
+                    return Ok(());
+                }
+                let mut buf = self.stage(1, range.len());
+                r.read_exact(&mut buf[..range.len()])
+                    .map_err(|err| self.fail(peer, what(), err.into()))?;
+                g.copy(&buf[..range.len()], dst, range.clone());
+                inbound.done = range.end;
+            }
+            Some(ChunkRead { range, segs, at }) => {
+                let what = || format!("bytes {range:?} of {} from rank {peer}", e.region);
+                match read_some_vectored(&mut r, dst, segs, at) {
+                    Ok(0) => {
+                        let eof = std::io::Error::from(std::io::ErrorKind::UnexpectedEof);
+                        return Err(self.fail(peer, what(), eof.into()));
+                    }
+                    Ok(_) => {}
+                    Err(err) if err.kind() == std::io::ErrorKind::Interrupted => {}
+                    Err(err) => return Err(self.fail(peer, what(), err.into())),
+                }
+                if at.first < segs.len() {
+                    return Ok(());
+                }
+                inbound.done = range.end;
+                inbound.reading = None;
+            }
+        }
+        if inbound.done == len {
+            landed(i);
+            inbound.next += 1;
+            inbound.done = 0;
+        }
+        Ok(())
+    }
 }
 
 impl<'buf> Transport<'buf> for TcpTransport {
@@ -283,6 +402,77 @@ impl<'buf> Transport<'buf> for TcpTransport {
                 .map_err(|e| self.fail(peer, what, e.into()))?;
             g.copy(&buf[..chunk.len()], chunk.dst, chunk.range.clone());
             Ok(())
+        }
+    }
+
+    /// Reads from whichever peers have bytes waiting (`poll`), so that every sender's stream
+    /// keeps moving instead of one at a time; each peer's transfers arrive in order.
+    fn recv_all(
+        &self,
+        expected: &[Receive<'_>],
+        dst_bufs: &mut [&mut [u8]],
+        chunk: usize,
+        landed: &mut dyn FnMut(usize),
+    ) -> Result<()> {
+        let mut inbound: Vec<Inbound> = Vec::new();
+        for (i, e) in expected.iter().enumerate() {
+            if e.is_empty() {
+                // nothing comes on the wire for an empty transfer
+                landed(i);
+                continue;
+            }
+            match inbound.iter_mut().find(|p| p.peer == e.from) {
+                Some(p) => p.transfers.push(i),
+                None => inbound.push(Inbound {
+                    peer: e.from,
+                    fd: std::os::fd::AsRawFd::as_raw_fd(&*self.reader(e.from)?),
+                    transfers: vec![i],
+                    next: 0,
+                    done: 0,
+                    reading: None,
+                }),
+            }
+        }
+        let timeout_ms =
+            libc::c_int::try_from(self.timeout.as_millis()).unwrap_or(libc::c_int::MAX);
+        loop {
+            inbound.retain(|p| p.next < p.transfers.len());
+            let Some(first) = inbound.first() else {
+                return Ok(());
+            };
+            let mut fds: Vec<libc::pollfd> = inbound
+                .iter()
+                .map(|p| libc::pollfd {
+                    fd: p.fd,
+                    events: libc::POLLIN,
+                    revents: 0,
+                })
+                .collect();
+            // SAFETY: `fds` holds `fds.len()` initialized entries for the whole call, and
+            // every descriptor belongs to a stream this transport owns.
+            let ready =
+                unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, timeout_ms) };
+            if ready < 0 {
+                let err = std::io::Error::last_os_error();
+                if err.kind() == std::io::ErrorKind::Interrupted {
+                    continue;
+                }
+                return Err(self.fail(first.peer, "waiting for data".into(), err.into()));
+            }
+            if ready == 0 {
+                let e = &expected[first.transfers[first.next]];
+                return Err(Error::Timeout {
+                    rank: self.rank,
+                    peer: first.peer,
+                    waited: self.timeout,
+                    detail: format!("no byte of {} arrived from any sender", e.region),
+                });
+            }
+            for (p, fd) in inbound.iter_mut().zip(&fds) {
+                if fd.revents != 0 {
+                    self.step(p, expected, dst_bufs, chunk, landed)?;
+                }
+            }
         }
     }
 
