@@ -160,6 +160,86 @@ fn kill_trials(transport: &str, seed: u64) {
     }
 }
 
+/// A rank that stops responding mid-transfer (SIGSTOP: its connections stay open, nothing
+/// resets them) makes every other rank fail within a bounded time, naming it.
+#[test]
+fn a_stalled_rank_fails_every_other_rank_over_tcp() {
+    stall_trial("tcp");
+}
+
+#[test]
+fn a_stalled_rank_fails_every_other_rank_over_shm() {
+    stall_trial("shm");
+}
+
+fn stall_trial(transport: &str) {
+    let world = 6;
+    let args = [
+        "run",
+        "--shape",
+        "2048,4096",
+        "--dtype",
+        "f32",
+        "--src",
+        "mesh=4 place=S(0)",
+        "--dst",
+        "mesh=2 place=S(1)",
+        "--transport",
+        transport,
+        "--timeout",
+        "2",
+        "--chunk-bytes",
+        "256KiB",
+        "--iters",
+        "1000",
+    ];
+    let port = free_port();
+    let mut ranks: Vec<Child> = (0..world)
+        .map(|r| spawn_rank(r, world, port, "stall-test", &args))
+        .collect();
+    // a source rank, well into the repetitions
+    let victim = 2;
+    std::thread::sleep(Duration::from_millis(1500));
+    assert!(
+        ranks[victim].try_wait().unwrap().is_none(),
+        "the job ended before the stall"
+    );
+    let pid = ranks[victim].id() as libc::pid_t;
+    // SAFETY: signalling a child this test started and has not reaped.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGSTOP) }, 0);
+    let started = std::time::Instant::now();
+    for (rank, child) in ranks.iter_mut().enumerate().filter(|(r, _)| *r != victim) {
+        while child.try_wait().unwrap().is_none() {
+            assert!(
+                started.elapsed() < Duration::from_secs(30),
+                "rank {rank} still runs 30 s after rank {victim} stalled"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+    let elapsed = started.elapsed();
+    // SAFETY: as above; the stopped rank is ended, then reaped.
+    unsafe { libc::kill(pid, libc::SIGKILL) };
+    let mut rest = Vec::new();
+    for (rank, child) in ranks.into_iter().enumerate() {
+        let out = wait_bounded(child, Duration::from_secs(10), &format!("rank {rank}"));
+        if rank != victim {
+            rest.push((rank, out));
+        }
+    }
+    for (rank, out) in rest {
+        let err = text(&out.stderr);
+        assert!(!out.status.success(), "rank {rank} succeeded: {err}");
+        assert!(
+            err.contains(&format!("rank {victim}")),
+            "rank {rank} does not name rank {victim}: {err}"
+        );
+        assert!(!err.contains("panicked"), "{err}");
+    }
+    // every wait is bounded by the 2 s timeout; allow a few of them in a row and a slow machine
+    assert!(elapsed < Duration::from_secs(20), "took {elapsed:?}");
+}
+
 /// A process without the job's token, or from a job of another size, is refused.
 #[test]
 fn connections_without_the_token_are_refused() {
