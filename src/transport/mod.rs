@@ -220,16 +220,7 @@ pub trait Transport<'buf>: Sync {
         chunk: usize,
         landed: &mut dyn FnMut(usize),
     ) -> Result<()> {
-        for (i, e) in expected.iter().enumerate() {
-            let len = e.len();
-            let chunk = self.chunk_bytes(len, chunk).max(1);
-            for start in (0..len).step_by(chunk) {
-                let dst = &mut dst_bufs[e.buffer][e.bytes.clone()];
-                self.recv(e.chunk(dst, start..start.saturating_add(chunk).min(len)))?;
-            }
-            landed(i);
-        }
-        Ok(())
+        recv_in_order(self, expected, dst_bufs, chunk, landed)
     }
 
     /// Breaks every link at once, so that a rank that failed stops its other thread and its
@@ -246,4 +237,25 @@ pub trait Transport<'buf>: Sync {
     fn peak_staging_bytes(&self) -> u64 {
         0
     }
+}
+
+/// The default [`Transport::recv_all`]: every transfer in turn, chunk by chunk, through
+/// [`Transport::recv`].
+pub fn recv_in_order<'buf, T: Transport<'buf> + ?Sized>(
+    transport: &T,
+    expected: &[Receive<'_>],
+    dst_bufs: &mut [&mut [u8]],
+    chunk: usize,
+    landed: &mut dyn FnMut(usize),
+) -> Result<()> {
+    for (i, e) in expected.iter().enumerate() {
+        let len = e.len();
+        let chunk = transport.chunk_bytes(len, chunk).max(1);
+        for start in (0..len).step_by(chunk) {
+            let dst = &mut dst_bufs[e.buffer][e.bytes.clone()];
+            transport.recv(e.chunk(dst, start..start.saturating_add(chunk).min(len)))?;
+        }
+        landed(i);
+    }
+    Ok(())
 }

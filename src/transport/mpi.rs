@@ -23,7 +23,7 @@ use crate::exec::copy::{CopyGeometry, Place};
 use crate::layout::{Layout, Rank};
 use crate::region::Region;
 
-use super::{Incoming, Job, Outgoing, Transport};
+use super::{Incoming, Job, Outgoing, Receive, Transport};
 
 const DATA_TAG: i32 = 17;
 /// Transfers up to this size move whole, as one message of a derived datatype; larger ones
@@ -395,6 +395,87 @@ impl<'buf> Transport<'buf> for MpiTransport<'_> {
         }
         g.copy(&buf[..chunk.len()], chunk.dst, chunk.range.clone());
         Ok(())
+    }
+
+    /// With subarray datatypes, every receive is posted at once (`MPI_Irecv`), as
+    /// MPI_Alltoallw does, and completes as its data comes (`MPI_Waitany`); packed chunks
+    /// of huge transfers are taken in order.
+    fn recv_all(
+        &self,
+        expected: &[Receive<'_>],
+        dst_bufs: &mut [&mut [u8]],
+        chunk: usize,
+        landed: &mut dyn FnMut(usize),
+    ) -> Result<()> {
+        // a posted receive matches the next message from its sender, so either every
+        // transfer moves as one message or all go in order
+        let whole = |e: &Receive<'_>| self.chunk_bytes(e.len(), chunk) >= e.len();
+        if !expected.iter().all(whole) {
+            return super::recv_in_order(self, expected, dst_bufs, chunk, landed);
+        }
+        let mut indices = Vec::with_capacity(expected.len());
+        let mut types = Vec::with_capacity(expected.len());
+        let mut requests = Vec::with_capacity(expected.len());
+        for (i, e) in expected.iter().enumerate() {
+            if e.is_empty() {
+                // nothing is sent for an empty transfer
+                landed(i);
+                continue;
+            }
+            self.check_len(e.len(), e.from)?;
+            let t = subarray(e.dst_box, e.region, e.elem_bytes);
+            let base = dst_bufs[e.buffer][e.bytes.clone()].as_mut_ptr();
+            let mut request = std::mem::MaybeUninit::<ffi::MPI_Request>::uninit();
+            // SAFETY: the type describes `region` inside `dst_box`, whose bytes start at
+            // `base`; `dst_bufs` stays borrowed, and untouched, until every request is
+            // complete below, and the regions of distinct transfers do not overlap.
+            unsafe {
+                ffi::MPI_Irecv(
+                    base.cast(),
+                    1,
+                    t,
+                    e.from as c_int,
+                    DATA_TAG,
+                    self.world.as_raw(),
+                    request.as_mut_ptr(),
+                );
+                requests.push(request.assume_init());
+            }
+            indices.push(i);
+            types.push(t);
+        }
+        let mut failure = None;
+        for _ in 0..requests.len() {
+            let mut which: c_int = 0;
+            let mut status = std::mem::MaybeUninit::<ffi::MPI_Status>::uninit();
+            let mut count: c_int = 0;
+            // SAFETY: requests this transport posted; MPI marks each completed one inactive
+            // and fills the status.
+            unsafe {
+                ffi::MPI_Waitany(
+                    requests.len() as c_int,
+                    requests.as_mut_ptr(),
+                    &mut which,
+                    status.as_mut_ptr(),
+                );
+                let Ok(k) = usize::try_from(which) else {
+                    break;
+                };
+                ffi::MPI_Get_count(status.as_ptr(), types[k], &mut count);
+                let e = &expected[indices[k]];
+                if count == 1 {
+                    landed(indices[k]);
+                } else if failure.is_none() {
+                    failure = Some(Error::Protocol {
+                        rank: self.rank,
+                        peer: e.from,
+                        detail: format!("the transfer of {} arrived incomplete", e.region),
+                    });
+                }
+            }
+        }
+        types.into_iter().for_each(free_datatype);
+        failure.map_or(Ok(()), Err)
     }
 
     /// MPI cannot cancel what other ranks wait for: a rank that fails ends the whole job,
