@@ -16,17 +16,19 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-/// One process streams the bytes to another over loopback TCP, 4 MiB writes, into one buffer.
+/// One thread streams the bytes to another over loopback TCP, in 4 MiB writes from one buffer
+/// of all the bytes into another: from memory to memory, as a reshard moves them (a single
+/// 4 MiB buffer written over and over would stay in the L3 cache).
 fn raw_socket_stream() -> f64 {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap();
     let sender = std::thread::spawn(move || {
         let mut s = TcpStream::connect(addr).unwrap();
         s.set_nodelay(true).unwrap();
-        let data = vec![7u8; 4 << 20];
+        let data = vec![7u8; BYTES];
         for _ in 0..ITERS + 2 {
-            for _ in 0..BYTES / data.len() {
-                s.write_all(&data).unwrap();
+            for piece in data.chunks(4 << 20) {
+                s.write_all(piece).unwrap();
             }
             let mut ack = [0u8; 1];
             s.read_exact(&mut ack).unwrap();

@@ -3,7 +3,9 @@
 //!
 //! Every rank runs [`run_rank`] with its own [`RankPlan`]: sends on one thread, local copies and
 //! receives on another, both in the plan's schedule order (one total order on rank pairs, so
-//! blocking transports cannot deadlock). [`run_local`] runs all ranks as threads of this process.
+//! blocking transports cannot deadlock). The receives go to the transport as one batch
+//! ([`Transport::recv_all`]), which may take them as they come, each sender's in order.
+//! [`run_local`] runs all ranks as threads of this process.
 
 pub mod baseline;
 pub mod copy;
