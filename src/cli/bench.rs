@@ -333,8 +333,10 @@ fn progress(args: &BenchArgs, cases: usize) -> ProgressBar {
 }
 
 /// A pattern no fill produces everywhere: a destination that is not written fails to verify.
+/// Written around the caches, so that no repetition starts with the last one's poison dirty
+/// in them.
 fn poison(buf: &mut [u8]) {
-    buf.fill(0xA5);
+    reshard::exec::copy::fill_around_caches(buf, 0xA5);
 }
 
 /// Every rank a thread of this process.

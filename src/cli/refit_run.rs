@@ -165,7 +165,8 @@ fn fill_of(tensor: usize) -> Fill {
 }
 
 fn poison(bufs: &mut [Vec<u8>]) {
-    bufs.iter_mut().for_each(|b| b.fill(0xA5));
+    bufs.iter_mut()
+        .for_each(|b| reshard::exec::copy::fill_around_caches(b, 0xA5));
 }
 
 /// Checks every piece of this rank's destination buffers against its tensor's fill.

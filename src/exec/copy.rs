@@ -262,6 +262,21 @@ fn dot(a: &[usize], b: &[usize]) -> usize {
 /// the transport reads it.
 const STREAMING_BYTES: usize = 8 << 20;
 
+/// Sets every byte of `buf` to `value` with stores that bypass the caches where the CPU has
+/// them, so that the buffer ends up in memory and not in the caches: benchmarks poison
+/// destinations this way between repetitions, leaving them as a destination that was last
+/// written long ago is (a poison left dirty in the caches would be written back during the
+/// next, timed, repetition).
+pub fn fill_around_caches(buf: &mut [u8], value: u8) {
+    const PIECE: usize = 64 << 10;
+    let pattern = [value; PIECE];
+    for piece in buf.chunks_mut(PIECE) {
+        let len = piece.len();
+        lines::copy(piece, &pattern[..len], &[], true);
+    }
+    lines::fence();
+}
+
 /// Runs shorter than this are copied without prefetching: the walk would cost more than the
 /// misses it hides.
 const PREFETCH_MIN_RUN: usize = 256;
@@ -451,6 +466,14 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn fills_around_the_caches_set_every_byte() {
+        let mut buf = vec![1u8; (200 << 10) + 77];
+        fill_around_caches(&mut buf[3..], 0xA5);
+        assert_eq!(buf[..3], [1, 1, 1]);
+        assert!(buf[3..].iter().all(|&b| b == 0xA5));
     }
 
     #[test]
