@@ -30,7 +30,7 @@ use crate::error::{Error, Result, Side};
 use crate::exec::copy::{CopyGeometry, Place};
 use crate::exec::{Step, Steps};
 use crate::layout::{Layout, Rank};
-use crate::plan::{PlanOptions, check_compatible, rank_plan, schedule_key};
+use crate::plan::{PlanOptions, Schedule, check_compatible, rank_plan};
 use crate::region::Region;
 
 /// One tensor of the batch: its name and both layouts (over one rank numbering).
@@ -101,6 +101,9 @@ pub struct Batch {
     /// Packed tensors by source root, in tensor order.
     packs: BTreeMap<Rank, Vec<usize>>,
     world: usize,
+    /// One order on rank pairs for all the tensors: their source ranks against their
+    /// destination ranks.
+    schedule: Schedule,
 }
 
 fn batch_error(what: &'static str, name: &str, reason: impl Into<String>) -> Error {
@@ -190,12 +193,21 @@ impl Batch {
             .flat_map(|t| t.src.mesh().ranks().iter().chain(t.dst.mesh().ranks()))
             .max()
             .map_or(0, |&r| r + 1);
+        let schedule = Schedule::new(
+            tensors
+                .iter()
+                .flat_map(|t| t.src.mesh().ranks().iter().copied()),
+            tensors
+                .iter()
+                .flat_map(|t| t.dst.mesh().ranks().iter().copied()),
+        );
         Ok(Batch {
             tensors,
             fusions,
             options,
             packs,
             world,
+            schedule,
         })
     }
 
@@ -449,17 +461,9 @@ impl Batch {
                 out.packs.push((pack, PackRole::Receiver));
             }
         }
-        let world = self.world;
+        let schedule = &self.schedule;
         out.moves.sort_by(|a, b| {
-            let key = |m: &Move| {
-                let t = crate::plan::Transfer {
-                    src: m.from,
-                    dst: m.to,
-                    region: Region::full(&[]),
-                };
-                let (shift, ..) = schedule_key(&t, world);
-                (shift, m.from, m.to, m.tensor)
-            };
+            let key = |m: &Move| (schedule.step(m.from, m.to), m.from, m.to, m.tensor);
             key(a).cmp(&key(b)).then_with(|| a.region.cmp(&b.region))
         });
         Ok(out)

@@ -13,11 +13,13 @@
 
 pub mod baseline;
 pub mod report;
+pub mod schedule;
 
 use std::ops::Range;
 
 pub use baseline::GatherBroadcast;
 pub use report::{PlanJson, Totals, TransferJson, gather_broadcast_bytes};
+pub use schedule::Schedule;
 
 use crate::error::{Dims, Error, Result};
 use crate::layout::{Layout, Rank};
@@ -190,7 +192,7 @@ impl Plan {
     pub fn for_rank(&self, rank: Rank) -> RankPlan {
         let mut rp = RankPlan::new(rank);
         self.transfers.iter().for_each(|t| rp.take(t));
-        order_for_schedule(&mut rp, world(&self.src, &self.dst));
+        order_for_schedule(&mut rp, &Schedule::of(&self.src, &self.dst));
         rp
     }
 
@@ -213,9 +215,9 @@ impl Plan {
                 }
             }
         }
-        let world = world(&self.src, &self.dst);
+        let schedule = Schedule::of(&self.src, &self.dst);
         for p in plans.values_mut() {
-            order_for_schedule(p, world);
+            order_for_schedule(p, &schedule);
         }
         plans
     }
@@ -270,38 +272,15 @@ pub fn rank_plan(
         .filter(|t| !t.is_local())
         .for_each(|t| rp.take(t));
     rp.locals.sort_unstable();
-    order_for_schedule(&mut rp, world(src, dst));
+    order_for_schedule(&mut rp, &Schedule::of(src, dst));
     Ok(rp)
 }
 
-/// One more than the largest rank on either side.
-fn world(src: &Layout, dst: &Layout) -> usize {
-    src.mesh()
-        .ranks()
-        .iter()
-        .chain(dst.mesh().ranks())
-        .max()
-        .map_or(0, |&r| r + 1)
-}
-
-/// The order in which every rank runs its transfers: by `(dst - src) mod world`, then source.
-/// It is one total order on (src, dst) pairs shared by all ranks, so blocking sends and
-/// receives that follow it cannot deadlock, and it spreads each step's traffic over distinct
-/// peers (a shift schedule, as in a ring all-to-all).
-pub fn schedule_key(t: &Transfer, world: usize) -> (usize, Rank, Rank, &Region) {
-    (
-        (t.dst + world - t.src) % world.max(1),
-        t.src,
-        t.dst,
-        &t.region,
-    )
-}
-
-fn order_for_schedule(rp: &mut RankPlan, world: usize) {
+fn order_for_schedule(rp: &mut RankPlan, schedule: &Schedule) {
     rp.sends
-        .sort_by(|a, b| schedule_key(a, world).cmp(&schedule_key(b, world)));
+        .sort_by(|a, b| schedule.key(a).cmp(&schedule.key(b)));
     rp.recvs
-        .sort_by(|a, b| schedule_key(a, world).cmp(&schedule_key(b, world)));
+        .sort_by(|a, b| schedule.key(a).cmp(&schedule.key(b)));
 }
 
 /// Calls `f` with the per-dim piece indices and the overlap of every piece of `layout` that
