@@ -15,8 +15,8 @@ use reshard::transport::segment::SharedBuffer;
 use reshard::{Error, Plan, Rank, RankPlan};
 
 use super::processes::{
-    AnyTransport, Destination, ExecArgs, Links, Measured, MethodJson, TransportKind, check_memory,
-    check_world, conclude, connect, not_in_a_job, under_mpirun,
+    AnyTransport, Destination, ExecArgs, Links, Measured, Method, MethodJson, TransportKind,
+    check_memory, check_world, conclude, connect, not_in_a_job, under_mpirun,
 };
 use super::units::{bytes, parse_bytes};
 use super::{Failure, TensorArgs};
@@ -361,42 +361,39 @@ fn bench_threads(
         for i in 0..args.repetitions() {
             let timed = i >= args.warmup;
             let last = i + 1 == args.repetitions();
-            shards.values_mut().for_each(|s| poison(s));
-            let stats = exec::run_local(plan, &sources, &mut shards, options)?;
-            bar.inc(1);
-            if last {
-                fill.verify_shards(plan.dst(), &shards)?;
-            }
-            if timed {
-                result.reshard.times.push(stats.elapsed.as_secs_f64());
-                result.reshard.wire_bytes = stats.bytes_remote();
-                result.reshard.peak_extra = stats.peak_staging_bytes();
-            }
-            shards.values_mut().for_each(|s| poison(s));
-            let stats = baseline::run_local_gather_broadcast(
-                gb,
-                &mut sources,
-                &mut shards,
-                &mut full,
-                options,
-            )?;
-            bar.inc(1);
-            if last {
-                fill.verify_shards(plan.dst(), &shards)?;
-            }
-            if timed {
-                result
-                    .gather_broadcast
-                    .times
-                    .push(stats.elapsed.as_secs_f64());
-                result.gather_broadcast.wire_bytes = stats.bytes_remote();
-                let full_bytes = if full.is_empty() {
-                    0
-                } else {
-                    gb.dst().total_bytes()
+            for method in Method::order(i) {
+                shards.values_mut().for_each(|s| poison(s));
+                let (stats, measured, extra) = match method {
+                    Method::Reshard => (
+                        exec::run_local(plan, &sources, &mut shards, options)?,
+                        &mut result.reshard,
+                        0,
+                    ),
+                    Method::GatherBroadcast => (
+                        baseline::run_local_gather_broadcast(
+                            gb,
+                            &mut sources,
+                            &mut shards,
+                            &mut full,
+                            options,
+                        )?,
+                        &mut result.gather_broadcast,
+                        if full.is_empty() {
+                            0
+                        } else {
+                            gb.dst().total_bytes()
+                        },
+                    ),
                 };
-                result.gather_broadcast.peak_extra =
-                    stats.peak_staging_bytes().saturating_add(full_bytes);
+                bar.inc(1);
+                if last {
+                    fill.verify_shards(plan.dst(), &shards)?;
+                }
+                if timed {
+                    measured.times.push(stats.elapsed.as_secs_f64());
+                    measured.wire_bytes = stats.bytes_remote();
+                    measured.peak_extra = stats.peak_staging_bytes().saturating_add(extra);
+                }
             }
         }
         result.verified = true;
@@ -552,41 +549,44 @@ fn bench_rank<'j, J: Job>(
     for i in 0..args.repetitions() {
         let timed = i >= args.warmup;
         let last = i + 1 == args.repetitions();
-        if let Some(s) = shard.as_deref_mut() {
-            poison(s);
-        }
-        reshard.repeat(job, timed, 0, || {
-            let work = RankJob {
-                plan: &mine,
-                src_layout: src,
-                src: src_box.as_ref().zip(source.as_deref()),
-                dst: dst_box.as_ref().zip(shard.as_deref_mut()),
-            };
-            exec::run_rank(work, &*reshard_transport, options)
-        })?;
-        bar.inc(1);
-        if last {
-            verify(fill, plan, rank, shard.as_deref())?;
-        }
-
-        if let Some(s) = shard.as_deref_mut() {
-            poison(s);
-        }
-        let full_bytes = full.as_ref().map_or(0, |f| f.len() as u64);
-        gather_broadcast.repeat(job, timed, full_bytes, || {
-            let work = BaselineJob {
-                baseline: gb,
-                gather: gather.as_ref(),
-                broadcast: broadcast.as_ref(),
-                src: src_box.as_ref().zip(source.as_deref()),
-                full: full.as_deref_mut(),
-                dst: dst_box.as_ref().zip(shard.as_deref_mut()),
-            };
-            baseline::run_rank_gather_broadcast(rank, work, &*baseline_transport, options)
-        })?;
-        bar.inc(1);
-        if last {
-            verify(fill, plan, rank, shard.as_deref())?;
+        for method in Method::order(i) {
+            if let Some(s) = shard.as_deref_mut() {
+                poison(s);
+            }
+            match method {
+                Method::Reshard => reshard.repeat(job, timed, 0, || {
+                    let work = RankJob {
+                        plan: &mine,
+                        src_layout: src,
+                        src: src_box.as_ref().zip(source.as_deref()),
+                        dst: dst_box.as_ref().zip(shard.as_deref_mut()),
+                    };
+                    exec::run_rank(work, &*reshard_transport, options)
+                })?,
+                Method::GatherBroadcast => {
+                    let full_bytes = full.as_ref().map_or(0, |f| f.len() as u64);
+                    gather_broadcast.repeat(job, timed, full_bytes, || {
+                        let work = BaselineJob {
+                            baseline: gb,
+                            gather: gather.as_ref(),
+                            broadcast: broadcast.as_ref(),
+                            src: src_box.as_ref().zip(source.as_deref()),
+                            full: full.as_deref_mut(),
+                            dst: dst_box.as_ref().zip(shard.as_deref_mut()),
+                        };
+                        baseline::run_rank_gather_broadcast(
+                            rank,
+                            work,
+                            &*baseline_transport,
+                            options,
+                        )
+                    })?
+                }
+            }
+            bar.inc(1);
+            if last {
+                verify(fill, plan, rank, shard.as_deref())?;
+            }
         }
     }
     let report = serde_json::json!({

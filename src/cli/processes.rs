@@ -293,6 +293,25 @@ impl Measured {
     }
 }
 
+/// The two methods `bench` and `refit --run` compare.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Method {
+    Reshard,
+    GatherBroadcast,
+}
+
+impl Method {
+    /// The order of the two in repetition `i`: each goes first every other time, so that
+    /// neither always inherits the machine from the other.
+    pub fn order(i: u32) -> [Method; 2] {
+        if i.is_multiple_of(2) {
+            [Method::Reshard, Method::GatherBroadcast]
+        } else {
+            [Method::GatherBroadcast, Method::Reshard]
+        }
+    }
+}
+
 /// One method's line of a bench or refit report.
 #[derive(Debug, serde::Serialize)]
 pub struct MethodJson {

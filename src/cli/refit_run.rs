@@ -17,8 +17,8 @@ use reshard::{Error, PlanOptions, Side};
 
 use super::Failure;
 use super::processes::{
-    AnyTransport, ExecArgs, Links, Measured, MethodJson, TransportKind, check_memory, check_world,
-    conclude, connect, not_in_a_job, under_mpirun,
+    AnyTransport, ExecArgs, Links, Measured, Method, MethodJson, TransportKind, check_memory,
+    check_world, conclude, connect, not_in_a_job, under_mpirun,
 };
 use super::units::{bytes, parse_bytes};
 
@@ -278,25 +278,28 @@ fn run_rank<'j, J: Job>(
     for i in 0..args.warmup + args.iters {
         let timed = i >= args.warmup;
         let last = i + 1 == args.warmup + args.iters;
-        poison(&mut dst);
-        reshard.repeat(job, timed, 0, || {
-            let mut dsts: Vec<&mut [u8]> = dst.iter_mut().map(Vec::as_mut_slice).collect();
-            run_rank_batch(batch, &rb, &srcs, &mut dsts, &*reshard_transport, options)
-        })?;
-        if last {
-            verify(batch, &rb, &dst)?;
-        }
-
-        poison(&mut dst);
-        gather_broadcast.repeat(job, timed, full_len as u64, || {
-            let mut dsts: Vec<&mut [u8]> = dst.iter_mut().map(Vec::as_mut_slice).collect();
-            let transport = &*baseline_transport;
-            run_rank_batch_baseline(
-                batch, baseline, &mine, &rb, &srcs, &mut dsts, &mut full, transport, options,
-            )
-        })?;
-        if last {
-            verify(batch, &rb, &dst)?;
+        for method in Method::order(i) {
+            poison(&mut dst);
+            match method {
+                Method::Reshard => reshard.repeat(job, timed, 0, || {
+                    let mut dsts: Vec<&mut [u8]> = dst.iter_mut().map(Vec::as_mut_slice).collect();
+                    run_rank_batch(batch, &rb, &srcs, &mut dsts, &*reshard_transport, options)
+                })?,
+                Method::GatherBroadcast => {
+                    gather_broadcast.repeat(job, timed, full_len as u64, || {
+                        let mut dsts: Vec<&mut [u8]> =
+                            dst.iter_mut().map(Vec::as_mut_slice).collect();
+                        let transport = &*baseline_transport;
+                        run_rank_batch_baseline(
+                            batch, baseline, &mine, &rb, &srcs, &mut dsts, &mut full, transport,
+                            options,
+                        )
+                    })?
+                }
+            }
+            if last {
+                verify(batch, &rb, &dst)?;
+            }
         }
     }
     Ok(serde_json::json!({
