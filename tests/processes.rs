@@ -88,9 +88,10 @@ fn killing_a_rank_fails_every_other_rank_over_shm() {
     kill_trials("shm", 43);
 }
 
-fn kill_trials(transport: &str, seed: u64) {
-    let world = 6;
-    let args = [
+/// The job the failure tests disturb: 4 -> 2 ranks of 32 MiB over `transport`, in 256 KiB
+/// chunks, waiting at most `timeout` seconds, `iters` times.
+fn failure_job<'a>(transport: &'a str, timeout: &'a str, iters: &'a str) -> Vec<&'a str> {
+    vec![
         "run",
         "--shape",
         "2048,4096",
@@ -104,14 +105,18 @@ fn kill_trials(transport: &str, seed: u64) {
         transport,
         "--verify",
         "--timeout",
-        "3",
+        timeout,
         "--chunk-bytes",
         "256KiB",
-        // several repetitions keep data moving for most of the kill window, in release
-        // builds too
         "--iters",
-        "10",
-    ];
+        iters,
+    ]
+}
+
+fn kill_trials(transport: &str, seed: u64) {
+    let world = 6;
+    // several repetitions keep data moving for most of the kill window, in release builds too
+    let args = failure_job(transport, "3", "10");
     let mut rng = Lcg(seed);
     let (mut hits, mut tries) = (0, 0);
     while hits < 20 {
@@ -174,25 +179,7 @@ fn a_stalled_rank_fails_every_other_rank_over_shm() {
 
 fn stall_trial(transport: &str) {
     let world = 6;
-    let args = [
-        "run",
-        "--shape",
-        "2048,4096",
-        "--dtype",
-        "f32",
-        "--src",
-        "mesh=4 place=S(0)",
-        "--dst",
-        "mesh=2 place=S(1)",
-        "--transport",
-        transport,
-        "--timeout",
-        "2",
-        "--chunk-bytes",
-        "256KiB",
-        "--iters",
-        "1000",
-    ];
+    let args = failure_job(transport, "2", "1000");
     let port = free_port();
     let mut ranks: Vec<Child> = (0..world)
         .map(|r| spawn_rank(r, world, port, "stall-test", &args))
