@@ -275,3 +275,85 @@ fn baseline_of_replicated_sides_moves_what_the_reshard_moves() {
         }
     }
 }
+
+/// A transport that lands a rank's receives out of order, every other one, and then fails:
+/// the executor's report must name exactly the transfers that did not land.
+struct LandsEveryOther;
+
+impl<'buf> Transport<'buf> for LandsEveryOther {
+    fn name(&self) -> &'static str {
+        "every-other"
+    }
+
+    fn sends_block(&self) -> bool {
+        false
+    }
+
+    fn send(&self, _: Outgoing<'buf>) -> Result<()> {
+        Ok(())
+    }
+
+    fn recv(&self, chunk: crate::transport::Incoming<'_>) -> Result<()> {
+        Err(Error::Internal {
+            rank: chunk.to,
+            detail: "not used".into(),
+        })
+    }
+
+    fn recv_all(
+        &self,
+        expected: &[Receive<'_>],
+        _: &mut [&mut [u8]],
+        _: usize,
+        landed: &mut dyn FnMut(usize),
+    ) -> Result<()> {
+        (0..expected.len())
+            .rev()
+            .filter(|i| i % 2 == 1)
+            .for_each(landed);
+        Err(Error::PeerGone {
+            rank: expected[0].to,
+            peer: expected[0].from,
+            detail: "gone".into(),
+        })
+    }
+}
+
+#[test]
+fn transfers_that_land_out_of_order_are_accounted_one_by_one() {
+    // rank 4 receives a row block from each of ranks 0-3
+    let src = layout("mesh=4 place=S(1)", &[8, 8], DType::F32, 0);
+    let dst = layout("mesh=1 place=R", &[8, 8], DType::F32, 4);
+    let plan = Plan::new(src.clone(), dst.clone()).unwrap();
+    let mine = plan.for_rank(4);
+    assert_eq!(mine.recvs.len(), 4);
+    let mut shard = vec![0u8; dst.local_bytes(4) as usize];
+    let dst_box = dst.local_region(4).unwrap();
+    let work = RankJob {
+        plan: &mine,
+        src_layout: &src,
+        src: None,
+        dst: Some((&dst_box, &mut shard)),
+    };
+    let err = run_rank(work, &LandsEveryOther, &ExecOptions::default()).unwrap_err();
+    // the even places of the schedule never landed
+    let mut missing: Vec<Rank> = [0, 2].iter().map(|&i| mine.recvs[i].src).collect();
+    missing.sort_unstable();
+    let Error::Incomplete { failures } = err else {
+        panic!("{err}");
+    };
+    let Some(Error::NotArrived {
+        transfers,
+        from,
+        bytes,
+        ..
+    }) = failures.get(1)
+    else {
+        panic!("{failures:?}");
+    };
+    assert_eq!(*transfers, 2);
+    assert_eq!(*bytes, 2 * 8 * 2 * 4);
+    let mut from = from.clone();
+    from.sort_unstable();
+    assert_eq!(from, missing);
+}
