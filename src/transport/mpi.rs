@@ -413,6 +413,11 @@ impl<'buf> Transport<'buf> for MpiTransport<'_> {
         if !expected.iter().all(whole) {
             return super::recv_in_order(self, expected, dst_bufs, chunk, landed);
         }
+        // every check before the first receive is posted: once posted, MPI may write into
+        // `dst_bufs` until the request completes, so nothing may return early in between
+        for e in expected {
+            self.check_len(e.len(), e.from)?;
+        }
         let mut indices = Vec::with_capacity(expected.len());
         let mut types = Vec::with_capacity(expected.len());
         let mut requests = Vec::with_capacity(expected.len());
@@ -422,7 +427,6 @@ impl<'buf> Transport<'buf> for MpiTransport<'_> {
                 landed(i);
                 continue;
             }
-            self.check_len(e.len(), e.from)?;
             let t = subarray(e.dst_box, e.region, e.elem_bytes);
             let base = dst_bufs[e.buffer][e.bytes.clone()].as_mut_ptr();
             let mut request = std::mem::MaybeUninit::<ffi::MPI_Request>::uninit();
