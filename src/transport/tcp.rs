@@ -13,6 +13,7 @@ use std::time::Duration;
 use crate::error::{Error, Result};
 use crate::exec::copy::{CopyGeometry, Place};
 use crate::layout::Rank;
+use crate::region::Region;
 
 use super::frame::{self, FrameError};
 use super::{Incoming, Outgoing, Receive, Transport};
@@ -274,11 +275,50 @@ struct ChunkRead {
     at: Cursor,
 }
 
+/// What a chunk is, for errors.
+fn describe(chunk: &Incoming<'_>) -> String {
+    describe_bytes(&chunk.range, chunk.region, chunk.from)
+}
+
+fn describe_bytes(range: &std::ops::Range<usize>, region: &Region, from: Rank) -> String {
+    format!("bytes {range:?} of {region} from rank {from}")
+}
+
 impl TcpTransport {
+    /// Reads `chunk`'s header from `r`. A chunk of short runs then comes whole through the
+    /// staging buffer and is done (`None`); one of long runs is left to vectored reads straight
+    /// into the shard, along the pieces returned.
+    fn begin_chunk(
+        &self,
+        r: &mut TcpStream,
+        chunk: &mut Incoming<'_>,
+    ) -> Result<Option<ChunkRead>> {
+        let peer = chunk.from;
+        frame::read_data_header(r, chunk.len() as u64)
+            .map_err(|e| self.fail(peer, describe(chunk), e))?;
+        let g = CopyGeometry::new(
+            chunk.region,
+            Place::Stream,
+            Place::Within(chunk.dst_box),
+            chunk.elem_bytes,
+        );
+        if g.run_bytes() >= VECTORED_MIN_RUN {
+            return Ok(Some(ChunkRead {
+                range: chunk.range.clone(),
+                segs: segments(&g, chunk.range.clone(), false),
+                at: Cursor::default(),
+            }));
+        }
+        let mut buf = self.stage(1, chunk.len());
+        r.read_exact(&mut buf[..chunk.len()])
+            .map_err(|e| self.fail(peer, describe(chunk), e.into()))?;
+        g.copy(&buf[..chunk.len()], chunk.dst, chunk.range.clone());
+        Ok(None)
+    }
+
     /// Takes the next step of `inbound`'s stream, which has bytes waiting: reads a chunk's
-    /// header, or what has arrived of the chunk, into the destination shard. A chunk of
-    /// short runs goes through the staging buffer whole. Calls `landed` for every transfer
-    /// that completes.
+    /// header (and a chunk of short runs whole), or what has arrived of the chunk, into the
+    /// destination shard. Calls `landed` for every transfer that completes.
     fn step(
         &self,
         inbound: &mut Inbound,
@@ -287,55 +327,37 @@ impl TcpTransport {
         chunk: usize,
         landed: &mut dyn FnMut(usize),
     ) -> Result<()> {
-        let peer = inbound.peer;
         let i = inbound.transfers[inbound.next];
         let e = &expected[i];
         let len = e.len();
-        let g = CopyGeometry::new(
-            e.region,
-            Place::Stream,
-            Place::Within(e.dst_box),
-            e.elem_bytes,
-        );
         let dst = &mut dst_bufs[e.buffer][e.bytes.clone()];
-        let mut r = self.reader(peer)?;
+        let mut r = self.reader(inbound.peer)?;
         match inbound.reading.as_mut() {
             None => {
                 let size = self.chunk_bytes(len, chunk).max(1);
                 let range = inbound.done..inbound.done.saturating_add(size).min(len);
-                let what = || format!("bytes {range:?} of {} from rank {peer}", e.region);
-                frame::read_data_header(&mut *r, range.len() as u64)
-                    .map_err(|err| self.fail(peer, what(), err))?;
-                if g.run_bytes() >= VECTORED_MIN_RUN {
-                    let segs = segments(&g, range.clone(), false);
-                    inbound.reading = Some(ChunkRead {
-                        range,
-                        segs,
-                        at: Cursor::default(),
-                    });
+                let end = range.end;
+                inbound.reading = self.begin_chunk(&mut r, &mut e.chunk(dst, range))?;
+                if inbound.reading.is_some() {
                     return Ok(());
                 }
-                let mut buf = self.stage(1, range.len());
-                r.read_exact(&mut buf[..range.len()])
-                    .map_err(|err| self.fail(peer, what(), err.into()))?;
-                g.copy(&buf[..range.len()], dst, range.clone());
-                inbound.done = range.end;
+                inbound.done = end;
             }
-            Some(ChunkRead { range, segs, at }) => {
-                let what = || format!("bytes {range:?} of {} from rank {peer}", e.region);
-                match read_some_vectored(&mut r, dst, segs, at) {
-                    Ok(0) => {
-                        let eof = std::io::Error::from(std::io::ErrorKind::UnexpectedEof);
-                        return Err(self.fail(peer, what(), eof.into()));
-                    }
+            Some(c) => {
+                let fail = |err: std::io::Error| {
+                    let what = describe_bytes(&c.range, e.region, e.from);
+                    self.fail(inbound.peer, what, err.into())
+                };
+                match read_some_vectored(&mut r, dst, &c.segs, &mut c.at) {
+                    Ok(0) => return Err(fail(std::io::ErrorKind::UnexpectedEof.into())),
                     Ok(_) => {}
                     Err(err) if err.kind() == std::io::ErrorKind::Interrupted => {}
-                    Err(err) => return Err(self.fail(peer, what(), err.into())),
+                    Err(err) => return Err(fail(err)),
                 }
-                if at.first < segs.len() {
+                if c.at.first < c.segs.len() {
                     return Ok(());
                 }
-                inbound.done = range.end;
+                inbound.done = c.range.end;
                 inbound.reading = None;
             }
         }
@@ -377,32 +399,13 @@ impl<'buf> Transport<'buf> for TcpTransport {
         }
     }
 
-    fn recv(&self, chunk: Incoming<'_>) -> Result<()> {
-        let peer = chunk.from;
-        let what = format!(
-            "bytes {:?} of {} from rank {peer}",
-            chunk.range, chunk.region
-        );
-        let mut r = self.reader(peer)?;
-        frame::read_data_header(&mut *r, chunk.len() as u64)
-            .map_err(|e| self.fail(peer, what.clone(), e))?;
-        let g = CopyGeometry::new(
-            chunk.region,
-            Place::Stream,
-            Place::Within(chunk.dst_box),
-            chunk.elem_bytes,
-        );
-        if g.run_bytes() >= VECTORED_MIN_RUN {
-            let segs = segments(&g, chunk.range.clone(), false);
-            read_exact_vectored(&mut r, chunk.dst, &segs)
-                .map_err(|e| self.fail(peer, what, e.into()))
-        } else {
-            let mut buf = self.stage(1, chunk.len());
-            r.read_exact(&mut buf[..chunk.len()])
-                .map_err(|e| self.fail(peer, what, e.into()))?;
-            g.copy(&buf[..chunk.len()], chunk.dst, chunk.range.clone());
-            Ok(())
-        }
+    fn recv(&self, mut chunk: Incoming<'_>) -> Result<()> {
+        let mut r = self.reader(chunk.from)?;
+        let Some(c) = self.begin_chunk(&mut r, &mut chunk)? else {
+            return Ok(());
+        };
+        read_exact_vectored(&mut r, chunk.dst, &c.segs)
+            .map_err(|e| self.fail(chunk.from, describe(&chunk), e.into()))
     }
 
     /// Reads from whichever peers have bytes waiting (`poll`), so that every sender's stream
