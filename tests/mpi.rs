@@ -1,4 +1,5 @@
-//! The `mpi` transport under `mpirun`: random layouts, checked against the in-process run.
+//! The `mpi` transport under `mpirun`, and `shm` riding on MPI: random layouts, checked
+//! against the in-process run.
 //! Built only with `--features mpi` (needs an MPI library and `mpirun`).
 #![cfg(feature = "mpi")]
 
@@ -11,8 +12,15 @@ use common::{EXE, Lcg, RandomRun, text, wait_bounded};
 
 /// `mpirun -n N` of reshard, allowed as root and with more ranks than cores.
 fn mpirun(n: u64) -> Command {
+    mpirun_with(n, &[])
+}
+
+/// The same, with `mpirun` options (such as `-x VAR=value`) before the program.
+fn mpirun_with(n: u64, options: &[&str]) -> Command {
     let mut c = Command::new("mpirun");
-    c.args(["-n", &n.to_string(), "--oversubscribe", EXE])
+    c.args(["-n", &n.to_string(), "--oversubscribe"])
+        .args(options)
+        .arg(EXE)
         .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
         .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
         .env("OMPI_MCA_rmaps_base_oversubscribe", "1")
@@ -34,62 +42,84 @@ fn mpi_runs_match_local_runs() {
     }
 }
 
-/// Under mpirun, `auto` picks MPI when no MASTER_PORT is set.
+/// `shm` under mpirun: notices over MPI, bytes through shared memory, written straight into
+/// the destination shards or (with `RESHARD_SHM_DIRECT=0`) through rings.
 #[test]
-fn auto_picks_mpi_under_mpirun() {
-    let child = mpirun(3)
-        .args([
-            "run",
-            "--shape",
-            "9,4",
-            "--src",
-            "mesh=2 place=S(0)",
-            "--dst",
-            "mesh=1 place=R",
-            "--verify",
-        ])
-        .env_remove("MASTER_PORT")
-        .spawn()
-        .unwrap();
-    let out = wait_bounded(child, Duration::from_secs(120), "an mpirun");
-    assert!(out.status.success(), "{}", text(&out.stderr));
-    assert!(
-        text(&out.stdout).contains("over mpi"),
-        "{}",
-        text(&out.stdout)
-    );
+fn shm_over_mpi_runs_match_local_runs() {
+    let mut rng = Lcg(0x5a1);
+    for case in 0..12 {
+        let run = RandomRun::new(&mut rng, case, "shm-mpi");
+        let direct = if case % 2 == 0 { "1" } else { "0" };
+        run.check_against_local("shm", |args, world| {
+            let mut c = mpirun_with(world, &["-x", &format!("RESHARD_SHM_DIRECT={direct}")]);
+            c.args(args).env_remove("MASTER_PORT");
+            c
+        });
+    }
 }
 
-/// `bench` and `refit --run` under mpirun: both methods over MPI, every byte verified, the
-/// report from rank 0 alone.
+/// Under mpirun (no MASTER_PORT set), `auto` puts peers on this host in shared memory and
+/// would reach the others through MPI; `mpi` keeps MPI for all.
+#[test]
+fn auto_under_mpirun_uses_shared_memory_on_one_host() {
+    for (kind, over) in [("auto", "over shm"), ("mpi", "over mpi")] {
+        let child = mpirun(3)
+            .args([
+                "run",
+                "--shape",
+                "9,4",
+                "--src",
+                "mesh=2 place=S(0)",
+                "--dst",
+                "mesh=1 place=R",
+                "--verify",
+                "--transport",
+                kind,
+            ])
+            .env_remove("MASTER_PORT")
+            .spawn()
+            .unwrap();
+        let out = wait_bounded(child, Duration::from_secs(120), "an mpirun");
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        assert!(text(&out.stdout).contains(over), "{}", text(&out.stdout));
+    }
+}
+
+/// `bench` and `refit --run` under mpirun, over MPI and over shared memory with MPI
+/// carrying the notices: both methods, every byte verified, the report from rank 0 alone.
 #[test]
 fn bench_and_refit_run_under_mpirun() {
-    let child = mpirun(8)
-        .args(["bench", "--suite", "refit", "--suite-bytes", "64KiB"])
-        .args(["--iters", "1", "--transport", "mpi", "--json"])
-        .spawn()
-        .unwrap();
-    let out = wait_bounded(child, Duration::from_secs(180), "bench under mpirun");
-    assert!(out.status.success(), "{}", text(&out.stderr));
-    let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    assert_eq!(j["transport"], "mpi");
-    let cases = j["cases"].as_array().unwrap();
-    assert_eq!(cases.len(), 9);
-    assert!(cases.iter().all(|c| c["verified"] == true), "{j}");
-
     let dir = common::temp_dir("mpi-refit");
     std::fs::create_dir_all(&dir).unwrap();
     let config = common::tiny_moe_config(&dir);
-    let child = mpirun(8)
-        .args(["refit", "--model"])
-        .arg(&config)
-        .args(["--train", "tp=2,ep=2,pp=2", "--infer", "tp=4", "--run"])
-        .args(["--iters", "1", "--transport", "mpi", "--json"])
-        .spawn()
-        .unwrap();
-    let out = wait_bounded(child, Duration::from_secs(180), "refit under mpirun");
-    assert!(out.status.success(), "{}", text(&out.stderr));
-    let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    assert_eq!(j["run"]["verified"], true, "{j}");
-    assert_eq!(j["run"]["transport"], "mpi");
+    for (kind, name) in [("mpi", "mpi"), ("auto", "shm")] {
+        let child = mpirun(8)
+            .args(["bench", "--suite", "refit", "--suite-bytes", "64KiB"])
+            .args(["--iters", "1", "--transport", kind, "--json"])
+            .env_remove("MASTER_PORT")
+            .spawn()
+            .unwrap();
+        let out = wait_bounded(child, Duration::from_secs(180), "bench under mpirun");
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(j["transport"], name);
+        let cases = j["cases"].as_array().unwrap();
+        assert_eq!(cases.len(), 9);
+        assert!(cases.iter().all(|c| c["verified"] == true), "{j}");
+
+        let child = mpirun(8)
+            .args(["refit", "--model"])
+            .arg(&config)
+            .args(["--train", "tp=2,ep=2,pp=2", "--infer", "tp=4", "--run"])
+            .args(["--iters", "1", "--transport", kind, "--json"])
+            .env_remove("MASTER_PORT")
+            .spawn()
+            .unwrap();
+        let out = wait_bounded(child, Duration::from_secs(180), "refit under mpirun");
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(j["run"]["verified"], true, "{j}");
+        assert_eq!(j["run"]["transport"], name);
+    }
+    let _ = std::fs::remove_dir_all(&dir);
 }

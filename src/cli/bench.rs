@@ -288,6 +288,7 @@ pub fn main(args: &BenchArgs) -> Result<(), Failure> {
         (TransportKind::Mpi, _) | (TransportKind::Auto, None) => {
             bench_mpi(args, &cases, fill, &options)?
         }
+        (TransportKind::Shm, None) if mpi => bench_mpi(args, &cases, fill, &options)?,
         (_, None) => return Err(Failure::Input(not_in_a_job(kind))),
         (_, Some(env)) => {
             let highest = cases.iter().map(Case::highest_rank).max().unwrap_or(0);
@@ -410,6 +411,7 @@ fn bench_mpi(
     fill: Fill,
     options: &ExecOptions,
 ) -> Result<Option<(String, Vec<CaseResult>)>, Failure> {
+    use super::processes::connect_mpi;
     use reshard::transport::mpi::MpiJob;
     let job = MpiJob::init()?;
     let highest = cases.iter().map(Case::highest_rank).max().unwrap_or(0);
@@ -417,9 +419,10 @@ fn bench_mpi(
     for case in cases {
         check_memory(case.memory(Some(job.rank())), case.plan.src().shape())?;
     }
-    bench_processes(args, cases, fill, options, &job, &|_, _| {
+    let kind = args.exec.transport;
+    bench_processes(args, cases, fill, options, &job, &|links, destination| {
         let layouts = cases.iter().map(|c| c.plan.src());
-        Ok(Box::new(job.transport(layouts)) as AnyTransport<'_>)
+        connect_mpi(kind, &job, layouts, links, destination, options)
     })
 }
 

@@ -9,7 +9,7 @@ use clap::{Args, ValueEnum};
 use reshard::exec::ExecOptions;
 use reshard::transport::group::Group;
 use reshard::transport::segment::SharedBuffer;
-use reshard::transport::shm::ShmTransport;
+use reshard::transport::shm::{Carrier, ShmTransport};
 use reshard::transport::tcp::TcpTransport;
 use reshard::transport::{Job, Transport};
 use reshard::{Error, Rank, Region};
@@ -25,14 +25,14 @@ pub enum TransportKind {
     /// Processes and hosts over TCP (under `reshard launch`, `mpirun`, or hand-set RANK,
     /// WORLD_SIZE, MASTER_ADDR, MASTER_PORT).
     Tcp,
-    /// Processes on one host: receivers copy straight from the senders' memory
-    /// (cross-memory attach), control over TCP.
+    /// Processes on one host: senders write straight into the receivers' shards in shared
+    /// memory (or through shared-memory rings); notices over TCP, or over MPI under mpirun.
     Shm,
-    /// The site's MPI, under mpirun (build with `--features mpi`).
+    /// The site's MPI for every peer, under mpirun (build with `--features mpi`).
     Mpi,
     /// The best transport for where the ranks are: local in one process; between processes,
-    /// shm for peers on the same host and tcp for the others; mpi under mpirun when built
-    /// with MPI and no MASTER_PORT is set.
+    /// shm for peers on the same host and tcp for the others, or, under mpirun when built
+    /// with MPI and no MASTER_PORT is set, mpi for the others.
     Auto,
 }
 
@@ -124,23 +124,65 @@ pub fn connect<'g>(
     if kind == TransportKind::Tcp {
         return Ok(Box::new(tcp));
     }
-    let far = peers.iter().copied().find(|&p| !group.same_host(p));
-    if let (TransportKind::Shm, Some(far)) = (kind, far) {
+    let near = |p: Rank| group.same_host(p).then(|| group.pid(p));
+    let shm = over_shm(kind, tcp, links, near, destination, options, "tcp")?;
+    Ok(Box::new(shm))
+}
+
+/// Opens this rank's links for `kind` in an MPI job: MPI itself for `mpi`; for `auto` (and
+/// `shm`, where every peer must be on this host) shared memory for the peers on this host and
+/// MPI for the others. `layouts` are every tensor the links will move. Every rank of the job
+/// must call it at the same point.
+#[cfg(feature = "mpi")]
+pub fn connect_mpi<'j, 'l>(
+    kind: TransportKind,
+    job: &'j reshard::transport::mpi::MpiJob,
+    layouts: impl IntoIterator<Item = &'l reshard::Layout>,
+    links: &Links,
+    destination: Destination<'_>,
+    options: &ExecOptions,
+) -> Result<AnyTransport<'j>, Error> {
+    let mpi = job.transport(layouts);
+    if kind == TransportKind::Mpi {
+        return Ok(Box::new(mpi));
+    }
+    let near = |p: Rank| job.same_host_peers().get(&p).copied();
+    let shm = over_shm(kind, mpi, links, near, destination, options, "mpi")?;
+    Ok(Box::new(shm))
+}
+
+/// `carrier` with the peers for which `near` gives a process id (those on this host) moved
+/// to shared memory. With `--transport shm`, a peer elsewhere is an error that suggests
+/// `other` (the carrier's own transport) or auto.
+fn over_shm<C: Carrier>(
+    kind: TransportKind,
+    carrier: C,
+    links: &Links,
+    near: impl Fn(Rank) -> Option<u32>,
+    destination: Destination<'_>,
+    options: &ExecOptions,
+    other: &str,
+) -> Result<ShmTransport<C>, Error> {
+    let peers = links.peers();
+    if let (TransportKind::Shm, Some(&far)) = (kind, peers.iter().find(|&&p| near(p).is_none())) {
         return Err(Error::InvalidOption {
             field: "--transport",
             value: "shm".into(),
-            reason: format!("rank {far} runs on another host; use tcp or auto"),
+            reason: format!("rank {far} runs on another host; use {other} or auto"),
         });
     }
-    // shm (or auto) for the peers on this host
-    let near = peers.iter().copied().filter(|&p| group.same_host(p));
-    let near = near.map(|p| (p, group.pid(p))).collect();
-    let mut shm = ShmTransport::new(tcp, near, options.staging_bytes, options.timeout);
+    let near = peers.iter().filter_map(|&p| near(p).map(|pid| (p, pid)));
+    let mut shm = ShmTransport::new(
+        carrier,
+        near.collect(),
+        options.staging_bytes,
+        options.timeout,
+    );
     // RESHARD_SHM_DIRECT=0 keeps senders out of the receivers' shards: rings only
     let direct = std::env::var("RESHARD_SHM_DIRECT").map_or(true, |v| v != "0");
     let destination = destination.filter(|_| direct);
     shm.exchange_destinations(destination, &links.senders, &links.receivers)?;
-    Ok(Box::new(shm))
+    Ok(shm)
 }
 
 /// Checks that the job has a process for every rank the layouts use (`highest`).

@@ -112,6 +112,7 @@ pub fn main(
         (TransportKind::Mpi, _) | (TransportKind::Auto, None) => {
             run_mpi(args, &batch, &baseline, pack_below, &options)
         }
+        (TransportKind::Shm, None) if mpi => run_mpi(args, &batch, &baseline, pack_below, &options),
         (_, None) => Err(Failure::Input(not_in_a_job(kind))),
         (_, Some(env)) => {
             check_world(batch.world().saturating_sub(1), env.world)?;
@@ -137,12 +138,14 @@ fn run_mpi(
     pack_below: u64,
     options: &ExecOptions,
 ) -> Result<Option<RunJson>, Failure> {
+    use super::processes::connect_mpi;
     use reshard::transport::mpi::MpiJob;
     let job = MpiJob::init()?;
     check_world(batch.world().saturating_sub(1), job.world())?;
-    run_processes(args, batch, baseline, pack_below, options, &job, &|_| {
+    let kind = args.exec.transport;
+    run_processes(args, batch, baseline, pack_below, options, &job, &|links| {
         let layouts = batch.tensors().iter().map(|t| &t.src);
-        Ok(Box::new(job.transport(layouts)) as AnyTransport<'_>)
+        connect_mpi(kind, &job, layouts, links, None, options)
     })
 }
 

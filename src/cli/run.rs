@@ -144,7 +144,9 @@ fn run_process(
 ) -> Result<(), Failure> {
     let env = match (args.exec.transport, env) {
         (TransportKind::Mpi, _) => return run_mpi(args, plan, fill, options),
-        (TransportKind::Auto, None) if cfg!(feature = "mpi") && under_mpirun() => {
+        (TransportKind::Auto | TransportKind::Shm, None)
+            if cfg!(feature = "mpi") && under_mpirun() =>
+        {
             return run_mpi(args, plan, fill, options);
         }
         (_, Some(env)) => env,
@@ -177,13 +179,18 @@ fn rank_bytes(plan: &Plan, rank: Rank) -> u64 {
 
 #[cfg(feature = "mpi")]
 fn run_mpi(args: &RunArgs, plan: &Plan, fill: Fill, options: &ExecOptions) -> Result<(), Failure> {
+    use super::processes::connect_mpi;
     use reshard::transport::mpi::MpiJob;
     let job = MpiJob::init()?;
     check_world(highest(plan), job.world())?;
     check_memory(rank_bytes(plan, job.rank()), plan.src().shape())?;
-    process_rank(args, plan, fill, options, &job, |_, _| {
-        let transport = job.transport([plan.src()]);
-        Ok(Box::new(transport) as AnyTransport<'_>)
+    let kind = args.exec.transport;
+    process_rank(args, plan, fill, options, &job, |mine, destination| {
+        let links = Links {
+            senders: mine.senders(),
+            receivers: mine.receivers(),
+        };
+        connect_mpi(kind, &job, [plan.src()], &links, destination, options)
     })
 }
 

@@ -4,6 +4,10 @@
 //! copies once) as it does best, with its own bounded pipelining. This is how reshard runs on
 //! clusters that already have MPI, InfiniBand included.
 //!
+//! The transport also carries the [`super::shm`] transport's notices (its
+//! [`super::shm::Carrier`]), so that under `mpirun` peers on one host can move their bytes
+//! through shared memory, which OpenMPI does not do for strided regions in one copy.
+//!
 //! Failure handling is MPI's: when a process dies, `mpirun` ends the job.
 
 use std::os::raw::c_int;
@@ -89,10 +93,15 @@ pub fn free_datatype(mut t: ffi::MPI_Datatype) {
     unsafe { ffi::MPI_Type_free(&mut t) };
 }
 const CONTROL_TAG: i32 = 18;
+/// Notices of the shm transport riding on MPI ([`super::shm::Carrier`]): a tag of their own,
+/// so that they never match a data message or the job's reports.
+const NOTICE_TAG: i32 = 19;
 
 /// This process's membership in the MPI job; finalizes MPI when dropped.
 pub struct MpiJob {
     world: SimpleCommunicator,
+    /// The other ranks on this host, with their process ids.
+    neighbours: std::collections::BTreeMap<Rank, u32>,
     // dropped last: finalizes MPI
     _universe: Universe,
 }
@@ -115,10 +124,19 @@ impl MpiJob {
                 ),
             });
         }
+        let world = universe.world();
+        let neighbours = same_host_peers(&world);
         Ok(MpiJob {
-            world: universe.world(),
+            world,
+            neighbours,
             _universe: universe,
         })
+    }
+
+    /// The other ranks of this job that run on this host, with their process ids: the peers
+    /// whose memory this process can map.
+    pub fn same_host_peers(&self) -> &std::collections::BTreeMap<Rank, u32> {
+        &self.neighbours
     }
 
     /// The data transport over this job's world communicator, for the tensors of `layouts`:
@@ -210,6 +228,55 @@ impl Job for MpiJob {
     }
 }
 
+/// Every rank's [`HostId`], gathered (collective: every rank calls it once, at start), and
+/// those of the other ranks that share this rank's host.
+fn same_host_peers(world: &SimpleCommunicator) -> std::collections::BTreeMap<Rank, u32> {
+    let me = HostId::here();
+    let mut all = vec![0u8; HostId::BYTES * world.size() as usize];
+    world.all_gather_into(&me.bytes[..], &mut all[..]);
+    all.chunks(HostId::BYTES)
+        .enumerate()
+        .filter(|&(r, id)| r != world.rank() as usize && id[..16] == me.bytes[..16])
+        .map(|(r, id)| {
+            let pid = u32::from_le_bytes(id[16..].try_into().expect("4 bytes"));
+            (r, pid)
+        })
+        .collect()
+}
+
+/// Which host (and kernel) a process runs on, and its process id, as fixed-size bytes that
+/// every rank gathers: two ranks share memory when their first 16 bytes are equal.
+struct HostId {
+    bytes: [u8; HostId::BYTES],
+}
+
+impl HostId {
+    /// Hashes of the host name and of the kernel's boot id, then the process id.
+    const BYTES: usize = 20;
+
+    fn here() -> HostId {
+        let mut name = [0u8; 256];
+        // SAFETY: writes at most `name.len()` bytes into `name`.
+        let named = unsafe { libc::gethostname(name.as_mut_ptr().cast(), name.len()) } == 0;
+        let name_len = name.iter().position(|&b| b == 0).unwrap_or(name.len());
+        let name = if named { &name[..name_len] } else { &[] };
+        // the boot id as well: two containers of one name on two machines do not look alike
+        let boot = std::fs::read("/proc/sys/kernel/random/boot_id").unwrap_or_default();
+        let mut bytes = [0u8; HostId::BYTES];
+        bytes[..8].copy_from_slice(&fnv1a(name).to_le_bytes());
+        bytes[8..16].copy_from_slice(&fnv1a(boot.trim_ascii()).to_le_bytes());
+        bytes[16..].copy_from_slice(&std::process::id().to_le_bytes());
+        HostId { bytes }
+    }
+}
+
+/// 64-bit FNV-1a: a stable hash, the same in every process.
+fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
 /// Chunks as MPI messages: contiguous runs go straight from and to the shards, strided ones
 /// through a staging buffer of one chunk per direction.
 pub struct MpiTransport<'a> {
@@ -256,6 +323,37 @@ impl MpiTransport<'_> {
             });
         }
         Ok(())
+    }
+}
+
+/// Notices of the shm transport go as small MPI messages with their own tag.
+impl super::shm::Carrier for MpiTransport<'_> {
+    fn rank(&self) -> Rank {
+        self.rank
+    }
+
+    fn tell<T: serde::Serialize>(&self, peer: Rank, notice: &T, what: &str) -> Result<()> {
+        let bytes = serde_json::to_vec(notice).map_err(|e| Error::Protocol {
+            rank: self.rank,
+            peer,
+            detail: format!("cannot encode the notice of {what}: {e}"),
+        })?;
+        self.world
+            .process_at_rank(peer as c_int)
+            .send_with_tag(&bytes[..], NOTICE_TAG);
+        Ok(())
+    }
+
+    fn hear<T: serde::de::DeserializeOwned>(&self, peer: Rank, what: &str) -> Result<T> {
+        let (bytes, _) = self
+            .world
+            .process_at_rank(peer as c_int)
+            .receive_vec_with_tag::<u8>(NOTICE_TAG);
+        serde_json::from_slice(&bytes).map_err(|e| Error::Protocol {
+            rank: self.rank,
+            peer,
+            detail: format!("sent an unreadable notice while {what} was due: {e}"),
+        })
     }
 }
 

@@ -5,13 +5,15 @@
 //! was measured slower here: the kernel pins every page it copies.) Rings live in unnamed
 //! files, so a killed process leaves nothing behind.
 //!
-//! The sender announces each ring once over the job's TCP link. Peers on other hosts (with
-//! `--transport auto`) go through the TCP data path instead.
+//! The sender announces each ring once over the job's own links (its [`Carrier`]: TCP, or MPI
+//! under `mpirun`). Peers on other hosts (with `--transport auto`) go through the carrier's
+//! data path instead.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
@@ -19,18 +21,28 @@ use crate::exec::copy::{CopyGeometry, Place};
 use crate::layout::Rank;
 use crate::region::Region;
 
-use super::frame;
 use super::ring::{Ring, RingError, SLOTS};
 use super::segment::{PeerBuffer, SharedBuffer};
-use super::tcp::TcpTransport;
 use super::{Incoming, Outgoing, Transport};
+
+/// The job's links that the shm transport rides on: they carry its short notices (where a
+/// ring or a destination lives, which bytes were written) and, as a [`Transport`], the data to
+/// peers on other hosts.
+pub trait Carrier: Sync {
+    /// This rank.
+    fn rank(&self) -> Rank;
+    /// Sends `notice` to `peer`; `what` says what it is for, in an error.
+    fn tell<T: Serialize>(&self, peer: Rank, notice: &T, what: &str) -> Result<()>;
+    /// Waits for `peer`'s next notice; `what` says what was awaited, in an error.
+    fn hear<T: DeserializeOwned>(&self, peer: Rank, what: &str) -> Result<T>;
+}
 
 /// Largest slot: measured best here (a slot's bookkeeping is noise, and the slots of a ring
 /// stay in cache between the packing core and the unpacking one).
 const MAX_SLOT_BYTES: usize = 128 << 10;
 const MIN_SLOT_BYTES: usize = 4 << 10;
 
-/// What two peers tell each other over their TCP link.
+/// What two peers tell each other over their carrier.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 enum Notice {
     /// Before the first reshard, from a receiver to its senders: its destination shard lives
@@ -59,10 +71,10 @@ struct Target {
     region: Region,
 }
 
-/// Shared-memory rings for same-host peers, TCP for the others.
+/// Shared-memory rings (or direct writes) for same-host peers, the carrier for the others.
 #[derive(Debug)]
-pub struct ShmTransport {
-    links: TcpTransport,
+pub struct ShmTransport<C> {
+    links: C,
     /// Peers reached through memory, with their process ids.
     local_peers: BTreeMap<Rank, u32>,
     slot_bytes: usize,
@@ -79,15 +91,15 @@ pub struct ShmTransport {
     writers: std::collections::BTreeSet<Rank>,
 }
 
-impl ShmTransport {
-    /// `local_peers` (rank -> process id) go through memory, every other peer through TCP.
-    /// The rings this rank creates hold at most `staging_bytes` together.
+impl<C: Carrier> ShmTransport<C> {
+    /// `local_peers` (rank -> process id) go through memory, every other peer through
+    /// `links`. The rings this rank creates hold at most `staging_bytes` together.
     pub fn new(
-        links: TcpTransport,
+        links: C,
         local_peers: BTreeMap<Rank, u32>,
         staging_bytes: usize,
         timeout: Duration,
-    ) -> ShmTransport {
+    ) -> ShmTransport<C> {
         let rings = local_peers.len().max(1);
         let slot_bytes = (staging_bytes / (SLOTS as usize * rings))
             .clamp(MIN_SLOT_BYTES, MAX_SLOT_BYTES)
@@ -127,9 +139,8 @@ impl ShmTransport {
             None => Notice::NoDestination,
         };
         for &peer in senders.iter().filter(|p| self.local_peers.contains_key(p)) {
-            let mut w = self.links.writer(peer)?;
-            frame::write_control(&mut *w, &notice)
-                .map_err(|e| self.links.fail(peer, "the destination's address".into(), e))?;
+            self.links
+                .tell(peer, &notice, "the destination's address")?;
             if matches!(notice, Notice::Destination { .. }) {
                 self.writers.insert(peer);
             }
@@ -214,9 +225,7 @@ impl ShmTransport {
             pid: std::process::id(),
             fd: ring.fd(),
         };
-        let mut w = self.links.writer(peer)?;
-        frame::write_control(&mut *w, &notice)
-            .map_err(|e| self.links.fail(peer, "the ring's address".into(), e))?;
+        self.links.tell(peer, &notice, "the ring's address")?;
         let ring = Arc::new(ring);
         rings.insert(peer, ring.clone());
         Ok(ring)
@@ -250,11 +259,8 @@ impl ShmTransport {
             peer,
             detail: format!("cannot map its ring: {e}"),
         })?;
-        let mut w = self.links.writer(peer)?;
-        frame::write_control(&mut *w, &Notice::Opened).map_err(|e| {
-            self.links
-                .fail(peer, "the ring's acknowledgement".into(), e)
-        })?;
+        self.links
+            .tell(peer, &Notice::Opened, "the ring's acknowledgement")?;
         let ring = Arc::new(ring);
         rings.insert(peer, ring.clone());
         Ok(ring)
@@ -278,8 +284,7 @@ impl ShmTransport {
     }
 
     fn notice(&self, peer: Rank, what: &str) -> Result<Notice> {
-        let mut r = self.links.reader(peer)?;
-        frame::read_control(&mut *r).map_err(|e| self.links.fail(peer, what.into(), e))
+        self.links.hear(peer, what)
     }
 }
 
@@ -293,7 +298,7 @@ fn pieces(
         .map(move |s| s..(s + slot).min(range.end))
 }
 
-impl<'buf> Transport<'buf> for ShmTransport {
+impl<'buf, C: Carrier + Transport<'buf>> Transport<'buf> for ShmTransport<C> {
     fn name(&self) -> &'static str {
         "shm"
     }
@@ -336,14 +341,8 @@ impl<'buf> Transport<'buf> for ShmTransport {
                 start: chunk.range.start as u64,
                 end: chunk.range.end as u64,
             };
-            let mut w = self.links.writer(chunk.to)?;
-            return frame::write_control(&mut *w, &written).map_err(|e| {
-                self.links.fail(
-                    chunk.to,
-                    format!("bytes {:?} of {}", chunk.range, chunk.region),
-                    e,
-                )
-            });
+            let what = format!("bytes {:?} of {}", chunk.range, chunk.region);
+            return self.links.tell(chunk.to, &written, &what);
         }
         let ring = self.outgoing(chunk.to)?;
         let g = CopyGeometry::new(
@@ -416,7 +415,8 @@ impl<'buf> Transport<'buf> for ShmTransport {
         Ok(())
     }
 
-    /// Waits until every receiver has mapped its ring: only then may this rank go away.
+    /// Waits until every receiver has mapped its ring, and the carrier's sends are done: only
+    /// then may this rank go away.
     fn finish(&self) -> Result<()> {
         let created: Vec<Rank> = self
             .outgoing
@@ -440,7 +440,8 @@ impl<'buf> Transport<'buf> for ShmTransport {
                 }
             }
         }
-        Ok(())
+        // and the carrier's own sends to peers on other hosts
+        Transport::finish(&self.links)
     }
 
     fn abort(&self) {

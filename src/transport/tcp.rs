@@ -120,6 +120,23 @@ impl TcpTransport {
     }
 }
 
+/// Notices of the shm transport go as control frames on the same streams as the data.
+impl super::shm::Carrier for TcpTransport {
+    fn rank(&self) -> Rank {
+        self.rank
+    }
+
+    fn tell<T: serde::Serialize>(&self, peer: Rank, notice: &T, what: &str) -> Result<()> {
+        let mut w = self.writer(peer)?;
+        frame::write_control(&mut *w, notice).map_err(|e| self.fail(peer, what.into(), e))
+    }
+
+    fn hear<T: serde::de::DeserializeOwned>(&self, peer: Rank, what: &str) -> Result<T> {
+        let mut r = self.reader(peer)?;
+        frame::read_control(&mut *r).map_err(|e| self.fail(peer, what.into(), e))
+    }
+}
+
 /// The `(offset, len)` pieces of bytes `range` of a region's stream inside the shard on the
 /// source side (`on_src`) or the destination side of `g`.
 pub(crate) fn segments(
