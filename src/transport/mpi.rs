@@ -50,7 +50,7 @@ fn fits_datatypes(shape: &[u64], elem_bytes: usize) -> bool {
 /// A committed MPI datatype for `region` inside the dense row-major buffer of `holder`
 /// (elements of `elem` bytes, counted as bytes). Free it with [`free_datatype`].
 ///
-/// Panics if a dimension exceeds `i32`: callers keep to [`WHOLE_TRANSFER_LIMIT`].
+/// Panics if a dimension exceeds `i32`: callers keep to `WHOLE_TRANSFER_LIMIT`.
 pub fn subarray(holder: &Region, region: &Region, elem: usize) -> ffi::MPI_Datatype {
     let int = |v: u64| c_int::try_from(v).expect("dimension within MPI's int range");
     let (mut sizes, mut subsizes, mut starts): (Vec<c_int>, Vec<c_int>, Vec<c_int>) = (
