@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The reshard-vs-gather+broadcast tables of BENCHMARKS.md, in one run: `reshard bench --suite
-# refit` on every transport (8 processes, or 8 threads for local), and MPI's own collectives
+# refit` on every transport (8 processes, or 8 threads for local; under mpirun both `mpi` and
+# `auto`, which puts the ranks of one host in shared memory), and MPI's own collectives
 # (MPI_Allgatherv + MPI_Bcast) on the suite's layouts that shard dim 0 on the source, next to
 # the same layouts' gather+broadcast baseline over the mpi transport.
 # Needs OpenMPI (libopenmpi-dev openmpi-bin libclang-dev).
@@ -23,6 +24,8 @@ for t in tcp shm; do
 done
 echo "== mpi (8 processes)"
 "${MPIRUN[@]}" "$R" "${common[@]}" --transport mpi
+echo "== auto under mpirun (8 processes: shared memory on this host, notices over MPI)"
+"${MPIRUN[@]}" "$R" "${common[@]}" --transport auto
 
 echo "== the baseline against MPI's own collectives, same data (8192x8192 bf16)"
 median() { python3 -c "import json,sys; d=json.load(sys.stdin); print(round(d['gather_broadcast']['median_s']*1e3,1) if 'gather_broadcast' in d else round(d['median_s']*1e3,1))"; }
