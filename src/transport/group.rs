@@ -499,10 +499,19 @@ impl Group {
             .map_err(|e| e.into_error(self.env.rank, peer, "control", self.timeout))
     }
 
-    fn recv(&self, peer: Rank, mut stream: &TcpStream, what: &str) -> Result<Control> {
-        let _ = stream.set_read_timeout(Some(self.timeout));
-        frame::read_control(&mut stream)
-            .map_err(|e| e.into_error(self.env.rank, peer, what, self.timeout))
+    fn recv(&self, peer: Rank, stream: &TcpStream, what: &str) -> Result<Control> {
+        self.recv_within(peer, stream, what, self.timeout)
+    }
+
+    fn recv_within(
+        &self,
+        peer: Rank,
+        mut stream: &TcpStream,
+        what: &str,
+        wait: Duration,
+    ) -> Result<Control> {
+        let _ = stream.set_read_timeout(Some(wait));
+        frame::read_control(&mut stream).map_err(|e| e.into_error(self.env.rank, peer, what, wait))
     }
 
     /// Rank 0: tells every member the job failed, and why.
@@ -561,7 +570,10 @@ impl Group {
         s: &TcpStream,
         what: &str,
     ) -> Result<Option<Vec<(Rank, String)>>> {
-        match self.recv(peer, s, what)? {
+        // Rank 0 answers once it has heard from every rank, and when one fails, the others
+        // may each need a timeout to notice, and rank 0 one more for a rank that never
+        // answers: a member that heard nothing for three timeouts takes rank 0 for gone.
+        match self.recv_within(peer, s, what, self.timeout.saturating_mul(3))? {
             Control::Go => Ok(None),
             Control::Verdict { failures } => Ok(Some(failures)),
             other => Err(Error::Protocol {
