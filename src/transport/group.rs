@@ -262,12 +262,14 @@ impl Group {
                 port,
                 pid: std::process::id(),
             };
-            let left = deadline.saturating_duration_since(Instant::now());
-            let _ = stream.set_read_timeout(Some(left.max(Duration::from_millis(1))));
+            // rank 0 was listening, so it waits for the last rank until at most one timeout
+            // from now, then answers: the reply may take that long, and a little more
+            let wait = timeout.saturating_mul(2);
+            let _ = stream.set_read_timeout(Some(wait));
             frame::write_control(&mut stream, &hello)
                 .map_err(|e| e.into_error(rank, 0, "rendezvous", timeout))?;
             let reply: Reply = frame::read_control(&mut stream)
-                .map_err(|e| e.into_error(rank, 0, "rendezvous", timeout))?;
+                .map_err(|e| e.into_error(rank, 0, "rendezvous", wait))?;
             let (addrs, pids) = match reply {
                 Reply::Welcome { addrs, pids }
                     if addrs.len() == env.world && pids.len() == env.world =>
