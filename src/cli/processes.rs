@@ -143,12 +143,25 @@ pub fn connect_mpi<'j, 'l>(
     options: &ExecOptions,
 ) -> Result<AnyTransport<'j>, Error> {
     let mpi = job.transport(layouts);
-    if kind == TransportKind::Mpi {
+    let neighbours = job.same_host_peers();
+    // what every rank decides alike, so that none waits on a rank that stopped here
+    if kind == TransportKind::Shm && neighbours.len() + 1 < job.world() {
+        return Err(Error::InvalidOption {
+            field: "--transport",
+            value: "shm".into(),
+            reason: "the ranks of this job run on more than one host; use mpi or auto".into(),
+        });
+    }
+    let near = |p: Rank| neighbours.get(&p).copied();
+    let alone = links.peers().iter().all(|&p| near(p).is_none());
+    if kind == TransportKind::Mpi || (kind == TransportKind::Auto && alone) {
         return Ok(Box::new(mpi));
     }
-    let near = |p: Rank| job.same_host_peers().get(&p).copied();
-    let shm = over_shm(kind, mpi, links, near, destination, options, "mpi")?;
-    Ok(Box::new(shm))
+    match over_shm(kind, mpi, links, near, destination, options, "mpi") {
+        Ok(shm) => Ok(Box::new(shm)),
+        // the peers wait on this rank in MPI calls that no timeout ends: end the job
+        Err(e) => job.abort(&e),
+    }
 }
 
 /// `carrier` with the peers for which `near` gives a process id (those on this host) moved

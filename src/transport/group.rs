@@ -501,8 +501,22 @@ impl Group {
             .map_err(|e| e.into_error(self.env.rank, peer, "control", self.timeout))
     }
 
-    fn recv(&self, peer: Rank, stream: &TcpStream, what: &str) -> Result<Control> {
-        self.recv_within(peer, stream, what, self.timeout)
+    /// Rank 0's one deadline for hearing from every member: a member that is alive answers
+    /// within a timeout of noticing a failure, which may itself take a timeout; silent ones
+    /// all count against the same deadline, not one timeout each.
+    fn members_deadline(&self) -> Instant {
+        Instant::now() + self.timeout.saturating_mul(2)
+    }
+
+    fn recv_until(
+        &self,
+        peer: Rank,
+        stream: &TcpStream,
+        what: &str,
+        deadline: Instant,
+    ) -> Result<Control> {
+        let left = deadline.saturating_duration_since(Instant::now());
+        self.recv_within(peer, stream, what, left.max(Duration::from_millis(1)))
     }
 
     fn recv_within(
@@ -537,8 +551,9 @@ impl Group {
         let rank = self.env.rank;
         if rank == 0 {
             let mut failures = Vec::new();
+            let deadline = self.members_deadline();
             for (peer, s) in self.members() {
-                match self.recv(peer, s, "the barrier") {
+                match self.recv_until(peer, s, "the barrier", deadline) {
                     Ok(Control::Barrier) => {}
                     Ok(Control::Status { error, .. }) => failures.push((
                         peer,
@@ -572,10 +587,11 @@ impl Group {
         s: &TcpStream,
         what: &str,
     ) -> Result<Option<Vec<(Rank, String)>>> {
-        // Rank 0 answers once it has heard from every rank, and when one fails, the others
-        // may each need a timeout to notice, and rank 0 one more for a rank that never
-        // answers: a member that heard nothing for three timeouts takes rank 0 for gone.
-        match self.recv_within(peer, s, what, self.timeout.saturating_mul(3))? {
+        // Rank 0 answers once it has heard from every rank: after its own part (which may
+        // end a timeout after a failure) within two timeouts for all the others
+        // ([`Group::members_deadline`]). A member that heard nothing for four timeouts takes
+        // rank 0 for gone.
+        match self.recv_within(peer, s, what, self.timeout.saturating_mul(4))? {
             Control::Go => Ok(None),
             Control::Verdict { failures } => Ok(Some(failures)),
             other => Err(Error::Protocol {
@@ -601,8 +617,9 @@ impl Group {
                 Ok(r) => reports[0] = r,
                 Err(e) => failures.push((0, e)),
             }
+            let deadline = self.members_deadline();
             for (peer, s) in self.members() {
-                match self.recv(peer, s, "the final report") {
+                match self.recv_until(peer, s, "the final report", deadline) {
                     Ok(Control::Status {
                         error: None,
                         report,

@@ -107,7 +107,8 @@ pub struct MpiJob {
 }
 
 impl MpiJob {
-    /// Initializes MPI with full thread support (sends and receives run on two threads).
+    /// Initializes MPI with full thread support (sends and receives run on two threads), and
+    /// learns which ranks share this host (an all-gather: every rank calls `init`).
     pub fn init() -> Result<MpiJob> {
         let (universe, threading) = mpi::initialize_with_threading(Threading::Multiple)
             .ok_or_else(|| Error::InvalidOption {
@@ -137,6 +138,16 @@ impl MpiJob {
     /// whose memory this process can map.
     pub fn same_host_peers(&self) -> &std::collections::BTreeMap<Rank, u32> {
         &self.neighbours
+    }
+
+    /// Ends the whole job after `error` on this rank, for failures that the other ranks
+    /// would otherwise wait on forever (inside MPI calls).
+    pub fn abort(&self, error: &Error) -> ! {
+        eprintln!("error: {error}");
+        tracing::error!(rank = self.rank(), "aborting the MPI job");
+        // SAFETY: a valid communicator; MPI_Abort does not return.
+        unsafe { ffi::MPI_Abort(self.world.as_raw(), 1) };
+        std::process::exit(1)
     }
 
     /// The data transport over this job's world communicator, for the tensors of `layouts`:
@@ -244,14 +255,16 @@ fn same_host_peers(world: &SimpleCommunicator) -> std::collections::BTreeMap<Ran
         .collect()
 }
 
-/// Which host (and kernel) a process runs on, and its process id, as fixed-size bytes that
-/// every rank gathers: two ranks share memory when their first 16 bytes are equal.
+/// Which host (kernel and process namespace) a process runs on, and its process id, as
+/// fixed-size bytes that every rank gathers: two ranks share memory when their first 16 bytes
+/// are equal.
 struct HostId {
     bytes: [u8; HostId::BYTES],
 }
 
 impl HostId {
-    /// Hashes of the host name and of the kernel's boot id, then the process id.
+    /// Hashes of the host name and of the kernel's boot id with the process id namespace,
+    /// then the process id.
     const BYTES: usize = 20;
 
     fn here() -> HostId {
@@ -260,11 +273,18 @@ impl HostId {
         let named = unsafe { libc::gethostname(name.as_mut_ptr().cast(), name.len()) } == 0;
         let name_len = name.iter().position(|&b| b == 0).unwrap_or(name.len());
         let name = if named { &name[..name_len] } else { &[] };
-        // the boot id as well: two containers of one name on two machines do not look alike
-        let boot = std::fs::read("/proc/sys/kernel/random/boot_id").unwrap_or_default();
+        // the boot id as well: two containers of one name on two machines do not look alike;
+        // and the process id namespace, in which `/proc/<pid>` of a peer means that peer
+        let mut kernel = std::fs::read("/proc/sys/kernel/random/boot_id").unwrap_or_default();
+        kernel.truncate(kernel.trim_ascii_end().len());
+        if let Ok(ns) = std::fs::metadata("/proc/self/ns/pid") {
+            use std::os::unix::fs::MetadataExt;
+            kernel.extend_from_slice(&ns.dev().to_le_bytes());
+            kernel.extend_from_slice(&ns.ino().to_le_bytes());
+        }
         let mut bytes = [0u8; HostId::BYTES];
         bytes[..8].copy_from_slice(&fnv1a(name).to_le_bytes());
-        bytes[8..16].copy_from_slice(&fnv1a(boot.trim_ascii()).to_le_bytes());
+        bytes[8..16].copy_from_slice(&fnv1a(&kernel).to_le_bytes());
         bytes[16..].copy_from_slice(&std::process::id().to_le_bytes());
         HostId { bytes }
     }
@@ -371,7 +391,8 @@ impl<'buf> Transport<'buf> for MpiTransport<'_> {
     }
 
     /// Sends are posted (`MPI_Isend`) and completed in `finish`, like MPI_Alltoallw's: the
-    /// executor posts them all, then receives, from one thread.
+    /// executor posts them all, then receives, from one thread. (Carrying the shm transport,
+    /// whose sends may block, they are posted from its send thread instead.)
     fn sends_block(&self) -> bool {
         false
     }

@@ -283,6 +283,33 @@ impl<C: Carrier> ShmTransport<C> {
             .insert(peer);
     }
 
+    /// Waits until every receiver has mapped the ring this rank created for it.
+    fn rings_opened(&self) -> Result<()> {
+        let created: Vec<Rank> = self
+            .outgoing
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .keys()
+            .copied()
+            .collect();
+        for peer in created {
+            while !self
+                .opened
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .contains(&peer)
+            {
+                match self.notice(peer, "the acknowledgement of its ring")? {
+                    Notice::Opened => self.note_opened(peer),
+                    other => {
+                        return Err(self.unexpected(peer, &other, "instead of opening its ring"));
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
     fn notice(&self, peer: Rank, what: &str) -> Result<Notice> {
         self.links.hear(peer, what)
     }
@@ -301,6 +328,13 @@ fn pieces(
 impl<'buf, C: Carrier + Transport<'buf>> Transport<'buf> for ShmTransport<C> {
     fn name(&self) -> &'static str {
         "shm"
+    }
+
+    /// The carrier's answer, for every peer: both ends of a transfer must answer alike, and
+    /// the data to other hosts moves as the carrier moves it best (MPI: whole transfers of
+    /// derived datatypes). Memory moves cut chunks into slots anyway.
+    fn chunk_bytes(&self, transfer_bytes: usize, requested: usize) -> usize {
+        self.links.chunk_bytes(transfer_bytes, requested)
     }
 
     fn send(&self, chunk: Outgoing<'buf>) -> Result<()> {
@@ -416,32 +450,13 @@ impl<'buf, C: Carrier + Transport<'buf>> Transport<'buf> for ShmTransport<C> {
     }
 
     /// Waits until every receiver has mapped its ring, and the carrier's sends are done: only
-    /// then may this rank go away.
+    /// then may this rank go away. The carrier finishes even when the rings failed, so that
+    /// nothing it posted still reads the shards.
     fn finish(&self) -> Result<()> {
-        let created: Vec<Rank> = self
-            .outgoing
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .keys()
-            .copied()
-            .collect();
-        for peer in created {
-            while !self
-                .opened
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .contains(&peer)
-            {
-                match self.notice(peer, "the acknowledgement of its ring")? {
-                    Notice::Opened => self.note_opened(peer),
-                    other => {
-                        return Err(self.unexpected(peer, &other, "instead of opening its ring"));
-                    }
-                }
-            }
-        }
+        let rings = self.rings_opened();
         // and the carrier's own sends to peers on other hosts
-        Transport::finish(&self.links)
+        let carrier = Transport::finish(&self.links);
+        rings.and(carrier)
     }
 
     fn abort(&self) {
