@@ -16,7 +16,7 @@ use reshard::{Error, Plan, Rank, RankPlan};
 
 use super::processes::{
     AnyTransport, Destination, ExecArgs, Links, Measured, Method, MethodJson, TransportKind,
-    check_memory, check_world, conclude, connect, not_in_a_job, under_mpirun,
+    check_memory, check_world, conclude, connect, in_mpi_job, not_in_a_job,
 };
 use super::units::{bytes, parse_bytes};
 use super::{Failure, TensorArgs};
@@ -268,11 +268,9 @@ pub fn main(args: &BenchArgs) -> Result<(), Failure> {
     let options = args.exec.options()?;
     let env = GroupEnv::from_env()?;
     let kind = args.exec.transport;
-    let mpi = cfg!(feature = "mpi") && under_mpirun();
     let results = match (kind, env) {
-        (TransportKind::Local | TransportKind::Auto, None)
-            if !(kind == TransportKind::Auto && mpi) =>
-        {
+        (_, env) if in_mpi_job(kind, env.as_ref()) => bench_mpi(args, &cases, fill, &options)?,
+        (TransportKind::Local | TransportKind::Auto, None) => {
             bench_threads(args, &cases, fill, &options)?
         }
         (TransportKind::Local, Some(env)) => {
@@ -285,10 +283,6 @@ pub fn main(args: &BenchArgs) -> Result<(), Failure> {
                 ),
             }));
         }
-        (TransportKind::Mpi, _) | (TransportKind::Auto, None) => {
-            bench_mpi(args, &cases, fill, &options)?
-        }
-        (TransportKind::Shm, None) if mpi => bench_mpi(args, &cases, fill, &options)?,
         (_, None) => return Err(Failure::Input(not_in_a_job(kind))),
         (_, Some(env)) => {
             let highest = cases.iter().map(Case::highest_rank).max().unwrap_or(0);

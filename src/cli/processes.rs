@@ -7,7 +7,7 @@ use std::time::Duration;
 use clap::{Args, ValueEnum};
 
 use reshard::exec::ExecOptions;
-use reshard::transport::group::Group;
+use reshard::transport::group::{Group, GroupEnv};
 use reshard::transport::segment::SharedBuffer;
 use reshard::transport::shm::{Carrier, ShmTransport};
 use reshard::transport::tcp::TcpTransport;
@@ -245,6 +245,17 @@ pub fn under_mpirun() -> bool {
     ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"]
         .iter()
         .any(|v| std::env::var_os(v).is_some())
+}
+
+/// Whether this process runs as a rank of an MPI job for `kind`: always for `mpi`, and for
+/// `auto` and `shm` when `mpirun` started it (in a build with MPI) and no rendezvous of our
+/// own (`env`) is set.
+pub fn in_mpi_job(kind: TransportKind, env: Option<&GroupEnv>) -> bool {
+    kind == TransportKind::Mpi
+        || (env.is_none()
+            && cfg!(feature = "mpi")
+            && under_mpirun()
+            && matches!(kind, TransportKind::Auto | TransportKind::Shm))
 }
 
 /// The error for a multi-process transport started as a lone process.

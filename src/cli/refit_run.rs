@@ -18,7 +18,7 @@ use reshard::{Error, PlanOptions, Side};
 use super::Failure;
 use super::processes::{
     AnyTransport, ExecArgs, Links, Measured, Method, MethodJson, TransportKind, check_memory,
-    check_world, conclude, connect, not_in_a_job, under_mpirun,
+    check_world, conclude, connect, in_mpi_job, not_in_a_job,
 };
 use super::units::{bytes, parse_bytes};
 
@@ -95,11 +95,11 @@ pub fn main(
     let baseline = BatchBaseline::new(&batch)?;
     let kind = args.exec.transport;
     let env = GroupEnv::from_env()?;
-    let mpi = cfg!(feature = "mpi") && under_mpirun();
     match (kind, env) {
-        (TransportKind::Local, _) | (TransportKind::Auto, None)
-            if !(kind == TransportKind::Auto && mpi) =>
-        {
+        (_, env) if in_mpi_job(kind, env.as_ref()) => {
+            run_mpi(args, &batch, &baseline, pack_below, &options)
+        }
+        (TransportKind::Local, _) | (TransportKind::Auto, None) => {
             Err(Failure::Input(Error::InvalidOption {
                 field: "--run",
                 value: kind.name().into(),
@@ -109,10 +109,6 @@ pub fn main(
                 ),
             }))
         }
-        (TransportKind::Mpi, _) | (TransportKind::Auto, None) => {
-            run_mpi(args, &batch, &baseline, pack_below, &options)
-        }
-        (TransportKind::Shm, None) if mpi => run_mpi(args, &batch, &baseline, pack_below, &options),
         (_, None) => Err(Failure::Input(not_in_a_job(kind))),
         (_, Some(env)) => {
             check_world(batch.world().saturating_sub(1), env.world)?;

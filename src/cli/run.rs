@@ -15,7 +15,7 @@ use reshard::{Error, Plan, Rank, RankPlan};
 
 use super::processes::{
     AnyTransport, Destination, ExecArgs, Links, TransportKind, check_memory, check_world, conclude,
-    connect, not_in_a_job, under_mpirun,
+    connect, in_mpi_job, not_in_a_job,
 };
 use super::units::bytes;
 use super::{Failure, TensorArgs};
@@ -71,10 +71,9 @@ pub fn main(args: &RunArgs) -> Result<(), Failure> {
     let fill: Fill = args.fill.parse()?;
     let options = args.exec.options()?;
     let env = GroupEnv::from_env()?;
-    let mpi_auto =
-        args.exec.transport == TransportKind::Auto && cfg!(feature = "mpi") && under_mpirun();
     match (args.exec.transport, env) {
-        (TransportKind::Local | TransportKind::Auto, None) if !mpi_auto => {
+        (kind, env) if in_mpi_job(kind, env.as_ref()) => run_mpi(args, &plan, fill, &options),
+        (TransportKind::Local | TransportKind::Auto, None) => {
             run_threads(args, &plan, fill, &options)
         }
         (TransportKind::Local, Some(env)) => Err(Failure::Input(Error::InvalidOption {
@@ -142,15 +141,8 @@ fn run_process(
     options: &ExecOptions,
     env: Option<GroupEnv>,
 ) -> Result<(), Failure> {
-    let env = match (args.exec.transport, env) {
-        (TransportKind::Mpi, _) => return run_mpi(args, plan, fill, options),
-        (TransportKind::Auto | TransportKind::Shm, None)
-            if cfg!(feature = "mpi") && under_mpirun() =>
-        {
-            return run_mpi(args, plan, fill, options);
-        }
-        (_, Some(env)) => env,
-        (kind, None) => return Err(Failure::Input(not_in_a_job(kind))),
+    let Some(env) = env else {
+        return Err(Failure::Input(not_in_a_job(args.exec.transport)));
     };
     check_world(highest(plan), env.world)?;
     check_memory(rank_bytes(plan, env.rank), plan.src().shape())?;

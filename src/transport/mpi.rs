@@ -144,10 +144,7 @@ impl MpiJob {
     /// would otherwise wait on forever (inside MPI calls).
     pub fn abort(&self, error: &Error) -> ! {
         eprintln!("error: {error}");
-        tracing::error!(rank = self.rank(), "aborting the MPI job");
-        // SAFETY: a valid communicator; MPI_Abort does not return.
-        unsafe { ffi::MPI_Abort(self.world.as_raw(), 1) };
-        std::process::exit(1)
+        abort_job(&self.world, self.rank())
     }
 
     /// The data transport over this job's world communicator, for the tensors of `layouts`:
@@ -167,19 +164,48 @@ impl MpiJob {
     }
 
     fn send_json(&self, to: Rank, value: &serde_json::Value) {
-        let bytes = serde_json::to_vec(value).unwrap_or_default();
-        self.world
-            .process_at_rank(to as i32)
-            .send_with_tag(&bytes[..], CONTROL_TAG);
+        // a `Value` always encodes
+        let _ = send_json(&self.world, to, CONTROL_TAG, value);
     }
 
     fn recv_json(&self, from: Rank) -> serde_json::Value {
-        let (bytes, _) = self
-            .world
-            .process_at_rank(from as i32)
-            .receive_vec_with_tag::<u8>(CONTROL_TAG);
-        serde_json::from_slice(&bytes).unwrap_or(serde_json::Value::Null)
+        recv_json(&self.world, from, CONTROL_TAG).unwrap_or(serde_json::Value::Null)
     }
+}
+
+/// Sends `msg` to rank `to` as one JSON message with `tag`: the job's reports and the shm
+/// transport's notices.
+fn send_json<T: serde::Serialize>(
+    world: &SimpleCommunicator,
+    to: Rank,
+    tag: i32,
+    msg: &T,
+) -> serde_json::Result<()> {
+    let bytes = serde_json::to_vec(msg)?;
+    world
+        .process_at_rank(to as c_int)
+        .send_with_tag(&bytes[..], tag);
+    Ok(())
+}
+
+/// Waits for the next JSON message from rank `from` with `tag`.
+fn recv_json<T: serde::de::DeserializeOwned>(
+    world: &SimpleCommunicator,
+    from: Rank,
+    tag: i32,
+) -> serde_json::Result<T> {
+    let (bytes, _) = world
+        .process_at_rank(from as c_int)
+        .receive_vec_with_tag::<u8>(tag);
+    serde_json::from_slice(&bytes)
+}
+
+/// Ends the whole job from this rank (`MPI_Abort` does not return).
+fn abort_job(world: &SimpleCommunicator, rank: Rank) -> ! {
+    tracing::error!(rank, "aborting the MPI job");
+    // SAFETY: a valid communicator; MPI_Abort does not return.
+    unsafe { ffi::MPI_Abort(world.as_raw(), 1) };
+    std::process::exit(1)
 }
 
 impl Job for MpiJob {
@@ -353,23 +379,15 @@ impl super::shm::Carrier for MpiTransport<'_> {
     }
 
     fn tell<T: serde::Serialize>(&self, peer: Rank, notice: &T, what: &str) -> Result<()> {
-        let bytes = serde_json::to_vec(notice).map_err(|e| Error::Protocol {
+        send_json(self.world, peer, NOTICE_TAG, notice).map_err(|e| Error::Protocol {
             rank: self.rank,
             peer,
             detail: format!("cannot encode the notice of {what}: {e}"),
-        })?;
-        self.world
-            .process_at_rank(peer as c_int)
-            .send_with_tag(&bytes[..], NOTICE_TAG);
-        Ok(())
+        })
     }
 
     fn hear<T: serde::de::DeserializeOwned>(&self, peer: Rank, what: &str) -> Result<T> {
-        let (bytes, _) = self
-            .world
-            .process_at_rank(peer as c_int)
-            .receive_vec_with_tag::<u8>(NOTICE_TAG);
-        serde_json::from_slice(&bytes).map_err(|e| Error::Protocol {
+        recv_json(self.world, peer, NOTICE_TAG).map_err(|e| Error::Protocol {
             rank: self.rank,
             peer,
             detail: format!("sent an unreadable notice while {what} was due: {e}"),
@@ -604,9 +622,7 @@ impl<'buf> Transport<'buf> for MpiTransport<'_> {
     /// MPI cannot cancel what other ranks wait for: a rank that fails ends the whole job,
     /// which `mpirun` then reports, instead of leaving the others blocked.
     fn abort(&self) {
-        tracing::error!(rank = self.rank, "aborting the MPI job");
-        // SAFETY: a valid communicator; MPI_Abort does not return.
-        unsafe { ffi::MPI_Abort(self.world.as_raw(), 1) };
+        abort_job(self.world, self.rank);
     }
 
     fn peak_staging_bytes(&self) -> u64 {

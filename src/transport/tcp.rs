@@ -251,6 +251,22 @@ fn read_some_vectored(
     Ok(n)
 }
 
+/// [`read_some_vectored`] for a stream that must bring more: its end is an error, and an
+/// interrupted read just reads nothing.
+fn read_more_vectored(
+    r: &mut TcpStream,
+    base: &mut [u8],
+    segs: &[(usize, usize)],
+    at: &mut Cursor,
+) -> std::io::Result<()> {
+    match read_some_vectored(r, base, segs, at) {
+        Ok(0) => Err(std::io::ErrorKind::UnexpectedEof.into()),
+        Ok(_) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::Interrupted => Ok(()),
+        Err(e) => Err(e),
+    }
+}
+
 fn read_exact_vectored(
     r: &mut TcpStream,
     base: &mut [u8],
@@ -258,12 +274,7 @@ fn read_exact_vectored(
 ) -> std::io::Result<()> {
     let mut at = Cursor::default();
     while at.first < segs.len() {
-        match read_some_vectored(r, base, segs, &mut at) {
-            Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
-            Ok(_) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
-        }
+        read_more_vectored(r, base, segs, &mut at)?;
     }
     Ok(())
 }
@@ -361,16 +372,10 @@ impl TcpTransport {
                 inbound.done = end;
             }
             Some(c) => {
-                let fail = |err: std::io::Error| {
+                read_more_vectored(&mut r, dst, &c.segs, &mut c.at).map_err(|err| {
                     let what = describe_bytes(&c.range, e.region, e.from);
                     self.fail(inbound.peer, what, err.into())
-                };
-                match read_some_vectored(&mut r, dst, &c.segs, &mut c.at) {
-                    Ok(0) => return Err(fail(std::io::ErrorKind::UnexpectedEof.into())),
-                    Ok(_) => {}
-                    Err(err) if err.kind() == std::io::ErrorKind::Interrupted => {}
-                    Err(err) => return Err(fail(err)),
-                }
+                })?;
                 if c.at.first < c.segs.len() {
                     return Ok(());
                 }
