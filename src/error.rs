@@ -110,6 +110,18 @@ pub enum Error {
         reason: String,
     },
 
+    #[error(
+        "the ranks disagree on the job, so nothing was moved: rank {rank} runs {field} {theirs}; rank 0 runs {field} {ours}"
+    )]
+    Disagreement {
+        /// The first rank whose job differs from rank 0's.
+        rank: Rank,
+        field: String,
+        /// Rank 0's value.
+        ours: String,
+        theirs: String,
+    },
+
     #[error("rank {rank}: the job failed: {}", .failures.iter().map(|(r, e)| format!("rank {r}: {e}")).collect::<Vec<_>>().join("; "))]
     JobFailed {
         rank: Rank,

@@ -22,6 +22,7 @@
 //! assert_eq!(totals.gather_broadcast_bytes, 640); // all-gather, then 4 full copies
 //! ```
 
+pub mod agreement;
 pub mod batch;
 pub mod dtype;
 pub mod error;

@@ -5,6 +5,7 @@ use clap::{Args, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 
+use reshard::agreement::Fingerprint;
 use reshard::exec::baseline::{self, BaselineJob};
 use reshard::exec::{self, ExecOptions, RankJob};
 use reshard::fill::Fill;
@@ -16,7 +17,7 @@ use reshard::{Error, Plan, Rank, RankPlan};
 
 use super::processes::{
     AnyTransport, Destination, ExecArgs, Links, Measured, Method, MethodJson, TransportKind,
-    check_memory, check_world, conclude, connect, in_mpi_job, not_in_a_job,
+    check_memory, check_world, conclude, connect, in_mpi_job, not_in_a_job, with_plan,
 };
 use super::units::{bytes, parse_bytes};
 use super::{Failure, TensorArgs};
@@ -234,6 +235,29 @@ impl BenchArgs {
     }
 }
 
+/// What every rank of the job must run alike: every case's tensor and layouts (a suite's
+/// named by case), the fill, the repetitions and the executor's options.
+fn fingerprint(args: &BenchArgs, cases: &[Case], fill: Fill, options: &ExecOptions) -> Fingerprint {
+    let fingerprint = Fingerprint::new("bench").with(
+        "--suite",
+        args.suite.map_or("(none)", |s| match s {
+            Suite::Refit => "refit",
+        }),
+    );
+    let fingerprint = cases.iter().fold(fingerprint, |fp, case| {
+        let prefix = match case.name.as_str() {
+            "" => String::new(),
+            name => format!("case {name}: "),
+        };
+        with_plan(fp, &prefix, &case.plan)
+    });
+    let fingerprint = fingerprint
+        .with("--fill", fill)
+        .with("--iters", args.iters)
+        .with("--warmup", args.warmup);
+    args.exec.agreed(options, fingerprint)
+}
+
 #[derive(Serialize)]
 struct CaseJson {
     #[serde(skip_serializing_if = "String::is_empty")]
@@ -292,6 +316,7 @@ pub fn main(args: &BenchArgs) -> Result<(), Failure> {
                 check_memory(case.memory(Some(rank)), case.plan.src().shape())?;
             }
             let group = Group::join(env, options.timeout)?;
+            group.agree(&fingerprint(args, &cases, fill, &options))?;
             bench_processes(
                 args,
                 &cases,
@@ -413,6 +438,7 @@ fn bench_mpi(
     for case in cases {
         check_memory(case.memory(Some(job.rank())), case.plan.src().shape())?;
     }
+    job.agree(&fingerprint(args, cases, fill, options))?;
     let kind = args.exec.transport;
     bench_processes(args, cases, fill, options, &job, &|links, destination| {
         let layouts = cases.iter().map(|c| c.plan.src());

@@ -6,13 +6,14 @@ use std::time::Duration;
 
 use clap::{Args, ValueEnum};
 
+use reshard::agreement::Fingerprint;
 use reshard::exec::ExecOptions;
 use reshard::transport::group::{Group, GroupEnv};
 use reshard::transport::segment::SharedBuffer;
 use reshard::transport::shm::{Carrier, ShmTransport};
 use reshard::transport::tcp::TcpTransport;
 use reshard::transport::{Job, Transport};
-use reshard::{Error, Rank, Region};
+use reshard::{Error, Plan, Rank, Region};
 
 use super::Failure;
 use super::units::{bytes, parse_bytes};
@@ -70,6 +71,15 @@ pub struct ExecArgs {
 }
 
 impl ExecArgs {
+    /// `fingerprint` with what the executor's options add to a job: the transport, the
+    /// chunking and the staging bound (the timeout may differ between ranks).
+    pub fn agreed(&self, options: &ExecOptions, fingerprint: Fingerprint) -> Fingerprint {
+        fingerprint
+            .with("--transport", self.transport.name())
+            .with("--chunk-bytes", options.chunk_bytes)
+            .with("--staging-bytes", options.staging_bytes)
+    }
+
     pub fn options(&self) -> Result<ExecOptions, Error> {
         let chunk = parse_bytes("--chunk-bytes", &self.chunk_bytes)?;
         let staging = parse_bytes("--staging-bytes", &self.staging_bytes)?;
@@ -88,6 +98,21 @@ impl ExecArgs {
         options.validate()?;
         Ok(options)
     }
+}
+
+/// `fingerprint` with a plan's tensor (`prefix` tells the tensors of a suite apart): shape,
+/// dtype, both layouts as resolved, and the planning option.
+pub fn with_plan(fingerprint: Fingerprint, prefix: &str, plan: &Plan) -> Fingerprint {
+    let shape: Vec<String> = plan.src().shape().iter().map(u64::to_string).collect();
+    fingerprint
+        .with(format!("{prefix}--shape"), shape.join(","))
+        .with(format!("{prefix}--dtype"), plan.src().dtype())
+        .with_layout(&format!("{prefix}--src"), plan.src())
+        .with_layout(&format!("{prefix}--dst"), plan.dst())
+        .with(
+            format!("{prefix}--min-split-bytes"),
+            plan.options().min_split_bytes,
+        )
 }
 
 /// Whichever transport a multi-process run uses.

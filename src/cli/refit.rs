@@ -5,6 +5,7 @@ use std::fmt::Write;
 use std::time::Instant;
 
 use clap::Args;
+use reshard::agreement::Fingerprint;
 use reshard::model::{
     Inference, Model, Ranks, Refit, RefitJson, RefitTotals, Rules, Training, Which,
 };
@@ -74,6 +75,23 @@ impl RefitArgs {
             .try_fold(Rules::default(), |rules, o| rules.with_override_text(o))?)
     }
 
+    /// What every rank of a `--run` job must run alike: the model, both parallelisms as
+    /// understood (not as typed: `tp=2,pp=2` and `pp=2,tp=2` agree), the ranks and rules.
+    pub fn fingerprint(&self, refit: &Refit) -> Fingerprint {
+        let train = Training::parse(&self.train)
+            .map(|t| format!("{t:?}"))
+            .unwrap_or_else(|_| self.train.clone());
+        let infer = Inference::parse(&self.infer)
+            .map(|i| format!("{i:?}"))
+            .unwrap_or_else(|_| self.infer.clone());
+        Fingerprint::new("refit --run")
+            .with("--model", &refit.model)
+            .with("--train", train)
+            .with("--infer", infer)
+            .with("--colocated", self.colocated)
+            .with("--override", self.overrides.join(" "))
+    }
+
     /// The model and its refit, everything parsed and checked before any planning.
     pub fn refit(&self) -> Result<(Model, Refit, PlanOptions), Error> {
         let options = PlanOptions {
@@ -129,7 +147,7 @@ pub fn main(args: &RefitArgs) -> Result<(), Failure> {
     };
     // with --run every process runs its rank, and rank 0 reports
     let run = if args.execute.run {
-        match super::refit_run::main(&args.execute, &refit, options)? {
+        match super::refit_run::main(&args.execute, &refit, options, args.fingerprint(&refit))? {
             Some(run) => Some(run),
             None => return Ok(()),
         }

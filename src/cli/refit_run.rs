@@ -4,6 +4,7 @@
 use clap::Args;
 use serde::Serialize;
 
+use reshard::agreement::Fingerprint;
 use reshard::batch::baseline::{BatchBaseline, run_rank_batch_baseline};
 use reshard::batch::{
     Batch, BatchOptions, DEFAULT_PACK_BELOW, Fusion, RankBatch, Tensor, run_rank_batch,
@@ -84,20 +85,26 @@ pub struct RunJson {
 }
 
 /// Runs this rank's part; rank 0 returns the report.
+///
+/// `fingerprint` describes the model and both parallelisms: every rank of the job must run
+/// alike ([`Job::agree`]); this adds the batch's every tensor and the run's options.
 pub fn main(
     args: &RefitRunArgs,
     refit: &Refit,
     plan: PlanOptions,
+    fingerprint: Fingerprint,
 ) -> Result<Option<RunJson>, Failure> {
     let pack_below = parse_bytes("--pack-below", &args.pack_below)?;
     let options = args.exec.options()?;
+    let fingerprint = fingerprint.with("--min-split-bytes", plan.min_split_bytes);
     let batch = batch_of(refit, plan, pack_below)?;
+    let fingerprint = agreed(args, &batch, &options, pack_below, fingerprint);
     let baseline = BatchBaseline::new(&batch)?;
     let kind = args.exec.transport;
     let env = GroupEnv::from_env()?;
     match (kind, env) {
         (_, env) if in_mpi_job(kind, env.as_ref()) => {
-            run_mpi(args, &batch, &baseline, pack_below, &options)
+            run_mpi(args, &batch, &baseline, pack_below, &options, &fingerprint)
         }
         (TransportKind::Local, _) | (TransportKind::Auto, None) => {
             Err(Failure::Input(Error::InvalidOption {
@@ -113,6 +120,7 @@ pub fn main(
         (_, Some(env)) => {
             check_world(batch.world().saturating_sub(1), env.world)?;
             let group = Group::join(env, options.timeout)?;
+            group.agree(&fingerprint)?;
             run_processes(
                 args,
                 &batch,
@@ -126,6 +134,39 @@ pub fn main(
     }
 }
 
+/// `fingerprint` with the batch (every tensor's name, shape, dtype and both layouts, and
+/// the fused buffers, as one digest) and the run's options.
+fn agreed(
+    args: &RefitRunArgs,
+    batch: &Batch,
+    options: &ExecOptions,
+    pack_below: u64,
+    fingerprint: Fingerprint,
+) -> Fingerprint {
+    let tensors = batch.tensors().iter().map(|t| {
+        let shape: Vec<String> = t.src.shape().iter().map(u64::to_string).collect();
+        format!(
+            "{} {} {} src {} dst {}",
+            t.name,
+            shape.join(","),
+            t.src.dtype(),
+            t.src,
+            t.dst
+        )
+    });
+    let fusions = batch
+        .fusions()
+        .iter()
+        .map(|f| format!("{} {:?} {} {:?}", f.name, f.side, f.dim, f.members));
+    let fingerprint = fingerprint
+        .with("tensors", batch.tensors().len())
+        .with_digest("tensor layouts", tensors.chain(fusions))
+        .with("--pack-below", pack_below)
+        .with("--iters", args.iters)
+        .with("--warmup", args.warmup);
+    args.exec.agreed(options, fingerprint)
+}
+
 #[cfg(feature = "mpi")]
 fn run_mpi(
     args: &RefitRunArgs,
@@ -133,11 +174,13 @@ fn run_mpi(
     baseline: &BatchBaseline,
     pack_below: u64,
     options: &ExecOptions,
+    fingerprint: &Fingerprint,
 ) -> Result<Option<RunJson>, Failure> {
     use super::processes::connect_mpi;
     use reshard::transport::mpi::MpiJob;
     let job = MpiJob::init()?;
     check_world(batch.world().saturating_sub(1), job.world())?;
+    job.agree(fingerprint)?;
     let kind = args.exec.transport;
     run_processes(args, batch, baseline, pack_below, options, &job, &|links| {
         let layouts = batch.tensors().iter().map(|t| &t.src);
@@ -152,6 +195,7 @@ fn run_mpi(
     _: &BatchBaseline,
     _: u64,
     _: &ExecOptions,
+    _: &Fingerprint,
 ) -> Result<Option<RunJson>, Failure> {
     Err(Failure::Input(super::processes::no_mpi()))
 }

@@ -6,6 +6,7 @@ use std::time::Instant;
 use clap::Args;
 use serde::Serialize;
 
+use reshard::agreement::Fingerprint;
 use reshard::exec::{self, ExecOptions, RankJob};
 use reshard::fill::Fill;
 use reshard::transport::Job;
@@ -15,7 +16,7 @@ use reshard::{Error, Plan, Rank, RankPlan};
 
 use super::processes::{
     AnyTransport, Destination, ExecArgs, Links, TransportKind, check_memory, check_world, conclude,
-    connect, in_mpi_job, not_in_a_job,
+    connect, in_mpi_job, not_in_a_job, with_plan,
 };
 use super::units::bytes;
 use super::{Failure, TensorArgs};
@@ -147,6 +148,7 @@ fn run_process(
     check_world(highest(plan), env.world)?;
     check_memory(rank_bytes(plan, env.rank), plan.src().shape())?;
     let group = Group::join(env, options.timeout)?;
+    group.agree(&fingerprint(args, plan, fill, options))?;
     let kind = args.exec.transport;
     process_rank(args, plan, fill, options, &group, |mine, destination| {
         let links = Links {
@@ -155,6 +157,16 @@ fn run_process(
         };
         connect(kind, &group, &links, destination, options)
     })
+}
+
+/// What every rank of the job must run alike.
+fn fingerprint(args: &RunArgs, plan: &Plan, fill: Fill, options: &ExecOptions) -> Fingerprint {
+    let fingerprint = with_plan(Fingerprint::new("run"), "", plan)
+        .with("--fill", fill)
+        .with("--iters", args.iters)
+        .with("--warmup", args.warmup)
+        .with("--verify", args.verify);
+    args.exec.agreed(options, fingerprint)
 }
 
 /// The highest rank a plan uses.
@@ -176,6 +188,7 @@ fn run_mpi(args: &RunArgs, plan: &Plan, fill: Fill, options: &ExecOptions) -> Re
     let job = MpiJob::init()?;
     check_world(highest(plan), job.world())?;
     check_memory(rank_bytes(plan, job.rank()), plan.src().shape())?;
+    job.agree(&fingerprint(args, plan, fill, options))?;
     let kind = args.exec.transport;
     process_rank(args, plan, fill, options, &job, |mine, destination| {
         let links = Links {

@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
+use crate::agreement::{Difference, Fingerprint};
 use crate::error::{Error, Result};
 use crate::layout::Rank;
 
@@ -142,6 +143,15 @@ enum Reply {
 /// Control messages after rendezvous.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 enum Control {
+    /// A member's description of the job it is about to run, right after rendezvous.
+    Agree {
+        fingerprint: Fingerprint,
+    },
+    /// Rank 0's answer when a rank's job differs from its own.
+    Disagree {
+        rank: Rank,
+        difference: Difference,
+    },
     Barrier,
     Go,
     Status {
@@ -676,6 +686,69 @@ impl Group {
     }
 }
 
+impl Group {
+    /// Rank 0 hears every member's fingerprint and compares it with its own; members wait
+    /// for its answer: go, the first disagreement, or the verdict on a rank that failed.
+    fn agree_impl(&self, mine: &Fingerprint) -> Result<()> {
+        let rank = self.env.rank;
+        if rank != 0 {
+            let (peer, s) = self.coordinator();
+            self.send(
+                peer,
+                s,
+                &Control::Agree {
+                    fingerprint: mine.clone(),
+                },
+            )?;
+            let wait = self.timeout.saturating_mul(4);
+            return match self.recv_within(peer, s, "the plan agreement", wait)? {
+                Control::Go => Ok(()),
+                Control::Disagree { rank, difference } => Err(difference.into_error(rank)),
+                Control::Verdict { failures } => Err(Error::JobFailed { rank, failures }),
+                other => Err(Error::Protocol {
+                    rank,
+                    peer,
+                    detail: format!("expected the plan agreement, got {other:?}"),
+                }),
+            };
+        }
+        let deadline = self.members_deadline();
+        let mut heard = Vec::new();
+        let mut failures = Vec::new();
+        for (peer, s) in self.members() {
+            match self.recv_until(peer, s, "the plan agreement", deadline) {
+                Ok(Control::Agree { fingerprint }) => heard.push((peer, fingerprint)),
+                Ok(Control::Status { error, .. }) => failures.push((
+                    peer,
+                    error.unwrap_or_else(|| "reported before the plan agreement".into()),
+                )),
+                Ok(other) => failures.push((peer, format!("sent {other:?} instead of its job"))),
+                Err(Error::PeerGone { .. }) => failures.push((peer, "exited (killed?)".into())),
+                Err(e) => failures.push((peer, e.to_string())),
+            }
+        }
+        let first = Fingerprint::first_disagreement(mine, heard.iter().map(|(r, f)| (*r, f)));
+        if let Some((other, difference)) = first {
+            let answer = Control::Disagree {
+                rank: other,
+                difference: difference.clone(),
+            };
+            for (peer, s) in self.members() {
+                let _ = self.send(peer, s, &answer);
+            }
+            return Err(difference.into_error(other));
+        }
+        if !failures.is_empty() {
+            self.broadcast_verdict(&failures);
+            return Err(Error::JobFailed { rank, failures });
+        }
+        for (peer, s) in self.members() {
+            self.send(peer, s, &Control::Go)?;
+        }
+        Ok(())
+    }
+}
+
 impl super::Job for Group {
     fn rank(&self) -> Rank {
         self.env.rank
@@ -683,6 +756,10 @@ impl super::Job for Group {
 
     fn world(&self) -> usize {
         self.env.world
+    }
+
+    fn agree(&self, mine: &Fingerprint) -> Result<()> {
+        self.agree_impl(mine)
     }
 
     fn barrier(&self) -> Result<()> {

@@ -21,6 +21,7 @@ use std::ops::Range;
 
 pub use local::{Fault, LocalEndpoint, LocalFabric};
 
+use crate::agreement::Fingerprint;
 use crate::error::Result;
 use crate::exec::copy::{CopyGeometry, Place};
 use crate::layout::Rank;
@@ -168,6 +169,12 @@ pub trait Job {
 
     /// Number of processes in the job.
     fn world(&self) -> usize;
+
+    /// Checks, before any byte moves, that every rank is about to run the same job: rank 0
+    /// compares every rank's fingerprint with its own (one exchange, right after joining).
+    /// On a difference every rank returns [`crate::Error::Disagreement`], naming the first
+    /// rank that differs, the field and both values.
+    fn agree(&self, mine: &Fingerprint) -> Result<()>;
 
     /// Waits until every rank has called `barrier`; fails on every rank if one failed before.
     fn barrier(&self) -> Result<()>;

@@ -22,6 +22,7 @@ use mpi::environment::Universe;
 use mpi::topology::SimpleCommunicator;
 use mpi::traits::*;
 
+use crate::agreement::{Difference, Fingerprint};
 use crate::error::{Error, Result};
 use crate::exec::copy::{CopyGeometry, Place};
 use crate::layout::{Layout, Rank};
@@ -215,6 +216,29 @@ impl Job for MpiJob {
 
     fn world(&self) -> usize {
         self.world.size() as usize
+    }
+
+    fn agree(&self, mine: &Fingerprint) -> Result<()> {
+        // one gather of fingerprints on rank 0, one answer to each rank: the first
+        // disagreement (rank, difference), or null
+        if self.rank() != 0 {
+            self.send_json(0, &serde_json::json!(mine));
+            let answer: Option<(Rank, Difference)> =
+                serde_json::from_value(self.recv_json(0)).unwrap_or(None);
+            return answer.map_or(Ok(()), |(rank, d)| Err(d.into_error(rank)));
+        }
+        let theirs: Vec<(Rank, Fingerprint)> = (1..self.world())
+            .map(|r| {
+                let fp = serde_json::from_value(self.recv_json(r)).unwrap_or_default();
+                (r, fp)
+            })
+            .collect();
+        let first = Fingerprint::first_disagreement(mine, theirs.iter().map(|(r, f)| (*r, f)));
+        let answer = serde_json::json!(first);
+        for r in 1..self.world() {
+            self.send_json(r, &answer);
+        }
+        first.map_or(Ok(()), |(rank, d)| Err(d.into_error(rank)))
     }
 
     fn barrier(&self) -> Result<()> {
