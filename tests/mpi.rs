@@ -123,3 +123,38 @@ fn bench_and_refit_run_under_mpirun() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Ranks of one MPI job given different jobs (MPMD: `mpirun -n 3 A : -n 1 B`) are refused
+/// on every rank (exit 2), naming the rank and the field, before any byte moves.
+#[test]
+fn ranks_that_disagree_are_refused_under_mpirun() {
+    for transport in ["mpi", "auto"] {
+        let job = |dtype: &'static str| {
+            [
+                "run",
+                "--shape",
+                "8,8",
+                "--dtype",
+                dtype,
+                "--src",
+                "mesh=2 place=S(0)",
+                "--dst",
+                "mesh=2 place=S(1)",
+                "--transport",
+                transport,
+            ]
+        };
+        let mut c = mpirun(3);
+        c.args(job("f32"))
+            .args([":", "-n", "1", EXE])
+            .args(job("i32"));
+        let out = wait_bounded(c.spawn().unwrap(), Duration::from_secs(120), "mpirun");
+        let err = text(&out.stderr);
+        // mpirun ends the job once one rank exits non-zero: not every rank may get to print
+        assert_eq!(out.status.code(), Some(2), "{transport}: {err}");
+        assert!(
+            err.contains("rank 3 runs --dtype i32; rank 0 runs --dtype f32"),
+            "{transport}: {err}"
+        );
+    }
+}

@@ -1,7 +1,7 @@
 """Reshard torch tensors with ``torch.distributed`` point-to-point.
 
-Every rank of both layouts calls :func:`reshard_` (or :func:`reshard_many_` for a whole model)
-with its own local tensors. Each rank computes its part of the plan alone, from the layouts
+Every rank of the process group calls :func:`reshard_` (or :func:`reshard_many_` for a whole
+model) with its own local tensors (None where it holds no shard). Each rank computes its part of the plan alone, from the layouts
 (cached per layout pair), packs what it sends to each peer into one flat buffer with torch
 tensor ops, exchanges all buffers in one ``batch_isend_irecv``, copies the regions it holds on
 both sides locally meanwhile, and unpacks. The same call runs over gloo on CPU and NCCL on GPU,
@@ -12,7 +12,9 @@ Rank numbers in layouts are ranks of ``group`` (the global world when ``group`` 
 
 from __future__ import annotations
 
+import collections
 import functools
+import hashlib
 from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -284,6 +286,73 @@ def _exchange(entries: List[_Entry], group, device: torch.device) -> None:
             region.copy_(slot)
 
 
+def _fingerprint(command: str, pairs, names: List[str], **options) -> List[Tuple[str, str]]:
+    """What this rank is about to run, as (field, value) pairs in a fixed order: every rank
+    of the group must run alike (the command line's plan agreement, for torch)."""
+    fields = [("command", command)]
+    fields += [(k, repr(v)) for k, v in sorted(options.items())]
+    for name in names:
+        label = f"{name}: " if name else ""
+        for what, layout in (("src_layout", pairs[name][2]), ("dst_layout", pairs[name][3])):
+            shape = ",".join(str(n) for n in layout.shape)
+            fields.append((f"{label}{what}", f"{layout.spec} shape={shape} dtype={layout.dtype}"))
+    return fields
+
+
+# The fingerprints every rank of a group has agreed on, oldest first: a job's later calls
+# with the same tensors and layouts (a refit every step) skip the exchange. Every rank of a
+# group that agreed sees the same calls in the same order, so all skip alike.
+_AGREED: "collections.OrderedDict[Tuple[object, str], None]" = collections.OrderedDict()
+_AGREED_MAX = 4096
+
+
+def _first_difference(ours, theirs) -> Optional[Tuple[str, str, str]]:
+    """The first field whose value differs: (field, ours, theirs), "(none)" where absent."""
+    mine, other = dict(ours), dict(theirs)
+    for field, _ in list(ours) + list(theirs):
+        a, b = mine.get(field, "(none)"), other.get(field, "(none)")
+        if a != b:
+            return field, a, b
+    return None
+
+
+def _agree(fingerprint, prepare, group, rank: int):
+    """Runs ``prepare`` (this rank's local checks and plans) and, on a fingerprint this group
+    has not agreed on yet, compares every rank's fingerprint and outcome through the group:
+    a difference or a rank's bad input raises :class:`ReshardError` on every rank, naming
+    the rank and the field, before any byte moves."""
+    digest = hashlib.blake2b(repr(fingerprint).encode(), digest_size=16).hexdigest()
+    key = (group, digest)
+    if key in _AGREED:
+        _AGREED.move_to_end(key)
+        return prepare()
+    try:
+        result, problem = prepare(), None
+    except ReshardError as e:
+        result, problem = None, str(e)
+    heard = [None] * dist.get_world_size(group)
+    dist.all_gather_object(heard, (digest, problem), group=group)
+    for r, (_, their_problem) in enumerate(heard):
+        if their_problem is not None:
+            raise ReshardError(f"nothing was moved: rank {r}: {their_problem}")
+    if any(d != digest for d, _ in heard):
+        # rare: the whole fingerprints, to name what differs
+        everyone = [None] * len(heard)
+        dist.all_gather_object(everyone, fingerprint, group=group)
+        for r, theirs in enumerate(everyone):
+            diff = _first_difference(everyone[0], theirs)
+            if diff is not None:
+                field, ours, other = diff
+                raise ReshardError(
+                    "the ranks disagree on the job, so nothing was moved: "
+                    f"rank {r} runs {field} {other}; rank 0 runs {field} {ours}"
+                )
+    _AGREED[key] = None
+    if len(_AGREED) > _AGREED_MAX:
+        _AGREED.popitem(last=False)
+    return result
+
+
 def _group_rank(group) -> Tuple[int, int]:
     if not dist.is_initialized():
         raise ReshardError("torch.distributed is not initialized (call init_process_group first)")
@@ -301,12 +370,16 @@ def reshard_(
 ) -> None:
     """Fill ``dst_local`` (this rank's shard in ``dst_layout``) from the source shards.
 
-    Every rank of both layouts calls it with its own tensors: ``src_local`` is this rank's
+    Every rank of ``group`` calls it with its own tensors: ``src_local`` is this rank's
     shard in ``src_layout`` (None if it holds none), ``dst_local`` its shard in
     ``dst_layout`` (None if it receives none), both of the layouts' shape and dtype and on the
     device the process group's backend uses. ``dst_local`` may be strided but must not share
     memory with ``src_local``. Raises :class:`reshard.ReshardError` on bad input, before any
-    byte moves; the checks are local, so every rank must be given consistent layouts.
+    byte moves. The first call with given layouts (and tensor names) also checks, through
+    the group, that every rank was given the same ones: a rank with other layouts, or whose
+    tensors do not fit them, makes every rank raise, naming the rank and what differs,
+    instead of waiting for the backend's timeout. Later calls with the same layouts skip
+    the check.
 
     With NCCL, ``batch_isend_irecv`` wants the group's communicator to exist before a batch
     that not every rank of the group joins: run one collective on the group first (a barrier).
@@ -333,19 +406,31 @@ def reshard_many_(
     if bucket_bytes <= 0:
         raise ReshardError(f"bucket_bytes: {bucket_bytes} is invalid: it must be positive")
     names = sorted(pairs)
-    entries: List[Tuple[int, _Entry]] = []
     for name in names:
         item = pairs[name]
         if not isinstance(item, (tuple, list)) or len(item) != 4:
             raise ReshardError(
                 f"{name}: expected (src_local, dst_local, src_layout, dst_layout), got {item!r:.80}"
             )
-        entry = _prepare(name, *item, rank=rank, world=world)
-        src_layout = item[2]
-        size = 1
-        for n in src_layout.shape:
-            size *= n
-        entries.append((size * src_layout.elem_bytes, entry))
+        for what, layout in (("src_layout", item[2]), ("dst_layout", item[3])):
+            if not isinstance(layout, Layout):
+                label = f"{name}: " if name else ""
+                raise ReshardError(f"{label}{what}: expected a reshard.Layout, got {type(layout).__name__}")
+
+    def prepare() -> List[Tuple[int, _Entry]]:
+        entries = []
+        for name in names:
+            item = pairs[name]
+            entry = _prepare(name, *item, rank=rank, world=world)
+            src_layout = item[2]
+            size = 1
+            for n in src_layout.shape:
+                size *= n
+            entries.append((size * src_layout.elem_bytes, entry))
+        return entries
+
+    fingerprint = _fingerprint("reshard_many_", pairs, names, bucket_bytes=bucket_bytes)
+    entries = _agree(fingerprint, prepare, group, rank)
 
     device = next(
         (t.device for _, e in entries for t in (e.src, e.dst) if t is not None),
