@@ -10,14 +10,25 @@ use crate::layout::{Layout, Rank};
 use crate::region::Region;
 
 /// How the global tensor is filled.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Fill {
     /// Element `i` (row-major linear index) holds `i mod 2^(8 x elem_bytes)`, little-endian.
-    #[default]
+    /// Easy to read in a dump, but it repeats every `2^(8 x elem_bytes)` elements (every 256
+    /// for 1-byte types, every 65536 for 2-byte ones: rows `r` and `r + 8` of an 8192-column
+    /// bf16 tensor are equal), so a block that lands in the wrong place can still verify.
     Index,
-    /// Element `i` holds the low bytes of a 64-bit hash of `(seed, i)`: unlike `Index`, no
-    /// two nearby elements of a 1-byte dtype repeat, so misplaced bytes cannot hide.
+    /// Element `i` holds the low bytes of a 64-bit hash of `(seed, i)`: location-sensitive
+    /// for every dtype. A misplaced element of a 1-byte type goes unseen with probability
+    /// 1/256, so a misplaced run of `k` elements with `256^-k`; wider types do better.
     Hash { seed: u64 },
+}
+
+impl Default for Fill {
+    /// `hash`: the fill under which a verification sees where bytes land, not only that some
+    /// bytes did.
+    fn default() -> Fill {
+        Fill::Hash { seed: 0 }
+    }
 }
 
 impl fmt::Display for Fill {
