@@ -26,8 +26,8 @@ pub struct RunArgs {
     #[command(flatten)]
     tensor: TensorArgs,
     /// Contents of the global tensor: hash or hash:SEED (a hash of each element's index, so
-    /// that a misplaced block cannot verify, for every dtype), or index (element i holds
-    /// i mod 2^bits: readable in dumps, but it repeats every 2^bits elements).
+    /// that a block in the wrong place fails --verify, for every dtype), or index (element i
+    /// holds i mod 2^bits: readable in dumps, but it repeats every 2^bits elements).
     #[arg(long, default_value = "hash")]
     fill: String,
     /// Write each destination rank's local buffer, raw, to DIR/rank<R>.bin (DIR is created if
