@@ -268,6 +268,23 @@ mod tests {
         );
     }
 
+    /// For a 1-byte type, an element of the default fill equals one `d` places away about once
+    /// in 256 (by chance), for every distance, where `index` repeats exactly every 256.
+    #[test]
+    fn the_default_fill_does_not_repeat_for_one_byte_types() {
+        let byte = |fill: Fill, i: u64| fill.value(i) as u8;
+        assert_eq!(Fill::default(), Fill::Hash { seed: 0 });
+        let n = 1u64 << 16;
+        for d in [1, 2, 8, 255, 256, 512, 4096, 65536] {
+            let same = (0..n)
+                .filter(|&i| byte(Fill::default(), i) == byte(Fill::default(), i + d))
+                .count() as f64;
+            // 256 expected; 5 standard deviations (about 16 each) either way
+            assert!((176.0..336.0).contains(&same), "distance {d}: {same}");
+        }
+        assert!((0..n).all(|i| byte(Fill::Index, i) == byte(Fill::Index, i + 256)));
+    }
+
     #[test]
     fn parse() {
         assert_eq!("hash:9".parse::<Fill>().unwrap(), Fill::Hash { seed: 9 });
