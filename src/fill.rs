@@ -10,14 +10,25 @@ use crate::layout::{Layout, Rank};
 use crate::region::Region;
 
 /// How the global tensor is filled.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Fill {
     /// Element `i` (row-major linear index) holds `i mod 2^(8 x elem_bytes)`, little-endian.
-    #[default]
+    /// Easy to read in a dump, but it repeats every `2^(8 x elem_bytes)` elements (every 256
+    /// for 1-byte types, every 65536 for 2-byte ones: rows `r` and `r + 8` of an 8192-column
+    /// bf16 tensor are equal), so a block that lands in the wrong place can still verify.
     Index,
-    /// Element `i` holds the low bytes of a 64-bit hash of `(seed, i)`: unlike `Index`, no
-    /// two nearby elements of a 1-byte dtype repeat, so misplaced bytes cannot hide.
+    /// Element `i` holds the low bytes of a 64-bit hash of `(seed, i)`: location-sensitive
+    /// for every dtype. A misplaced element of a 1-byte type goes unseen with probability
+    /// 1/256, so a misplaced run of `k` elements with `256^-k`; wider types do better.
     Hash { seed: u64 },
+}
+
+impl Default for Fill {
+    /// `hash`: the fill under which a verification sees where bytes land, not only that some
+    /// bytes did.
+    fn default() -> Fill {
+        Fill::Hash { seed: 0 }
+    }
 }
 
 impl fmt::Display for Fill {
@@ -255,6 +266,23 @@ mod tests {
             ),
             "{err}"
         );
+    }
+
+    /// For a 1-byte type, an element of the default fill equals one `d` places away about once
+    /// in 256 (by chance), for every distance, where `index` repeats exactly every 256.
+    #[test]
+    fn the_default_fill_does_not_repeat_for_one_byte_types() {
+        let byte = |fill: Fill, i: u64| fill.value(i) as u8;
+        assert_eq!(Fill::default(), Fill::Hash { seed: 0 });
+        let n = 1u64 << 16;
+        for d in [1, 2, 8, 255, 256, 512, 4096, 65536] {
+            let same = (0..n)
+                .filter(|&i| byte(Fill::default(), i) == byte(Fill::default(), i + d))
+                .count() as f64;
+            // 256 expected; 5 standard deviations (about 16 each) either way
+            assert!((176.0..336.0).contains(&same), "distance {d}: {same}");
+        }
+        assert!((0..n).all(|i| byte(Fill::Index, i) == byte(Fill::Index, i + 256)));
     }
 
     #[test]

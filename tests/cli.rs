@@ -137,7 +137,124 @@ fn run_dumps_index_filled_shards() {
             .collect();
         assert_eq!(bytes, want, "rank {}", k + 2);
     }
+    assert_eq!(
+        file_names(&dir),
+        ["rank2.bin", "rank3.bin", "rank4.bin", "rank5.bin"],
+        "whole files only, no temporaries"
+    );
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+fn file_names(dir: &std::path::Path) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    names
+}
+
+/// `--dump` at a path that is a regular file: refused by name before any byte moves (exit 2,
+/// no report, the file untouched); a missing directory is created.
+#[test]
+fn run_checks_the_dump_dir_before_moving() {
+    let dir = temp_dir("dump-check");
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("not-a-dir");
+    std::fs::write(&file, b"keep").unwrap();
+    for transport in ["local", "auto"] {
+        let out = reshard(
+            &[
+                &["run"],
+                &SEED[..],
+                &["--verify", "--json", "--transport", transport, "--dump"],
+                &[file.to_str().unwrap()],
+            ]
+            .concat(),
+        );
+        assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+        assert!(
+            stderr(&out).contains(&format!(
+                "--dump: {} is invalid: it exists and is not a directory",
+                file.display()
+            )),
+            "{}",
+            stderr(&out)
+        );
+        assert!(stdout(&out).is_empty(), "{}", stdout(&out));
+    }
+    assert_eq!(std::fs::read(&file).unwrap(), b"keep");
+    let missing = dir.join("new/deeper");
+    let out = reshard(
+        &[
+            &["run"],
+            &SEED[..],
+            &["--transport", "local", "--dump", missing.to_str().unwrap()],
+        ]
+        .concat(),
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(file_names(&missing).len(), 4);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// The default fill tells apart rows r and r + 8 of an 8192-column bf16 tensor, which `index`
+/// fills alike (so that `--verify` under `index` cannot see them swapped): `--verify` with
+/// the default fill sees where bytes land.
+#[test]
+fn the_default_fill_tells_apart_what_index_fills_alike() {
+    let rows_of = |fill: Option<&str>| {
+        let dir = temp_dir(&format!("fill-{}", fill.unwrap_or("default")));
+        let mut args = vec![
+            "run",
+            "--shape",
+            "16,8192",
+            "--dtype",
+            "bf16",
+            "--src",
+            "mesh=2 place=S(0)",
+            "--dst",
+            "mesh=1 place=R",
+            "--transport",
+            "local",
+            "--verify",
+            "--dump",
+            dir.to_str().unwrap(),
+        ];
+        if let Some(fill) = fill {
+            args.extend(["--fill", fill]);
+        }
+        let out = reshard(&args);
+        assert!(out.status.success(), "{}", stderr(&out));
+        let bytes = std::fs::read(dir.join("rank2.bin")).unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
+        let row = 8192 * 2;
+        (0..16)
+            .map(|r| bytes[r * row..(r + 1) * row].to_vec())
+            .collect::<Vec<_>>()
+    };
+    let index = rows_of(Some("index"));
+    assert!((0..8).all(|r| index[r] == index[r + 8]));
+    let default = rows_of(None);
+    assert_eq!(default, rows_of(Some("hash")));
+    for r in 0..16 {
+        for s in r + 1..16 {
+            assert_ne!(default[r], default[s], "rows {r} and {s}");
+        }
+    }
+}
+
+/// `verified` is what the check found: true after `--verify`, false without it.
+#[test]
+fn run_json_reports_whether_it_verified() {
+    for (flag, verified) in [(Some("--verify"), true), (None, false)] {
+        let mut args = [&["run"], &SEED[..], &["--transport", "local", "--json"]].concat();
+        args.extend(flag);
+        let out = reshard(&args);
+        assert!(out.status.success(), "{}", stderr(&out));
+        let json: Value = serde_json::from_str(&stdout(&out)).unwrap();
+        assert_eq!(json["verified"], verified, "{json}");
+    }
 }
 
 #[test]

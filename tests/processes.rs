@@ -464,3 +464,58 @@ fn refit_runs_over_processes() {
         );
     }
 }
+
+/// Under `launch`: `verified` is what the ranks' checks found (true with `--verify`, false
+/// without), and `--dump` at a regular file fails every rank by name before any byte moves.
+#[test]
+fn verified_and_dump_checks_over_processes() {
+    let dir = common::temp_dir("dump-check");
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("not-a-dir");
+    std::fs::write(&file, b"keep").unwrap();
+    let job = [
+        "run",
+        "--shape",
+        "8,8",
+        "--src",
+        "mesh=2 place=S(0)",
+        "--dst",
+        "mesh=4 place=S(1)",
+        "--transport",
+        "tcp",
+        "--timeout",
+        "30",
+        "--json",
+    ];
+    let launch = |extra: &[&str]| {
+        let child = Command::new(EXE)
+            .args(["launch", "--nproc", "6", "--"])
+            .args(job)
+            .args(extra)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        wait_bounded(child, Duration::from_secs(120), "run under launch")
+    };
+    for (extra, verified) in [(&["--verify"][..], true), (&[], false)] {
+        let out = launch(extra);
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(j["verified"], verified, "{j}");
+    }
+    let out = launch(&["--verify", "--dump", file.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stderr).contains(&format!(
+            "error: --dump: {} is invalid: it exists and is not a directory",
+            file.display()
+        )),
+        "{}",
+        text(&out.stderr)
+    );
+    assert!(out.stdout.is_empty(), "{}", text(&out.stdout));
+    assert_eq!(std::fs::read(&file).unwrap(), b"keep");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -1,5 +1,5 @@
 //! `reshard bench`: reshard against gather+broadcast on the same transport, the same data and
-//! the same buffers, repetition after repetition in turn, both results verified.
+//! the same buffers, repetition after repetition in turn, every repetition's result verified.
 
 use clap::{Args, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -59,8 +59,9 @@ pub struct BenchArgs {
     min_split_bytes: String,
     #[command(flatten)]
     exec: ExecArgs,
-    /// Contents of the global tensor: index, hash or hash:SEED.
-    #[arg(long, default_value = "index")]
+    /// Contents of the global tensor: hash or hash:SEED (location-sensitive for every dtype),
+    /// or index (element i holds i mod 2^bits, which repeats every 2^bits elements).
+    #[arg(long, default_value = "hash")]
     fill: String,
     /// Timed repetitions of each method (the report gives their median, min and max).
     #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..))]
@@ -338,6 +339,8 @@ pub fn main(args: &BenchArgs) -> Result<(), Failure> {
 struct CaseResult {
     reshard: Measured,
     gather_broadcast: Measured,
+    /// Whether every repetition of both methods was checked and matched the fill (on every
+    /// rank); a mismatch fails the bench, so a report says false only if nothing was checked.
     verified: bool,
 }
 
@@ -353,8 +356,10 @@ fn progress(args: &BenchArgs, cases: usize) -> ProgressBar {
 }
 
 /// A pattern no fill produces everywhere: a destination that is not written fails to verify.
-/// Written around the caches, so that no repetition starts with the last one's poison dirty
-/// in them.
+/// Written over the destination shards before every repetition, and over the baseline's
+/// full-tensor buffers before each of its repetitions, so that no repetition can pass on the
+/// bytes of the one before. Written around the caches, so that no repetition starts with the
+/// poison dirty in them.
 fn poison(buf: &mut [u8]) {
     reshard::exec::copy::fill_around_caches(buf, 0xA5);
 }
@@ -378,11 +383,14 @@ fn bench_threads(
         let mut shards = exec::zeroed_shards(plan.dst());
         let mut full = baseline::full_buffers(gb);
         let mut result = CaseResult::default();
+        let mut checked = 0;
         for i in 0..args.repetitions() {
             let timed = i >= args.warmup;
-            let last = i + 1 == args.repetitions();
             for method in Method::order(i) {
                 shards.values_mut().for_each(|s| poison(s));
+                if method == Method::GatherBroadcast {
+                    full.values_mut().for_each(|f| poison(f));
+                }
                 let (stats, measured, extra) = match method {
                     Method::Reshard => (
                         exec::run_local(plan, &sources, &mut shards, options)?,
@@ -406,9 +414,8 @@ fn bench_threads(
                     ),
                 };
                 bar.inc(1);
-                if last {
-                    fill.verify_shards(plan.dst(), &shards)?;
-                }
+                fill.verify_shards(plan.dst(), &shards)?;
+                checked += 1;
                 if timed {
                     measured.times.push(stats.elapsed.as_secs_f64());
                     measured.wire_bytes = stats.bytes_remote();
@@ -416,7 +423,7 @@ fn bench_threads(
                 }
             }
         }
-        result.verified = true;
+        result.verified = checked == 2 * args.repetitions();
         results.push(result);
     }
     bar.finish_and_clear();
@@ -499,7 +506,9 @@ fn bench_processes<'j, J: Job>(
             CaseResult {
                 reshard: method("reshard"),
                 gather_broadcast: method("gather_broadcast"),
-                verified: true,
+                verified: reports
+                    .iter()
+                    .all(|r| r["cases"][c]["verified"].as_bool() == Some(true)),
             }
         })
         .collect();
@@ -569,12 +578,15 @@ fn bench_rank<'j, J: Job>(
 
     let mut reshard = Measured::default();
     let mut gather_broadcast = Measured::default();
+    let mut checked = 0;
     for i in 0..args.repetitions() {
         let timed = i >= args.warmup;
-        let last = i + 1 == args.repetitions();
         for method in Method::order(i) {
             if let Some(s) = shard.as_deref_mut() {
                 poison(s);
+            }
+            if let (Method::GatherBroadcast, Some(f)) = (method, full.as_deref_mut()) {
+                poison(f);
             }
             match method {
                 Method::Reshard => reshard.repeat(job, timed, 0, || {
@@ -607,14 +619,14 @@ fn bench_rank<'j, J: Job>(
                 }
             }
             bar.inc(1);
-            if last {
-                verify(fill, plan, rank, shard.as_deref())?;
-            }
+            verify(fill, plan, rank, shard.as_deref())?;
+            checked += 1;
         }
     }
     let report = serde_json::json!({
         "reshard": reshard.report(),
         "gather_broadcast": gather_broadcast.report(),
+        "verified": checked == 2 * args.repetitions(),
     });
     Ok((report, reshard_transport.name().to_string()))
 }

@@ -1,5 +1,6 @@
 //! `reshard refit --run`: the whole model moved for real, one rank per process, by the batched
-//! reshard and by per-tensor gather+broadcast in turn, on the same buffers, both verified.
+//! reshard and by per-tensor gather+broadcast in turn, on the same buffers, every repetition
+//! of both verified.
 
 use clap::Args;
 use serde::Serialize;
@@ -200,15 +201,21 @@ fn run_mpi(
     Err(Failure::Input(super::processes::no_mpi()))
 }
 
-/// Every tensor's contents: a hash of the element index, seeded by the tensor's position.
+/// Every tensor's contents: a hash of the element index, seeded by the tensor's position, so
+/// that a block landing in the wrong place, in its own tensor or in another, does not verify.
 fn fill_of(tensor: usize) -> Fill {
     Fill::Hash {
         seed: tensor as u64,
     }
 }
 
-fn poison(bufs: &mut [Vec<u8>]) {
-    bufs.iter_mut()
+/// Overwrites buffers with a pattern no fill produces everywhere, before every repetition (the
+/// destination buffers, and the baseline's full-tensor buffer before each of its own), so
+/// that no repetition can verify on the bytes of the one before. Within a repetition the full
+/// buffer passes from tensor to tensor unpoisoned: each tensor's own seed keeps the bytes one
+/// left behind from verifying as the next one's.
+fn poison<'b>(bufs: impl IntoIterator<Item = &'b mut Vec<u8>>) {
+    bufs.into_iter()
         .for_each(|b| reshard::exec::copy::fill_around_caches(b, 0xA5));
 }
 
@@ -257,7 +264,10 @@ fn run_processes<'j, J: Job>(
     Ok(Some(RunJson {
         transport: name,
         iters: args.iters,
-        verified: true,
+        // what every rank's checks found (a failed one fails the job before this)
+        verified: reports
+            .iter()
+            .all(|r| r["verified"].as_bool() == Some(true)),
         pack_below,
         dst_bytes,
         speedup: gather_broadcast.median_s / reshard.median_s.max(1e-12),
@@ -318,11 +328,14 @@ fn run_rank<'j, J: Job>(
 
     let srcs: Vec<&[u8]> = src.iter().map(Vec::as_slice).collect();
     let (mut reshard, mut gather_broadcast) = (Measured::default(), Measured::default());
+    let mut checked = 0;
     for i in 0..args.warmup + args.iters {
         let timed = i >= args.warmup;
-        let last = i + 1 == args.warmup + args.iters;
         for method in Method::order(i) {
             poison(&mut dst);
+            if method == Method::GatherBroadcast {
+                poison([&mut full]);
+            }
             match method {
                 Method::Reshard => reshard.repeat(job, timed, 0, || {
                     let mut dsts: Vec<&mut [u8]> = dst.iter_mut().map(Vec::as_mut_slice).collect();
@@ -340,13 +353,13 @@ fn run_rank<'j, J: Job>(
                     })?
                 }
             }
-            if last {
-                verify(batch, &rb, &dst)?;
-            }
+            verify(batch, &rb, &dst)?;
+            checked += 1;
         }
     }
     Ok(serde_json::json!({
         "transport": reshard_transport.name(),
+        "verified": checked == 2 * (args.warmup + args.iters),
         "dst_bytes": dst_len,
         "reshard": reshard.report(),
         "gather_broadcast": gather_broadcast.report(),

@@ -1,5 +1,6 @@
 //! `reshard run`: execute a reshard on filled buffers; verify and dump the result.
 
+use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -25,13 +26,17 @@ use super::{Failure, TensorArgs};
 pub struct RunArgs {
     #[command(flatten)]
     tensor: TensorArgs,
-    /// Contents of the global tensor: index (element i holds i mod 2^bits), hash or hash:SEED.
-    #[arg(long, default_value = "index")]
+    /// Contents of the global tensor: hash or hash:SEED (a hash of each element's index, so
+    /// that a block in the wrong place fails --verify, for every dtype), or index (element i
+    /// holds i mod 2^bits: readable in dumps, but it repeats every 2^bits elements).
+    #[arg(long, default_value = "hash")]
     fill: String,
-    /// Write each destination rank's local buffer, raw, to DIR/rank<R>.bin.
+    /// Write each destination rank's local buffer, raw, to DIR/rank<R>.bin (DIR is created if
+    /// missing and checked before any byte moves; each file appears whole or not at all).
     #[arg(long, value_name = "DIR")]
     dump: Option<PathBuf>,
-    /// Check every destination byte against the fill; exit non-zero on any mismatch.
+    /// Check every destination byte against the fill after every repetition; exit non-zero
+    /// on any mismatch.
     #[arg(long)]
     verify: bool,
     #[command(flatten)]
@@ -71,6 +76,10 @@ pub fn main(args: &RunArgs) -> Result<(), Failure> {
     let plan = args.tensor.plan()?;
     let fill: Fill = args.fill.parse()?;
     let options = args.exec.options()?;
+    if let Some(dir) = &args.dump {
+        // every process of a job checks, before it joins the others
+        check_dump_dir(dir)?;
+    }
     let env = GroupEnv::from_env()?;
     match (args.exec.transport, env) {
         (kind, env) if in_mpi_job(kind, env.as_ref()) => run_mpi(args, &plan, fill, &options),
@@ -107,20 +116,22 @@ fn run_threads(
     let mut shards = exec::zeroed_shards(plan.dst());
     let mut times = Vec::new();
     let mut last = None;
+    let mut verified = false;
     for i in 0..args.warmup + args.iters {
+        if args.verify {
+            shards.values_mut().for_each(|s| poison(s));
+        }
         let stats = exec::run_local(plan, &sources, &mut shards, options)?;
         if i >= args.warmup {
             times.push(stats.elapsed.as_secs_f64());
         }
         last = Some(stats);
+        if args.verify {
+            fill.verify_shards(plan.dst(), &shards)?;
+            verified = true;
+        }
     }
     let stats = last.expect("at least one iteration");
-    let verified = if args.verify {
-        fill.verify_shards(plan.dst(), &shards)?;
-        true
-    } else {
-        false
-    };
     if let Some(dir) = &args.dump {
         dump(dir, shards.iter().map(|(&r, b)| (r, b.as_slice())))?;
     }
@@ -241,7 +252,11 @@ fn process_rank<'j, J: Job>(
                 .max()
                 .unwrap_or(0),
         };
-        report(args, plan, &summary, &name, args.verify);
+        // what every rank's own check found (a failed check fails the job before this)
+        let verified = reports
+            .iter()
+            .all(|r| r["verified"].as_bool() == Some(true));
+        report(args, plan, &summary, &name, verified);
     }
     Ok(())
 }
@@ -276,7 +291,12 @@ fn rank_part<'j, J: Job>(
     // Only the data phase is timed: every rank starts each repetition together.
     let mut times = Vec::new();
     let mut stats = None;
+    // a rank with no destination shard has nothing to check: its part of the check passes
+    let mut verified = args.verify && shard.is_none();
     for i in 0..args.warmup + args.iters {
+        if let (true, Some(s)) = (args.verify, shard.as_deref_mut()) {
+            poison(s);
+        }
         job.barrier()?;
         let started = Instant::now();
         let work = RankJob {
@@ -289,11 +309,12 @@ fn rank_part<'j, J: Job>(
         if i >= args.warmup {
             times.push(started.elapsed().as_secs_f64());
         }
+        if let (true, Some(b), Some(buf)) = (args.verify, &dst_box, &shard) {
+            fill.verify_region(plan.dst(), b, buf, (rank, 0))?;
+            verified = true;
+        }
     }
     let stats = stats.expect("at least one iteration");
-    if let (true, Some(b), Some(buf)) = (args.verify, &dst_box, &shard) {
-        fill.verify_region(plan.dst(), b, buf, (rank, 0))?;
-    }
     if let (Some(dir), Some(buf)) = (&args.dump, &shard) {
         dump(dir, [(rank, &buf[..])])?;
     }
@@ -303,23 +324,76 @@ fn rank_part<'j, J: Job>(
         "bytes_remote": stats.bytes_received,
         "bytes_local": stats.bytes_local,
         "peak_staging": stats.peak_staging_bytes,
+        "verified": verified,
     }))
 }
 
-/// Writes `DIR/rank<R>.bin` for every shard.
+/// A pattern written over a destination shard before each verified repetition, so that only
+/// the bytes this repetition moved can make it verify, not those of the one before.
+fn poison(buf: &mut [u8]) {
+    exec::copy::fill_around_caches(buf, 0xA5);
+}
+
+/// Makes sure `--dump DIR` can take the files before any byte moves: creates DIR when it is
+/// missing, and refuses a path that is not a directory or one where no file can be created
+/// (checked by creating one: permission bits alone miss read-only mounts and root).
+pub(super) fn check_dump_dir(dir: &Path) -> Result<(), Error> {
+    let refuse = |reason: String| Error::InvalidOption {
+        field: "--dump",
+        value: dir.display().to_string(),
+        reason,
+    };
+    match std::fs::metadata(dir) {
+        Ok(meta) if !meta.is_dir() => {
+            return Err(refuse("it exists and is not a directory".into()));
+        }
+        Ok(_) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => std::fs::create_dir_all(dir)
+            .map_err(|e| refuse(format!("the directory cannot be created: {e}")))?,
+        Err(e) => return Err(refuse(format!("it cannot be read: {e}"))),
+    }
+    // removed again when dropped
+    tempfile::Builder::new()
+        .prefix(".reshard-probe-")
+        .tempfile_in(dir)
+        .map_err(|e| refuse(format!("no file can be created in it: {e}")))?;
+    Ok(())
+}
+
+/// Writes `DIR/rank<R>.bin` for every shard (DIR checked by [`check_dump_dir`]).
 pub(super) fn dump<'a>(
     dir: &Path,
     shards: impl IntoIterator<Item = (Rank, &'a [u8])>,
 ) -> Result<(), Error> {
-    let io = |path: &Path, source| Error::Io {
+    for (rank, buf) in shards {
+        write_whole(dir, &format!("rank{rank}.bin"), |file| file.write_all(buf))?;
+    }
+    Ok(())
+}
+
+/// Writes `DIR/name` whole or not at all: `write` fills a temporary file in the same directory
+/// (so that the rename cannot cross file systems), which is flushed to disk and then renamed
+/// over `name`. On any error (a full disk), the temporary is removed and `name` is untouched.
+fn write_whole(
+    dir: &Path,
+    name: &str,
+    write: impl FnOnce(&mut std::fs::File) -> std::io::Result<()>,
+) -> Result<(), Error> {
+    let path = dir.join(name);
+    let io = |source| Error::Io {
         path: path.display().to_string(),
         source,
     };
-    std::fs::create_dir_all(dir).map_err(|e| io(dir, e))?;
-    for (rank, buf) in shards {
-        let path = dir.join(format!("rank{rank}.bin"));
-        std::fs::write(&path, buf).map_err(|e| io(&path, e))?;
-    }
+    let mut temp = tempfile::Builder::new()
+        .prefix(&format!(".{name}."))
+        .suffix(".tmp")
+        .tempfile_in(dir)
+        .map_err(io)?;
+    // a write error, or one the file system only reports on flushing, drops (removes) `temp`
+    write(temp.as_file_mut())
+        .and_then(|()| temp.as_file().sync_all())
+        .map_err(io)?;
+    temp.persist(&path).map_err(|e| io(e.error))?;
     Ok(())
 }
 
@@ -408,5 +482,77 @@ fn report(args: &RunArgs, plan: &Plan, stats: &Summary, transport: &str, verifie
             plan.dst().mesh().size(),
             dir.display()
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn scratch(name: &str) -> tempfile::TempDir {
+        tempfile::Builder::new()
+            .prefix(&format!("reshard-{name}-"))
+            .tempdir()
+            .unwrap()
+    }
+
+    fn names(dir: &Path) -> Vec<String> {
+        let mut names: Vec<String> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        names
+    }
+
+    #[test]
+    fn dumps_leave_whole_files_and_no_temporaries() {
+        let dir = scratch("dump");
+        dump(dir.path(), [(2, &[1u8, 2][..]), (3, &[3u8][..])]).unwrap();
+        assert_eq!(names(dir.path()), ["rank2.bin", "rank3.bin"]);
+        assert_eq!(std::fs::read(dir.path().join("rank2.bin")).unwrap(), [1, 2]);
+        // a second dump replaces the first
+        dump(dir.path(), [(2, &[9u8][..])]).unwrap();
+        assert_eq!(std::fs::read(dir.path().join("rank2.bin")).unwrap(), [9]);
+    }
+
+    /// A write that fails half-way (as on a full disk) leaves neither the file nor its
+    /// temporary, and an older file of that name untouched.
+    #[test]
+    fn a_failed_write_leaves_nothing_partial() {
+        let dir = scratch("full");
+        std::fs::write(dir.path().join("rank5.bin"), b"old").unwrap();
+        for name in ["rank4.bin", "rank5.bin"] {
+            let err = write_whole(dir.path(), name, |file| {
+                file.write_all(&[7; 4096])?;
+                Err(std::io::Error::from_raw_os_error(libc::ENOSPC))
+            })
+            .unwrap_err();
+            assert!(
+                matches!(&err, Error::Io { path, .. } if path.ends_with(name)),
+                "{err}"
+            );
+        }
+        assert_eq!(names(dir.path()), ["rank5.bin"]);
+        assert_eq!(std::fs::read(dir.path().join("rank5.bin")).unwrap(), b"old");
+    }
+
+    #[test]
+    fn the_dump_dir_is_created_or_refused_by_name() {
+        let dir = scratch("check");
+        let nested = dir.path().join("a/b");
+        check_dump_dir(&nested).unwrap();
+        assert!(nested.is_dir());
+        assert!(names(&nested).is_empty(), "the probe is removed");
+        let file = dir.path().join("file");
+        std::fs::write(&file, b"x").unwrap();
+        for bad in [file.clone(), file.join("below")] {
+            let err = check_dump_dir(&bad).unwrap_err();
+            let text = err.to_string();
+            assert!(
+                text.starts_with(&format!("--dump: {} is invalid", bad.display())),
+                "{text}"
+            );
+        }
     }
 }

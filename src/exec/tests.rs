@@ -202,8 +202,14 @@ proptest! {
         let fill = Fill::Hash { seed };
         let gb = GatherBroadcast::new(&src, &dst).unwrap();
         let mut sources = reference_shards(&src, fill);
+        // whatever an earlier repetition left in the buffers must not matter
+        let stale = |bufs: &mut BTreeMap<Rank, Vec<u8>>| {
+            bufs.values_mut().for_each(|b| b.fill(seed as u8))
+        };
         let mut shards = zeroed_shards(&dst);
         let mut full = full_buffers(&gb);
+        stale(&mut shards);
+        stale(&mut full);
         let stats = run_local_gather_broadcast(
             &gb, &mut sources, &mut shards, &mut full, &small_chunks(chunk_bytes),
         ).unwrap();
@@ -356,4 +362,125 @@ fn transfers_that_land_out_of_order_are_accounted_one_by_one() {
     let mut from = from.clone();
     from.sort_unstable();
     assert_eq!(from, missing);
+}
+
+/// The byte ranges, in a 2-D destination shard whose box is `shard`, of the rows of `block`
+/// (a box inside it), top to bottom.
+fn block_rows(shard: &Region, block: &Region, elem: usize) -> Vec<std::ops::Range<usize>> {
+    let cols = shard.extent[1] as usize;
+    let (row0, col0) = (
+        (block.offset[0] - shard.offset[0]) as usize,
+        (block.offset[1] - shard.offset[1]) as usize,
+    );
+    let width = block.extent[1] as usize;
+    (0..block.extent[0] as usize)
+        .map(|r| {
+            let start = ((row0 + r) * cols + col0) * elem;
+            start..start + width * elem
+        })
+        .collect()
+}
+
+/// Swaps the bytes of two equally shaped blocks of `buf`, given by their rows.
+fn swap_blocks(buf: &mut [u8], a: &[std::ops::Range<usize>], b: &[std::ops::Range<usize>]) {
+    for (ra, rb) in a.iter().zip(b) {
+        let saved = buf[ra.clone()].to_vec();
+        buf.copy_within(rb.clone(), ra.start);
+        buf[rb.clone()].copy_from_slice(&saved);
+    }
+}
+
+/// A real plan's result, verified under `fill`, then disturbed by `disturb` on `rank`'s shard:
+/// the verification's verdict on it.
+fn verdict_after(
+    plan: &Plan,
+    fill: Fill,
+    rank: Rank,
+    disturb: impl FnOnce(&Plan, &mut [u8]),
+) -> Result<()> {
+    let sources = fill.shards(plan.src());
+    let mut shards = zeroed_shards(plan.dst());
+    run_local(plan, &sources, &mut shards, &ExecOptions::default()).unwrap();
+    fill.verify_shards(plan.dst(), &shards).unwrap();
+    disturb(plan, shards.get_mut(&rank).unwrap());
+    fill.verify_shards(plan.dst(), &shards)
+}
+
+/// The two transfers that land in `rank`'s shard, as rows of its buffer.
+fn two_landing_spots(plan: &Plan, rank: Rank) -> [Vec<std::ops::Range<usize>>; 2] {
+    let shard = plan.dst().local_region(rank).unwrap();
+    let elem = plan.elem_bytes();
+    let spots: Vec<_> = plan
+        .transfers()
+        .iter()
+        .filter(|t| t.dst == rank)
+        .map(|t| block_rows(&shard, &t.region, elem))
+        .collect();
+    assert_eq!(spots.len(), 2, "{:?}", plan.transfers());
+    [spots[0].clone(), spots[1].clone()]
+}
+
+/// For every dtype, under the default fill: two transfers that land in each other's place, a
+/// block copied one row off, and a single flipped byte are each caught, and named.
+#[test]
+fn the_default_fill_catches_misplaced_blocks_and_flipped_bytes_for_every_dtype() {
+    for dtype in DType::ALL {
+        // rank 3 gets a 4x16 block from each source: rows 0..4 from rank 0, 4..8 from rank 1
+        let src = layout("mesh=2 place=S(0)", &[8, 64], dtype, 0);
+        let dst = layout("mesh=4 place=S(1)", &[8, 64], dtype, 2);
+        let plan = Plan::new(src, dst).unwrap();
+        let fill = Fill::default();
+        let elem = dtype.size();
+
+        let swapped = verdict_after(&plan, fill, 3, |plan, buf| {
+            let [a, b] = two_landing_spots(plan, 3);
+            swap_blocks(buf, &a, &b);
+        });
+        assert!(
+            matches!(swapped, Err(Error::VerifyFailed { rank: 3, .. })),
+            "{dtype}: two swapped transfers: {swapped:?}"
+        );
+
+        // local row 1 copied over row 0: one row of 16 elements, off by one row
+        let shifted = verdict_after(&plan, fill, 3, |_, buf| {
+            buf.copy_within(16 * elem..32 * elem, 0);
+        });
+        assert!(
+            matches!(shifted, Err(Error::VerifyFailed { rank: 3, .. })),
+            "{dtype}: a row shifted by one: {shifted:?}"
+        );
+
+        let at = 5 * 16 * elem + elem - 1;
+        let flipped = verdict_after(&plan, fill, 4, |_, buf| buf[at] ^= 0xff);
+        assert!(
+            matches!(
+                flipped,
+                Err(Error::VerifyFailed { rank: 4, offset, mismatches: 1, .. }) if offset == at as u64
+            ),
+            "{dtype}: a flipped byte: {flipped:?}"
+        );
+    }
+}
+
+/// The issue that made `hash` the default: with 8192 columns of bf16, the index fill repeats
+/// every 8 rows, so rows r and r + 8 swapped verify under `index`; under the default fill they
+/// do not.
+#[test]
+fn rows_eight_apart_swapped_pass_the_index_fill_but_not_the_default() {
+    let src = layout("mesh=2 place=S(0)", &[16, 8192], DType::Bf16, 0);
+    let dst = layout("mesh=1 place=R", &[16, 8192], DType::Bf16, 2);
+    let plan = Plan::new(src, dst).unwrap();
+    let swap = |plan: &Plan, buf: &mut [u8]| {
+        let [a, b] = two_landing_spots(plan, 2);
+        swap_blocks(buf, &a, &b);
+    };
+    assert!(verdict_after(&plan, Fill::Index, 2, swap).is_ok());
+    let caught = verdict_after(&plan, Fill::default(), 2, swap);
+    assert!(
+        matches!(
+            caught,
+            Err(Error::VerifyFailed { rank: 2, offset: 0, mismatches, .. }) if mismatches > 8192
+        ),
+        "{caught:?}"
+    );
 }
