@@ -16,12 +16,12 @@ import collections
 import functools
 import hashlib
 from dataclasses import dataclass
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
-from ._core import Layout, ReshardError, rank_plan
+from ._core import Layout, Refit, ReshardError, rank_plan
 
 __all__ = ["reshard_", "reshard_many_", "torch_dtype", "local_tensor", "DEFAULT_BUCKET_BYTES"]
 
@@ -387,13 +387,63 @@ def reshard_(
     reshard_many_({"": (src_local, dst_local, src_layout, dst_layout)}, group=group)
 
 
+def _views(refit: Refit, tensors: Mapping[str, torch.Tensor], rank: int, side: str, what: str):
+    """The parameters' local tensors by name from a rank's own tensors by name, where a
+    fused buffer (vLLM's ``qkv_proj``, ``gate_up_proj``, ``w13``) stands for its members:
+    each member is the view of its slice of the buffer."""
+    fused = refit.fused(rank, side)
+    views: Dict[str, torch.Tensor] = {}
+    for name, tensor in tensors.items():
+        if name in fused:
+            if not isinstance(tensor, torch.Tensor):
+                raise ReshardError(f"{what}: {name}: expected a tensor, got {type(tensor).__name__}")
+            for member, dim, offset, extent in fused[name]:
+                if tensor.dim() <= dim or tensor.shape[dim] < offset + extent:
+                    raise ReshardError(
+                        f"{what}: {name}: rank {rank}'s fused buffer has shape "
+                        f"{tuple(tensor.shape)}, but {member} lies at {offset}..{offset + extent} of dim {dim}"
+                    )
+                views[member] = tensor.narrow(dim, offset, extent)
+        else:
+            views[name] = tensor
+    return views
+
+
+def _refit_pairs(refit: Refit, src, dst, rank: int):
+    """Every parameter of ``refit`` as ``reshard_many_``'s pairs, with this rank's tensors."""
+    srcs = _views(refit, src or {}, rank, "train", "src")
+    dsts = _views(refit, dst or {}, rank, "infer", "dst")
+    pairs = {}
+    for name in refit.names:
+        src_layout, dst_layout = refit.layouts(name)
+        pairs[name] = (srcs.pop(name, None), dsts.pop(name, None), src_layout, dst_layout)
+    for what, left in (("src", srcs), ("dst", dsts)):
+        if left:
+            raise ReshardError(
+                f"{what}: {sorted(left)[0]} is neither a parameter of {refit.model} nor a fused "
+                f"buffer that rank {rank} holds (see Refit.names and Refit.fused)"
+            )
+    return pairs
+
+
 def reshard_many_(
-    pairs: Mapping[str, Tuple[Optional[torch.Tensor], Optional[torch.Tensor], Layout, Layout]],
+    pairs: Union[
+        Mapping[str, Tuple[Optional[torch.Tensor], Optional[torch.Tensor], Layout, Layout]], Refit
+    ],
     group=None,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    *,
+    src: Optional[Mapping[str, torch.Tensor]] = None,
+    dst: Optional[Mapping[str, torch.Tensor]] = None,
 ) -> None:
     """:func:`reshard_` for many tensors at once (a whole model): ``pairs`` maps a name to
     ``(src_local, dst_local, src_layout, dst_layout)``.
+
+    Or ``pairs`` is a :class:`reshard.Refit` (a model with both sides' parallelism), and
+    ``src`` and ``dst`` are this rank's own tensors by name: its training shards, and its
+    inference shards, where a vLLM fused buffer (``...qkv_proj.weight``) stands for its
+    members (``Refit.fused(rank)``), written in place. Ranks of the group pass what they hold
+    (``Refit.rank_names(rank)``) and nothing else.
 
     Every rank passes the same names (in any order). The tensors' messages to each peer are
     packed into one buffer per peer and exchanged in one ``batch_isend_irecv`` per bucket of
@@ -403,6 +453,10 @@ def reshard_many_(
     rank, world = _group_rank(group)
     if rank < 0:
         return  # not a member of the group: nothing to send or receive
+    if isinstance(pairs, Refit):
+        pairs = _refit_pairs(pairs, src, dst, rank)
+    elif src is not None or dst is not None:
+        raise ReshardError("src, dst: given only with a reshard.Refit (pairs carry their tensors)")
     if bucket_bytes <= 0:
         raise ReshardError(f"bucket_bytes: {bucket_bytes} is invalid: it must be positive")
     names = sorted(pairs)
