@@ -17,6 +17,7 @@ use crate::error::{Error, Result};
 use crate::layout::Rank;
 
 use super::frame;
+use super::screen::Screen;
 
 /// Where a process stands in the job, from its environment.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -32,10 +33,37 @@ pub struct GroupEnv {
 /// world sizes, but only a real token keeps out strangers.
 pub const DEFAULT_TOKEN: &str = "reshard";
 
+/// Largest `RESHARD_TOKEN`, so that a hello stays within [`super::screen::MAX_HELLO_BYTES`].
+pub const MAX_TOKEN_BYTES: usize = 512;
+
+/// Largest `WORLD_SIZE`: rank 0 holds a connection, so a file descriptor, to every other
+/// rank, and 2^20 is Linux's default cap on a process's open files (`fs.nr_open`). Every rank
+/// keeps a table of the job's ranks (an address and a process id each), some 40 bytes a rank.
+pub const MAX_WORLD: usize = 1 << 20;
+
+/// The variables that place a process in a job; they must be valid UTF-8 when set.
+const JOB_VARS: [&str; 5] = [
+    "RANK",
+    "WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "RESHARD_TOKEN",
+];
+
 impl GroupEnv {
     /// Reads the torchrun variables; `None` when `RANK` and `WORLD_SIZE` are both unset (a
     /// single process).
     pub fn from_env() -> Result<Option<GroupEnv>> {
+        for name in JOB_VARS {
+            if let Some(value) = std::env::var_os(name).filter(|v| v.to_str().is_none()) {
+                // taken as unset, a garbled RESHARD_TOKEN would quietly mean no token at all
+                return Err(Error::Env {
+                    var: name,
+                    value: value.to_string_lossy().into_owned(),
+                    reason: "is not valid UTF-8".into(),
+                });
+            }
+        }
         let var = |name: &'static str| std::env::var(name).ok();
         if var("RANK").is_none() && var("WORLD_SIZE").is_none() {
             // under mpirun, with MASTER_ADDR and MASTER_PORT passed along (-x), MPI's numbering
@@ -74,7 +102,16 @@ impl GroupEnv {
         };
         let rank = number("RANK")?;
         let world = number("WORLD_SIZE")?;
-        if world == 0 || rank >= world {
+        if world == 0 || world > MAX_WORLD {
+            return Err(Error::Env {
+                var: "WORLD_SIZE",
+                value: world.to_string(),
+                reason: format!(
+                    "must be from 1 to {MAX_WORLD} (2^20): rank 0 holds a connection to every rank"
+                ),
+            });
+        }
+        if rank >= world {
             return Err(Error::Env {
                 var: "RANK",
                 value: rank.to_string(),
@@ -83,12 +120,32 @@ impl GroupEnv {
         }
         let master_addr = var("MASTER_ADDR").unwrap_or_else(|| "127.0.0.1".into());
         let port = need("MASTER_PORT")?;
-        let master_port = port.trim().parse().map_err(|_| Error::Env {
-            var: "MASTER_PORT",
-            value: port.clone(),
-            reason: "expected a port number".into(),
-        })?;
-        let token = var("RESHARD_TOKEN").unwrap_or_else(|| DEFAULT_TOKEN.into());
+        let master_port = match port.trim().parse::<u16>() {
+            Ok(p) if p > 0 => p,
+            // port 0 would have rank 0 listen on a port of the system's choosing that no
+            // other rank knows: every rank would wait out its timeout
+            Ok(_) => {
+                return Err(Error::Env {
+                    var: "MASTER_PORT",
+                    value: port.clone(),
+                    reason: "must be a port from 1 to 65535 that every rank can reach".into(),
+                });
+            }
+            Err(_) => {
+                return Err(Error::Env {
+                    var: "MASTER_PORT",
+                    value: port.clone(),
+                    reason: "expected a port number from 1 to 65535".into(),
+                });
+            }
+        };
+        let token = match var("RESHARD_TOKEN") {
+            Some(t) => {
+                check_token(&t)?;
+                t
+            }
+            None => DEFAULT_TOKEN.into(),
+        };
         Ok(Some(GroupEnv {
             rank,
             world,
@@ -109,6 +166,32 @@ impl GroupEnv {
                 reason: "does not resolve to an address".into(),
             })
     }
+}
+
+/// Refuses a `RESHARD_TOKEN` that is set but cannot keep strangers out: empty or blank (most
+/// likely an unset variable expanded into it, and no authentication at all), or too long for a
+/// hello.
+pub fn check_token(token: &str) -> Result<()> {
+    let reason = if token.trim().is_empty() {
+        "is set but empty; set a secret shared by the job's ranks, or unset it".to_string()
+    } else if token.len() > MAX_TOKEN_BYTES {
+        format!(
+            "is {} bytes long; at most {MAX_TOKEN_BYTES} fit in a hello",
+            token.len()
+        )
+    } else {
+        return Ok(());
+    };
+    let shown = if token.len() > MAX_TOKEN_BYTES {
+        "(not shown)".into()
+    } else {
+        token.to_string()
+    };
+    Err(Error::Env {
+        var: "RESHARD_TOKEN",
+        value: shown,
+        reason,
+    })
 }
 
 /// What a connecting process says first.
@@ -180,25 +263,8 @@ fn connect_until(addr: SocketAddr, deadline: Instant) -> std::io::Result<TcpStre
     }
 }
 
-/// Accepts one connection before `deadline`.
-fn accept_until(listener: &TcpListener, deadline: Instant) -> Option<(TcpStream, SocketAddr)> {
-    listener.set_nonblocking(true).ok()?;
-    loop {
-        match listener.accept() {
-            Ok((s, a)) => {
-                s.set_nonblocking(false).ok()?;
-                return Some((s, a));
-            }
-            Err(e) if e.kind() == ErrorKind::WouldBlock && Instant::now() < deadline => {
-                std::thread::sleep(Duration::from_millis(2));
-            }
-            Err(e)
-                if e.kind() == ErrorKind::Interrupted
-                    || e.kind() == ErrorKind::ConnectionAborted => {}
-            Err(_) => return None,
-        }
-    }
-}
+/// How long a refusal may take to write before the connection is dropped without it.
+const REFUSAL_WAIT: Duration = Duration::from_secs(1);
 
 /// `rank 4` or `ranks 4, 5`: names that a reader (and a search for "rank 4") finds.
 fn name_ranks(ranks: &[Rank]) -> String {
@@ -309,7 +375,7 @@ impl Group {
         &self,
         hello: &Hello,
         purpose: &str,
-        expected: &BTreeSet<Rank>,
+        expected: impl Fn(Rank) -> bool,
     ) -> Result<(), String> {
         if !same_token(&hello.token, &self.env.token) {
             return Err("wrong job token (RESHARD_TOKEN)".into());
@@ -323,43 +389,54 @@ impl Group {
         if hello.purpose != purpose {
             return Err(format!("unexpected {} connection", hello.purpose));
         }
-        if !expected.contains(&hello.rank) {
+        if !expected(hello.rank) {
             return Err(format!("rank {} is not expected here", hello.rank));
         }
         Ok(())
     }
 
-    /// Reads a hello from a new connection and accepts or refuses it.
-    fn screen(
+    /// The next connection before `deadline` whose hello fits the job, `purpose` and
+    /// `expected`; others are refused (told why) or dropped (strangers that do not speak the
+    /// protocol), all screened at once by `screen`.
+    fn admit(
         &self,
-        stream: &mut TcpStream,
+        screen: &mut Screen<'_>,
         purpose: &str,
-        expected: &BTreeSet<Rank>,
-    ) -> Option<Hello> {
-        let _ = stream.set_read_timeout(Some(Duration::from_secs(5).min(self.timeout)));
-        let hello: Hello = match frame::read_control(stream) {
-            Ok(h) => h,
-            Err(e) => {
-                tracing::warn!(rank = self.env.rank, error = %e, "dropped a connection that did not say hello");
-                return None;
-            }
-        };
-        match self.check_hello(&hello, purpose, expected) {
-            Ok(()) => Some(hello),
-            Err(reason) => {
-                tracing::warn!(rank = self.env.rank, from = hello.rank, %reason, "refused a connection");
-                let _ = frame::write_control(stream, &Reply::Refused { reason });
-                None
+        expected: impl Fn(Rank) -> bool,
+        deadline: Instant,
+    ) -> Option<(Hello, TcpStream, SocketAddr)> {
+        loop {
+            let (hello, mut stream, from) = screen.next::<Hello>(deadline)?;
+            match self.check_hello(&hello, purpose, &expected) {
+                Ok(()) => return Some((hello, stream, from)),
+                Err(reason) => {
+                    tracing::warn!(rank = self.env.rank, from = hello.rank, %reason, "refused a connection");
+                    // a fresh connection's send buffer is empty: a short answer never blocks
+                    // for long, and a peer that does not read it cannot hold us
+                    let _ = stream.set_write_timeout(Some(REFUSAL_WAIT));
+                    let _ = frame::write_control(&mut stream, &Reply::Refused { reason });
+                }
             }
         }
     }
 
     /// Rank 0: waits for every other rank's hello, then sends everyone the address table.
     fn gather_members(&mut self, deadline: Instant) -> Result<()> {
-        let mut waiting: BTreeSet<Rank> = (1..self.env.world).collect();
-        while !waiting.is_empty() {
-            let Some((mut stream, from)) = accept_until(&self.listener, deadline) else {
-                let missing: Vec<Rank> = waiting.iter().copied().collect();
+        // one flag per rank rather than a set: the memory a rank needs stays small and linear
+        // in the world size
+        let mut joined = vec![false; self.env.world];
+        joined[0] = true;
+        let mut missing = self.env.world - 1;
+        let mut screen = Screen::new(&self.listener, 0);
+        while missing > 0 {
+            let admitted = self.admit(
+                &mut screen,
+                "control",
+                |r| joined.get(r) == Some(&false),
+                deadline,
+            );
+            let Some((hello, stream, from)) = admitted else {
+                let missing: Vec<Rank> = (0..self.env.world).filter(|&r| !joined[r]).collect();
                 let detail = format!("rendezvous: {} never joined", name_ranks(&missing));
                 // tell the ranks that did join who is missing, so that they need not guess
                 let refusal = Reply::Refused {
@@ -375,22 +452,23 @@ impl Group {
                     detail,
                 });
             };
-            if let Some(hello) = self.screen(&mut stream, "control", &waiting) {
-                let _ = stream.set_nodelay(true);
-                let _ = stream.set_write_timeout(Some(self.timeout));
-                self.addrs[hello.rank] = SocketAddr::new(from.ip(), hello.port);
-                self.pids[hello.rank] = hello.pid;
-                waiting.remove(&hello.rank);
-                self.control[hello.rank] = Some(stream);
-            }
+            let _ = stream.set_nodelay(true);
+            let _ = stream.set_write_timeout(Some(self.timeout));
+            self.addrs[hello.rank] = SocketAddr::new(from.ip(), hello.port);
+            self.pids[hello.rank] = hello.pid;
+            joined[hello.rank] = true;
+            missing -= 1;
+            self.control[hello.rank] = Some(stream);
         }
-        let welcome = Reply::Welcome {
+        drop(screen);
+        let welcome = frame::encode_control(&Reply::Welcome {
             addrs: self.addrs.clone(),
             pids: self.pids.clone(),
-        };
+        })
+        .map_err(|e| e.into_error(0, 0, "the rendezvous", self.timeout))?;
         // a rank that died since its hello shows up at the barrier, where all ranks hear of it
         for s in self.control.iter_mut().flatten() {
-            let _ = frame::write_control(s, &welcome);
+            let _ = frame::write_encoded(s, &welcome);
         }
         Ok(())
     }
@@ -462,8 +540,10 @@ impl Group {
             links.insert(peer, s);
         }
         let mut waiting: BTreeSet<Rank> = peers.range(rank + 1..).copied().collect();
+        let mut screen = Screen::new(&self.listener, rank);
         while !waiting.is_empty() {
-            let Some((mut s, _)) = accept_until(&self.listener, deadline) else {
+            let admitted = self.admit(&mut screen, "peer", |r| waiting.contains(&r), deadline);
+            let Some((hello, mut s, _)) = admitted else {
                 return Err(Error::Timeout {
                     rank,
                     peer: *waiting.iter().next().unwrap_or(&rank),
@@ -474,12 +554,11 @@ impl Group {
                     ),
                 });
             };
-            if let Some(hello) = self.screen(&mut s, "peer", &waiting) {
-                frame::write_control(&mut s, &Reply::Accepted)
-                    .map_err(|e| e.into_error(rank, hello.rank, "accepting", self.timeout))?;
-                waiting.remove(&hello.rank);
-                links.insert(hello.rank, s);
-            }
+            let _ = s.set_write_timeout(Some(self.timeout));
+            frame::write_control(&mut s, &Reply::Accepted)
+                .map_err(|e| e.into_error(rank, hello.rank, "accepting", self.timeout))?;
+            waiting.remove(&hello.rank);
+            links.insert(hello.rank, s);
         }
         for s in links.values() {
             let _ = s.set_nodelay(true);
