@@ -5,6 +5,10 @@
 //! Rank 0 listens on `MASTER_ADDR:MASTER_PORT`; every other rank connects to it, says who it
 //! is, and learns every rank's address. A connection whose token, world size or rank does not
 //! fit the job is refused and the job goes on. Every wait is bounded by the job's timeout.
+//!
+//! The ports that accept connections (rank 0's rendezvous port, every rank's data-link port)
+//! screen all newcomers at once ([`super::screen`]): strangers that stay silent, trickle,
+//! send too much or come by the hundred are dropped without delaying the ranks.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::ErrorKind;
