@@ -100,6 +100,9 @@ pub struct Screen<'l> {
     pending: VecDeque<Pending>,
     /// No accepting until then (the process ran out of file descriptors).
     paused_until: Option<Instant>,
+    /// Connections dropped so far: logged once, as a count, so that a flood of strangers
+    /// cannot flood the log too.
+    dropped: usize,
 }
 
 impl<'l> Screen<'l> {
@@ -115,6 +118,7 @@ impl<'l> Screen<'l> {
             hello_wait: wait,
             pending: VecDeque::new(),
             paused_until: None,
+            dropped: 0,
         }
     }
 
@@ -200,7 +204,7 @@ impl<'l> Screen<'l> {
             Step::Waiting => None,
             Step::Drop(reason) => {
                 let p = self.pending.remove(i)?;
-                tracing::warn!(rank = self.rank, from = %p.from, %reason, "dropped a connection that did not say hello");
+                self.drop_one(p.from, &reason);
                 None
             }
             Step::Complete(body) => {
@@ -212,15 +216,18 @@ impl<'l> Screen<'l> {
 
     /// Decodes a complete hello and hands the stream back blocking.
     fn finish<T: DeserializeOwned>(
-        &self,
+        &mut self,
         p: Pending,
         body: &[u8],
     ) -> Option<(T, TcpStream, SocketAddr)> {
         match frame::decode_control(body) {
             Ok(hello) if p.stream.set_nonblocking(false).is_ok() => Some((hello, p.stream, p.from)),
-            Ok(_) => None,
+            Ok(_) => {
+                self.drop_one(p.from, "cannot make the connection blocking");
+                None
+            }
             Err(e) => {
-                tracing::warn!(rank = self.rank, from = %p.from, error = %e, "dropped a connection that did not say hello");
+                self.drop_one(p.from, &e.to_string());
                 None
             }
         }
@@ -248,14 +255,12 @@ impl<'l> Screen<'l> {
                                 return Some(done);
                             }
                         }
-                        Step::Drop(reason) => {
-                            tracing::warn!(rank = self.rank, %from, %reason, "dropped a connection that did not say hello");
-                        }
+                        Step::Drop(reason) => self.drop_one(from, &reason),
                         Step::Waiting => {
                             if self.pending.len() == MAX_PENDING
                                 && let Some(old) = self.pending.pop_front()
                             {
-                                tracing::warn!(rank = self.rank, from = %old.from, "dropped a silent connection to make room");
+                                self.drop_one(old.from, "the oldest waiting, to make room");
                             }
                             self.pending.push_back(p);
                         }
@@ -268,7 +273,9 @@ impl<'l> Screen<'l> {
                 Err(e) => {
                     // out of file descriptors, most likely: free one and try again shortly
                     tracing::warn!(rank = self.rank, error = %e, "cannot accept a connection");
-                    self.pending.pop_front();
+                    if let Some(old) = self.pending.pop_front() {
+                        self.drop_one(old.from, "the oldest waiting, to free a file descriptor");
+                    }
                     self.paused_until = Some(Instant::now() + ACCEPT_PAUSE);
                     return None;
                 }
@@ -278,19 +285,40 @@ impl<'l> Screen<'l> {
 
     /// Drops the connections whose time for a hello is up.
     fn drop_late(&mut self, now: Instant) {
-        let rank = self.rank;
+        let (rank, before) = (self.rank, self.pending.len());
         self.pending.retain(|p| {
             let late = p.until <= now;
             if late {
-                tracing::warn!(rank, from = %p.from, received = p.buf.len(), "dropped a connection that did not finish its hello in time");
+                tracing::debug!(rank, from = %p.from, received = p.buf.len(), "dropped a connection that did not finish its hello in time");
             }
             !late
         });
+        self.dropped += before - self.pending.len();
+    }
+
+    /// Counts (and, at debug level, logs) a connection dropped for `reason`.
+    fn drop_one(&mut self, from: SocketAddr, reason: &str) {
+        tracing::debug!(rank = self.rank, %from, %reason, "dropped a connection that did not say hello");
+        self.dropped += 1;
     }
 
     /// How many connections still owe their hello.
     pub fn waiting(&self) -> usize {
         self.pending.len()
+    }
+}
+
+impl Drop for Screen<'_> {
+    /// One line for all the strangers, those still waiting included (they are closed now).
+    fn drop(&mut self) {
+        let dropped = self.dropped + self.pending.len();
+        if dropped > 0 {
+            tracing::warn!(
+                rank = self.rank,
+                dropped,
+                "dropped connections that sent no valid hello in time (RESHARD_LOG=debug names them)"
+            );
+        }
     }
 }
 
