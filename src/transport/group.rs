@@ -430,9 +430,9 @@ impl Group {
         // in the world size
         let mut joined = vec![false; self.env.world];
         joined[0] = true;
-        let mut missing = self.env.world - 1;
+        let mut to_join = self.env.world - 1;
         let mut screen = Screen::new(&self.listener, 0);
-        while missing > 0 {
+        while to_join > 0 {
             let admitted = self.admit(
                 &mut screen,
                 "control",
@@ -461,7 +461,7 @@ impl Group {
             self.addrs[hello.rank] = SocketAddr::new(from.ip(), hello.port);
             self.pids[hello.rank] = hello.pid;
             joined[hello.rank] = true;
-            missing -= 1;
+            to_join -= 1;
             self.control[hello.rank] = Some(stream);
         }
         drop(screen);
