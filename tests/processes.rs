@@ -272,6 +272,139 @@ fn connections_without_the_token_are_refused() {
     assert!(out.status.success(), "{}", text(&out.stderr));
 }
 
+/// Connects to `port`, retrying until the rank that listens there has started.
+fn connect_when_listening(port: u16) -> TcpStream {
+    let started = std::time::Instant::now();
+    loop {
+        match TcpStream::connect(("127.0.0.1", port)) {
+            Ok(s) => return s,
+            Err(e) if started.elapsed() < Duration::from_secs(60) => {
+                let _ = e;
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            Err(e) => panic!("nothing listens on port {port}: {e}"),
+        }
+    }
+}
+
+/// Strangers on the rendezvous port: 100 that connect and say nothing, one that trickles a
+/// hello a byte every half second, one that announces a gigabyte and sends 64 KiB of it. A
+/// real job of two ranks still forms and completes within its timeout.
+#[test]
+fn strangers_on_the_rendezvous_port_do_not_stall_the_job() {
+    let args = [
+        "run",
+        "--shape",
+        "64,64",
+        "--src",
+        "mesh=1 place=R",
+        "--dst",
+        "mesh=1 ranks=1 place=R",
+        "--transport",
+        "tcp",
+        "--verify",
+        "--timeout",
+        "20",
+    ];
+    let port = free_port();
+    let root = spawn_rank(0, 2, port, "right", &args);
+    let mut strangers: Vec<TcpStream> = (0..100).map(|_| connect_when_listening(port)).collect();
+    let mut oversized = connect_when_listening(port);
+    let mut header = b"RSHD\x01\0\0\0".to_vec();
+    header.extend_from_slice(&(1u64 << 30).to_le_bytes());
+    let _ = oversized.write_all(&header);
+    let _ = oversized.write_all(&vec![b'x'; 64 << 10]);
+    strangers.push(oversized);
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let trickler = {
+        let stop = stop.clone();
+        let mut s = connect_when_listening(port);
+        std::thread::spawn(move || {
+            let mut hello = b"RSHD\x01\0\0\0\x40\0\0\0\0\0\0\0".to_vec();
+            hello.extend_from_slice(&[b' '; 64]);
+            for b in hello {
+                if stop.load(std::sync::atomic::Ordering::Relaxed) || s.write_all(&[b]).is_err() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(500));
+            }
+        })
+    };
+    let member = spawn_rank(1, 2, port, "right", &args);
+    let out = wait_bounded(member, Duration::from_secs(120), "rank 1");
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let out = wait_bounded(root, Duration::from_secs(120), "rank 0");
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(text(&out.stdout).contains("verif"), "{}", text(&out.stdout));
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    trickler.join().unwrap();
+    drop(strangers);
+}
+
+/// What a rank started with `vars` (over a base of a valid job environment) exits with, and
+/// its standard error.
+fn rank_with_env(vars: &[(&str, &str)]) -> (Option<i32>, String) {
+    let mut command = Command::new(EXE);
+    command
+        .args(["run", "--shape", "8", "--src", "mesh=1 place=R", "--dst"])
+        .args([
+            "mesh=1 ranks=1 place=R",
+            "--transport",
+            "tcp",
+            "--timeout",
+            "5",
+        ])
+        .env("RANK", "0")
+        .env("WORLD_SIZE", "2")
+        .env("MASTER_ADDR", "127.0.0.1")
+        .env("MASTER_PORT", free_port().to_string())
+        .env_remove("RESHARD_TOKEN");
+    for &(k, v) in vars {
+        command.env(k, v);
+    }
+    let child = command
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let out = wait_bounded(child, Duration::from_secs(60), "a rank");
+    (out.status.code(), text(&out.stderr))
+}
+
+/// A job environment that cannot work is refused at once (exit code 2), naming the variable
+/// and its value: no panic for a huge WORLD_SIZE, no wait for a port nobody knows, and no
+/// silent fall-back to the default token for an empty one.
+#[test]
+fn unusable_job_environments_are_refused() {
+    let (code, err) = rank_with_env(&[("WORLD_SIZE", "18446744073709551615")]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("WORLD_SIZE=\"18446744073709551615\""), "{err}");
+    let (code, err) = rank_with_env(&[("WORLD_SIZE", "100000000")]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("WORLD_SIZE=\"100000000\""), "{err}");
+    let (code, err) = rank_with_env(&[("MASTER_PORT", "0")]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("MASTER_PORT=\"0\""), "{err}");
+    for blank in ["", "  "] {
+        let (code, err) = rank_with_env(&[("RESHARD_TOKEN", blank)]);
+        assert_eq!(code, Some(2), "{err}");
+        assert!(err.contains("RESHARD_TOKEN="), "{err}");
+    }
+    let out = Command::new(EXE)
+        .args(["launch", "--nproc", "2", "--", "run", "--shape", "8"])
+        .args(["--src", "mesh=1 place=R", "--dst", "mesh=1 ranks=1 place=R"])
+        .env("RESHARD_TOKEN", "")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stderr).contains("RESHARD_TOKEN=\"\""),
+        "{}",
+        text(&out.stderr)
+    );
+}
+
 /// A rank that never comes: the others fail within the timeout, naming it.
 #[test]
 fn a_missing_rank_is_named() {

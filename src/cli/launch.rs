@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use clap::Args;
 use reshard::Error;
+use reshard::transport::group::check_token;
 
 use super::Failure;
 
@@ -107,9 +108,21 @@ pub fn main(args: &LaunchArgs) -> Result<std::process::ExitCode, Failure> {
                 source,
             })?,
     };
+    // a token set for the job is checked as every rank would check it: an empty one is a
+    // mistake to report, not a reason to make up another
     let token = match std::env::var("RESHARD_TOKEN") {
-        Ok(t) if !t.is_empty() => t,
-        _ => random_token()?,
+        Ok(t) => {
+            check_token(&t)?;
+            t
+        }
+        Err(std::env::VarError::NotPresent) => random_token()?,
+        Err(std::env::VarError::NotUnicode(value)) => {
+            return Err(Failure::Input(Error::Env {
+                var: "RESHARD_TOKEN",
+                value: value.to_string_lossy().into_owned(),
+                reason: "is not valid UTF-8".into(),
+            }));
+        }
     };
     let exe = std::env::current_exe().map_err(|source| Error::Io {
         path: "the reshard executable".into(),

@@ -113,33 +113,66 @@ pub fn read_header(r: &mut impl Read) -> Result<(Kind, u64), FrameError> {
     ))
 }
 
-/// Writes a control message.
-pub fn write_control<T: Serialize>(w: &mut impl Write, msg: &T) -> Result<(), FrameError> {
+/// A control message as one frame (header and JSON body), ready to be written to any number
+/// of streams: rank 0 encodes the rank table once for all its members.
+pub fn encode_control<T: Serialize>(msg: &T) -> Result<Vec<u8>, FrameError> {
     let body = serde_json::to_vec(msg).map_err(|e| FrameError::Json(e.to_string()))?;
     let mut buf = Vec::with_capacity(HEADER_BYTES + body.len());
     buf.extend_from_slice(&header(Kind::Control, body.len() as u64));
     buf.extend_from_slice(&body);
-    w.write_all(&buf)?;
+    Ok(buf)
+}
+
+/// Writes a frame made by [`encode_control`].
+pub fn write_encoded(w: &mut impl Write, frame: &[u8]) -> Result<(), FrameError> {
+    w.write_all(frame)?;
     w.flush()?;
     Ok(())
 }
 
-/// Reads a control message, refusing data frames and oversized ones.
-pub fn read_control<T: DeserializeOwned>(r: &mut impl Read) -> Result<T, FrameError> {
-    let (kind, len) = read_header(r)?;
+/// Writes a control message.
+pub fn write_control<T: Serialize>(w: &mut impl Write, msg: &T) -> Result<(), FrameError> {
+    write_encoded(w, &encode_control(msg)?)
+}
+
+/// The payload length of a control frame whose header is `h`, if it is at most `max` bytes.
+pub fn control_length(mut h: &[u8], max: u64) -> Result<u64, FrameError> {
+    let (kind, len) = read_header(&mut h)?;
     if kind != Kind::Control {
         return Err(FrameError::UnexpectedKind {
             got: kind,
             want: Kind::Control,
         });
     }
-    if len > MAX_CONTROL_BYTES {
+    if len > max {
         return Err(FrameError::TooLarge(len));
     }
-    let mut body = vec![0u8; len as usize];
-    r.read_exact(&mut body)?;
-    serde_json::from_slice(&body).map_err(|e| FrameError::Json(e.to_string()))
+    Ok(len)
 }
+
+/// Decodes the JSON body of a control frame.
+pub fn decode_control<T: DeserializeOwned>(body: &[u8]) -> Result<T, FrameError> {
+    serde_json::from_slice(body).map_err(|e| FrameError::Json(e.to_string()))
+}
+
+/// Reads a control message, refusing data frames and oversized ones.
+///
+/// The body grows as its bytes arrive instead of being allocated at the length the header
+/// claims: a peer that announces [`MAX_CONTROL_BYTES`] and sends ten costs ten bytes.
+pub fn read_control<T: DeserializeOwned>(r: &mut impl Read) -> Result<T, FrameError> {
+    let mut h = [0u8; HEADER_BYTES];
+    r.read_exact(&mut h)?;
+    let len = control_length(&h, MAX_CONTROL_BYTES)?;
+    let mut body = Vec::with_capacity(len.min(FIRST_BODY_BYTES) as usize);
+    r.take(len).read_to_end(&mut body)?;
+    if (body.len() as u64) < len {
+        return Err(FrameError::Closed);
+    }
+    decode_control(&body)
+}
+
+/// The room first made for a control body: small messages need no more, larger ones grow.
+const FIRST_BODY_BYTES: u64 = 64 << 10;
 
 /// Writes the header of a data frame of `len` bytes; the payload follows.
 pub fn write_data_header(w: &mut impl Write, len: u64) -> Result<(), FrameError> {
@@ -202,6 +235,58 @@ mod tests {
         assert!(matches!(read_header(&mut r), Err(FrameError::Magic(_))));
         let mut r = &b"RSHD"[..];
         assert!(matches!(read_header(&mut r), Err(FrameError::Closed)));
+    }
+
+    /// A reader that holds `prefix` and then ends, and remembers the largest buffer it was
+    /// asked to fill.
+    struct Watched<'a> {
+        prefix: &'a [u8],
+        largest: usize,
+    }
+
+    impl Read for Watched<'_> {
+        fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+            self.largest = self.largest.max(buf.len());
+            self.prefix.read(buf)
+        }
+    }
+
+    #[test]
+    fn a_claimed_length_is_not_allocated_before_its_bytes_arrive() {
+        let mut input = header(Kind::Control, MAX_CONTROL_BYTES).to_vec();
+        input.extend_from_slice(b"{\"a\":1}");
+        let mut r = Watched {
+            prefix: &input,
+            largest: 0,
+        };
+        assert!(matches!(
+            read_control::<serde_json::Value>(&mut r),
+            Err(FrameError::Closed)
+        ));
+        assert!(
+            r.largest <= 1 << 20,
+            "asked for {} bytes at once",
+            r.largest
+        );
+    }
+
+    #[test]
+    fn control_length_bounds_kind_and_size() {
+        assert_eq!(control_length(&header(Kind::Control, 10), 10).unwrap(), 10);
+        assert!(matches!(
+            control_length(&header(Kind::Control, 11), 10),
+            Err(FrameError::TooLarge(11))
+        ));
+        assert!(matches!(
+            control_length(&header(Kind::Data, 1), 10),
+            Err(FrameError::UnexpectedKind { .. })
+        ));
+        let frame = encode_control(&"hi").unwrap();
+        let len = control_length(&frame[..HEADER_BYTES], 10).unwrap();
+        assert_eq!(
+            decode_control::<String>(&frame[HEADER_BYTES..][..len as usize]).unwrap(),
+            "hi"
+        );
     }
 
     proptest! {

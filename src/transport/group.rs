@@ -5,6 +5,10 @@
 //! Rank 0 listens on `MASTER_ADDR:MASTER_PORT`; every other rank connects to it, says who it
 //! is, and learns every rank's address. A connection whose token, world size or rank does not
 //! fit the job is refused and the job goes on. Every wait is bounded by the job's timeout.
+//!
+//! The ports that accept connections (rank 0's rendezvous port, every rank's data-link port)
+//! screen all newcomers at once ([`super::screen`]): strangers that stay silent, trickle,
+//! send too much or come by the hundred are dropped without delaying the ranks.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::ErrorKind;
@@ -18,6 +22,7 @@ use crate::error::{Error, Result};
 use crate::layout::Rank;
 
 use super::frame;
+use super::screen::Screen;
 
 /// Where a process stands in the job, from its environment.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -33,10 +38,37 @@ pub struct GroupEnv {
 /// world sizes, but only a real token keeps out strangers.
 pub const DEFAULT_TOKEN: &str = "reshard";
 
+/// Largest `RESHARD_TOKEN`, so that a hello stays within [`super::screen::MAX_HELLO_BYTES`].
+pub const MAX_TOKEN_BYTES: usize = 512;
+
+/// Largest `WORLD_SIZE`: rank 0 holds a connection, so a file descriptor, to every other
+/// rank, and 2^20 is Linux's default cap on a process's open files (`fs.nr_open`). Every rank
+/// keeps a table of the job's ranks (an address and a process id each), some 40 bytes a rank.
+pub const MAX_WORLD: usize = 1 << 20;
+
+/// The variables that place a process in a job; they must be valid UTF-8 when set.
+const JOB_VARS: [&str; 5] = [
+    "RANK",
+    "WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "RESHARD_TOKEN",
+];
+
 impl GroupEnv {
     /// Reads the torchrun variables; `None` when `RANK` and `WORLD_SIZE` are both unset (a
     /// single process).
     pub fn from_env() -> Result<Option<GroupEnv>> {
+        for name in JOB_VARS {
+            if let Some(value) = std::env::var_os(name).filter(|v| v.to_str().is_none()) {
+                // taken as unset, a garbled RESHARD_TOKEN would quietly mean no token at all
+                return Err(Error::Env {
+                    var: name,
+                    value: value.to_string_lossy().into_owned(),
+                    reason: "is not valid UTF-8".into(),
+                });
+            }
+        }
         let var = |name: &'static str| std::env::var(name).ok();
         if var("RANK").is_none() && var("WORLD_SIZE").is_none() {
             // under mpirun, with MASTER_ADDR and MASTER_PORT passed along (-x), MPI's numbering
@@ -75,7 +107,16 @@ impl GroupEnv {
         };
         let rank = number("RANK")?;
         let world = number("WORLD_SIZE")?;
-        if world == 0 || rank >= world {
+        if world == 0 || world > MAX_WORLD {
+            return Err(Error::Env {
+                var: "WORLD_SIZE",
+                value: world.to_string(),
+                reason: format!(
+                    "must be from 1 to {MAX_WORLD} (2^20): rank 0 holds a connection to every rank"
+                ),
+            });
+        }
+        if rank >= world {
             return Err(Error::Env {
                 var: "RANK",
                 value: rank.to_string(),
@@ -84,12 +125,32 @@ impl GroupEnv {
         }
         let master_addr = var("MASTER_ADDR").unwrap_or_else(|| "127.0.0.1".into());
         let port = need("MASTER_PORT")?;
-        let master_port = port.trim().parse().map_err(|_| Error::Env {
-            var: "MASTER_PORT",
-            value: port.clone(),
-            reason: "expected a port number".into(),
-        })?;
-        let token = var("RESHARD_TOKEN").unwrap_or_else(|| DEFAULT_TOKEN.into());
+        let master_port = match port.trim().parse::<u16>() {
+            Ok(p) if p > 0 => p,
+            // port 0 would have rank 0 listen on a port of the system's choosing that no
+            // other rank knows: every rank would wait out its timeout
+            Ok(_) => {
+                return Err(Error::Env {
+                    var: "MASTER_PORT",
+                    value: port.clone(),
+                    reason: "must be a port from 1 to 65535 that every rank can reach".into(),
+                });
+            }
+            Err(_) => {
+                return Err(Error::Env {
+                    var: "MASTER_PORT",
+                    value: port.clone(),
+                    reason: "expected a port number from 1 to 65535".into(),
+                });
+            }
+        };
+        let token = match var("RESHARD_TOKEN") {
+            Some(t) => {
+                check_token(&t)?;
+                t
+            }
+            None => DEFAULT_TOKEN.into(),
+        };
         Ok(Some(GroupEnv {
             rank,
             world,
@@ -110,6 +171,32 @@ impl GroupEnv {
                 reason: "does not resolve to an address".into(),
             })
     }
+}
+
+/// Refuses a `RESHARD_TOKEN` that is set but cannot keep strangers out: empty or blank (most
+/// likely an unset variable expanded into it, and no authentication at all), or too long for a
+/// hello.
+pub fn check_token(token: &str) -> Result<()> {
+    let reason = if token.trim().is_empty() {
+        "is set but empty; set a secret shared by the job's ranks, or unset it".to_string()
+    } else if token.len() > MAX_TOKEN_BYTES {
+        format!(
+            "is {} bytes long; at most {MAX_TOKEN_BYTES} fit in a hello",
+            token.len()
+        )
+    } else {
+        return Ok(());
+    };
+    let shown = if token.len() > MAX_TOKEN_BYTES {
+        "(not shown)".into()
+    } else {
+        token.to_string()
+    };
+    Err(Error::Env {
+        var: "RESHARD_TOKEN",
+        value: shown,
+        reason,
+    })
 }
 
 /// What a connecting process says first.
@@ -190,25 +277,8 @@ fn connect_until(addr: SocketAddr, deadline: Instant) -> std::io::Result<TcpStre
     }
 }
 
-/// Accepts one connection before `deadline`.
-fn accept_until(listener: &TcpListener, deadline: Instant) -> Option<(TcpStream, SocketAddr)> {
-    listener.set_nonblocking(true).ok()?;
-    loop {
-        match listener.accept() {
-            Ok((s, a)) => {
-                s.set_nonblocking(false).ok()?;
-                return Some((s, a));
-            }
-            Err(e) if e.kind() == ErrorKind::WouldBlock && Instant::now() < deadline => {
-                std::thread::sleep(Duration::from_millis(2));
-            }
-            Err(e)
-                if e.kind() == ErrorKind::Interrupted
-                    || e.kind() == ErrorKind::ConnectionAborted => {}
-            Err(_) => return None,
-        }
-    }
-}
+/// How long a refusal may take to write before the connection is dropped without it.
+const REFUSAL_WAIT: Duration = Duration::from_secs(1);
 
 /// `rank 4` or `ranks 4, 5`: names that a reader (and a search for "rank 4") finds.
 fn name_ranks(ranks: &[Rank]) -> String {
@@ -319,7 +389,7 @@ impl Group {
         &self,
         hello: &Hello,
         purpose: &str,
-        expected: &BTreeSet<Rank>,
+        expected: impl Fn(Rank) -> bool,
     ) -> Result<(), String> {
         if !same_token(&hello.token, &self.env.token) {
             return Err("wrong job token (RESHARD_TOKEN)".into());
@@ -333,43 +403,54 @@ impl Group {
         if hello.purpose != purpose {
             return Err(format!("unexpected {} connection", hello.purpose));
         }
-        if !expected.contains(&hello.rank) {
+        if !expected(hello.rank) {
             return Err(format!("rank {} is not expected here", hello.rank));
         }
         Ok(())
     }
 
-    /// Reads a hello from a new connection and accepts or refuses it.
-    fn screen(
+    /// The next connection before `deadline` whose hello fits the job, `purpose` and
+    /// `expected`; others are refused (told why) or dropped (strangers that do not speak the
+    /// protocol), all screened at once by `screen`.
+    fn admit(
         &self,
-        stream: &mut TcpStream,
+        screen: &mut Screen<'_>,
         purpose: &str,
-        expected: &BTreeSet<Rank>,
-    ) -> Option<Hello> {
-        let _ = stream.set_read_timeout(Some(Duration::from_secs(5).min(self.timeout)));
-        let hello: Hello = match frame::read_control(stream) {
-            Ok(h) => h,
-            Err(e) => {
-                tracing::warn!(rank = self.env.rank, error = %e, "dropped a connection that did not say hello");
-                return None;
-            }
-        };
-        match self.check_hello(&hello, purpose, expected) {
-            Ok(()) => Some(hello),
-            Err(reason) => {
-                tracing::warn!(rank = self.env.rank, from = hello.rank, %reason, "refused a connection");
-                let _ = frame::write_control(stream, &Reply::Refused { reason });
-                None
+        expected: impl Fn(Rank) -> bool,
+        deadline: Instant,
+    ) -> Option<(Hello, TcpStream, SocketAddr)> {
+        loop {
+            let (hello, mut stream, from) = screen.next::<Hello>(deadline)?;
+            match self.check_hello(&hello, purpose, &expected) {
+                Ok(()) => return Some((hello, stream, from)),
+                Err(reason) => {
+                    tracing::warn!(rank = self.env.rank, from = hello.rank, %reason, "refused a connection");
+                    // a fresh connection's send buffer is empty: a short answer never blocks
+                    // for long, and a peer that does not read it cannot hold us
+                    let _ = stream.set_write_timeout(Some(REFUSAL_WAIT));
+                    let _ = frame::write_control(&mut stream, &Reply::Refused { reason });
+                }
             }
         }
     }
 
     /// Rank 0: waits for every other rank's hello, then sends everyone the address table.
     fn gather_members(&mut self, deadline: Instant) -> Result<()> {
-        let mut waiting: BTreeSet<Rank> = (1..self.env.world).collect();
-        while !waiting.is_empty() {
-            let Some((mut stream, from)) = accept_until(&self.listener, deadline) else {
-                let missing: Vec<Rank> = waiting.iter().copied().collect();
+        // one flag per rank rather than a set: the memory a rank needs stays small and linear
+        // in the world size
+        let mut joined = vec![false; self.env.world];
+        joined[0] = true;
+        let mut to_join = self.env.world - 1;
+        let mut screen = Screen::new(&self.listener, 0);
+        while to_join > 0 {
+            let admitted = self.admit(
+                &mut screen,
+                "control",
+                |r| joined.get(r) == Some(&false),
+                deadline,
+            );
+            let Some((hello, stream, from)) = admitted else {
+                let missing: Vec<Rank> = (0..self.env.world).filter(|&r| !joined[r]).collect();
                 let detail = format!("rendezvous: {} never joined", name_ranks(&missing));
                 // tell the ranks that did join who is missing, so that they need not guess
                 let refusal = Reply::Refused {
@@ -385,22 +466,23 @@ impl Group {
                     detail,
                 });
             };
-            if let Some(hello) = self.screen(&mut stream, "control", &waiting) {
-                let _ = stream.set_nodelay(true);
-                let _ = stream.set_write_timeout(Some(self.timeout));
-                self.addrs[hello.rank] = SocketAddr::new(from.ip(), hello.port);
-                self.pids[hello.rank] = hello.pid;
-                waiting.remove(&hello.rank);
-                self.control[hello.rank] = Some(stream);
-            }
+            let _ = stream.set_nodelay(true);
+            let _ = stream.set_write_timeout(Some(self.timeout));
+            self.addrs[hello.rank] = SocketAddr::new(from.ip(), hello.port);
+            self.pids[hello.rank] = hello.pid;
+            joined[hello.rank] = true;
+            to_join -= 1;
+            self.control[hello.rank] = Some(stream);
         }
-        let welcome = Reply::Welcome {
+        drop(screen);
+        let welcome = frame::encode_control(&Reply::Welcome {
             addrs: self.addrs.clone(),
             pids: self.pids.clone(),
-        };
+        })
+        .map_err(|e| e.into_error(0, 0, "the rendezvous", self.timeout))?;
         // a rank that died since its hello shows up at the barrier, where all ranks hear of it
         for s in self.control.iter_mut().flatten() {
-            let _ = frame::write_control(s, &welcome);
+            let _ = frame::write_encoded(s, &welcome);
         }
         Ok(())
     }
@@ -472,8 +554,10 @@ impl Group {
             links.insert(peer, s);
         }
         let mut waiting: BTreeSet<Rank> = peers.range(rank + 1..).copied().collect();
+        let mut screen = Screen::new(&self.listener, rank);
         while !waiting.is_empty() {
-            let Some((mut s, _)) = accept_until(&self.listener, deadline) else {
+            let admitted = self.admit(&mut screen, "peer", |r| waiting.contains(&r), deadline);
+            let Some((hello, mut s, _)) = admitted else {
                 return Err(Error::Timeout {
                     rank,
                     peer: *waiting.iter().next().unwrap_or(&rank),
@@ -484,12 +568,11 @@ impl Group {
                     ),
                 });
             };
-            if let Some(hello) = self.screen(&mut s, "peer", &waiting) {
-                frame::write_control(&mut s, &Reply::Accepted)
-                    .map_err(|e| e.into_error(rank, hello.rank, "accepting", self.timeout))?;
-                waiting.remove(&hello.rank);
-                links.insert(hello.rank, s);
-            }
+            let _ = s.set_write_timeout(Some(self.timeout));
+            frame::write_control(&mut s, &Reply::Accepted)
+                .map_err(|e| e.into_error(rank, hello.rank, "accepting", self.timeout))?;
+            waiting.remove(&hello.rank);
+            links.insert(hello.rank, s);
         }
         for s in links.values() {
             let _ = s.set_nodelay(true);
@@ -771,5 +854,213 @@ impl super::Job for Group {
         mine: std::result::Result<serde_json::Value, String>,
     ) -> Result<Vec<serde_json::Value>> {
         self.finish_impl(mine)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+    use std::io::Write;
+
+    use super::super::{Job, screen};
+    use super::*;
+
+    fn parse(vars: &[(&str, &str)]) -> Result<Option<GroupEnv>> {
+        let vars: HashMap<String, String> = vars
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        GroupEnv::from_vars(|name| vars.get(name).cloned())
+    }
+
+    fn job_vars<'a>(extra: &[(&'a str, &'a str)]) -> Vec<(&'a str, &'a str)> {
+        let mut vars = vec![("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_PORT", "29500")];
+        for &(k, v) in extra {
+            vars.retain(|&(name, _)| name != k);
+            vars.push((k, v));
+        }
+        vars
+    }
+
+    /// The variable an environment error names, and its value.
+    fn env_error(vars: &[(&str, &str)]) -> (&'static str, String) {
+        match parse(&job_vars(vars)) {
+            Err(Error::Env { var, value, .. }) => (var, value),
+            other => panic!("expected an environment error, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn world_size_is_bounded() {
+        let huge = u64::MAX.to_string();
+        assert_eq!(
+            env_error(&[("WORLD_SIZE", &huge)]),
+            ("WORLD_SIZE", huge.clone())
+        );
+        let over = (MAX_WORLD + 1).to_string();
+        assert_eq!(env_error(&[("WORLD_SIZE", &over)]), ("WORLD_SIZE", over));
+        assert_eq!(env_error(&[("WORLD_SIZE", "0")]).0, "WORLD_SIZE");
+        assert_eq!(env_error(&[("WORLD_SIZE", "1e8")]).0, "WORLD_SIZE");
+        let max = MAX_WORLD.to_string();
+        let env = parse(&job_vars(&[("WORLD_SIZE", &max)])).unwrap().unwrap();
+        assert_eq!(env.world, MAX_WORLD);
+        assert_eq!(
+            env_error(&[("RANK", "2")]),
+            ("RANK", "2".into()),
+            "a rank beyond the world names RANK"
+        );
+    }
+
+    #[test]
+    fn master_port_zero_is_an_error() {
+        assert_eq!(
+            env_error(&[("MASTER_PORT", "0")]),
+            ("MASTER_PORT", "0".into())
+        );
+        assert_eq!(env_error(&[("MASTER_PORT", "65536")]).0, "MASTER_PORT");
+        let env = parse(&job_vars(&[("MASTER_PORT", "1")])).unwrap().unwrap();
+        assert_eq!(env.master_port, 1);
+    }
+
+    #[test]
+    fn an_empty_token_is_an_error_not_the_default() {
+        for blank in ["", " ", "\t\n"] {
+            assert_eq!(
+                env_error(&[("RESHARD_TOKEN", blank)]),
+                ("RESHARD_TOKEN", blank.into())
+            );
+        }
+        // a token too long for a hello is refused without being shown
+        let long = "s".repeat(MAX_TOKEN_BYTES + 1);
+        let (var, value) = env_error(&[("RESHARD_TOKEN", &long)]);
+        assert_eq!(var, "RESHARD_TOKEN");
+        assert!(!value.contains("sss"), "{value}");
+        let env = parse(&job_vars(&[("RESHARD_TOKEN", " secret ")]))
+            .unwrap()
+            .unwrap();
+        assert_eq!(env.token, " secret ");
+        let env = parse(&job_vars(&[])).unwrap().unwrap();
+        assert_eq!(env.token, DEFAULT_TOKEN);
+    }
+
+    /// A hello of the largest token, every byte escaped in JSON, fits in a hello frame.
+    #[test]
+    fn the_largest_token_fits_in_a_hello() {
+        let hello = Hello {
+            token: "\u{1}".repeat(MAX_TOKEN_BYTES),
+            world: MAX_WORLD,
+            rank: MAX_WORLD - 1,
+            purpose: "control".into(),
+            port: u16::MAX,
+            pid: u32::MAX,
+        };
+        let frame = frame::encode_control(&hello).unwrap();
+        assert!(
+            (frame.len() - frame::HEADER_BYTES) as u64 <= screen::MAX_HELLO_BYTES,
+            "{} bytes",
+            frame.len()
+        );
+    }
+
+    const WAIT: Duration = Duration::from_secs(20);
+
+    fn env(rank: Rank, world: usize, port: u16) -> GroupEnv {
+        GroupEnv {
+            rank,
+            world,
+            master_addr: "127.0.0.1".into(),
+            master_port: port,
+            token: "t0ken".into(),
+        }
+    }
+
+    /// Strangers on `addr`: 100 that say nothing, one that sends part of a header, one that
+    /// announces a gigabyte, one that speaks HTTP. They keep their connections open.
+    fn strangers(addr: SocketAddr) -> Vec<TcpStream> {
+        let deadline = Instant::now() + WAIT;
+        let mut all: Vec<TcpStream> = (0..100)
+            .map(|_| connect_until(addr, deadline).unwrap())
+            .collect();
+        let mut partial = connect_until(addr, deadline).unwrap();
+        partial.write_all(b"RSHD\x01").unwrap();
+        let mut oversized = connect_until(addr, deadline).unwrap();
+        let mut header = b"RSHD\x01\0\0\0".to_vec();
+        header.extend_from_slice(&(1u64 << 30).to_le_bytes());
+        oversized.write_all(&header).unwrap();
+        let mut http = connect_until(addr, deadline).unwrap();
+        http.write_all(b"GET / HTTP/1.1\r\n\r\n").unwrap();
+        all.extend([partial, oversized, http]);
+        all
+    }
+
+    /// Three ranks as threads join and link up while strangers crowd the rendezvous port and
+    /// every rank's data-link port; the control channel works afterwards.
+    #[test]
+    fn strangers_do_not_stall_the_rendezvous_or_the_data_links() {
+        let port = TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let master: SocketAddr = ([127, 0, 0, 1], port).into();
+        let (groups, _at_rendezvous) = std::thread::scope(|s| {
+            let root = s.spawn(move || Group::join(env(0, 3, port), WAIT));
+            // rank 0 is listening once these connect; the members come after them
+            let crowd = strangers(master);
+            let members: Vec<_> = [1, 2]
+                .map(|r| s.spawn(move || Group::join(env(r, 3, port), WAIT)))
+                .into_iter()
+                .collect();
+            let mut groups = vec![root.join().unwrap().unwrap()];
+            groups.extend(members.into_iter().map(|m| m.join().unwrap().unwrap()));
+            (groups, crowd)
+        });
+        let _at_data_ports: Vec<Vec<TcpStream>> = groups
+            .iter()
+            .map(|g| strangers(g.addrs[g.env.rank]))
+            .collect();
+        std::thread::scope(|s| {
+            let linking: Vec<_> = groups
+                .iter()
+                .map(|g| {
+                    s.spawn(move || {
+                        let peers: BTreeSet<Rank> = (0..3).filter(|&p| p != g.env.rank).collect();
+                        let links = g.connect_peers(&peers)?;
+                        g.barrier()?;
+                        Ok::<_, Error>(links)
+                    })
+                })
+                .collect();
+            for (rank, l) in linking.into_iter().enumerate() {
+                let links = l.join().unwrap().unwrap();
+                let peers: Vec<Rank> = links.keys().copied().collect();
+                let expected: Vec<Rank> = (0..3).filter(|&p| p != rank).collect();
+                assert_eq!(peers, expected, "rank {rank}");
+            }
+        });
+    }
+
+    /// A member whose hello is refused hears why, and the job still forms around it.
+    #[test]
+    fn a_wrong_token_is_refused_and_the_job_goes_on() {
+        let port = TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        std::thread::scope(|s| {
+            let root = s.spawn(move || Group::join(env(0, 2, port), WAIT));
+            let mut intruder = env(1, 2, port);
+            intruder.token = "wrong".into();
+            match Group::join(intruder, WAIT) {
+                Err(Error::Refused { reason, .. }) => {
+                    assert!(reason.contains("RESHARD_TOKEN"), "{reason}")
+                }
+                other => panic!("expected a refusal, got {other:?}"),
+            }
+            let member = Group::join(env(1, 2, port), WAIT).unwrap();
+            let root = root.join().unwrap().unwrap();
+            assert_eq!(root.addrs, member.addrs);
+        });
     }
 }

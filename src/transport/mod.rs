@@ -13,6 +13,7 @@ pub mod local;
 #[cfg(feature = "mpi")]
 pub mod mpi;
 pub mod ring;
+pub mod screen;
 pub mod segment;
 pub mod shm;
 pub mod tcp;
