@@ -16,7 +16,10 @@
 //! let ours = Fingerprint::new("run").with("--dtype", "f32");
 //! let theirs = Fingerprint::new("run").with("--dtype", "i32");
 //! let d = ours.first_difference(&theirs).unwrap();
-//! assert_eq!((d.field.as_str(), d.ours.as_str(), d.theirs.as_str()), ("--dtype", "f32", "i32"));
+//! assert_eq!(
+//!     d.into_error(2).to_string(),
+//!     "the ranks disagree on the job, so nothing was moved: rank 2 runs --dtype i32; rank 0 runs --dtype f32"
+//! );
 //! ```
 
 use serde::{Deserialize, Serialize};
@@ -29,30 +32,47 @@ pub const PROTOCOL_VERSION: u32 = 2;
 
 /// What one rank is about to run: named fields in a fixed order, each with its value as the
 /// user would type it. Two ranks agree when their fingerprints are equal.
+///
+/// A rank whose own checks failed after it learned its place in the job (too few processes
+/// for its layouts, too little memory here) still takes part, with a fingerprint that carries
+/// its reason ([`Fingerprint::refusal`]), so that every rank hears of it at once.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Fingerprint {
     fields: Vec<(String, String)>,
+    refusal: Option<String>,
 }
 
-/// The first field in which a rank's fingerprint differs from the reference (rank 0's).
+/// How a rank's job differs from the reference (rank 0's).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Difference {
-    /// The field, named as on the command line (`--dst ranks`, `--dtype`, `command`).
-    pub field: String,
-    /// The reference's value (`(none)` where it has no such field).
-    pub ours: String,
-    /// The other rank's value.
-    pub theirs: String,
+pub enum Difference {
+    /// The first field whose value differs.
+    Field {
+        /// The field, named as on the command line (`--dst ranks`, `--dtype`, `command`).
+        field: String,
+        /// The reference's value (`(none)` where it has no such field).
+        ours: String,
+        /// The other rank's value.
+        theirs: String,
+    },
+    /// The rank cannot run its part, for this reason.
+    Refused { reason: String },
 }
 
 impl Difference {
     /// The error every rank returns when `rank`'s job differs from rank 0's in this way.
     pub fn into_error(self, rank: crate::Rank) -> crate::Error {
-        crate::Error::Disagreement {
-            rank,
-            field: self.field,
-            ours: self.ours,
-            theirs: self.theirs,
+        match self {
+            Difference::Field {
+                field,
+                ours,
+                theirs,
+            } => crate::Error::Disagreement {
+                rank,
+                field,
+                ours,
+                theirs,
+            },
+            Difference::Refused { reason } => crate::Error::RankRefused { rank, reason },
         }
     }
 }
@@ -67,6 +87,15 @@ impl Fingerprint {
         Fingerprint::default()
             .with("command", command)
             .with("protocol version", PROTOCOL_VERSION)
+    }
+
+    /// The fingerprint of a rank that cannot run its part of `command`, for `reason` (its
+    /// own checks failed): every rank then fails naming it.
+    pub fn refusal(command: &str, reason: impl ToString) -> Fingerprint {
+        Fingerprint {
+            refusal: Some(reason.to_string()),
+            ..Fingerprint::new(command)
+        }
     }
 
     /// Adds a field. Fields compare in the order they were added.
@@ -123,11 +152,16 @@ impl Fingerprint {
         self.fields().find(|&(f, _)| f == field).map(|(_, v)| v)
     }
 
-    /// The first field (in this fingerprint's order, then `theirs`' extra fields) whose value
-    /// differs; `None` when the two agree.
+    /// How `theirs` differs: its refusal, or the first field (in this fingerprint's order,
+    /// then `theirs`' extra fields) whose value differs; `None` when the two agree.
     pub fn first_difference(&self, theirs: &Fingerprint) -> Option<Difference> {
+        if let Some(reason) = &theirs.refusal {
+            return Some(Difference::Refused {
+                reason: reason.clone(),
+            });
+        }
         let differ = |field: &str, ours: Option<&str>, other: Option<&str>| {
-            (ours != other).then(|| Difference {
+            (ours != other).then(|| Difference::Field {
                 field: field.to_string(),
                 ours: ours.unwrap_or(ABSENT).to_string(),
                 theirs: other.unwrap_or(ABSENT).to_string(),
@@ -142,12 +176,16 @@ impl Fingerprint {
             })
     }
 
-    /// Rank 0's check of every rank's fingerprint against its own (`reference`): the first
-    /// rank, in rank order, that differs, and how.
+    /// Rank 0's check of every rank's fingerprint against its own (`reference`): rank 0's
+    /// own refusal, or the first rank, in rank order, that refuses or differs, and how.
     pub fn first_disagreement<'a>(
         reference: &Fingerprint,
         ranks: impl IntoIterator<Item = (crate::Rank, &'a Fingerprint)>,
     ) -> Option<(crate::Rank, Difference)> {
+        if let Some(reason) = &reference.refusal {
+            let reason = reason.clone();
+            return Some((0, Difference::Refused { reason }));
+        }
         ranks
             .into_iter()
             .find_map(|(rank, fp)| reference.first_difference(fp).map(|d| (rank, d)))
@@ -159,6 +197,18 @@ mod tests {
     use super::*;
     use crate::DType;
     use crate::layout::LayoutSpec;
+
+    /// A field difference as (field, ours, theirs).
+    fn field(d: Difference) -> (String, String, String) {
+        match d {
+            Difference::Field {
+                field,
+                ours,
+                theirs,
+            } => (field, ours, theirs),
+            other => panic!("expected a field difference, got {other:?}"),
+        }
+    }
 
     fn layout(spec: &str) -> Layout {
         LayoutSpec::parse(spec)
@@ -178,10 +228,8 @@ mod tests {
         let ours = Fingerprint::new("run").with_layout("--dst", &layout("mesh=3 place=S(1)"));
         let theirs =
             Fingerprint::new("run").with_layout("--dst", &layout("mesh=3 ranks=0,2,1 place=S(1)"));
-        let d = ours.first_difference(&theirs).unwrap();
-        assert_eq!(d.field, "--dst ranks");
-        assert_eq!(d.ours, "0..3");
-        assert_eq!(d.theirs, "0,2,1");
+        let d = field(ours.first_difference(&theirs).unwrap());
+        assert_eq!(d, ("--dst ranks".into(), "0..3".into(), "0,2,1".into()));
     }
 
     #[test]
@@ -190,18 +238,17 @@ mod tests {
         let theirs = Fingerprint::new("bench")
             .with("--iters", 5)
             .with("--suite", "refit");
-        let d = ours.first_difference(&theirs).unwrap();
-        assert_eq!((d.field.as_str(), d.ours.as_str()), ("command", "run"));
+        let (f, ours, _) = field(ours.first_difference(&theirs).unwrap());
+        assert_eq!((f.as_str(), ours.as_str()), ("command", "run"));
     }
 
     #[test]
     fn a_field_only_one_side_has_is_a_difference() {
         let ours = Fingerprint::new("run");
         let theirs = Fingerprint::new("run").with("--checksum", true);
-        let d = ours.first_difference(&theirs).unwrap();
-        assert_eq!(d.field, "--checksum");
-        assert_eq!(d.ours, ABSENT);
-        assert_eq!(theirs.first_difference(&ours).unwrap().theirs, ABSENT);
+        let d = field(ours.first_difference(&theirs).unwrap());
+        assert_eq!(d, ("--checksum".into(), ABSENT.into(), "true".into()));
+        assert_eq!(field(theirs.first_difference(&ours).unwrap()).2, ABSENT);
     }
 
     #[test]
@@ -219,6 +266,23 @@ mod tests {
         let ranks = [(1, &reference), (2, &other), (3, &other)];
         let (rank, d) = Fingerprint::first_disagreement(&reference, ranks).unwrap();
         assert_eq!(rank, 2);
-        assert_eq!(d.theirs, "i32");
+        assert_eq!(field(d).2, "i32");
+    }
+
+    #[test]
+    fn a_refusal_is_named_before_any_later_difference() {
+        let reference = Fingerprint::new("run").with("--dtype", "f32");
+        let other = Fingerprint::new("run").with("--dtype", "i32");
+        let refused = Fingerprint::refusal("run", "too little memory");
+        let ranks = [(1, &refused), (2, &other)];
+        let (rank, d) = Fingerprint::first_disagreement(&reference, ranks).unwrap();
+        assert_eq!(rank, 1);
+        assert_eq!(
+            d.into_error(rank).to_string(),
+            "rank 1 cannot run its part of the job, so nothing was moved: too little memory"
+        );
+        // rank 0's own refusal comes first
+        let (rank, _) = Fingerprint::first_disagreement(&refused, [(1, &reference)]).unwrap();
+        assert_eq!(rank, 0);
     }
 }

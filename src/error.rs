@@ -122,6 +122,9 @@ pub enum Error {
         theirs: String,
     },
 
+    #[error("rank {rank} cannot run its part of the job, so nothing was moved: {reason}")]
+    RankRefused { rank: Rank, reason: String },
+
     #[error("rank {rank}: the job failed: {}", .failures.iter().map(|(r, e)| format!("rank {r}: {e}")).collect::<Vec<_>>().join("; "))]
     JobFailed {
         rank: Rank,

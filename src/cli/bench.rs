@@ -17,7 +17,8 @@ use reshard::{Error, Plan, Rank, RankPlan};
 
 use super::processes::{
     AnyTransport, Destination, ExecArgs, Links, Measured, Method, MethodJson, TransportKind,
-    check_memory, check_world, conclude, connect, in_mpi_job, not_in_a_job, with_plan,
+    check_memory, check_world, conclude, connect, fingerprint_or_refusal, in_mpi_job, not_in_a_job,
+    with_plan,
 };
 use super::units::{bytes, parse_bytes};
 use super::{Failure, TensorArgs};
@@ -311,13 +312,16 @@ pub fn main(args: &BenchArgs) -> Result<(), Failure> {
         (_, None) => return Err(Failure::Input(not_in_a_job(kind))),
         (_, Some(env)) => {
             let highest = cases.iter().map(Case::highest_rank).max().unwrap_or(0);
-            check_world(highest, env.world)?;
             let rank = env.rank;
-            for case in &cases {
-                check_memory(case.memory(Some(rank)), case.plan.src().shape())?;
-            }
+            let ready = check_world(highest, env.world).and_then(|()| {
+                cases.iter().try_for_each(|case| {
+                    check_memory(case.memory(Some(rank)), case.plan.src().shape())
+                })
+            });
             let group = Group::join(env, options.timeout)?;
-            group.agree(&fingerprint(args, &cases, fill, &options))?;
+            group.agree(&fingerprint_or_refusal("bench", ready, || {
+                fingerprint(args, &cases, fill, &options)
+            }))?;
             bench_processes(
                 args,
                 &cases,
@@ -441,11 +445,14 @@ fn bench_mpi(
     use reshard::transport::mpi::MpiJob;
     let job = MpiJob::init()?;
     let highest = cases.iter().map(Case::highest_rank).max().unwrap_or(0);
-    check_world(highest, job.world())?;
-    for case in cases {
-        check_memory(case.memory(Some(job.rank())), case.plan.src().shape())?;
-    }
-    job.agree(&fingerprint(args, cases, fill, options))?;
+    let ready = check_world(highest, job.world()).and_then(|()| {
+        cases.iter().try_for_each(|case| {
+            check_memory(case.memory(Some(job.rank())), case.plan.src().shape())
+        })
+    });
+    job.agree(&fingerprint_or_refusal("bench", ready, || {
+        fingerprint(args, cases, fill, options)
+    }))?;
     let kind = args.exec.transport;
     bench_processes(args, cases, fill, options, &job, &|links, destination| {
         let layouts = cases.iter().map(|c| c.plan.src());

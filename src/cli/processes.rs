@@ -223,6 +223,20 @@ fn over_shm<C: Carrier>(
     Ok(shm)
 }
 
+/// What this rank tells the others at rendezvous ([`reshard::transport::Job::agree`]): the
+/// fingerprint of its job, or, when its own checks (`ready`) failed, its refusal, so that
+/// every rank fails at once naming it instead of waiting for it until the timeout.
+pub fn fingerprint_or_refusal(
+    command: &str,
+    ready: Result<(), Error>,
+    fingerprint: impl FnOnce() -> Fingerprint,
+) -> Fingerprint {
+    match ready {
+        Ok(()) => fingerprint(),
+        Err(e) => Fingerprint::refusal(command, e),
+    }
+}
+
 /// Checks that the job has a process for every rank the layouts use (`highest`).
 pub fn check_world(highest: Rank, world: usize) -> Result<(), Error> {
     if highest >= world {

@@ -20,7 +20,7 @@ use reshard::{Error, PlanOptions, Side};
 use super::Failure;
 use super::processes::{
     AnyTransport, ExecArgs, Links, Measured, Method, MethodJson, TransportKind, check_memory,
-    check_world, conclude, connect, in_mpi_job, not_in_a_job,
+    check_world, conclude, connect, fingerprint_or_refusal, in_mpi_job, not_in_a_job,
 };
 use super::units::{bytes, parse_bytes};
 
@@ -105,7 +105,7 @@ pub fn main(
     let env = GroupEnv::from_env()?;
     match (kind, env) {
         (_, env) if in_mpi_job(kind, env.as_ref()) => {
-            run_mpi(args, &batch, &baseline, pack_below, &options, &fingerprint)
+            run_mpi(args, &batch, &baseline, pack_below, &options, fingerprint)
         }
         (TransportKind::Local, _) | (TransportKind::Auto, None) => {
             Err(Failure::Input(Error::InvalidOption {
@@ -119,9 +119,11 @@ pub fn main(
         }
         (_, None) => Err(Failure::Input(not_in_a_job(kind))),
         (_, Some(env)) => {
-            check_world(batch.world().saturating_sub(1), env.world)?;
+            let ready = check_world(batch.world().saturating_sub(1), env.world);
             let group = Group::join(env, options.timeout)?;
-            group.agree(&fingerprint)?;
+            group.agree(&fingerprint_or_refusal("refit --run", ready, || {
+                fingerprint
+            }))?;
             run_processes(
                 args,
                 &batch,
@@ -175,13 +177,15 @@ fn run_mpi(
     baseline: &BatchBaseline,
     pack_below: u64,
     options: &ExecOptions,
-    fingerprint: &Fingerprint,
+    fingerprint: Fingerprint,
 ) -> Result<Option<RunJson>, Failure> {
     use super::processes::connect_mpi;
     use reshard::transport::mpi::MpiJob;
     let job = MpiJob::init()?;
-    check_world(batch.world().saturating_sub(1), job.world())?;
-    job.agree(fingerprint)?;
+    let ready = check_world(batch.world().saturating_sub(1), job.world());
+    job.agree(&fingerprint_or_refusal("refit --run", ready, || {
+        fingerprint
+    }))?;
     let kind = args.exec.transport;
     run_processes(args, batch, baseline, pack_below, options, &job, &|links| {
         let layouts = batch.tensors().iter().map(|t| &t.src);
@@ -196,7 +200,7 @@ fn run_mpi(
     _: &BatchBaseline,
     _: u64,
     _: &ExecOptions,
-    _: &Fingerprint,
+    _: Fingerprint,
 ) -> Result<Option<RunJson>, Failure> {
     Err(Failure::Input(super::processes::no_mpi()))
 }

@@ -17,7 +17,7 @@ use reshard::{Error, Plan, Rank, RankPlan};
 
 use super::processes::{
     AnyTransport, Destination, ExecArgs, Links, TransportKind, check_memory, check_world, conclude,
-    connect, in_mpi_job, not_in_a_job, with_plan,
+    connect, fingerprint_or_refusal, in_mpi_job, not_in_a_job, with_plan,
 };
 use super::units::bytes;
 use super::{Failure, TensorArgs};
@@ -156,10 +156,12 @@ fn run_process(
     let Some(env) = env else {
         return Err(Failure::Input(not_in_a_job(args.exec.transport)));
     };
-    check_world(highest(plan), env.world)?;
-    check_memory(rank_bytes(plan, env.rank), plan.src().shape())?;
+    let ready = check_world(highest(plan), env.world)
+        .and_then(|()| check_memory(rank_bytes(plan, env.rank), plan.src().shape()));
     let group = Group::join(env, options.timeout)?;
-    group.agree(&fingerprint(args, plan, fill, options))?;
+    group.agree(&fingerprint_or_refusal("run", ready, || {
+        fingerprint(args, plan, fill, options)
+    }))?;
     let kind = args.exec.transport;
     process_rank(args, plan, fill, options, &group, |mine, destination| {
         let links = Links {
@@ -197,9 +199,11 @@ fn run_mpi(args: &RunArgs, plan: &Plan, fill: Fill, options: &ExecOptions) -> Re
     use super::processes::connect_mpi;
     use reshard::transport::mpi::MpiJob;
     let job = MpiJob::init()?;
-    check_world(highest(plan), job.world())?;
-    check_memory(rank_bytes(plan, job.rank()), plan.src().shape())?;
-    job.agree(&fingerprint(args, plan, fill, options))?;
+    let ready = check_world(highest(plan), job.world())
+        .and_then(|()| check_memory(rank_bytes(plan, job.rank()), plan.src().shape()));
+    job.agree(&fingerprint_or_refusal("run", ready, || {
+        fingerprint(args, plan, fill, options)
+    }))?;
     let kind = args.exec.transport;
     process_rank(args, plan, fill, options, &job, |mine, destination| {
         let links = Links {
