@@ -46,13 +46,15 @@ fn random_token() -> Result<String, Error> {
 }
 
 /// Copies a child's output: rank 0's stdout unchanged, every other stream line by line with
-/// a `[rank R]` prefix.
+/// a `[rank R]` prefix. A thread the system will not start is an error, not a panic: the
+/// launcher must end cleanly, with its children, when it runs out of threads or memory.
 fn forward(
     rank: usize,
     stream: impl Read + Send + 'static,
     to_stdout: bool,
-) -> std::thread::JoinHandle<()> {
-    std::thread::spawn(move || {
+) -> Result<std::thread::JoinHandle<()>, Error> {
+    let which = if to_stdout { "stdout" } else { "stderr" };
+    let spawned = std::thread::Builder::new().spawn(move || {
         if rank == 0 && to_stdout {
             // unchanged bytes, the lock taken per piece so that other ranks' lines get through
             let mut stream = stream;
@@ -73,7 +75,19 @@ fn forward(
                 std::io::stderr().lock().write_all(text.as_bytes())
             };
         }
+    });
+    spawned.map_err(|source| Error::ThreadStart {
+        what: format!("forwarding rank {rank}'s {which}"),
+        source,
     })
+}
+
+/// Kills and reaps every child started so far: the job cannot go on without the launcher.
+fn stop_all(children: &mut [Child]) {
+    for c in children {
+        let _ = c.kill();
+        let _ = c.wait();
+    }
 }
 
 fn code(status: ExitStatus) -> u8 {
@@ -143,23 +157,31 @@ pub fn main(args: &LaunchArgs) -> Result<std::process::ExitCode, Failure> {
         let mut child = match spawned {
             Ok(c) => c,
             Err(source) => {
-                for c in &mut children {
-                    let _ = c.kill();
-                    let _ = c.wait();
-                }
+                stop_all(&mut children);
                 return Err(Failure::Run(Error::Io {
                     path: exe.display().to_string(),
                     source,
                 }));
             }
         };
-        if let Some(out) = child.stdout.take() {
-            forwarders.push(forward(rank, out, true));
-        }
-        if let Some(err) = child.stderr.take() {
-            forwarders.push(forward(rank, err, false));
-        }
+        let (out, err) = (child.stdout.take(), child.stderr.take());
         children.push(child);
+        let started = out
+            .map(|out| forward(rank, out, true))
+            .into_iter()
+            .chain(err.map(|err| forward(rank, err, false)))
+            .collect::<Result<Vec<_>, Error>>();
+        match started {
+            Ok(started) => forwarders.extend(started),
+            Err(e) => {
+                // the children die; their pipes close, so the forwarders started so far end
+                stop_all(&mut children);
+                for f in forwarders {
+                    let _ = f.join();
+                }
+                return Err(Failure::Run(e));
+            }
+        }
     }
 
     // Wait for all; after the first failure, give the others `grace` to fail on their own
