@@ -61,7 +61,7 @@ where
         Side::Dst,
         &dst.iter().map(|b| b.len()).collect::<Vec<_>>(),
     )?;
-    let (mut root_blobs, mut received) = rb.blobs();
+    let (mut root_blobs, mut received) = rb.blobs()?;
     rb.pack(batch, src, &mut root_blobs);
     run_packed(
         batch,
@@ -138,8 +138,10 @@ pub fn run_local_batch(
         .map(|m| (m.from, m.to))
         .collect();
     // blobs live outside the threads, as long as the links that lend them
-    let mut blobs: BTreeMap<Rank, super::Blobs> =
-        plans.iter().map(|(&r, rb)| (r, rb.blobs())).collect();
+    let mut blobs: BTreeMap<Rank, super::Blobs> = plans
+        .iter()
+        .map(|(&r, rb)| Ok((r, rb.blobs()?)))
+        .collect::<Result<_>>()?;
     let fabric = LocalFabric {
         timeout: options.timeout,
         faults: Vec::new(),
