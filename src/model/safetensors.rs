@@ -282,7 +282,14 @@ pub fn read_checkpoint(dir: &Path) -> Result<Option<Vec<Param>>, ModelError> {
     let real_dir = dir.canonicalize().map_err(io(dir))?;
     let index_path = dir.join("model.safetensors.index.json");
     let index: Option<Index> = if index_path.exists() {
-        let (mut file, _) = open_regular(&index_path)?;
+        let (mut file, len) = open_regular(&index_path)?;
+        // the largest models' indices are a few MiB; the bound of a header is plenty
+        if len > MAX_HEADER {
+            return Err(bad(
+                &index_path,
+                format!("{len} bytes is over the {MAX_HEADER} bytes an index may have"),
+            ));
+        }
         let mut text = String::new();
         file.read_to_string(&mut text).map_err(io(&index_path))?;
         Some(
@@ -604,6 +611,9 @@ pub(crate) mod tests {
             "{err}"
         );
         std::fs::remove_file(&fifo).unwrap();
+        // a device is no regular file either (and /dev/zero would never end)
+        let err = read_header(Path::new("/dev/zero")).unwrap_err().to_string();
+        assert_eq!(err, "/dev/zero: a device, not a regular file");
         std::fs::create_dir(&fifo).unwrap();
         let err = checkpoint_error(&dir);
         assert!(
@@ -619,6 +629,15 @@ pub(crate) mod tests {
         assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
         let err = checkpoint_error(&dir);
         assert!(err.ends_with("a FIFO, not a regular file"), "{err}");
+        // nor an index larger than any real one (sparse: no disk is used)
+        std::fs::remove_file(&index).unwrap();
+        let big = std::fs::File::create(&index).unwrap();
+        big.set_len(MAX_HEADER + 1).unwrap();
+        let err = checkpoint_error(&dir);
+        assert!(
+            err.ends_with("104857601 bytes is over the 104857600 bytes an index may have"),
+            "{err}"
+        );
         let _ = std::fs::remove_dir_all(&dir);
     }
 
