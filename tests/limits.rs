@@ -145,7 +145,7 @@ fn launch_with_almost_no_memory_ends() {
 /// `ulimit -u` does not bind root, so the command runs as `nobody` (root can switch to it with
 /// setpriv); elsewhere the test has nothing to check.
 #[test]
-fn run_out_of_threads_is_an_error_naming_the_thread() {
+fn out_of_threads_is_an_error_naming_the_thread() {
     // SAFETY: geteuid has no preconditions.
     let root = unsafe { libc::geteuid() } == 0;
     let setpriv = ["/usr/bin/setpriv", "/bin/setpriv"]
@@ -170,6 +170,26 @@ fn run_out_of_threads_is_an_error_naming_the_thread() {
     assert!(!ended.stderr.contains("panicked"), "{}", ended.stderr);
     assert!(
         ended.stderr.contains("cannot start a thread for rank"),
+        "{}",
+        ended.stderr
+    );
+    // planning a model uses a pool of worker threads, which rayon would start with a panic
+    let args = [
+        "refit",
+        "--model",
+        "qwen3-0.6b",
+        "--train",
+        "dp=2",
+        "--infer",
+        "tp=2",
+    ];
+    let ended = reshard_limited("pool", &wrap, "ulimit -u 1", &args);
+    assert_eq!(ended.status.code(), Some(1), "{}", ended.stderr);
+    assert!(!ended.stderr.contains("panicked"), "{}", ended.stderr);
+    assert!(
+        ended
+            .stderr
+            .contains("cannot start a thread for the worker pool"),
         "{}",
         ended.stderr
     );
