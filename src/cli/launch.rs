@@ -129,7 +129,13 @@ pub fn main(args: &LaunchArgs) -> Result<std::process::ExitCode, Failure> {
         path: "the reshard executable".into(),
         source,
     })?;
-    let mut children: Vec<Child> = Vec::with_capacity(args.nproc);
+    let mut children: Vec<Child> = Vec::new();
+    children
+        .try_reserve_exact(args.nproc)
+        .map_err(|_| Error::OutOfMemory {
+            what: format!("the table of {} processes", args.nproc),
+            bytes: (args.nproc as u64).saturating_mul(std::mem::size_of::<Child>() as u64),
+        })?;
     let mut forwarders = Vec::new();
     for rank in 0..args.nproc {
         let mut command = Command::new(&exe);
