@@ -41,8 +41,8 @@ const CASES: [(&str, &str, &str); 2] = [
 fn reshard(bencher: Bencher, case: &str) {
     let (_, src, dst) = CASES.into_iter().find(|c| c.0 == case).unwrap();
     let plan = plan(src, dst);
-    let sources = Fill::Index.shards(plan.src());
-    let mut shards: BTreeMap<Rank, Vec<u8>> = exec::zeroed_shards(plan.dst());
+    let sources = Fill::Index.shards(plan.src()).unwrap();
+    let mut shards: BTreeMap<Rank, Vec<u8>> = exec::zeroed_shards(plan.dst()).unwrap();
     let options = ExecOptions::default();
     exec::run_local(&plan, &sources, &mut shards, &options).unwrap();
     Fill::Index.verify_shards(plan.dst(), &shards).unwrap();

@@ -188,9 +188,38 @@ pub enum Error {
         source: std::io::Error,
     },
 
+    /// A buffer the machine cannot provide (the tensor is too large for its memory or for the
+    /// address space `ulimit -v` allows): a resource failure, not bad input.
+    #[error("cannot allocate {bytes} bytes ({}) for {what}: out of memory", human_bytes(*.bytes))]
+    OutOfMemory { what: String, bytes: u64 },
+
+    /// A thread the operating system would not start (`ulimit -u`, `ulimit -v`, the
+    /// system-wide thread limit): a resource failure, not bad input.
+    #[error("cannot start a thread for {what}: {source}")]
+    ThreadStart {
+        what: String,
+        #[source]
+        source: std::io::Error,
+    },
+
     /// A model, parallelism config or layout rule that cannot be refit.
     #[error(transparent)]
     Model(Box<crate::model::ModelError>),
+}
+
+/// `bytes` in binary units with one decimal, e.g. `128.0 MiB`.
+fn human_bytes(bytes: u64) -> String {
+    const UNITS: [&str; 6] = ["KiB", "MiB", "GiB", "TiB", "PiB", "EiB"];
+    if bytes < 1024 {
+        return format!("{bytes} B");
+    }
+    let mut value = bytes as f64 / 1024.0;
+    let mut unit = 0;
+    while value >= 1024.0 && unit + 1 < UNITS.len() {
+        value /= 1024.0;
+        unit += 1;
+    }
+    format!("{value:.1} {}", UNITS[unit])
 }
 
 /// A layout that cannot exist. Carries no side: [`Error::Layout`] adds it.

@@ -7,6 +7,7 @@ use std::str::FromStr;
 
 use crate::error::{Error, Result};
 use crate::layout::{Layout, Rank};
+use crate::memory;
 use crate::region::Region;
 
 /// How the global tensor is filled.
@@ -120,22 +121,29 @@ impl Fill {
         });
     }
 
-    /// A filled source shard for every rank of `layout`.
-    pub fn shards(self, layout: &Layout) -> BTreeMap<Rank, Vec<u8>> {
-        layout
-            .mesh()
-            .ranks()
-            .iter()
-            .filter_map(|&r| self.shard(layout, r).map(|buf| (r, buf)))
-            .collect()
+    /// A filled source shard for every rank of `layout`; [`Error::OutOfMemory`] when they do
+    /// not fit in memory.
+    pub fn shards(self, layout: &Layout) -> Result<BTreeMap<Rank, Vec<u8>>> {
+        let mut out = BTreeMap::new();
+        for &r in layout.mesh().ranks() {
+            if let Some(buf) = self.shard(layout, r)? {
+                out.insert(r, buf);
+            }
+        }
+        Ok(out)
     }
 
-    /// `rank`'s filled shard of `layout`, if it holds one.
-    pub fn shard(self, layout: &Layout, rank: Rank) -> Option<Vec<u8>> {
-        let region = layout.local_region(rank)?;
-        let mut buf = vec![0u8; layout.local_bytes(rank) as usize];
+    /// `rank`'s filled shard of `layout`, if it holds one; [`Error::OutOfMemory`] when it does
+    /// not fit in memory.
+    pub fn shard(self, layout: &Layout, rank: Rank) -> Result<Option<Vec<u8>>> {
+        let Some(region) = layout.local_region(rank) else {
+            return Ok(None);
+        };
+        let mut buf = memory::zeroed(layout.local_bytes(rank), || {
+            format!("rank {rank}'s source shard")
+        })?;
         self.fill_region(layout, &region, &mut buf);
-        Some(buf)
+        Ok(Some(buf))
     }
 
     /// Checks `buf` against the fill; returns (first wrong byte offset, expected, found, count).
@@ -227,7 +235,7 @@ mod tests {
             .unwrap()
             .resolve(&[3, 200], DType::U8, 0)
             .unwrap();
-        let shards = Fill::Index.shards(&l);
+        let shards = Fill::Index.shards(&l).unwrap();
         let buf = &shards[&0];
         assert_eq!(buf[0], 0);
         assert_eq!(buf[255], 255);
@@ -236,7 +244,7 @@ mod tests {
             .unwrap()
             .resolve(&[2, 4], DType::Bf16, 0)
             .unwrap();
-        let shards = Fill::Index.shards(&l);
+        let shards = Fill::Index.shards(&l).unwrap();
         // rank 1 holds columns 2..4: elements 2, 3, 6, 7
         assert_eq!(shards[&1], [2, 0, 3, 0, 6, 0, 7, 0]);
         assert!(Fill::Index.verify_shards(&l, &shards).is_ok());
@@ -248,7 +256,7 @@ mod tests {
             .unwrap()
             .resolve(&[4, 4], DType::F32, 0)
             .unwrap();
-        let mut shards = Fill::Hash { seed: 7 }.shards(&l);
+        let mut shards = Fill::Hash { seed: 7 }.shards(&l).unwrap();
         shards.get_mut(&1).unwrap()[5] ^= 1;
         shards.get_mut(&1).unwrap()[9] ^= 1;
         let err = Fill::Hash { seed: 7 }

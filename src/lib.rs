@@ -29,6 +29,7 @@ pub mod error;
 pub mod exec;
 pub mod fill;
 pub mod layout;
+pub mod memory;
 pub mod model;
 pub mod plan;
 pub mod region;

@@ -118,7 +118,12 @@ where
                 match pieces.as_slice() {
                     [(k, p)] if p.region == *b => Some(&src[*k][p.bytes.clone()]),
                     _ => {
-                        scratch.resize(t.src.local_bytes(rank) as usize, 0);
+                        let need = t.src.local_bytes(rank) as usize;
+                        let more = need.saturating_sub(scratch.len());
+                        crate::memory::reserve(&mut scratch, more, || {
+                            format!("rank {rank}'s copy of tensor {}'s source shard", t.name)
+                        })?;
+                        scratch.resize(need, 0);
                         for (k, p) in &pieces {
                             let g = CopyGeometry::new(
                                 &p.region,

@@ -586,16 +586,19 @@ impl RankBatch {
     }
 
     /// Zeroed blobs for the packs this rank roots (to follow its source buffers) and receives
-    /// (to follow its destination buffers).
-    pub fn blobs(&self) -> Blobs {
+    /// (to follow its destination buffers); [`Error::OutOfMemory`] when they do not fit.
+    pub fn blobs(&self) -> Result<Blobs> {
+        let rank = self.rank;
         let blobs = |role| {
             self.packs
                 .iter()
                 .filter(|(_, r)| *r == role)
-                .map(|(p, _)| vec![0u8; p.len])
-                .collect()
+                .map(|(p, _)| {
+                    crate::memory::zeroed(p.len as u64, || format!("rank {rank}'s packed tensors"))
+                })
+                .collect::<Result<Vec<_>>>()
         };
-        (blobs(PackRole::Root), blobs(PackRole::Receiver))
+        Ok((blobs(PackRole::Root)?, blobs(PackRole::Receiver)?))
     }
 
     /// Packs this rank's rooted blobs from its source buffers; `blobs` as from [`Self::blobs`].

@@ -61,7 +61,7 @@ where
         Side::Dst,
         &dst.iter().map(|b| b.len()).collect::<Vec<_>>(),
     )?;
-    let (mut root_blobs, mut received) = rb.blobs();
+    let (mut root_blobs, mut received) = rb.blobs()?;
     rb.pack(batch, src, &mut root_blobs);
     run_packed(
         batch,
@@ -138,8 +138,10 @@ pub fn run_local_batch(
         .map(|m| (m.from, m.to))
         .collect();
     // blobs live outside the threads, as long as the links that lend them
-    let mut blobs: BTreeMap<Rank, super::Blobs> =
-        plans.iter().map(|(&r, rb)| (r, rb.blobs())).collect();
+    let mut blobs: BTreeMap<Rank, super::Blobs> = plans
+        .iter()
+        .map(|(&r, rb)| Ok((r, rb.blobs()?)))
+        .collect::<Result<_>>()?;
     let fabric = LocalFabric {
         timeout: options.timeout,
         faults: Vec::new(),
@@ -161,33 +163,41 @@ pub fn run_local_batch(
                     .collect();
                 let dsts = dst_by_rank.remove(&rank);
                 let endpoint = endpoints.remove(&rank);
-                scope.spawn(move || -> Result<RankStats> {
-                    rb.pack(batch, &srcs, root_blobs);
-                    let root_blobs: &Vec<Vec<u8>> = root_blobs;
-                    let mut mine: Vec<&mut [u8]> = match dsts {
-                        Some(d) => d.iter_mut().map(Vec::as_mut_slice).collect(),
-                        None => Vec::new(),
-                    };
-                    let endpoint = endpoint.ok_or_else(|| Error::Internal {
-                        rank,
-                        detail: "the rank has no endpoint".into(),
-                    })?;
-                    let endpoint = &endpoint;
-                    run_packed(
-                        batch, rb, &srcs, root_blobs, received, &mut mine, endpoint, options,
-                    )
-                })
+                let spawned = std::thread::Builder::new()
+                    .name(format!("rank {rank}"))
+                    .spawn_scoped(scope, move || -> Result<RankStats> {
+                        rb.pack(batch, &srcs, root_blobs);
+                        let root_blobs: &Vec<Vec<u8>> = root_blobs;
+                        let mut mine: Vec<&mut [u8]> = match dsts {
+                            Some(d) => d.iter_mut().map(Vec::as_mut_slice).collect(),
+                            None => Vec::new(),
+                        };
+                        let endpoint = endpoint.ok_or_else(|| Error::Internal {
+                            rank,
+                            detail: "the rank has no endpoint".into(),
+                        })?;
+                        let endpoint = &endpoint;
+                        run_packed(
+                            batch, rb, &srcs, root_blobs, received, &mut mine, endpoint, options,
+                        )
+                    });
+                (rank, spawned)
             })
             .collect();
+        // a thread that could not start dropped its endpoint: its peers see it gone
         handles
             .into_iter()
-            .map(|h| {
-                h.join().unwrap_or_else(|_| {
+            .map(|(rank, h)| match h {
+                Ok(h) => h.join().unwrap_or_else(|_| {
                     Err(Error::Internal {
-                        rank: 0,
-                        detail: "a rank's thread panicked".into(),
+                        rank,
+                        detail: "the rank's thread panicked".into(),
                     })
-                })
+                }),
+                Err(source) => Err(Error::ThreadStart {
+                    what: format!("rank {rank}"),
+                    source,
+                }),
             })
             .collect()
     });

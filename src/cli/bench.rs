@@ -383,9 +383,9 @@ fn bench_threads(
     for case in cases {
         bar.set_message(case.name.clone());
         let (plan, gb) = (&case.plan, &case.baseline);
-        let mut sources = fill.shards(plan.src());
-        let mut shards = exec::zeroed_shards(plan.dst());
-        let mut full = baseline::full_buffers(gb);
+        let mut sources = fill.shards(plan.src())?;
+        let mut shards = exec::zeroed_shards(plan.dst())?;
+        let mut full = baseline::full_buffers(gb)?;
         let mut result = CaseResult::default();
         let mut checked = 0;
         for i in 0..args.repetitions() {
@@ -547,7 +547,7 @@ fn bench_rank<'j, J: Job>(
 
     let src_box = src.local_region(rank);
     let dst_box = dst.local_region(rank);
-    let source = fill.shard(src, rank);
+    let source = fill.shard(src, rank)?;
     let shared = |len: u64| SharedBuffer::new(len as usize);
     let mut shard = dst_box
         .as_ref()

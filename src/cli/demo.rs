@@ -28,8 +28,8 @@ pub fn main() -> Result<(), Failure> {
         "\nRunning it: every rank a thread, buffers filled with element i = i (--fill index)."
     );
     let fill = Fill::Index;
-    let sources = fill.shards(plan.src());
-    let mut shards = exec::zeroed_shards(plan.dst());
+    let sources = fill.shards(plan.src())?;
+    let mut shards = exec::zeroed_shards(plan.dst())?;
     let stats = exec::run_local(&plan, &sources, &mut shards, &ExecOptions::default())?;
     fill.verify_shards(plan.dst(), &shards)?;
     println!(

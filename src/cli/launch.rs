@@ -47,13 +47,15 @@ fn random_token() -> Result<String, Error> {
 }
 
 /// Copies a child's output: rank 0's stdout unchanged, every other stream line by line with
-/// a `[rank R]` prefix.
+/// a `[rank R]` prefix. A thread the system will not start is an error, not a panic: the
+/// launcher must end cleanly, with its children, when it runs out of threads or memory.
 fn forward(
     rank: usize,
     stream: impl Read + Send + 'static,
     to_stdout: bool,
-) -> std::thread::JoinHandle<()> {
-    std::thread::spawn(move || {
+) -> Result<std::thread::JoinHandle<()>, Error> {
+    let which = if to_stdout { "stdout" } else { "stderr" };
+    let spawned = std::thread::Builder::new().spawn(move || {
         if rank == 0 && to_stdout {
             // unchanged bytes, the lock taken per piece so that other ranks' lines get through
             let mut stream = stream;
@@ -74,7 +76,19 @@ fn forward(
                 std::io::stderr().lock().write_all(text.as_bytes())
             };
         }
+    });
+    spawned.map_err(|source| Error::ThreadStart {
+        what: format!("forwarding rank {rank}'s {which}"),
+        source,
     })
+}
+
+/// Kills and reaps every child started so far: the job cannot go on without the launcher.
+fn stop_all(children: &mut [Child]) {
+    for c in children {
+        let _ = c.kill();
+        let _ = c.wait();
+    }
 }
 
 fn code(status: ExitStatus) -> u8 {
@@ -128,7 +142,13 @@ pub fn main(args: &LaunchArgs) -> Result<std::process::ExitCode, Failure> {
         path: "the reshard executable".into(),
         source,
     })?;
-    let mut children: Vec<Child> = Vec::with_capacity(args.nproc);
+    let mut children: Vec<Child> = Vec::new();
+    children
+        .try_reserve_exact(args.nproc)
+        .map_err(|_| Error::OutOfMemory {
+            what: format!("the table of {} processes", args.nproc),
+            bytes: (args.nproc as u64).saturating_mul(std::mem::size_of::<Child>() as u64),
+        })?;
     let mut forwarders = Vec::new();
     for rank in 0..args.nproc {
         let mut command = Command::new(&exe);
@@ -156,23 +176,31 @@ pub fn main(args: &LaunchArgs) -> Result<std::process::ExitCode, Failure> {
         let mut child = match spawned {
             Ok(c) => c,
             Err(source) => {
-                for c in &mut children {
-                    let _ = c.kill();
-                    let _ = c.wait();
-                }
+                stop_all(&mut children);
                 return Err(Failure::Run(Error::Io {
                     path: exe.display().to_string(),
                     source,
                 }));
             }
         };
-        if let Some(out) = child.stdout.take() {
-            forwarders.push(forward(rank, out, true));
-        }
-        if let Some(err) = child.stderr.take() {
-            forwarders.push(forward(rank, err, false));
-        }
+        let (out, err) = (child.stdout.take(), child.stderr.take());
         children.push(child);
+        let started = out
+            .map(|out| forward(rank, out, true))
+            .into_iter()
+            .chain(err.map(|err| forward(rank, err, false)))
+            .collect::<Result<Vec<_>, Error>>();
+        match started {
+            Ok(started) => forwarders.extend(started),
+            Err(e) => {
+                // the children die; their pipes close, so the forwarders started so far end
+                stop_all(&mut children);
+                for f in forwarders {
+                    let _ = f.join();
+                }
+                return Err(Failure::Run(e));
+            }
+        }
     }
 
     // Wait for all; after the first failure, give the others `grace` to fail on their own

@@ -110,6 +110,18 @@ impl TensorArgs {
     }
 }
 
+/// Starts rayon's global pool of worker threads, which planning a whole model and the
+/// simulator use. Started lazily, rayon would panic on its first use when the system refuses
+/// a thread (`ulimit -u`, `ulimit -v`); started here, that is an error naming the pool.
+pub fn start_thread_pool() -> Result<(), Error> {
+    rayon::ThreadPoolBuilder::new()
+        .build_global()
+        .map_err(|e| Error::ThreadStart {
+            what: "the worker pool".into(),
+            source: std::io::Error::other(e.to_string()),
+        })
+}
+
 /// A failure of a command, with the exit code it deserves.
 pub enum Failure {
     /// Bad input: nothing was moved (exit code 2, as for a usage error).
@@ -128,7 +140,9 @@ impl From<Error> for Failure {
             | Error::Protocol { .. }
             | Error::Io { .. }
             | Error::Refused { .. }
-            | Error::JobFailed { .. } => Failure::Run(e),
+            | Error::JobFailed { .. }
+            | Error::OutOfMemory { .. }
+            | Error::ThreadStart { .. } => Failure::Run(e),
             _ => Failure::Input(e),
         }
     }

@@ -40,7 +40,10 @@ pub fn main(args: &PlanArgs) -> Result<(), Failure> {
     let plan = args.tensor.plan()?;
     let pricing = match &args.simulate {
         None => None,
-        Some(arg) => Some(simulate(&plan, arg)?),
+        Some(arg) => {
+            super::start_thread_pool()?;
+            Some(simulate(&plan, arg)?)
+        }
     };
     if args.json {
         let json = PlanWithSimulation {

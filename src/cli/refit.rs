@@ -124,6 +124,7 @@ impl RefitArgs {
 }
 
 pub fn main(args: &RefitArgs) -> Result<(), Failure> {
+    super::start_thread_pool()?;
     let (_, refit, options) = args.refit()?;
     // with --simulate the plans are kept for pricing; otherwise only their totals
     let (totals, pricing) = match &args.simulate {

@@ -301,15 +301,26 @@ fn run_rank<'j, J: Job>(
         .map(|t| t.src.shape().to_vec())
         .unwrap_or_default();
     check_memory((src_len + dst_len + full_len) as u64, &shape)?;
-    let mut src: Vec<Vec<u8>> = rb.src.iter().map(|b| vec![0u8; b.len]).collect();
+    let zeroed = |len: usize, what: &str| {
+        reshard::memory::zeroed(len as u64, || format!("rank {rank}'s {what}"))
+    };
+    let mut src = rb
+        .src
+        .iter()
+        .map(|b| zeroed(b.len, "source buffer"))
+        .collect::<Result<Vec<_>, _>>()?;
     for (buffer, bytes) in rb.src.iter().zip(&mut src) {
         for p in &buffer.pieces {
             let layout = &batch.tensors()[p.tensor].src;
             fill_of(p.tensor).fill_region(layout, &p.region, &mut bytes[p.bytes.clone()]);
         }
     }
-    let mut dst: Vec<Vec<u8>> = rb.dst.iter().map(|b| vec![0u8; b.len]).collect();
-    let mut full = vec![0u8; full_len];
+    let mut dst = rb
+        .dst
+        .iter()
+        .map(|b| zeroed(b.len, "destination buffer"))
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut full = zeroed(full_len, "full-tensor buffer")?;
 
     // Both methods' links, opened one after the other by every rank.
     job.barrier()?;

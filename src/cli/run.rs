@@ -112,8 +112,8 @@ fn run_threads(
             .saturating_add(plan.dst().shard_bytes()),
         plan.src().shape(),
     )?;
-    let sources = fill.shards(plan.src());
-    let mut shards = exec::zeroed_shards(plan.dst());
+    let sources = fill.shards(plan.src())?;
+    let mut shards = exec::zeroed_shards(plan.dst())?;
     let mut times = Vec::new();
     let mut last = None;
     let mut verified = false;
@@ -279,7 +279,7 @@ fn rank_part<'j, J: Job>(
     let rank_plan = reshard::plan::rank_plan(plan.src(), plan.dst(), rank, &plan.options())?;
     let src_box = plan.src().local_region(rank);
     let dst_box = plan.dst().local_region(rank);
-    let source = fill.shard(plan.src(), rank);
+    let source = fill.shard(plan.src(), rank)?;
     // in shared memory, so that senders on this host can write into it directly
     let mut shard = match &dst_box {
         Some(_) => Some(SharedBuffer::new(plan.dst().local_bytes(rank) as usize)?),

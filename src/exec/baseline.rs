@@ -141,15 +141,18 @@ fn check_full(baseline: &GatherBroadcast, rank: Rank, full: Option<usize>) -> Re
     }
 }
 
-/// A zeroed full-tensor buffer for every rank that needs one.
-pub fn full_buffers(baseline: &GatherBroadcast) -> BTreeMap<Rank, Vec<u8>> {
-    let bytes = baseline.dst().total_bytes() as usize;
-    baseline
-        .ranks()
-        .into_iter()
-        .filter(|&r| baseline.needs_full_buffer(r))
-        .map(|r| (r, vec![0u8; bytes]))
-        .collect()
+/// A zeroed full-tensor buffer for every rank that needs one; [`Error::OutOfMemory`] when
+/// they do not fit in memory.
+pub fn full_buffers(baseline: &GatherBroadcast) -> Result<BTreeMap<Rank, Vec<u8>>> {
+    let bytes = baseline.dst().total_bytes();
+    let mut out = BTreeMap::new();
+    for r in baseline.ranks() {
+        if baseline.needs_full_buffer(r) {
+            let buf = crate::memory::zeroed(bytes, || format!("rank {r}'s full tensor"))?;
+            out.insert(r, buf);
+        }
+    }
+    Ok(out)
 }
 
 /// Runs the whole baseline with every rank as a thread of this process (the `local`
@@ -224,14 +227,16 @@ pub fn run_local_gather_broadcast(
                 let whole = &whole;
                 (
                     rank,
-                    scope.spawn(move || match (tensor, dst_box) {
-                        (Some(t), Some(dst_box)) if t.len() as u64 == layout.total_bytes() => {
-                            Ok(keep_slice(t, whole, &dst_box, shard, elem_bytes))
+                    std::thread::Builder::new().spawn_scoped(scope, move || {
+                        match (tensor, dst_box) {
+                            (Some(t), Some(dst_box)) if t.len() as u64 == layout.total_bytes() => {
+                                Ok(keep_slice(t, whole, &dst_box, shard, elem_bytes))
+                            }
+                            _ => Err(Error::MissingBuffer {
+                                side: Side::Dst,
+                                rank,
+                            }),
                         }
-                        _ => Err(Error::MissingBuffer {
-                            side: Side::Dst,
-                            rank,
-                        }),
                     }),
                 )
             })
@@ -239,15 +244,19 @@ pub fn run_local_gather_broadcast(
         handles
             .into_iter()
             .map(|(rank, h)| {
-                (
-                    rank,
-                    h.join().unwrap_or_else(|_| {
+                let kept = match h {
+                    Ok(h) => h.join().unwrap_or_else(|_| {
                         Err(Error::Internal {
                             rank,
                             detail: "the rank's thread panicked".into(),
                         })
                     }),
-                )
+                    Err(source) => Err(Error::ThreadStart {
+                        what: format!("rank {rank}"),
+                        source,
+                    }),
+                };
+                (rank, kept)
             })
             .collect()
     });

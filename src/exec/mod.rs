@@ -393,9 +393,9 @@ pub fn run_steps<'buf, T: Transport<'buf> + ?Sized>(
                         detail: "the send thread panicked".into(),
                     })
                 }),
-                Err(e) => Err(Error::Internal {
-                    rank,
-                    detail: format!("cannot start the send thread: {e}"),
+                Err(source) => Err(Error::ThreadStart {
+                    what: format!("rank {rank}'s sender"),
+                    source,
                 }),
             };
             (sent, received)
@@ -614,8 +614,8 @@ pub fn check_buffers(layout: &Layout, side: Side, buffers: &BTreeMap<Rank, Vec<u
 /// let src = LayoutSpec::parse("mesh=2 place=S(0)").unwrap().resolve(&shape, DType::Bf16, 0).unwrap();
 /// let dst = LayoutSpec::parse("mesh=4 place=S(1)").unwrap().resolve(&shape, DType::Bf16, 2).unwrap();
 /// let plan = Plan::new(src, dst).unwrap();
-/// let srcs = Fill::Index.shards(plan.src());
-/// let mut dsts = exec::zeroed_shards(plan.dst());
+/// let srcs = Fill::Index.shards(plan.src()).unwrap();
+/// let mut dsts = exec::zeroed_shards(plan.dst()).unwrap();
 /// exec::run_local(&plan, &srcs, &mut dsts, &exec::ExecOptions::default()).unwrap();
 /// assert!(Fill::Index.verify_shards(plan.dst(), &dsts).is_ok());
 /// ```
@@ -709,9 +709,9 @@ pub fn run_local_with_faults(
                         detail: "the rank's thread panicked".into(),
                     })
                 }),
-                Err(e) => Err(Error::Internal {
-                    rank,
-                    detail: format!("cannot start the rank's thread: {e}"),
+                Err(source) => Err(Error::ThreadStart {
+                    what: format!("rank {rank}"),
+                    source,
                 }),
             })
             .collect()
@@ -732,14 +732,17 @@ fn regions(layout: &Layout) -> BTreeMap<Rank, Region> {
         .collect()
 }
 
-/// A zero-filled local buffer for every rank of `layout`.
-pub fn zeroed_shards(layout: &Layout) -> BTreeMap<Rank, Vec<u8>> {
-    layout
-        .mesh()
-        .ranks()
-        .iter()
-        .map(|&r| (r, vec![0u8; layout.local_bytes(r) as usize]))
-        .collect()
+/// A zero-filled local buffer for every rank of `layout`; [`Error::OutOfMemory`] when they do
+/// not fit in memory.
+pub fn zeroed_shards(layout: &Layout) -> Result<BTreeMap<Rank, Vec<u8>>> {
+    let mut out = BTreeMap::new();
+    for &r in layout.mesh().ranks() {
+        let buf = crate::memory::zeroed(layout.local_bytes(r), || {
+            format!("rank {r}'s destination shard")
+        })?;
+        out.insert(r, buf);
+    }
+    Ok(out)
 }
 
 #[cfg(test)]

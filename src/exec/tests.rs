@@ -39,8 +39,8 @@ proptest! {
         let plan = Plan::with_options(src, dst, PlanOptions { min_split_bytes }).unwrap();
         // The library's own fill of the source agrees with the reference's slicing.
         let sources = reference_shards(plan.src(), fill);
-        prop_assert_eq!(&fill.shards(plan.src()), &sources);
-        let mut shards = zeroed_shards(plan.dst());
+        prop_assert_eq!(&fill.shards(plan.src()).unwrap(), &sources);
+        let mut shards = zeroed_shards(plan.dst()).unwrap();
         let stats = run_local(&plan, &sources, &mut shards, &small_chunks(chunk_bytes)).unwrap();
         prop_assert_eq!(&shards, &reference_shards(plan.dst(), fill));
         let totals = plan.totals();
@@ -54,8 +54,8 @@ fn bad_buffers_are_rejected_before_any_byte_moves() {
     let src = layout("mesh=2 place=S(0)", &[8, 8], DType::Bf16, 0);
     let dst = layout("mesh=4 place=S(1)", &[8, 8], DType::Bf16, 2);
     let plan = Plan::new(src, dst).unwrap();
-    let mut sources = Fill::Index.shards(plan.src());
-    let mut shards = zeroed_shards(plan.dst());
+    let mut sources = Fill::Index.shards(plan.src()).unwrap();
+    let mut shards = zeroed_shards(plan.dst()).unwrap();
     shards.get_mut(&5).unwrap().push(0);
     let err = run_local(&plan, &sources, &mut shards, &ExecOptions::default()).unwrap_err();
     assert_eq!(
@@ -76,7 +76,7 @@ fn bad_buffers_are_rejected_before_any_byte_moves() {
     };
     let err = run_local(
         &plan,
-        &Fill::Index.shards(plan.src()),
+        &Fill::Index.shards(plan.src()).unwrap(),
         &mut shards,
         &options,
     )
@@ -92,8 +92,8 @@ fn faulty_run(fault: Fault) -> Error {
     let src = layout("mesh=4 place=S(0)", &[64, 64], DType::F32, 0);
     let dst = layout("mesh=2 place=S(1)", &[64, 64], DType::F32, 4);
     let plan = Plan::new(src, dst).unwrap();
-    let sources = Fill::Index.shards(plan.src());
-    let mut shards = zeroed_shards(plan.dst());
+    let sources = Fill::Index.shards(plan.src()).unwrap();
+    let mut shards = zeroed_shards(plan.dst()).unwrap();
     let options = ExecOptions {
         chunk_bytes: 256,
         staging_bytes: 512,
@@ -170,8 +170,8 @@ fn staging_stays_bounded_for_large_transfers() {
     let src = layout("mesh=2 place=S(0)", &[2048, 4096], DType::F32, 0);
     let dst = layout("mesh=2 place=S(1)", &[2048, 4096], DType::F32, 2);
     let plan = Plan::new(src, dst).unwrap();
-    let sources = Fill::Index.shards(plan.src());
-    let mut shards = zeroed_shards(plan.dst());
+    let sources = Fill::Index.shards(plan.src()).unwrap();
+    let mut shards = zeroed_shards(plan.dst()).unwrap();
     let options = ExecOptions {
         chunk_bytes: 1 << 20,
         staging_bytes: 2 << 20,
@@ -206,8 +206,8 @@ proptest! {
         let stale = |bufs: &mut BTreeMap<Rank, Vec<u8>>| {
             bufs.values_mut().for_each(|b| b.fill(seed as u8))
         };
-        let mut shards = zeroed_shards(&dst);
-        let mut full = full_buffers(&gb);
+        let mut shards = zeroed_shards(&dst).unwrap();
+        let mut full = full_buffers(&gb).unwrap();
         stale(&mut shards);
         stale(&mut full);
         let stats = run_local_gather_broadcast(
@@ -227,9 +227,9 @@ fn baseline_rejects_a_missing_full_buffer() {
     let src = layout("mesh=2 place=S(0)", &[8, 8], DType::Bf16, 0);
     let dst = layout("mesh=4 place=S(1)", &[8, 8], DType::Bf16, 2);
     let gb = GatherBroadcast::new(&src, &dst).unwrap();
-    let mut sources = Fill::Index.shards(&src);
-    let mut shards = zeroed_shards(&dst);
-    let mut full = full_buffers(&gb);
+    let mut sources = Fill::Index.shards(&src).unwrap();
+    let mut shards = zeroed_shards(&dst).unwrap();
+    let mut full = full_buffers(&gb).unwrap();
     assert_eq!(full.len(), 6);
     full.remove(&3);
     let err = run_local_gather_broadcast(
@@ -256,9 +256,9 @@ fn baseline_of_replicated_sides_moves_what_the_reshard_moves() {
         let src = layout(src_spec, &[16, 8], DType::F32, 0);
         let dst = layout(dst_spec, &[16, 8], DType::F32, 2);
         let gb = GatherBroadcast::new(&src, &dst).unwrap();
-        let mut sources = Fill::Index.shards(&src);
-        let mut shards = zeroed_shards(&dst);
-        let mut full = full_buffers(&gb);
+        let mut sources = Fill::Index.shards(&src).unwrap();
+        let mut shards = zeroed_shards(&dst).unwrap();
+        let mut full = full_buffers(&gb).unwrap();
         // destinations that keep the whole tensor receive it in place
         assert_eq!(
             !full.contains_key(&2),
@@ -398,8 +398,8 @@ fn verdict_after(
     rank: Rank,
     disturb: impl FnOnce(&Plan, &mut [u8]),
 ) -> Result<()> {
-    let sources = fill.shards(plan.src());
-    let mut shards = zeroed_shards(plan.dst());
+    let sources = fill.shards(plan.src())?;
+    let mut shards = zeroed_shards(plan.dst())?;
     run_local(plan, &sources, &mut shards, &ExecOptions::default()).unwrap();
     fill.verify_shards(plan.dst(), &shards).unwrap();
     disturb(plan, shards.get_mut(&rank).unwrap());

@@ -89,7 +89,10 @@ impl ModelConfig {
 
     /// Reads and parses a `config.json` file.
     pub fn read(path: &Path) -> Result<ModelConfig, ModelError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ModelError::Io {
+        // a regular file only: a FIFO named config.json would block the read for ever
+        let (mut file, _) = super::safetensors::open_regular(path)?;
+        let mut text = String::new();
+        std::io::Read::read_to_string(&mut file, &mut text).map_err(|source| ModelError::Io {
             path: path.display().to_string(),
             source,
         })?;

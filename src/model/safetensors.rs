@@ -7,10 +7,14 @@
 //! says which files make up the checkpoint.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
+use std::fs::File;
 use std::io::Read;
-use std::path::{Path, PathBuf};
+use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
+use std::path::{Component, Path, PathBuf};
 
 use serde::Deserialize;
+use serde::de::{Deserializer, MapAccess, Visitor};
 
 use crate::dtype::DType;
 
@@ -29,7 +33,38 @@ struct Entry {
 
 #[derive(Deserialize)]
 struct Index {
-    weight_map: BTreeMap<String, String>,
+    weight_map: UniqueMap<String>,
+}
+
+/// A JSON object whose keys must be distinct, in file order. Plain maps keep the last of two
+/// equal keys silently, so a header or an index naming a tensor twice would describe a
+/// different checkpoint than the one a stricter reader (or the training framework) sees.
+struct UniqueMap<V>(Vec<(String, V)>);
+
+impl<'de, V: Deserialize<'de>> Deserialize<'de> for UniqueMap<V> {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Unique<V>(std::marker::PhantomData<V>);
+        impl<'de, V: Deserialize<'de>> Visitor<'de> for Unique<V> {
+            type Value = UniqueMap<V>;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("an object with distinct keys")
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+                let mut seen = BTreeSet::new();
+                let mut out = Vec::new();
+                while let Some((key, value)) = map.next_entry::<String, V>()? {
+                    if !seen.insert(key.clone()) {
+                        return Err(serde::de::Error::custom(format!(
+                            "tensor {key} appears twice"
+                        )));
+                    }
+                    out.push((key, value));
+                }
+                Ok(UniqueMap(out))
+            }
+        }
+        deserializer.deserialize_map(Unique(std::marker::PhantomData))
+    }
 }
 
 fn io(path: &Path) -> impl Fn(std::io::Error) -> ModelError + '_ {
@@ -44,6 +79,86 @@ fn bad(path: &Path, reason: String) -> ModelError {
         path: path.display().to_string(),
         reason,
     }
+}
+
+/// Opens `path` for reading if it is a regular file, with its length. A FIFO, a device or a
+/// folder is refused: reading one would block for ever or never end. The file is opened
+/// without blocking (opening a FIFO otherwise waits for a writer) and checked once open, so
+/// that swapping the path between a check and the open changes nothing.
+pub(crate) fn open_regular(path: &Path) -> Result<(File, u64), ModelError> {
+    let file = File::options()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(path)
+        .map_err(io(path))?;
+    let meta = file.metadata().map_err(io(path))?;
+    let kind = meta.file_type();
+    let what = if kind.is_file() {
+        return Ok((file, meta.len()));
+    } else if kind.is_dir() {
+        "a folder"
+    } else if kind.is_fifo() {
+        "a FIFO"
+    } else if kind.is_char_device() || kind.is_block_device() {
+        "a device"
+    } else if kind.is_socket() {
+        "a socket"
+    } else {
+        "a special file"
+    };
+    Err(bad(path, format!("{what}, not a regular file")))
+}
+
+/// The file `name` that the index maps `tensor` to, as a path inside `dir`: relative, with no
+/// `..` (an index must not make the loader read `../../etc/passwd`). Symbolic links are
+/// checked later, by [`check_inside`].
+fn index_file(
+    dir: &Path,
+    index_path: &Path,
+    tensor: &str,
+    name: &str,
+) -> Result<PathBuf, ModelError> {
+    let mut rel = PathBuf::new();
+    for c in Path::new(name).components() {
+        match c {
+            Component::Normal(part) => rel.push(part),
+            Component::CurDir => {}
+            Component::ParentDir | Component::RootDir | Component::Prefix(_) => {
+                return Err(bad(
+                    index_path,
+                    format!(
+                        "tensor {tensor} is mapped to `{name}`, outside the checkpoint folder \
+                         (files are named relative to it, without `..`)"
+                    ),
+                ));
+            }
+        }
+    }
+    if rel.as_os_str().is_empty() {
+        return Err(bad(
+            index_path,
+            format!("tensor {tensor} is mapped to `{name}`, which names no file"),
+        ));
+    }
+    Ok(dir.join(rel))
+}
+
+/// Refuses `file` if, symbolic links resolved, it lies outside the folder `real_dir` (itself
+/// resolved): a link in a checkpoint folder must not lead the loader elsewhere.
+fn check_inside(real_dir: &Path, file: &Path, tensor: Option<&str>) -> Result<(), ModelError> {
+    let real = file.canonicalize().map_err(io(file))?;
+    if real.starts_with(real_dir) {
+        return Ok(());
+    }
+    let of = tensor.map_or_else(String::new, |t| format!(" (holding tensor {t})"));
+    Err(bad(
+        file,
+        format!(
+            "the file{of} resolves to {}, outside the checkpoint folder {}",
+            real.display(),
+            real_dir.display()
+        ),
+    ))
 }
 
 /// The dtype of a safetensors dtype name (`BF16`, `F8_E4M3`, ...).
@@ -69,8 +184,12 @@ fn dtype(name: &str) -> Option<DType> {
 }
 
 /// The tensors of one `.safetensors` file, in name order, read from its header alone.
+///
+/// The header is checked as a whole before it is believed: its length must fit in the file
+/// (and under [`MAX_HEADER`]) before anything is allocated for it, every tensor name appears
+/// once, and every tensor's bytes lie inside the file's data without overlapping another's.
 pub fn read_header(path: &Path) -> Result<Vec<Param>, ModelError> {
-    let mut file = std::fs::File::open(path).map_err(io(path))?;
+    let (mut file, file_len) = open_regular(path)?;
     let mut len = [0u8; 8];
     file.read_exact(&mut len).map_err(io(path))?;
     let len = u64::from_le_bytes(len);
@@ -80,12 +199,21 @@ pub fn read_header(path: &Path) -> Result<Vec<Param>, ModelError> {
             format!("header length {len} is over {MAX_HEADER} bytes"),
         ));
     }
+    // the file holds the length, the header, then the data
+    let Some(data_len) = file_len.checked_sub(8 + len) else {
+        return Err(bad(
+            path,
+            format!("header length {len} is more than the file's {file_len} bytes hold"),
+        ));
+    };
     let mut header = vec![0u8; len as usize];
     file.read_exact(&mut header).map_err(io(path))?;
-    let mut entries: BTreeMap<String, serde_json::Value> =
-        serde_json::from_slice(&header).map_err(|e| bad(path, format!("malformed header: {e}")))?;
-    entries.remove("__metadata__");
+    let UniqueMap(mut entries) = serde_json::from_slice::<UniqueMap<serde_json::Value>>(&header)
+        .map_err(|e| bad(path, format!("malformed header: {e}")))?;
+    entries.retain(|(name, _)| name != "__metadata__");
+    entries.sort_by(|a, b| a.0.cmp(&b.0));
     let mut out = Vec::with_capacity(entries.len());
+    let mut spans: Vec<(u64, u64, String)> = Vec::with_capacity(entries.len());
     for (name, value) in entries {
         let entry: Entry =
             serde_json::from_value(value).map_err(|e| bad(path, format!("tensor {name}: {e}")))?;
@@ -109,17 +237,61 @@ pub fn read_header(path: &Path) -> Result<Vec<Param>, ModelError> {
                 ),
             ));
         }
+        if end > data_len {
+            return Err(bad(
+                path,
+                format!(
+                    "tensor {name}: data_offsets {begin}..{end} end beyond the file's \
+                     {data_len} bytes of data"
+                ),
+            ));
+        }
+        spans.push((begin, end, name.clone()));
         out.push(Param::new(name, &entry.shape, dt));
     }
+    check_disjoint(path, spans)?;
     Ok(out)
+}
+
+/// Refuses two tensors whose bytes overlap (empty tensors overlap nothing).
+fn check_disjoint(path: &Path, mut spans: Vec<(u64, u64, String)>) -> Result<(), ModelError> {
+    spans.retain(|(begin, end, _)| begin < end);
+    spans.sort();
+    for pair in spans.windows(2) {
+        let ((b0, e0, n0), (b1, e1, n1)) = (&pair[0], &pair[1]);
+        if b1 < e0 {
+            return Err(bad(
+                path,
+                format!(
+                    "tensor {n1}: data_offsets {b1}..{e1} overlap those of tensor {n0} \
+                     ({b0}..{e0})"
+                ),
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// Every tensor of a checkpoint folder: the files its index names, or else every
 /// `*.safetensors` file in it. `None` if the folder holds neither.
+///
+/// The folder may come from anywhere, so nothing in it is trusted: the index may only name
+/// files inside the folder, every file (through symbolic links too) must stay inside it and
+/// be a regular file, and a tensor may appear in one file only, once.
 pub fn read_checkpoint(dir: &Path) -> Result<Option<Vec<Param>>, ModelError> {
+    let real_dir = dir.canonicalize().map_err(io(dir))?;
     let index_path = dir.join("model.safetensors.index.json");
-    let index: Option<Index> = if index_path.is_file() {
-        let text = std::fs::read_to_string(&index_path).map_err(io(&index_path))?;
+    let index: Option<Index> = if index_path.exists() {
+        let (mut file, len) = open_regular(&index_path)?;
+        // the largest models' indices are a few MiB; the bound of a header is plenty
+        if len > MAX_HEADER {
+            return Err(bad(
+                &index_path,
+                format!("{len} bytes is over the {MAX_HEADER} bytes an index may have"),
+            ));
+        }
+        let mut text = String::new();
+        file.read_to_string(&mut text).map_err(io(&index_path))?;
         Some(
             serde_json::from_str(&text)
                 .map_err(|e| bad(&index_path, format!("malformed index: {e}")))?,
@@ -127,27 +299,30 @@ pub fn read_checkpoint(dir: &Path) -> Result<Option<Vec<Param>>, ModelError> {
     } else {
         None
     };
-    let files: Vec<PathBuf> = match &index {
+    // each file with the first tensor the index maps to it (for messages)
+    let files: BTreeMap<PathBuf, Option<&str>> = match &index {
         Some(index) => {
-            let names: BTreeSet<&String> = index.weight_map.values().collect();
-            names.into_iter().map(|f| dir.join(f)).collect()
-        }
-        None => {
-            let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
-                .map_err(io(dir))?
-                .filter_map(|e| e.ok().map(|e| e.path()))
-                .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
-                .collect();
-            files.sort();
+            let mut files = BTreeMap::new();
+            for (tensor, name) in &index.weight_map.0 {
+                let file = index_file(dir, &index_path, tensor, name)?;
+                files.entry(file).or_insert(Some(tensor.as_str()));
+            }
             files
         }
+        None => std::fs::read_dir(dir)
+            .map_err(io(dir))?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
+            .map(|p| (p, None))
+            .collect(),
     };
     if files.is_empty() {
         return Ok(None);
     }
     let mut params = Vec::new();
     let mut seen: BTreeMap<String, PathBuf> = BTreeMap::new();
-    for file in files {
+    for (file, tensor) in files {
+        check_inside(&real_dir, &file, tensor)?;
         for p in read_header(&file)? {
             if let Some(other) = seen.insert(p.name.clone(), file.clone()) {
                 return Err(bad(
@@ -159,9 +334,9 @@ pub fn read_checkpoint(dir: &Path) -> Result<Option<Vec<Param>>, ModelError> {
         }
     }
     if let Some(index) = index {
-        for (name, file) in &index.weight_map {
+        for (name, file) in &index.weight_map.0 {
             let found = seen.get(name);
-            if found != Some(&dir.join(file)) {
+            if found != Some(&index_file(dir, &index_path, name, file)?) {
                 return Err(bad(
                     &index_path,
                     format!("tensor {name} is mapped to {file}, which does not hold it"),
@@ -355,6 +530,182 @@ pub(crate) mod tests {
         );
         std::fs::write(&file, [1, 0, 0]).unwrap();
         assert!(read_header(&file).is_err());
+    }
+
+    /// A header written by hand: `entries` is the JSON object's inside, `data` the bytes after.
+    fn write_raw(path: &Path, entries: &str, data: usize) {
+        let text = format!("{{{entries}}}");
+        let mut bytes = (text.len() as u64).to_le_bytes().to_vec();
+        bytes.extend_from_slice(text.as_bytes());
+        bytes.resize(bytes.len() + data, 0);
+        std::fs::write(path, bytes).unwrap();
+    }
+
+    fn checkpoint_error(dir: &Path) -> String {
+        read_checkpoint(dir).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn index_paths_stay_inside_the_folder() {
+        let root = temp_dir("confined");
+        let dir = root.join("ckpt");
+        std::fs::create_dir_all(dir.join("sub")).unwrap();
+        write(&root.join("outside.safetensors"), &[("x", "BF16", &[2])]);
+        write(&dir.join("sub/a.safetensors"), &[("x", "BF16", &[2])]);
+        let index_path = dir.join("model.safetensors.index.json");
+        let set_index = |file: &str| {
+            let index = serde_json::json!({"weight_map": {"x": file}});
+            std::fs::write(&index_path, index.to_string()).unwrap();
+        };
+        for escape in [
+            "../outside.safetensors",
+            "sub/../../outside.safetensors",
+            "/etc/passwd",
+        ] {
+            set_index(escape);
+            let err = checkpoint_error(&dir);
+            assert!(
+                err.contains(&format!(
+                    "tensor x is mapped to `{escape}`, outside the checkpoint folder"
+                )),
+                "{err}"
+            );
+        }
+        // a path relative to the folder, `.` included, is fine
+        set_index("./sub/a.safetensors");
+        assert_eq!(read_checkpoint(&dir).unwrap().unwrap().len(), 1);
+
+        // a link inside the folder that leads out of it is refused; one that stays is fine
+        std::os::unix::fs::symlink(
+            root.join("outside.safetensors"),
+            dir.join("link.safetensors"),
+        )
+        .unwrap();
+        set_index("link.safetensors");
+        let err = checkpoint_error(&dir);
+        assert!(
+            err.contains("link.safetensors: the file (holding tensor x) resolves to")
+                && err.contains("outside the checkpoint folder"),
+            "{err}"
+        );
+        std::fs::remove_file(&index_path).unwrap();
+        let err = checkpoint_error(&dir);
+        assert!(err.contains("outside the checkpoint folder"), "{err}");
+        std::fs::remove_file(dir.join("link.safetensors")).unwrap();
+        std::os::unix::fs::symlink("sub/a.safetensors", dir.join("inner.safetensors")).unwrap();
+        assert_eq!(read_checkpoint(&dir).unwrap().unwrap().len(), 1);
+        let _ = std::fs::remove_dir_all(&root);
+    }
+
+    #[test]
+    fn only_regular_files_are_read() {
+        let dir = temp_dir("fifo");
+        let fifo = dir.join("model.safetensors");
+        let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+        // SAFETY: a valid C string.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        // without a writer, reading a FIFO would wait for ever
+        let err = checkpoint_error(&dir);
+        assert!(
+            err.ends_with("model.safetensors: a FIFO, not a regular file"),
+            "{err}"
+        );
+        std::fs::remove_file(&fifo).unwrap();
+        // a device is no regular file either (and /dev/zero would never end)
+        let err = read_header(Path::new("/dev/zero")).unwrap_err().to_string();
+        assert_eq!(err, "/dev/zero: a device, not a regular file");
+        std::fs::create_dir(&fifo).unwrap();
+        let err = checkpoint_error(&dir);
+        assert!(
+            err.ends_with("model.safetensors: a folder, not a regular file"),
+            "{err}"
+        );
+        std::fs::remove_dir(&fifo).unwrap();
+        // an index that is a FIFO, too
+        write(&fifo, &[("x", "BF16", &[2])]);
+        let index = dir.join("model.safetensors.index.json");
+        let c = std::ffi::CString::new(index.to_str().unwrap()).unwrap();
+        // SAFETY: a valid C string.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        let err = checkpoint_error(&dir);
+        assert!(err.ends_with("a FIFO, not a regular file"), "{err}");
+        // nor an index larger than any real one (sparse: no disk is used)
+        std::fs::remove_file(&index).unwrap();
+        let big = std::fs::File::create(&index).unwrap();
+        big.set_len(MAX_HEADER + 1).unwrap();
+        let err = checkpoint_error(&dir);
+        assert!(
+            err.ends_with("104857601 bytes is over the 104857600 bytes an index may have"),
+            "{err}"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_tensor_named_twice_is_refused() {
+        let dir = temp_dir("twice");
+        let file = dir.join("model.safetensors");
+        let w = r#""w": {"dtype": "U8", "shape": [2], "data_offsets": [0, 2]}"#;
+        let w2 = r#""w": {"dtype": "U8", "shape": [2], "data_offsets": [2, 4]}"#;
+        write_raw(&file, &format!("{w}, {w2}"), 4);
+        let err = read_header(&file).unwrap_err().to_string();
+        assert!(
+            err.contains("malformed header: tensor w appears twice"),
+            "{err}"
+        );
+        // twice in the index
+        write_raw(&file, w, 2);
+        let index = r#"{"weight_map": {"w": "model.safetensors", "w": "other.safetensors"}}"#;
+        std::fs::write(dir.join("model.safetensors.index.json"), index).unwrap();
+        let err = checkpoint_error(&dir);
+        assert!(
+            err.contains("malformed index: tensor w appears twice"),
+            "{err}"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn tensor_bytes_lie_inside_the_file_without_overlap() {
+        let dir = temp_dir("offsets");
+        let file = dir.join("m.safetensors");
+        let a = r#""a": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]}"#;
+        let b = r#""b": {"dtype": "U8", "shape": [4], "data_offsets": [2, 6]}"#;
+        let empty = r#""e": {"dtype": "U8", "shape": [0], "data_offsets": [3, 3]}"#;
+        write_raw(&file, &format!("{a}, {b}"), 6);
+        let err = read_header(&file).unwrap_err().to_string();
+        assert!(
+            err.ends_with("tensor b: data_offsets 2..6 overlap those of tensor a (0..4)"),
+            "{err}"
+        );
+        // side by side, with an empty tensor anywhere, is fine
+        let c = r#""c": {"dtype": "U8", "shape": [2], "data_offsets": [4, 6]}"#;
+        write_raw(&file, &format!("{a}, {c}, {empty}"), 6);
+        assert_eq!(read_header(&file).unwrap().len(), 3);
+        // one byte short of the data
+        write_raw(&file, &format!("{a}, {c}"), 5);
+        let err = read_header(&file).unwrap_err().to_string();
+        assert!(
+            err.ends_with("tensor c: data_offsets 4..6 end beyond the file's 5 bytes of data"),
+            "{err}"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_header_longer_than_its_file_is_refused_before_reading_it() {
+        let dir = temp_dir("long");
+        let file = dir.join("m.safetensors");
+        // claims 50 MiB of header (under the bound) in a 19-byte file
+        let mut bytes = (50u64 << 20).to_le_bytes().to_vec();
+        bytes.extend_from_slice(b"{\"a\": 1}   ");
+        std::fs::write(&file, bytes).unwrap();
+        let err = read_header(&file).unwrap_err().to_string();
+        assert!(
+            err.ends_with("header length 52428800 is more than the file's 19 bytes hold"),
+            "{err}"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

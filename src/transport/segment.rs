@@ -81,9 +81,18 @@ impl SharedBuffer {
         if len == 0 {
             return Ok(SharedBuffer { map: None, len });
         }
-        let map = create_shared("reshard-shard", len).map_err(|source| Error::Io {
-            path: "a shared buffer (memfd)".into(),
-            source,
+        let map = create_shared("reshard-shard", len).map_err(|source| {
+            // no memory (or address space) for it is a resource failure that names the size
+            match source.raw_os_error() {
+                Some(libc::ENOMEM | libc::ENOSPC | libc::EFBIG) => Error::OutOfMemory {
+                    what: "a shared buffer (memfd)".into(),
+                    bytes: len as u64,
+                },
+                _ => Error::Io {
+                    path: "a shared buffer (memfd)".into(),
+                    source,
+                },
+            }
         })?;
         Ok(SharedBuffer {
             map: Some(map),
@@ -181,5 +190,17 @@ mod tests {
         assert_eq!(buf[9_999], 42);
         assert!(PeerBuffer::open(std::process::id(), buf.fd().unwrap(), 5).is_err());
         assert!(SharedBuffer::new(0).unwrap().is_empty());
+    }
+
+    #[test]
+    fn a_buffer_larger_than_the_address_space_is_out_of_memory() {
+        // ftruncate accepts it (sparse); the mapping cannot exist
+        match SharedBuffer::new(usize::MAX / 4) {
+            Err(Error::OutOfMemory { bytes, what }) => {
+                assert_eq!(bytes, (usize::MAX / 4) as u64);
+                assert!(what.contains("shared buffer"));
+            }
+            other => panic!("expected OutOfMemory, got {other:?}"),
+        }
     }
 }
