@@ -281,21 +281,18 @@ pub fn read_checkpoint(dir: &Path) -> Result<Option<Vec<Param>>, ModelError> {
     } else {
         None
     };
-    // each file with the first tensor the index maps to it (for messages)
-    let files: BTreeMap<PathBuf, Option<&str>> = match &index {
-        Some(index) => {
-            let mut files = BTreeMap::new();
-            for (tensor, name) in &index.weight_map.0 {
-                let file = index_file(dir, &index_path, tensor, name)?;
-                files.entry(file).or_insert(Some(tensor.as_str()));
-            }
-            files
-        }
+    // every file once, in order
+    let files: std::collections::BTreeSet<PathBuf> = match &index {
+        Some(index) => index
+            .weight_map
+            .0
+            .iter()
+            .map(|(tensor, name)| index_file(dir, &index_path, tensor, name))
+            .collect::<Result<_, _>>()?,
         None => std::fs::read_dir(dir)
             .map_err(io(dir))?
             .filter_map(|e| e.ok().map(|e| e.path()))
             .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
-            .map(|p| (p, None))
             .collect(),
     };
     if files.is_empty() {
@@ -303,7 +300,7 @@ pub fn read_checkpoint(dir: &Path) -> Result<Option<Vec<Param>>, ModelError> {
     }
     let mut params = Vec::new();
     let mut seen: BTreeMap<String, PathBuf> = BTreeMap::new();
-    for (file, tensor) in files {
+    for file in files {
         for p in read_header(&file)? {
             if let Some(other) = seen.insert(p.name.clone(), file.clone()) {
                 return Err(bad(
