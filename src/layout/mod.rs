@@ -334,6 +334,38 @@ impl Layout {
         out
     }
 
+    /// Whether `rank` holds the box with per-dim piece indices `index`: the same answer as
+    /// `holders(index).contains(&rank)`, in constant time (a lookup of the rank's position)
+    /// rather than a scan of every replica, which made a plan with many replicas quadratic.
+    pub fn holds(&self, rank: Rank, index: &[usize]) -> bool {
+        self.mesh
+            .position(rank)
+            .is_some_and(|p| self.piece_index(&self.mesh.coords(p)) == index)
+    }
+
+    /// Which replica of its box the rank at row-major mesh `position` holds: the mixed-radix
+    /// number of its coordinates along the replicated axes (first axis most significant), in
+    /// `0..replication()`.
+    pub fn replica_index(&self, position: usize) -> usize {
+        self.mixed_radix(position, |p| *p == Placement::Replicate)
+    }
+
+    /// The rank's position among the ranks of one replica: the mixed-radix number of its
+    /// coordinates along the sharding axes. Without replicated axes, the mesh position itself.
+    pub fn shard_position(&self, position: usize) -> usize {
+        self.mixed_radix(position, |p| *p != Placement::Replicate)
+    }
+
+    fn mixed_radix(&self, position: usize, axis: impl Fn(&Placement) -> bool) -> usize {
+        let coords = self.mesh.coords(position);
+        self.placements
+            .iter()
+            .zip(self.mesh.dims())
+            .zip(coords)
+            .filter(|((p, _), _)| axis(p))
+            .fold(0, |acc, ((_, &d), c)| acc * d + c)
+    }
+
     /// Number of replicas of every box (product of the replicated mesh axes).
     pub fn replication(&self) -> usize {
         self.placements
@@ -464,6 +496,27 @@ mod tests {
         assert_eq!(l.replication(), 2);
         assert_eq!(l.local_region(13), Some(Region::from_ranges(&[4..8, 0..4])));
         assert_eq!(l.local_region(3), None);
+    }
+
+    #[test]
+    fn replica_numbers_and_holding() {
+        // DP2 x TP2 [R, S(0)] on ranks 10..14: position 3 is (1, 1), replica 1, shard 1
+        let mesh = Mesh::new(vec![2, 2], (10..14).collect()).unwrap();
+        let l = Layout::new(
+            vec![8, 4],
+            DType::Bf16,
+            mesh,
+            vec![Placement::Replicate, Placement::Shard(0)],
+        )
+        .unwrap();
+        assert_eq!((l.replica_index(3), l.shard_position(3)), (1, 1));
+        assert_eq!((l.replica_index(1), l.shard_position(1)), (0, 1));
+        assert_eq!((l.replica_index(2), l.shard_position(2)), (1, 0));
+        for index in [[0, 0], [1, 0]] {
+            for rank in 8..16 {
+                assert_eq!(l.holds(rank, &index), l.holders(&index).contains(&rank));
+            }
+        }
     }
 
     #[test]
