@@ -18,8 +18,8 @@ use crate::region::Region;
 /// A global rank: the process (or GPU) number in the whole job.
 pub type Rank = usize;
 
-/// Ranks are below 2^31, so that rank arithmetic never overflows.
-pub const MAX_RANK: Rank = 1 << 31;
+/// Ranks are below 2^31, so that rank arithmetic never overflows (see [`crate::limits`]).
+pub const MAX_RANK: Rank = crate::limits::MAX_RANK;
 
 /// How one mesh axis lays the tensor out.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -88,6 +88,12 @@ impl Mesh {
             .iter()
             .try_fold(1u64, |acc, &d| acc.checked_mul(d as u64))
             .unwrap_or(u64::MAX);
+        if expected > crate::limits::MAX_MESH_RANKS as u64 {
+            return Err(LayoutError::TooManyRanks {
+                mesh: dims_u64(),
+                positions: expected,
+            });
+        }
         if expected != ranks.len() as u64 {
             return Err(LayoutError::MeshSizeMismatch {
                 mesh: dims_u64(),
@@ -535,6 +541,19 @@ mod tests {
             Mesh::new(vec![2, 0], vec![]).unwrap_err().to_string(),
             "mesh axis 1 has size 0 (mesh 2x0)"
         );
+    }
+
+    #[test]
+    fn meshes_beyond_the_rank_limit_are_refused() {
+        let err = Mesh::new(vec![4096, 4097], vec![]).unwrap_err().to_string();
+        assert_eq!(
+            err,
+            "mesh 4096x4097 has 16781312 positions, more than the 16777216 ranks a side may have"
+        );
+        let err = Mesh::new(vec![1 << 40, 1 << 40], vec![])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("has more than 2^64 positions"), "{err}");
     }
 
     #[test]
