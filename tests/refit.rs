@@ -84,7 +84,7 @@ fn every_shipped_model_tiles_every_destination() {
                 remote += plan.totals().bytes_remote;
             }
             // every inference rank ends up with its shards: what it receives or copies
-            let totals = refit.totals_of(&plans, 0.0);
+            let totals = refit.totals_of(&plans, 0.0).unwrap();
             let dst_bytes: u64 = refit.tensors.iter().map(|t| t.dst.shard_bytes()).sum();
             assert_eq!(
                 totals.bytes_remote + totals.bytes_local,
@@ -132,7 +132,7 @@ fn summary_matches_the_plans() {
     let refit = refit(&model, "tp=2,pp=2", "tp=2,dp=2", false);
     let plans = refit.plans(&options).unwrap();
     let mut a = refit.summary(&options).unwrap();
-    let b = refit.totals_of(&plans, a.plan_seconds);
+    let b = refit.totals_of(&plans, a.plan_seconds).unwrap();
     a.plan_seconds = b.plan_seconds;
     assert_eq!(a, b);
     // per-rank maxima are sums over tensors: at least the largest single tensor's
