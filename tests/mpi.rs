@@ -89,8 +89,8 @@ fn auto_under_mpirun_uses_shared_memory_on_one_host() {
 /// carrying the notices: both methods, every byte verified, the report from rank 0 alone.
 #[test]
 fn bench_and_refit_run_under_mpirun() {
-    let dir = common::temp_dir("mpi-refit");
-    std::fs::create_dir_all(&dir).unwrap();
+    let scratch = common::temp_dir("mpi-refit");
+    let dir = scratch.path();
     let config = common::tiny_moe_config(&dir);
     for (kind, name) in [("mpi", "mpi"), ("auto", "shm")] {
         let child = mpirun(8)
@@ -121,5 +121,4 @@ fn bench_and_refit_run_under_mpirun() {
         assert_eq!(j["run"]["verified"], true, "{j}");
         assert_eq!(j["run"]["transport"], name);
     }
-    let _ = std::fs::remove_dir_all(&dir);
 }

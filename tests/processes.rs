@@ -409,8 +409,8 @@ fn bench_suite_runs_over_processes() {
 /// every destination byte verified for both methods.
 #[test]
 fn refit_runs_over_processes() {
-    let dir = common::temp_dir("refit");
-    std::fs::create_dir_all(&dir).unwrap();
+    let scratch = common::temp_dir("refit");
+    let dir = scratch.path();
     let config = dir.join("config.json");
     std::fs::write(
         &config,

@@ -358,9 +358,12 @@ fn write_safetensors(path: &std::path::Path, tensors: &[(String, Vec<u64>)]) {
 /// tensors as the config alone, and the same refit.
 #[test]
 fn cli_reads_a_checkpoint_folder() {
-    let dir = std::env::temp_dir().join(format!("reshard-refit-ckpt-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
+    // removed when the test ends, passing or failing
+    let scratch = tempfile::Builder::new()
+        .prefix("reshard-refit-ckpt-")
+        .tempdir()
+        .unwrap();
+    let dir = scratch.path();
     let config = r#"{"architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 64,
         "hidden_size": 16, "intermediate_size": 32, "moe_intermediate_size": 8,
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,

@@ -271,16 +271,19 @@ pub(crate) mod tests {
         std::fs::write(path, out).unwrap();
     }
 
-    pub(crate) fn temp_dir(name: &str) -> PathBuf {
-        let dir = std::env::temp_dir().join(format!("reshard-model-{name}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        dir
+    /// A fresh, empty folder, removed with all it holds when the guard drops (also when a
+    /// test fails half-way).
+    pub(crate) fn temp_dir(name: &str) -> tempfile::TempDir {
+        tempfile::Builder::new()
+            .prefix(&format!("reshard-model-{name}-"))
+            .tempdir()
+            .expect("a temp dir")
     }
 
     #[test]
     fn headers_give_names_dtypes_shapes() {
-        let dir = temp_dir("header");
+        let scratch_dir = temp_dir("header");
+        let dir = scratch_dir.path();
         let file = dir.join("model.safetensors");
         write(
             &file,
@@ -304,7 +307,8 @@ pub(crate) mod tests {
 
     #[test]
     fn index_names_the_files_and_must_agree() {
-        let dir = temp_dir("index");
+        let scratch_dir = temp_dir("index");
+        let dir = scratch_dir.path();
         write(&dir.join("a.safetensors"), &[("x", "BF16", &[2])]);
         write(&dir.join("b.safetensors"), &[("y", "BF16", &[2])]);
         write(&dir.join("stray.safetensors"), &[("z", "BF16", &[2])]);
@@ -329,13 +333,15 @@ pub(crate) mod tests {
             err.ends_with("tensor x is mapped to b.safetensors, which does not hold it"),
             "{err}"
         );
-        let empty = temp_dir("empty");
+        let scratch_empty = temp_dir("empty");
+        let empty = scratch_empty.path();
         assert!(read_checkpoint(&empty).unwrap().is_none());
     }
 
     #[test]
     fn bad_headers_are_named() {
-        let dir = temp_dir("bad");
+        let scratch_dir = temp_dir("bad");
+        let dir = scratch_dir.path();
         let file = dir.join("m.safetensors");
         std::fs::write(&file, [0xff; 8]).unwrap();
         assert!(

@@ -318,8 +318,11 @@ fn load_reads_presets_and_files() {
     assert_eq!(Cluster::load("h100").unwrap(), Cluster::h100());
     let err = Cluster::load("no-such-cluster.json").unwrap_err();
     assert!(err.to_string().contains("no-such-cluster.json"), "{err}");
-    let dir = std::env::temp_dir().join(format!("reshard-sim-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let scratch = tempfile::Builder::new()
+        .prefix("reshard-sim-")
+        .tempdir()
+        .unwrap();
+    let dir = scratch.path();
     let path = dir.join("slow-net.json");
     std::fs::write(&path, r#"{"base": "h100", "nic_gb_s": 12.5}"#).unwrap();
     let c = Cluster::load(path.to_str().unwrap()).unwrap();
@@ -327,7 +330,6 @@ fn load_reads_presets_and_files() {
     std::fs::write(&path, r#"{"base": "h100", "nic_gb_s": "fast"}"#).unwrap();
     let err = Cluster::load(path.to_str().unwrap()).unwrap_err();
     assert!(err.to_string().contains("slow-net.json"), "{err}");
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 fn arb_cluster() -> impl Strategy<Value = Cluster> {
