@@ -91,7 +91,7 @@ fn auto_under_mpirun_uses_shared_memory_on_one_host() {
 fn bench_and_refit_run_under_mpirun() {
     let scratch = common::temp_dir("mpi-refit");
     let dir = scratch.path();
-    let config = common::tiny_moe_config(&dir);
+    let config = common::tiny_moe_config(dir);
     for (kind, name) in [("mpi", "mpi"), ("auto", "shm")] {
         let child = mpirun(8)
             .args(["bench", "--suite", "refit", "--suite-bytes", "64KiB"])

@@ -421,7 +421,7 @@ fn refit_runs_over_processes() {
     )
     .unwrap();
     // and a small Qwen3-MoE: stacked experts, vLLM's w13 fused along dim 1 of [E, 2I, H]
-    let moe = common::tiny_moe_config(&dir);
+    let moe = common::tiny_moe_config(dir);
     for (model, train, transport, infer, pack_below) in [
         (&config, "tp=2,pp=2", "tcp", "tp=4", "64KiB"),
         (&config, "tp=2,pp=2", "shm", "tp=2,dp=2", "0"),

@@ -302,7 +302,7 @@ pub(crate) mod tests {
                 Param::new("w", &[4, 3], DType::Bf16),
             ]
         );
-        assert_eq!(read_checkpoint(&dir).unwrap().unwrap().len(), 3);
+        assert_eq!(read_checkpoint(dir).unwrap().unwrap().len(), 3);
     }
 
     #[test]
@@ -315,7 +315,7 @@ pub(crate) mod tests {
         let index = serde_json::json!({"metadata": {}, "weight_map": {"x": "a.safetensors", "y": "b.safetensors"}});
         let index_path = dir.join("model.safetensors.index.json");
         std::fs::write(&index_path, index.to_string()).unwrap();
-        let names: Vec<String> = read_checkpoint(&dir)
+        let names: Vec<String> = read_checkpoint(dir)
             .unwrap()
             .unwrap()
             .into_iter()
@@ -328,14 +328,14 @@ pub(crate) mod tests {
         );
         let index = serde_json::json!({"weight_map": {"x": "b.safetensors", "y": "b.safetensors"}});
         std::fs::write(&index_path, index.to_string()).unwrap();
-        let err = read_checkpoint(&dir).unwrap_err().to_string();
+        let err = read_checkpoint(dir).unwrap_err().to_string();
         assert!(
             err.ends_with("tensor x is mapped to b.safetensors, which does not hold it"),
             "{err}"
         );
         let scratch_empty = temp_dir("empty");
         let empty = scratch_empty.path();
-        assert!(read_checkpoint(&empty).unwrap().is_none());
+        assert!(read_checkpoint(empty).unwrap().is_none());
     }
 
     #[test]
