@@ -515,3 +515,18 @@ fn the_broadcast_chain_starts_at_the_root_and_wraps_around() {
     // the reshard sends both copies from GPU 2: its NIC carries one
     assert_us!(priced.reshard.seconds, 104);
 }
+
+/// Past 2^64 bytes the per-port counts would saturate and the times look real: refused.
+#[test]
+fn plans_past_64_bits_are_not_priced() {
+    let huge = plan(&[1 << 62], "mesh=1 place=R", "mesh=4 place=R");
+    let err = price(&[huge], &Cluster::h100(), &SimOptions::default()).unwrap_err();
+    assert!(matches!(err, SimError::TooLarge { .. }), "{err}");
+    assert!(
+        err.to_string()
+            .ends_with("more than 2^64-1: too many to price"),
+        "{err}"
+    );
+    let fits = plan(&[1 << 62], "mesh=1 place=R", "mesh=2 place=R");
+    assert!(price(&[fits], &Cluster::h100(), &SimOptions::default()).is_ok());
+}
