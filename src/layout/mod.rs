@@ -152,6 +152,12 @@ impl Mesh {
         coords
     }
 
+    /// The coordinate along `axis` of a row-major position (one entry of [`Mesh::coords`]).
+    pub fn coord(&self, position: usize, axis: usize) -> usize {
+        let stride: usize = self.dims[axis + 1..].iter().product();
+        position / stride % self.dims[axis]
+    }
+
     /// The rank at mesh coordinates `coords`.
     pub fn rank_at(&self, coords: &[usize]) -> Rank {
         let position = coords
@@ -344,9 +350,17 @@ impl Layout {
     /// `holders(index).contains(&rank)`, in constant time (a lookup of the rank's position)
     /// rather than a scan of every replica, which made a plan with many replicas quadratic.
     pub fn holds(&self, rank: Rank, index: &[usize]) -> bool {
-        self.mesh
-            .position(rank)
-            .is_some_and(|p| self.piece_index(&self.mesh.coords(p)) == index)
+        let Some(position) = self.mesh.position(rank) else {
+            return false;
+        };
+        // piece_index of the rank's coordinates, without allocating: the planner asks for
+        // every piece of every destination
+        let dims = self.mesh.dims();
+        self.shard_axes.iter().zip(index).all(|(axes, &i)| {
+            axes.iter()
+                .fold(0, |acc, &a| acc * dims[a] + self.mesh.coord(position, a))
+                == i
+        })
     }
 
     /// Which replica of its box the rank at row-major mesh `position` holds: the mixed-radix
