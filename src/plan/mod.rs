@@ -460,7 +460,7 @@ impl Receiver {
 /// destination box all ask for the same piece, so with `r` of them each needs only that many
 /// parts for every holder to serve its share. Splitting every copy among all holders would
 /// make `holders x replicas` transfers: quadratic in the data-parallel size when both sides
-/// replicate (dp=10000 on both sides made 10^8 transfers per tensor). Replica `k` starts
+/// replicate (dp=10000 on both sides made up to 10^8 transfers per tensor). Replica `k` starts
 /// `k x parts` holders further on, so that the replicas draw on disjoint holders.
 #[allow(clippy::too_many_arguments)]
 fn assign(
@@ -487,7 +487,8 @@ fn assign(
     let wanted = bytes
         .checked_div(options.min_split_bytes)
         .map_or(cap, |parts| parts.clamp(1, cap));
-    // `wanted <= h`, and positions and replica numbers are below 2^31: no overflow
+    // positions, box ids, replica numbers and `wanted` are at most 2^24 (a side's ranks, see
+    // `limits`): no overflow
     let rotation = (receiver.shard_position + box_id + receiver.replica * wanted as usize) % h;
     let split = if wanted > 1 {
         match (0..piece.ndim()).find(|&d| piece.extent[d] >= wanted) {
