@@ -46,19 +46,20 @@ impl Overflow {
         "gather_broadcast_bytes",
     ];
 
+    /// The bit of `field`; none (0) for a name that is not a field.
     fn bit(field: &str) -> u8 {
-        let i = Overflow::FIELDS
+        Overflow::FIELDS
             .iter()
             .position(|f| *f == field)
-            .expect("a Totals field");
-        1 << i
+            .map_or(0, |i| 1 << i)
     }
 
     /// Marks `field` (one of [`Overflow::FIELDS`]) as overflowed.
-    pub fn insert(&mut self, field: &str) {
+    fn insert(&mut self, field: &str) {
         self.0 |= Overflow::bit(field);
     }
 
+    /// Whether `field` overflowed (false for a name that is not one of [`Overflow::FIELDS`]).
     pub fn contains(&self, field: &str) -> bool {
         self.0 & Overflow::bit(field) != 0
     }
@@ -248,6 +249,7 @@ mod tests {
             ]
         );
         assert_eq!(t.max_rank_recv_bytes, 1 << 62);
+        assert!(!t.overflow.contains("max_rank_recv_bytes") && !t.overflow.contains("nonsense"));
         let json = serde_json::to_value(t).unwrap();
         assert!(json["bytes_remote"].is_null(), "{json}");
         assert!(json["gather_broadcast_bytes"].is_null(), "{json}");
