@@ -244,6 +244,12 @@ pub enum LayoutError {
         got: usize,
     },
 
+    #[error("mesh {mesh} has {} positions, more than the {} ranks a side may have", if *.positions == u64::MAX { "more than 2^64".to_string() } else { .positions.to_string() }, crate::limits::MAX_MESH_RANKS)]
+    TooManyRanks { mesh: Dims, positions: u64 },
+
+    #[error("the default ranks {first}..{end} reach 2^31 (ranks must be below 2^31): give ranks=")]
+    DefaultRanksTooLarge { first: u64, end: u64 },
+
     #[error("rank {rank} appears more than once in ranks")]
     DuplicateRank { rank: Rank },
 

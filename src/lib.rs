@@ -10,7 +10,8 @@
 //! - [`fill`]: deterministic contents for running and verifying reshards;
 //! - [`model`]: whole models (HF configs, checkpoint headers), training and inference
 //!   parallelism, the per-parameter layout rules, and the plan of a whole-model refit;
-//! - [`sim`]: a cluster cost model that prices plans at scales this machine cannot run.
+//! - [`sim`]: a cluster cost model that prices plans at scales this machine cannot run;
+//! - [`limits`]: every bound on the size of the input, and why.
 //!
 //! ```
 //! use reshard::{DType, Plan, layout::LayoutSpec};
@@ -29,6 +30,7 @@ pub mod error;
 pub mod exec;
 pub mod fill;
 pub mod layout;
+pub mod limits;
 pub mod memory;
 pub mod model;
 pub mod plan;

@@ -1,7 +1,6 @@
 //! The command-line contract of the design notes: commands, plan JSON, fill and dump formats,
 //! and errors that name the field and the value.
 
-use std::path::PathBuf;
 use std::process::{Command, Output};
 
 use serde_json::Value;
@@ -32,10 +31,13 @@ const SEED: [&str; 8] = [
     "mesh=4 place=S(1)",
 ];
 
-fn temp_dir(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("reshard-cli-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    dir
+/// A fresh, empty folder under the system temp dir, removed with all it holds when the guard
+/// drops, also when a test fails half-way.
+fn temp_dir(name: &str) -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix(&format!("reshard-cli-{name}-"))
+        .tempdir()
+        .expect("a temp dir")
 }
 
 #[test]
@@ -110,7 +112,8 @@ fn plan_text_draws_the_picture() {
 
 #[test]
 fn run_dumps_index_filled_shards() {
-    let dir = temp_dir("dump");
+    let scratch = temp_dir("dump");
+    let dir = scratch.path().join("dump");
     let out = reshard(
         &[
             &["run"],
@@ -142,7 +145,6 @@ fn run_dumps_index_filled_shards() {
         ["rank2.bin", "rank3.bin", "rank4.bin", "rank5.bin"],
         "whole files only, no temporaries"
     );
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 fn file_names(dir: &std::path::Path) -> Vec<String> {
@@ -158,8 +160,8 @@ fn file_names(dir: &std::path::Path) -> Vec<String> {
 /// no report, the file untouched); a missing directory is created.
 #[test]
 fn run_checks_the_dump_dir_before_moving() {
-    let dir = temp_dir("dump-check");
-    std::fs::create_dir_all(&dir).unwrap();
+    let scratch = temp_dir("dump-check");
+    let dir = scratch.path();
     let file = dir.join("not-a-dir");
     std::fs::write(&file, b"keep").unwrap();
     for transport in ["local", "auto"] {
@@ -195,7 +197,6 @@ fn run_checks_the_dump_dir_before_moving() {
     );
     assert!(out.status.success(), "{}", stderr(&out));
     assert_eq!(file_names(&missing).len(), 4);
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 /// The default fill tells apart rows r and r + 8 of an 8192-column bf16 tensor, which `index`
@@ -204,7 +205,8 @@ fn run_checks_the_dump_dir_before_moving() {
 #[test]
 fn the_default_fill_tells_apart_what_index_fills_alike() {
     let rows_of = |fill: Option<&str>| {
-        let dir = temp_dir(&format!("fill-{}", fill.unwrap_or("default")));
+        let scratch = temp_dir(&format!("fill-{}", fill.unwrap_or("default")));
+        let dir = scratch.path();
         let mut args = vec![
             "run",
             "--shape",
@@ -227,7 +229,6 @@ fn the_default_fill_tells_apart_what_index_fills_alike() {
         let out = reshard(&args);
         assert!(out.status.success(), "{}", stderr(&out));
         let bytes = std::fs::read(dir.join("rank2.bin")).unwrap();
-        std::fs::remove_dir_all(&dir).unwrap();
         let row = 8192 * 2;
         (0..16)
             .map(|r| bytes[r * row..(r + 1) * row].to_vec())
@@ -541,8 +542,8 @@ fn plan_simulate_prices_the_plan_on_a_cluster() {
     );
 
     // a cluster file: the same hardware with a tenth of the NIC bandwidth is slower
-    let dir = temp_dir("simulate");
-    std::fs::create_dir_all(&dir).unwrap();
+    let scratch = temp_dir("simulate");
+    let dir = scratch.path();
     let file = dir.join("slow.json");
     std::fs::write(
         &file,
@@ -577,7 +578,6 @@ fn plan_simulate_prices_the_plan_on_a_cluster() {
         "{}",
         stderr(&bad)
     );
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
@@ -692,4 +692,159 @@ fn bench_rejects_bad_input_by_name() {
         assert_eq!(out.status.code(), Some(2), "{args:?}: {}", stderr(&out));
         assert!(stderr(&out).contains(field), "{args:?}: {}", stderr(&out));
     }
+}
+
+/// Input past the limits (see `reshard::limits`) or with a typo is refused with exit code 2,
+/// naming the option and the value, before any process starts or memory is spent.
+#[test]
+fn absurd_input_is_refused_naming_the_field_and_value() {
+    let cases: &[(&[&str], &str)] = &[
+        (
+            &["launch", "--nproc", "100000", "--", "plan"],
+            "--nproc: 100000 is invalid: more than the 1024 processes",
+        ),
+        (
+            &["launch", "--nproc", "2", "--master-port", "0", "--", "plan"],
+            "--master-port: 0 is invalid",
+        ),
+        (
+            &[
+                "plan",
+                "--shape",
+                "8,x",
+                "--src",
+                "mesh=2 place=S(0)",
+                "--dst",
+                "mesh=2 place=R",
+            ],
+            "--shape: malformed shape `8,x`: `x` is not a valid dimension size",
+        ),
+        (
+            &[
+                "plan",
+                "--shape",
+                "8",
+                "--src",
+                "mesh=2 ranks=2147483646,2147483647 place=R",
+                "--dst",
+                "mesh=2 place=R",
+            ],
+            "--dst: the default ranks 2147483648..2147483650 reach 2^31",
+        ),
+        (
+            &[
+                "plan",
+                "--shape",
+                "8",
+                "--src",
+                "mesh=4097x4096 place=R,R",
+                "--dst",
+                "mesh=1 place=R",
+            ],
+            "--src: mesh 4097x4096 has 16781312 positions, more than the 16777216 ranks",
+        ),
+        (
+            &["bench", "--suite", "refit", "--suite-bytes", "1024GiB"],
+            "--suite-bytes: 1024GiB is invalid: case tp4-to-tp2",
+        ),
+        (
+            &["bench", "--suite", "refit", "--suite-bytes", "20000000TiB"],
+            "--suite-bytes: 20000000TiB is invalid: more than 2^64-1 bytes",
+        ),
+    ];
+    for (args, message) in cases {
+        let out = reshard(args);
+        let err = stderr(&out);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        assert!(
+            err.contains(message),
+            "{args:?}: expected `{message}` in `{err}`"
+        );
+        assert!(!err.contains("panicked"), "{err}");
+    }
+}
+
+#[test]
+fn absurd_model_configs_are_refused() {
+    let scratch = temp_dir("deep");
+    let config = scratch.path().join("deep.json");
+    std::fs::write(
+        &config,
+        r#"{"model_type": "llama", "vocab_size": 1000, "hidden_size": 64,
+            "intermediate_size": 256, "num_hidden_layers": 100000000, "num_attention_heads": 4}"#,
+    )
+    .unwrap();
+    let out = reshard(&[
+        "refit",
+        "--model",
+        config.to_str().unwrap(),
+        "--train",
+        "tp=1",
+        "--infer",
+        "tp=1",
+    ]);
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("`num_hidden_layers` is 100000000: more than the 16384 layers"),
+        "{err}"
+    );
+}
+
+/// A total past 2^64 - 1 bytes is shown as an overflow, never as 18446744073709551615.
+#[test]
+fn plan_totals_that_overflow_are_marked() {
+    let args = [
+        "plan",
+        "--shape",
+        "4611686018427387904",
+        "--dtype",
+        "u8",
+        "--src",
+        "mesh=1 place=R",
+        "--dst",
+        "mesh=4 place=R",
+    ];
+    let out = reshard(&args);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = stdout(&out);
+    assert!(!text.contains("16.0 EiB in"), "{text}");
+    assert!(
+        text.contains("remote  more than 16.0 EiB (overflows 64 bits) in 4 messages"),
+        "{text}"
+    );
+    let out = reshard(&[&args[..], &["--json"]].concat());
+    let json: Value = serde_json::from_str(&stdout(&out)).unwrap();
+    let totals = &json["totals"];
+    assert!(totals["bytes_remote"].is_null(), "{totals}");
+    assert!(!stdout(&out).contains("18446744073709551615"));
+    assert_eq!(
+        totals["overflow"],
+        serde_json::json!([
+            "bytes_remote",
+            "max_rank_send_bytes",
+            "gather_broadcast_bytes"
+        ])
+    );
+}
+
+/// Both sides fully replicated over a 1000x1000 mesh: a million destinations, planned in
+/// linear time (it did not finish when each looked through a million holders).
+#[test]
+fn plan_of_a_million_replicas_finishes() {
+    let out = reshard(&[
+        "plan",
+        "--shape",
+        "8,8",
+        "--src",
+        "mesh=1000x1000 place=R,R",
+        "--dst",
+        "mesh=1000x1000 place=R,R",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(
+        stdout(&out).contains("1000000 transfers:"),
+        "{}",
+        stdout(&out)
+    );
 }

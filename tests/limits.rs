@@ -195,10 +195,11 @@ fn out_of_threads_is_an_error_naming_the_thread() {
     );
 }
 
-/// A process count no machine can hold is an error, not an abort of the launcher.
+/// A process count no machine can hold is an error naming `--nproc`, not an abort of the
+/// launcher.
 #[test]
 fn launch_of_more_processes_than_memory_can_list_is_an_error() {
     let args = ["launch", "--nproc", "100000000000000", "--", "plan"];
     let ended = reshard_limited("nproc", &[], "true", &args);
-    assert_clean_error(&ended, "out of memory");
+    assert_clean_error(&ended, "--nproc: 100000000000000 is invalid");
 }

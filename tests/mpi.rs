@@ -89,9 +89,9 @@ fn auto_under_mpirun_uses_shared_memory_on_one_host() {
 /// carrying the notices: both methods, every byte verified, the report from rank 0 alone.
 #[test]
 fn bench_and_refit_run_under_mpirun() {
-    let dir = common::temp_dir("mpi-refit");
-    std::fs::create_dir_all(&dir).unwrap();
-    let config = common::tiny_moe_config(&dir);
+    let scratch = common::temp_dir("mpi-refit");
+    let dir = scratch.path();
+    let config = common::tiny_moe_config(dir);
     for (kind, name) in [("mpi", "mpi"), ("auto", "shm")] {
         let child = mpirun(8)
             .args(["bench", "--suite", "refit", "--suite-bytes", "64KiB"])
@@ -121,7 +121,6 @@ fn bench_and_refit_run_under_mpirun() {
         assert_eq!(j["run"]["verified"], true, "{j}");
         assert_eq!(j["run"]["transport"], name);
     }
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// Ranks of one MPI job given different jobs (MPMD: `mpirun -n 3 A : -n 1 B`) are refused

@@ -542,8 +542,8 @@ fn bench_suite_runs_over_processes() {
 /// every destination byte verified for both methods.
 #[test]
 fn refit_runs_over_processes() {
-    let dir = common::temp_dir("refit");
-    std::fs::create_dir_all(&dir).unwrap();
+    let scratch = common::temp_dir("refit");
+    let dir = scratch.path();
     let config = dir.join("config.json");
     std::fs::write(
         &config,
@@ -554,7 +554,7 @@ fn refit_runs_over_processes() {
     )
     .unwrap();
     // and a small Qwen3-MoE: stacked experts, vLLM's w13 fused along dim 1 of [E, 2I, H]
-    let moe = common::tiny_moe_config(&dir);
+    let moe = common::tiny_moe_config(dir);
     for (model, train, transport, infer, pack_below) in [
         (&config, "tp=2,pp=2", "tcp", "tp=4", "64KiB"),
         (&config, "tp=2,pp=2", "shm", "tp=2,dp=2", "0"),
@@ -602,8 +602,8 @@ fn refit_runs_over_processes() {
 /// without), and `--dump` at a regular file fails every rank by name before any byte moves.
 #[test]
 fn verified_and_dump_checks_over_processes() {
-    let dir = common::temp_dir("dump-check");
-    std::fs::create_dir_all(&dir).unwrap();
+    let scratch = common::temp_dir("dump-check");
+    let dir = scratch.path();
     let file = dir.join("not-a-dir");
     std::fs::write(&file, b"keep").unwrap();
     let job = [
@@ -650,5 +650,4 @@ fn verified_and_dump_checks_over_processes() {
     );
     assert!(out.stdout.is_empty(), "{}", text(&out.stdout));
     assert_eq!(std::fs::read(&file).unwrap(), b"keep");
-    std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -84,7 +84,7 @@ fn every_shipped_model_tiles_every_destination() {
                 remote += plan.totals().bytes_remote;
             }
             // every inference rank ends up with its shards: what it receives or copies
-            let totals = refit.totals_of(&plans, 0.0);
+            let totals = refit.totals_of(&plans, 0.0).unwrap();
             let dst_bytes: u64 = refit.tensors.iter().map(|t| t.dst.shard_bytes()).sum();
             assert_eq!(
                 totals.bytes_remote + totals.bytes_local,
@@ -132,7 +132,7 @@ fn summary_matches_the_plans() {
     let refit = refit(&model, "tp=2,pp=2", "tp=2,dp=2", false);
     let plans = refit.plans(&options).unwrap();
     let mut a = refit.summary(&options).unwrap();
-    let b = refit.totals_of(&plans, a.plan_seconds);
+    let b = refit.totals_of(&plans, a.plan_seconds).unwrap();
     a.plan_seconds = b.plan_seconds;
     assert_eq!(a, b);
     // per-rank maxima are sums over tensors: at least the largest single tensor's
@@ -358,9 +358,12 @@ fn write_safetensors(path: &std::path::Path, tensors: &[(String, Vec<u64>)]) {
 /// tensors as the config alone, and the same refit.
 #[test]
 fn cli_reads_a_checkpoint_folder() {
-    let dir = std::env::temp_dir().join(format!("reshard-refit-ckpt-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
+    // removed when the test ends, passing or failing
+    let scratch = tempfile::Builder::new()
+        .prefix("reshard-refit-ckpt-")
+        .tempdir()
+        .unwrap();
+    let dir = scratch.path();
     let config = r#"{"architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 64,
         "hidden_size": 16, "intermediate_size": 32, "moe_intermediate_size": 8,
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,

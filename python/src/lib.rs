@@ -654,14 +654,21 @@ impl PyPlan {
     }
 
     /// The `totals` of the plan JSON: remote and local bytes, messages, the busiest rank's
-    /// send and receive bytes, and what gather+broadcast would move.
+    /// send and receive bytes, and what gather+broadcast would move. A total past 2^64 - 1 is
+    /// `None`, and `overflow` (present only then) lists the names of those totals.
     #[getter]
     fn totals<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let value = serde_json::to_value(self.inner.totals()).map_err(error)?;
         let d = PyDict::new(py);
         if let serde_json::Value::Object(fields) = value {
             for (k, v) in fields {
-                d.set_item(k, v.as_u64())?;
+                match v {
+                    serde_json::Value::Array(names) => {
+                        let names: Vec<&str> = names.iter().filter_map(|n| n.as_str()).collect();
+                        d.set_item(k, names)?
+                    }
+                    v => d.set_item(k, v.as_u64())?,
+                }
             }
         }
         Ok(d)

@@ -35,6 +35,16 @@ def test_seed_example():
     assert sorted((t.src, t.offset) for t in rp.recvs) == [(0, (0, 2)), (1, (4, 2))]
 
 
+def test_totals_past_64_bits_are_none_and_named():
+    # a 2^62-byte tensor to four replicas: 2^64 bytes, one more than 64 bits hold
+    src = reshard.Layout((1 << 62,), "u8", 1, None, ["R"])
+    dst = reshard.Layout((1 << 62,), "u8", 4, range(1, 5), ["R"])
+    totals = reshard.plan(src, dst).totals
+    assert totals["bytes_remote"] is None and totals["gather_broadcast_bytes"] is None
+    assert totals["max_rank_recv_bytes"] == 1 << 62 and totals["messages"] == 4
+    assert totals["overflow"] == ["bytes_remote", "max_rank_send_bytes", "gather_broadcast_bytes"]
+
+
 def test_json_equals_the_command_line(reshard_cli):
     rng = random.Random(7)
     for _ in range(12):

@@ -30,6 +30,8 @@ use crate::error::{Error, Result, Side};
 use crate::exec::copy::{CopyGeometry, Place};
 use crate::exec::{Step, Steps};
 use crate::layout::{Layout, Rank};
+// most pieces one fused buffer may be cut into on one rank
+use crate::limits::MAX_FUSED_PIECES as MAX_PIECES;
 use crate::plan::{PlanOptions, Schedule, check_compatible, rank_plan};
 use crate::region::Region;
 
@@ -88,9 +90,6 @@ impl Default for BatchOptions {
 
 /// The default packing threshold (see BENCHMARKS.md for the measurement behind it).
 pub const DEFAULT_PACK_BELOW: u64 = 1 << 20;
-
-/// Most pieces one fused buffer may be cut into on one rank.
-const MAX_PIECES: usize = 1 << 20;
 
 /// A validated set of tensors and fusions.
 #[derive(Clone, Debug)]

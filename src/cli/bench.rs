@@ -6,6 +6,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 
 use reshard::agreement::Fingerprint;
+use reshard::error::Dims;
 use reshard::exec::baseline::{self, BaselineJob};
 use reshard::exec::{self, ExecOptions, RankJob};
 use reshard::fill::Fill;
@@ -82,6 +83,9 @@ struct Case {
     dst_spec: String,
     plan: Plan,
     baseline: GatherBroadcast,
+    /// The `--suite-bytes` text a suite case's shape was scaled from: the option to blame when
+    /// the case is too large, since the user never wrote its `--shape`.
+    sized_by: Option<String>,
 }
 
 impl Case {
@@ -94,6 +98,25 @@ impl Case {
             dst_spec: tensor.dst,
             plan,
             baseline,
+            sized_by: None,
+        })
+    }
+
+    /// [`check_memory`] for this case's buffers on `rank` (all ranks: `None`); a suite case
+    /// names `--suite-bytes` and the case rather than a `--shape` nobody gave.
+    fn check_memory(&self, rank: Option<Rank>) -> Result<(), Error> {
+        let shape = self.plan.src().shape();
+        check_memory(self.memory(rank), shape).map_err(|e| match (e, &self.sized_by) {
+            (Error::InvalidOption { reason, .. }, Some(text)) => Error::InvalidOption {
+                field: "--suite-bytes",
+                value: text.clone(),
+                reason: format!(
+                    "case {} (shape {}): {reason}",
+                    self.name,
+                    Dims(shape.to_vec())
+                ),
+            },
+            (e, _) => e,
         })
     }
 
@@ -131,7 +154,12 @@ impl Case {
 }
 
 /// The layouts of `--suite refit`: training-to-inference moves scaled to `bytes` per tensor.
-fn refit_suite(bytes: u64, dtype: &str, min_split_bytes: &str) -> Result<Vec<Case>, Error> {
+fn refit_suite(
+    bytes: u64,
+    bytes_text: &str,
+    dtype: &str,
+    min_split_bytes: &str,
+) -> Result<Vec<Case>, Error> {
     let elem = dtype.parse::<reshard::DType>()?.size() as u64;
     let elements = (bytes / elem).max(64 * 64);
     // a square matrix of about `elements`, and 16 stacked experts [16, m, 2m]
@@ -198,16 +226,17 @@ fn refit_suite(bytes: u64, dtype: &str, min_split_bytes: &str) -> Result<Vec<Cas
     cases
         .iter()
         .map(|(name, shape, src, dst)| {
-            Case::new(
-                name,
-                TensorArgs {
-                    shape: shape.to_string(),
-                    dtype: dtype.to_string(),
-                    src: src.to_string(),
-                    dst: dst.to_string(),
-                    min_split_bytes: min_split_bytes.to_string(),
-                },
-            )
+            let tensor = TensorArgs {
+                shape: shape.to_string(),
+                dtype: dtype.to_string(),
+                src: src.to_string(),
+                dst: dst.to_string(),
+                min_split_bytes: min_split_bytes.to_string(),
+            };
+            Case::new(name, tensor).map(|case| Case {
+                sized_by: Some(bytes_text.to_string()),
+                ..case
+            })
         })
         .collect()
 }
@@ -220,7 +249,7 @@ impl BenchArgs {
     fn cases(&self) -> Result<Vec<Case>, Error> {
         if self.suite.is_some() {
             let bytes = parse_bytes("--suite-bytes", &self.suite_bytes)?;
-            return refit_suite(bytes, &self.dtype, &self.min_split_bytes);
+            return refit_suite(bytes, &self.suite_bytes, &self.dtype, &self.min_split_bytes);
         }
         let tensor = TensorArgs {
             shape: self.shape.clone().unwrap_or_default(),
@@ -314,9 +343,9 @@ pub fn main(args: &BenchArgs) -> Result<(), Failure> {
             let highest = cases.iter().map(Case::highest_rank).max().unwrap_or(0);
             let rank = env.rank;
             let ready = check_world(highest, env.world).and_then(|()| {
-                cases.iter().try_for_each(|case| {
-                    check_memory(case.memory(Some(rank)), case.plan.src().shape())
-                })
+                cases
+                    .iter()
+                    .try_for_each(|case| case.check_memory(Some(rank)))
             });
             let group = Group::join(env, options.timeout)?;
             group.agree(&fingerprint_or_refusal("bench", ready, || {
@@ -376,7 +405,7 @@ fn bench_threads(
     options: &ExecOptions,
 ) -> Result<Option<(String, Vec<CaseResult>)>, Failure> {
     for case in cases {
-        check_memory(case.memory(None), case.plan.src().shape())?;
+        case.check_memory(None)?;
     }
     let bar = progress(args, cases.len());
     let mut results = Vec::new();
@@ -446,9 +475,9 @@ fn bench_mpi(
     let job = MpiJob::init()?;
     let highest = cases.iter().map(Case::highest_rank).max().unwrap_or(0);
     let ready = check_world(highest, job.world()).and_then(|()| {
-        cases.iter().try_for_each(|case| {
-            check_memory(case.memory(Some(job.rank())), case.plan.src().shape())
-        })
+        cases
+            .iter()
+            .try_for_each(|case| case.check_memory(Some(job.rank())))
     });
     job.agree(&fingerprint_or_refusal("bench", ready, || {
         fingerprint(args, cases, fill, options)

@@ -158,21 +158,31 @@ pub fn describe(plan: &Plan, max_rows: usize) -> String {
         );
     }
     let t = plan.totals();
+    // a count that overflowed 64 bits is shown as such, never as the saturated number
+    let size = |field: &str, n: u64| {
+        if t.overflow.contains(field) {
+            "more than 16.0 EiB (overflows 64 bits)".to_string()
+        } else {
+            bytes(n)
+        }
+    };
     let _ = writeln!(out);
     let _ = writeln!(
         out,
         "remote  {} in {} messages; local copies {}",
-        bytes(t.bytes_remote),
+        size("bytes_remote", t.bytes_remote),
         t.messages,
-        bytes(t.bytes_local)
+        size("bytes_local", t.bytes_local)
     );
     let _ = writeln!(
         out,
         "busiest rank sends {}, receives {}",
-        bytes(t.max_rank_send_bytes),
-        bytes(t.max_rank_recv_bytes)
+        size("max_rank_send_bytes", t.max_rank_send_bytes),
+        size("max_rank_recv_bytes", t.max_rank_recv_bytes)
     );
-    let ratio = if t.bytes_remote > 0 {
+    let ratio = if !t.overflow.is_empty() {
+        "the ratio is unknown: a total overflows 64 bits".to_string()
+    } else if t.bytes_remote > 0 {
         format!(
             "{:.1}x what reshard moves",
             t.gather_broadcast_bytes as f64 / t.bytes_remote as f64
@@ -183,7 +193,7 @@ pub fn describe(plan: &Plan, max_rows: usize) -> String {
     let _ = writeln!(
         out,
         "gather+broadcast would move {} ({ratio})",
-        bytes(t.gather_broadcast_bytes)
+        size("gather_broadcast_bytes", t.gather_broadcast_bytes)
     );
     if let Some(picture) = picture::draw(plan) {
         let _ = writeln!(out);

@@ -138,7 +138,9 @@ pub fn main(args: &RefitArgs) -> Result<(), Failure> {
             let cluster = Cluster::load(arg).map_err(invalid)?;
             let started = std::time::Instant::now();
             let plans = refit.plans(&options).map_err(Error::from)?;
-            let totals = refit.totals_of(&plans, started.elapsed().as_secs_f64());
+            let totals = refit
+                .totals_of(&plans, started.elapsed().as_secs_f64())
+                .map_err(Error::from)?;
             let sim = SimOptions {
                 messages: Messages::PerPair,
             };

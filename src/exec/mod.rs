@@ -628,8 +628,8 @@ pub fn run_local(
     run_local_with_faults(plan, src, dst, options, &[])
 }
 
-/// Most ranks [`run_local`] runs (two threads each).
-pub const MAX_LOCAL_RANKS: usize = 4096;
+/// Most ranks [`run_local`] runs (two threads each); see [`crate::limits`].
+pub use crate::limits::MAX_LOCAL_RANKS;
 
 /// [`run_local`] with injected faults, for testing failure handling.
 pub fn run_local_with_faults(

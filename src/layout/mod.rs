@@ -18,8 +18,8 @@ use crate::region::Region;
 /// A global rank: the process (or GPU) number in the whole job.
 pub type Rank = usize;
 
-/// Ranks are below 2^31, so that rank arithmetic never overflows.
-pub const MAX_RANK: Rank = 1 << 31;
+/// Ranks are below 2^31, so that rank arithmetic never overflows (see [`crate::limits`]).
+pub const MAX_RANK: Rank = crate::limits::MAX_RANK;
 
 /// How one mesh axis lays the tensor out.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -88,6 +88,12 @@ impl Mesh {
             .iter()
             .try_fold(1u64, |acc, &d| acc.checked_mul(d as u64))
             .unwrap_or(u64::MAX);
+        if expected > crate::limits::MAX_MESH_RANKS as u64 {
+            return Err(LayoutError::TooManyRanks {
+                mesh: dims_u64(),
+                positions: expected,
+            });
+        }
         if expected != ranks.len() as u64 {
             return Err(LayoutError::MeshSizeMismatch {
                 mesh: dims_u64(),
@@ -144,6 +150,12 @@ impl Mesh {
             position /= self.dims[axis];
         }
         coords
+    }
+
+    /// The coordinate along `axis` of a row-major position (one entry of [`Mesh::coords`]).
+    pub fn coord(&self, position: usize, axis: usize) -> usize {
+        let stride: usize = self.dims[axis + 1..].iter().product();
+        position / stride % self.dims[axis]
     }
 
     /// The rank at mesh coordinates `coords`.
@@ -334,6 +346,46 @@ impl Layout {
         out
     }
 
+    /// Whether `rank` holds the box with per-dim piece indices `index`: the same answer as
+    /// `holders(index).contains(&rank)`, in constant time (a lookup of the rank's position)
+    /// rather than a scan of every replica, which made a plan with many replicas quadratic.
+    pub fn holds(&self, rank: Rank, index: &[usize]) -> bool {
+        let Some(position) = self.mesh.position(rank) else {
+            return false;
+        };
+        // piece_index of the rank's coordinates, without allocating: the planner asks for
+        // every piece of every destination
+        let dims = self.mesh.dims();
+        self.shard_axes.iter().zip(index).all(|(axes, &i)| {
+            axes.iter()
+                .fold(0, |acc, &a| acc * dims[a] + self.mesh.coord(position, a))
+                == i
+        })
+    }
+
+    /// Which replica of its box the rank at row-major mesh `position` holds: the mixed-radix
+    /// number of its coordinates along the replicated axes (first axis most significant), in
+    /// `0..replication()`.
+    pub fn replica_index(&self, position: usize) -> usize {
+        self.mixed_radix(position, |p| *p == Placement::Replicate)
+    }
+
+    /// The rank's position among the ranks of one replica: the mixed-radix number of its
+    /// coordinates along the sharding axes. Without replicated axes, the mesh position itself.
+    pub fn shard_position(&self, position: usize) -> usize {
+        self.mixed_radix(position, |p| *p != Placement::Replicate)
+    }
+
+    fn mixed_radix(&self, position: usize, axis: impl Fn(&Placement) -> bool) -> usize {
+        let coords = self.mesh.coords(position);
+        self.placements
+            .iter()
+            .zip(self.mesh.dims())
+            .zip(coords)
+            .filter(|((p, _), _)| axis(p))
+            .fold(0, |acc, ((_, &d), c)| acc * d + c)
+    }
+
     /// Number of replicas of every box (product of the replicated mesh axes).
     pub fn replication(&self) -> usize {
         self.placements
@@ -467,6 +519,27 @@ mod tests {
     }
 
     #[test]
+    fn replica_numbers_and_holding() {
+        // DP2 x TP2 [R, S(0)] on ranks 10..14: position 3 is (1, 1), replica 1, shard 1
+        let mesh = Mesh::new(vec![2, 2], (10..14).collect()).unwrap();
+        let l = Layout::new(
+            vec![8, 4],
+            DType::Bf16,
+            mesh,
+            vec![Placement::Replicate, Placement::Shard(0)],
+        )
+        .unwrap();
+        assert_eq!((l.replica_index(3), l.shard_position(3)), (1, 1));
+        assert_eq!((l.replica_index(1), l.shard_position(1)), (0, 1));
+        assert_eq!((l.replica_index(2), l.shard_position(2)), (1, 0));
+        for index in [[0, 0], [1, 0]] {
+            for rank in 8..16 {
+                assert_eq!(l.holds(rank, &index), l.holders(&index).contains(&rank));
+            }
+        }
+    }
+
+    #[test]
     fn mesh_errors_name_the_value() {
         assert_eq!(
             Mesh::new(vec![2, 2], vec![0, 1, 2])
@@ -482,6 +555,19 @@ mod tests {
             Mesh::new(vec![2, 0], vec![]).unwrap_err().to_string(),
             "mesh axis 1 has size 0 (mesh 2x0)"
         );
+    }
+
+    #[test]
+    fn meshes_beyond_the_rank_limit_are_refused() {
+        let err = Mesh::new(vec![4096, 4097], vec![]).unwrap_err().to_string();
+        assert_eq!(
+            err,
+            "mesh 4096x4097 has 16781312 positions, more than the 16777216 ranks a side may have"
+        );
+        let err = Mesh::new(vec![1 << 40, 1 << 40], vec![])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("has more than 2^64 positions"), "{err}");
     }
 
     #[test]

@@ -1,7 +1,8 @@
 //! The command-line layout grammar: `mesh=AxB... [ranks=LIST] place=P1,P2,...`.
 
 use crate::dtype::DType;
-use crate::error::{Error, LayoutError};
+use crate::error::{Dims, Error, LayoutError};
+use crate::limits::MAX_MESH_RANKS;
 
 use super::{Layout, Mesh, Placement, Rank};
 
@@ -56,6 +57,7 @@ impl PlacementSpec {
 pub struct RankList;
 
 impl RankList {
+    /// Refuses a list longer than [`MAX_MESH_RANKS`] before building it.
     pub fn parse(text: &str) -> Result<Vec<Rank>, String> {
         let mut ranks = Vec::new();
         for item in text.split(',').map(str::trim) {
@@ -65,11 +67,18 @@ impl RankList {
                 if b < a {
                     return Err(format!("rank range `{item}` runs backwards"));
                 }
-                if b - a > 1 << 24 {
-                    return Err(format!("rank range `{item}` is too long"));
+                if b - a > MAX_MESH_RANKS - ranks.len() {
+                    return Err(format!(
+                        "rank range `{item}` makes ranks= list more than the {MAX_MESH_RANKS} ranks a side may have"
+                    ));
                 }
                 ranks.extend(a..b);
             } else {
+                if ranks.len() >= MAX_MESH_RANKS {
+                    return Err(format!(
+                        "ranks= lists more than the {MAX_MESH_RANKS} ranks a side may have"
+                    ));
+                }
                 ranks.push(parse_num(item, "rank")?);
             }
         }
@@ -196,14 +205,22 @@ impl LayoutSpec {
             Some(r) => r.clone(),
             None => {
                 let size = self.size();
-                if size > 1 << 24 {
-                    return Err(LayoutError::MalformedSpec {
-                        spec: format!("mesh={}", join(&self.mesh, "x")),
-                        reason: "the mesh has more than 2^24 ranks".into(),
+                if size > MAX_MESH_RANKS {
+                    // the mesh's own check, before the ranks are listed
+                    return Err(LayoutError::TooManyRanks {
+                        mesh: Dims(self.mesh.iter().map(|&d| d as u64).collect()),
+                        positions: size.try_into().unwrap_or(u64::MAX),
                     });
                 }
-                let end = first_rank.saturating_add(size).min(super::MAX_RANK);
-                (first_rank.min(end)..end).collect()
+                // both below 2^31 + 2^24: no overflow
+                let end = first_rank.saturating_add(size);
+                if end > super::MAX_RANK {
+                    return Err(LayoutError::DefaultRanksTooLarge {
+                        first: first_rank as u64,
+                        end: end as u64,
+                    });
+                }
+                (first_rank..end).collect()
             }
         };
         let mesh = Mesh::new(self.mesh.clone(), ranks)?;
@@ -214,10 +231,6 @@ impl LayoutSpec {
             .collect::<Result<Vec<_>, _>>()?;
         Layout::new(shape.to_vec(), dtype, mesh, placements)
     }
-}
-
-fn join(v: &[usize], sep: &str) -> String {
-    v.iter().map(usize::to_string).collect::<Vec<_>>().join(sep)
 }
 
 /// Splits on commas outside parentheses: `S(0),R` -> [`S(0)`, `R`].
@@ -254,9 +267,23 @@ pub fn parse_shape(text: &str) -> Result<Vec<u64>, Error> {
     if inner.trim().is_empty() {
         return Ok(Vec::new());
     }
-    inner
-        .split([',', 'x'])
-        .map(|d| parse_num::<u64>(d, "dimension size"))
+    // one separator per shape: with commas, an `x` is a typo to report, not a separator (`8,x`
+    // once split into `8`, ``, `` and blamed the empty string)
+    let items: Vec<&str> = if inner.contains(',') {
+        inner.split(',').collect()
+    } else {
+        inner.split(['x', 'X']).collect()
+    };
+    items
+        .iter()
+        .enumerate()
+        .map(|(i, d)| {
+            if d.trim().is_empty() {
+                Err(format!("dimension {i} is empty"))
+            } else {
+                parse_num::<u64>(d, "dimension size")
+            }
+        })
         .collect::<Result<Vec<_>, _>>()
         .map_err(bad)
 }
@@ -316,5 +343,50 @@ mod tests {
                 .to_string()
                 .contains("`8,,8`")
         );
+        assert_eq!(parse_shape("4X4").unwrap(), [4, 4]);
+    }
+
+    /// The message names the text at fault, not an empty piece of it.
+    #[test]
+    fn shape_errors_name_the_bad_dimension() {
+        let err = |s: &str| parse_shape(s).unwrap_err().to_string();
+        assert_eq!(
+            err("8,x"),
+            "--shape: malformed shape `8,x`: `x` is not a valid dimension size"
+        );
+        assert_eq!(
+            err("8,,8"),
+            "--shape: malformed shape `8,,8`: dimension 1 is empty"
+        );
+        assert_eq!(
+            err("8x"),
+            "--shape: malformed shape `8x`: dimension 1 is empty"
+        );
+        assert!(err("8,8x8").contains("`8x8` is not a valid dimension size"));
+    }
+
+    /// Default ranks that would cross 2^31 say so, instead of "ranks lists 0".
+    #[test]
+    fn default_ranks_near_the_rank_limit() {
+        let s = LayoutSpec::parse("mesh=2 place=R").unwrap();
+        let err = s.resolve(&[8], DType::U8, (1 << 31) - 1).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "the default ranks 2147483647..2147483649 reach 2^31 (ranks must be below 2^31): give ranks="
+        );
+        let last = s.resolve(&[8], DType::U8, (1 << 31) - 2).unwrap();
+        assert_eq!(last.mesh().ranks(), [(1 << 31) - 2, (1 << 31) - 1]);
+    }
+
+    #[test]
+    fn rank_lists_stop_at_the_side_limit() {
+        let err = RankList::parse("0..16777216,16777216").unwrap_err();
+        assert!(err.contains("more than the 16777216 ranks"), "{err}");
+        let err = RankList::parse("0..10,100..16777400").unwrap_err();
+        assert!(err.contains("rank range `100..16777400`"), "{err}");
+        assert_eq!(RankList::parse("0..16777216").unwrap().len(), 1 << 24);
+        let s = LayoutSpec::parse("mesh=4097x4096 place=R,R").unwrap();
+        let err = s.resolve(&[8], DType::U8, 0).unwrap_err().to_string();
+        assert!(err.contains("more than the 16777216 ranks"), "{err}");
     }
 }

@@ -49,6 +49,15 @@ pub enum ModelError {
     #[error("{path}: {reason}")]
     Checkpoint { path: String, reason: String },
 
+    #[error(
+        "--model {model}: the refit's {field} would be {value}, more than 2^64-1: too large to report"
+    )]
+    TotalOverflow {
+        model: String,
+        field: &'static str,
+        value: String,
+    },
+
     #[error("{side}: `{key}={value}`: {reason}")]
     Parallel {
         side: &'static str,

@@ -105,7 +105,8 @@ mod tests {
 
     #[test]
     fn a_checkpoint_folder_with_its_config() {
-        let dir = temp_dir("ckpt");
+        let scratch_dir = temp_dir("ckpt");
+        let dir = scratch_dir.path();
         write(
             &dir.join("model.safetensors"),
             &[
@@ -155,7 +156,8 @@ mod tests {
     fn unknown_models_list_the_shipped_ones() {
         let err = Model::load("gpt-9").unwrap_err().to_string();
         assert!(err.starts_with("--model: `gpt-9` is neither a file, a folder nor a shipped model (known: deepseek-v3, kimi-k2,"), "{err}");
-        let empty = temp_dir("nothing");
+        let scratch_empty = temp_dir("nothing");
+        let empty = scratch_empty.path();
         let err = Model::load(empty.to_str().unwrap())
             .unwrap_err()
             .to_string();

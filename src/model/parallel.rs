@@ -6,6 +6,7 @@
 use std::collections::BTreeMap;
 
 use super::error::ModelError;
+use crate::limits::MAX_MESH_RANKS;
 
 /// Megatron-style training parallelism.
 ///
@@ -107,19 +108,20 @@ fn size(
     }
 }
 
-/// The product of `sizes`, if the ranks it counts stay below 2^31.
+/// The product of `sizes`, if the ranks it counts fit in one side ([`MAX_MESH_RANKS`]):
+/// checked here, before every tensor's layout lists that many ranks.
 fn world_of(side: &'static str, sizes: &[(&str, usize)]) -> Result<usize, ModelError> {
     sizes
         .iter()
         .try_fold(1usize, |acc, (_, n)| acc.checked_mul(*n))
-        .filter(|&w| w < 1 << 31)
+        .filter(|&w| w <= MAX_MESH_RANKS)
         .ok_or_else(|| {
             let text: Vec<String> = sizes.iter().map(|(k, n)| format!("{k}={n}")).collect();
             ModelError::Parallel {
                 side,
                 key: "world".into(),
                 value: text.join(","),
-                reason: "the ranks must number below 2^31".into(),
+                reason: format!("more than the {MAX_MESH_RANKS} ranks a side may have"),
             }
         })
 }
@@ -371,7 +373,12 @@ mod tests {
             ),
             (
                 Training::parse("tp=65536,dp=65536").unwrap_err(),
-                "--train: `world=tp=65536,cp=1,dp=65536,pp=1`: the ranks must number below 2^31",
+                "--train: `world=tp=65536,cp=1,dp=65536,pp=1`: more than the 16777216 ranks a side may have",
+            ),
+            (
+                // refused before each of a model's tensors lists twenty million ranks
+                Inference::parse("dp=20000000").unwrap_err(),
+                "--infer: `world=tp=1,pp=1,dp=20000000`: more than the 16777216 ranks a side may have",
             ),
             (
                 Inference::parse("tp=8,cp=2").unwrap_err(),

@@ -8,6 +8,7 @@
 //! are left out: inference does not load them.
 
 use crate::dtype::DType;
+use crate::limits::MAX_LAYERS;
 
 use super::config::{Architecture, ModelConfig};
 use super::error::ModelError;
@@ -113,6 +114,14 @@ impl Model {
         let heads = c.positive("num_attention_heads", config.num_attention_heads)?;
         let kv = c.positive("num_key_value_heads", config.kv_heads())?;
         let layers = c.positive("num_hidden_layers", config.num_hidden_layers)?;
+        if layers > MAX_LAYERS {
+            // refused before the parameter list (about 20 tensors a layer) is built
+            return Err(c.invalid(
+                "num_hidden_layers",
+                layers.to_string(),
+                &format!("more than the {MAX_LAYERS} layers a model may have"),
+            ));
+        }
         let vocab = c.positive("vocab_size", config.vocab_size)?;
         let mut out = Params {
             dtype,
@@ -396,6 +405,22 @@ mod tests {
             names.dedup();
             assert_eq!(names.len(), m.params.len(), "{name}");
         }
+    }
+
+    /// A hundred million layers are refused before their billions of tensors are listed.
+    #[test]
+    fn absurd_layer_counts_are_refused() {
+        let json = r#"{"model_type": "llama", "vocab_size": 1000, "hidden_size": 64,
+            "intermediate_size": 256, "num_hidden_layers": 100000000, "num_attention_heads": 4}"#;
+        let config = ModelConfig::from_json(json, "deep.json").unwrap();
+        let err = Model::from_config(&config, "deep.json").unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "deep.json: `num_hidden_layers` is 100000000: more than the 16384 layers a model may have"
+        );
+        let json = json.replace("100000000", "16384");
+        let config = ModelConfig::from_json(&json, "deep.json").unwrap();
+        assert!(Model::from_config(&config, "deep.json").is_ok());
     }
 
     #[test]

@@ -153,10 +153,17 @@ impl Refit {
         self.train_ranks.max(self.infer_base + self.infer_ranks)
     }
 
+    /// Bytes of all the weights (saturating at `u64::MAX`; [`Refit::summary`] refuses a
+    /// model whose totals overflow).
     pub fn weight_bytes(&self) -> u64 {
+        u64::try_from(self.weight_bytes_wide()).unwrap_or(u64::MAX)
+    }
+
+    fn weight_bytes_wide(&self) -> u128 {
         self.tensors
             .iter()
-            .fold(0, |acc, t| acc.saturating_add(t.src.total_bytes()))
+            .map(|t| u128::from(t.src.total_bytes()))
+            .sum()
     }
 
     pub fn params(&self) -> u64 {
@@ -190,11 +197,11 @@ impl Refit {
                 },
             )
             .try_reduce(|| Sums::new(world), |a, b| Ok(a.merge(b)))?;
-        Ok(self.totals(sum, start.elapsed().as_secs_f64()))
+        self.totals(sum, start.elapsed().as_secs_f64())
     }
 
     /// The totals of plans already made by [`Refit::plans`] (`plan_seconds` as given).
-    pub fn totals_of(&self, plans: &[Plan], plan_seconds: f64) -> RefitTotals {
+    pub fn totals_of(&self, plans: &[Plan], plan_seconds: f64) -> Result<RefitTotals, ModelError> {
         let mut sum = Sums::new(self.world());
         plans.iter().for_each(|p| sum.add(p));
         self.totals(sum, plan_seconds)
@@ -218,21 +225,31 @@ impl Refit {
             .collect()
     }
 
-    fn totals(&self, sum: Sums, plan_seconds: f64) -> RefitTotals {
-        let weight_bytes = self.weight_bytes();
-        RefitTotals {
+    /// The totals, or an error naming the first that does not fit in 64 bits: a model whose
+    /// byte counts pass 2^64 is not a real one, and a saturated count would read as real.
+    fn totals(&self, sum: Sums, plan_seconds: f64) -> Result<RefitTotals, ModelError> {
+        let fit = |field: &'static str, value: u128| {
+            u64::try_from(value).map_err(|_| ModelError::TotalOverflow {
+                model: self.model.clone(),
+                field,
+                value: value.to_string(),
+            })
+        };
+        let weight_bytes = self.weight_bytes_wide();
+        let max = |v: &[u128]| v.iter().copied().max().unwrap_or(0);
+        Ok(RefitTotals {
             tensors: self.tensors.len(),
             params: self.params(),
-            weight_bytes,
-            bytes_remote: sum.bytes_remote,
-            bytes_local: sum.bytes_local,
-            messages: sum.messages,
-            max_rank_send_bytes: sum.sent.iter().copied().max().unwrap_or(0),
-            max_rank_recv_bytes: sum.received.iter().copied().max().unwrap_or(0),
-            gather_broadcast_bytes: sum.gather_broadcast,
-            logical_payload_bytes: weight_bytes.saturating_mul(2),
+            weight_bytes: fit("weight_bytes", weight_bytes)?,
+            bytes_remote: fit("reshard.bytes_remote", sum.bytes_remote)?,
+            bytes_local: fit("reshard.bytes_local", sum.bytes_local)?,
+            messages: fit("reshard.messages", sum.messages)?,
+            max_rank_send_bytes: fit("reshard.max_rank_send_bytes", max(&sum.sent))?,
+            max_rank_recv_bytes: fit("reshard.max_rank_recv_bytes", max(&sum.received))?,
+            gather_broadcast_bytes: fit("gather_broadcast.bytes", sum.gather_broadcast)?,
+            logical_payload_bytes: fit("gather_broadcast.logical_payload_bytes", weight_bytes * 2)?,
             plan_seconds,
-        }
+        })
     }
 }
 
@@ -244,13 +261,15 @@ fn plan_tensor(t: &RefitTensor, options: &PlanOptions) -> Result<Plan, ModelErro
 }
 
 /// Running sums over tensors; per-rank bytes are summed over tensors before taking the max.
+/// In u128, so that an overflow of 64 bits is reported ([`Refit::summary`]) rather than
+/// saturated: 2^31 ranks and tensors of at most 2^64 bytes cannot overflow 128 bits.
 struct Sums {
-    bytes_remote: u64,
-    bytes_local: u64,
-    messages: u64,
-    gather_broadcast: u64,
-    sent: Vec<u64>,
-    received: Vec<u64>,
+    bytes_remote: u128,
+    bytes_local: u128,
+    messages: u128,
+    gather_broadcast: u128,
+    sent: Vec<u128>,
+    received: Vec<u128>,
 }
 
 impl Sums {
@@ -265,38 +284,32 @@ impl Sums {
         }
     }
 
-    // saturating throughout: replicated destinations of near-2^64-byte tensors overflow u64
     fn add(&mut self, plan: &Plan) {
         let elem = plan.elem_bytes();
-        let add = |total: &mut u64, bytes: u64| *total = total.saturating_add(bytes);
         for t in plan.transfers() {
-            let bytes = t.bytes(elem);
+            let bytes = u128::from(t.bytes(elem));
             if t.is_local() {
-                add(&mut self.bytes_local, bytes);
+                self.bytes_local += bytes;
             } else {
-                add(&mut self.bytes_remote, bytes);
+                self.bytes_remote += bytes;
                 self.messages += 1;
-                add(&mut self.sent[t.src], bytes);
-                add(&mut self.received[t.dst], bytes);
+                self.sent[t.src] += bytes;
+                self.received[t.dst] += bytes;
             }
         }
-        add(
-            &mut self.gather_broadcast,
-            plan::gather_broadcast_bytes(plan.src(), plan.dst()),
-        );
+        self.gather_broadcast += plan::report::gather_broadcast_bytes_wide(plan.src(), plan.dst());
     }
 
     fn merge(mut self, other: Sums) -> Sums {
-        let add = |a: &mut u64, b: u64| *a = a.saturating_add(b);
-        add(&mut self.bytes_remote, other.bytes_remote);
-        add(&mut self.bytes_local, other.bytes_local);
+        self.bytes_remote += other.bytes_remote;
+        self.bytes_local += other.bytes_local;
         self.messages += other.messages;
-        add(&mut self.gather_broadcast, other.gather_broadcast);
+        self.gather_broadcast += other.gather_broadcast;
         for (a, b) in self.sent.iter_mut().zip(other.sent) {
-            add(a, b);
+            *a += b;
         }
         for (a, b) in self.received.iter_mut().zip(other.received) {
-            add(a, b);
+            *a += b;
         }
         self
     }
@@ -381,5 +394,47 @@ impl RefitJson {
             },
             simulation: None,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::{ModelConfig, Rules};
+
+    /// A vocabulary of 10^15 sent to 200 replicas is more than 2^64 bytes: an error, not a
+    /// total of 18446744073709551615.
+    #[test]
+    fn totals_past_64_bits_are_an_error() {
+        let json = r#"{"model_type": "llama", "vocab_size": 1000000000000000, "hidden_size": 64,
+            "intermediate_size": 256, "num_hidden_layers": 1, "num_attention_heads": 4}"#;
+        let config = ModelConfig::from_json(json, "wide").unwrap();
+        let model = Model::from_config(&config, "wide").unwrap();
+        let refit = |dp: &str| {
+            Refit::new(
+                &model,
+                &Training::parse("tp=1").unwrap(),
+                &Inference::parse(dp).unwrap(),
+                &Rules::default(),
+                Ranks::Disjoint,
+            )
+            .unwrap()
+        };
+        let err = refit("dp=200")
+            .summary(&PlanOptions::default())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.starts_with("--model wide: the refit's reshard.bytes_remote would be "),
+            "{err}"
+        );
+        assert!(
+            err.ends_with("more than 2^64-1: too large to report"),
+            "{err}"
+        );
+        // one replica fits
+        let totals = refit("dp=1").summary(&PlanOptions::default()).unwrap();
+        assert_eq!(totals.bytes_remote, totals.weight_bytes);
+        assert!(totals.weight_bytes > 2 * 2 * 64 * 1_000_000_000_000_000);
     }
 }

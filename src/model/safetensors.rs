@@ -424,16 +424,19 @@ pub(crate) mod tests {
         std::fs::write(path, out).unwrap();
     }
 
-    pub(crate) fn temp_dir(name: &str) -> PathBuf {
-        let dir = std::env::temp_dir().join(format!("reshard-model-{name}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        dir
+    /// A fresh, empty folder, removed with all it holds when the guard drops (also when a
+    /// test fails half-way).
+    pub(crate) fn temp_dir(name: &str) -> tempfile::TempDir {
+        tempfile::Builder::new()
+            .prefix(&format!("reshard-model-{name}-"))
+            .tempdir()
+            .expect("a temp dir")
     }
 
     #[test]
     fn headers_give_names_dtypes_shapes() {
-        let dir = temp_dir("header");
+        let scratch_dir = temp_dir("header");
+        let dir = scratch_dir.path();
         let file = dir.join("model.safetensors");
         write(
             &file,
@@ -452,19 +455,20 @@ pub(crate) mod tests {
                 Param::new("w", &[4, 3], DType::Bf16),
             ]
         );
-        assert_eq!(read_checkpoint(&dir).unwrap().unwrap().len(), 3);
+        assert_eq!(read_checkpoint(dir).unwrap().unwrap().len(), 3);
     }
 
     #[test]
     fn index_names_the_files_and_must_agree() {
-        let dir = temp_dir("index");
+        let scratch_dir = temp_dir("index");
+        let dir = scratch_dir.path();
         write(&dir.join("a.safetensors"), &[("x", "BF16", &[2])]);
         write(&dir.join("b.safetensors"), &[("y", "BF16", &[2])]);
         write(&dir.join("stray.safetensors"), &[("z", "BF16", &[2])]);
         let index = serde_json::json!({"metadata": {}, "weight_map": {"x": "a.safetensors", "y": "b.safetensors"}});
         let index_path = dir.join("model.safetensors.index.json");
         std::fs::write(&index_path, index.to_string()).unwrap();
-        let names: Vec<String> = read_checkpoint(&dir)
+        let names: Vec<String> = read_checkpoint(dir)
             .unwrap()
             .unwrap()
             .into_iter()
@@ -477,18 +481,20 @@ pub(crate) mod tests {
         );
         let index = serde_json::json!({"weight_map": {"x": "b.safetensors", "y": "b.safetensors"}});
         std::fs::write(&index_path, index.to_string()).unwrap();
-        let err = read_checkpoint(&dir).unwrap_err().to_string();
+        let err = read_checkpoint(dir).unwrap_err().to_string();
         assert!(
             err.ends_with("tensor x is mapped to b.safetensors, which does not hold it"),
             "{err}"
         );
-        let empty = temp_dir("empty");
-        assert!(read_checkpoint(&empty).unwrap().is_none());
+        let scratch_empty = temp_dir("empty");
+        let empty = scratch_empty.path();
+        assert!(read_checkpoint(empty).unwrap().is_none());
     }
 
     #[test]
     fn bad_headers_are_named() {
-        let dir = temp_dir("bad");
+        let scratch_dir = temp_dir("bad");
+        let dir = scratch_dir.path();
         let file = dir.join("m.safetensors");
         std::fs::write(&file, [0xff; 8]).unwrap();
         assert!(
@@ -525,7 +531,8 @@ pub(crate) mod tests {
 
     #[test]
     fn index_paths_stay_inside_the_folder() {
-        let root = temp_dir("confined");
+        let scratch_root = temp_dir("confined");
+        let root = scratch_root.path();
         let dir = root.join("ckpt");
         std::fs::create_dir_all(dir.join("sub")).unwrap();
         write(&root.join("outside.safetensors"), &[("x", "BF16", &[2])]);
@@ -563,25 +570,25 @@ pub(crate) mod tests {
         set_index("link.safetensors");
         assert_eq!(read_checkpoint(&dir).unwrap().unwrap().len(), 1);
         std::fs::remove_file(dir.join("link.safetensors")).unwrap();
-        std::os::unix::fs::symlink(&root, dir.join("link.safetensors")).unwrap();
+        std::os::unix::fs::symlink(root, dir.join("link.safetensors")).unwrap();
         let err = checkpoint_error(&dir);
         assert!(err.contains("not a regular file"), "{err}");
         std::fs::remove_file(dir.join("link.safetensors")).unwrap();
         std::fs::remove_file(&index_path).unwrap();
         std::os::unix::fs::symlink("sub/a.safetensors", dir.join("inner.safetensors")).unwrap();
         assert_eq!(read_checkpoint(&dir).unwrap().unwrap().len(), 1);
-        let _ = std::fs::remove_dir_all(&root);
     }
 
     #[test]
     fn only_regular_files_are_read() {
-        let dir = temp_dir("fifo");
+        let scratch_dir = temp_dir("fifo");
+        let dir = scratch_dir.path();
         let fifo = dir.join("model.safetensors");
         let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
         // SAFETY: a valid C string.
         assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
         // without a writer, reading a FIFO would wait for ever
-        let err = checkpoint_error(&dir);
+        let err = checkpoint_error(dir);
         assert!(
             err.ends_with("model.safetensors: a FIFO, not a regular file"),
             "{err}"
@@ -591,7 +598,7 @@ pub(crate) mod tests {
         let err = read_header(Path::new("/dev/zero")).unwrap_err().to_string();
         assert_eq!(err, "/dev/zero: a device, not a regular file");
         std::fs::create_dir(&fifo).unwrap();
-        let err = checkpoint_error(&dir);
+        let err = checkpoint_error(dir);
         assert!(
             err.ends_with("model.safetensors: a folder, not a regular file"),
             "{err}"
@@ -603,23 +610,23 @@ pub(crate) mod tests {
         let c = std::ffi::CString::new(index.to_str().unwrap()).unwrap();
         // SAFETY: a valid C string.
         assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
-        let err = checkpoint_error(&dir);
+        let err = checkpoint_error(dir);
         assert!(err.ends_with("a FIFO, not a regular file"), "{err}");
         // nor an index larger than any real one (sparse: no disk is used)
         std::fs::remove_file(&index).unwrap();
         let big = std::fs::File::create(&index).unwrap();
         big.set_len(MAX_HEADER + 1).unwrap();
-        let err = checkpoint_error(&dir);
+        let err = checkpoint_error(dir);
         assert!(
             err.ends_with("104857601 bytes is over the 104857600 bytes an index may have"),
             "{err}"
         );
-        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]
     fn a_tensor_named_twice_is_refused() {
-        let dir = temp_dir("twice");
+        let scratch_dir = temp_dir("twice");
+        let dir = scratch_dir.path();
         let file = dir.join("model.safetensors");
         let w = r#""w": {"dtype": "U8", "shape": [2], "data_offsets": [0, 2]}"#;
         let w2 = r#""w": {"dtype": "U8", "shape": [2], "data_offsets": [2, 4]}"#;
@@ -633,17 +640,17 @@ pub(crate) mod tests {
         write_raw(&file, w, 2);
         let index = r#"{"weight_map": {"w": "model.safetensors", "w": "other.safetensors"}}"#;
         std::fs::write(dir.join("model.safetensors.index.json"), index).unwrap();
-        let err = checkpoint_error(&dir);
+        let err = checkpoint_error(dir);
         assert!(
             err.contains("malformed index: tensor w appears twice"),
             "{err}"
         );
-        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]
     fn tensor_bytes_lie_inside_the_file_without_overlap() {
-        let dir = temp_dir("offsets");
+        let scratch_dir = temp_dir("offsets");
+        let dir = scratch_dir.path();
         let file = dir.join("m.safetensors");
         let a = r#""a": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]}"#;
         let b = r#""b": {"dtype": "U8", "shape": [4], "data_offsets": [2, 6]}"#;
@@ -665,12 +672,12 @@ pub(crate) mod tests {
             err.ends_with("tensor c: data_offsets 4..6 end beyond the file's 5 bytes of data"),
             "{err}"
         );
-        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]
     fn a_header_longer_than_its_file_is_refused_before_reading_it() {
-        let dir = temp_dir("long");
+        let scratch_dir = temp_dir("long");
+        let dir = scratch_dir.path();
         let file = dir.join("m.safetensors");
         // claims 50 MiB of header (under the bound) in a 19-byte file
         let mut bytes = (50u64 << 20).to_le_bytes().to_vec();
@@ -681,7 +688,6 @@ pub(crate) mod tests {
             err.ends_with("header length 52428800 is more than the file's 19 bytes hold"),
             "{err}"
         );
-        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

@@ -7,9 +7,14 @@
 //! Source choice, for every piece of a destination shard:
 //! 1. if the destination rank holds the piece as a source, it is a local copy;
 //! 2. otherwise the piece is split along its outermost splittable dim among the replicas that
-//!    hold it (when it is large enough to be worth several messages), and the parts are dealt
-//!    out starting at a rotation that depends on the destination and the source box, so that
-//!    every replica serves an equal share: two data-parallel replicas each serve half.
+//!    hold it (when it is large enough to be worth several messages, and into no more parts
+//!    than the source replicas per destination replica), and the parts are dealt out starting
+//!    at a rotation that depends on the destination and the source box, so that every replica
+//!    serves an equal share: two data-parallel replicas each serve half.
+//!
+//! The work and the transfers grow linearly with the ranks: whether a destination rank holds
+//! a piece is one lookup, and `r` destination replicas of a box held by `h` source replicas
+//! make about `h + r` transfers, not `h x r`.
 
 pub mod baseline;
 pub mod report;
@@ -18,7 +23,7 @@ pub mod schedule;
 use std::ops::Range;
 
 pub use baseline::GatherBroadcast;
-pub use report::{PlanJson, Totals, TransferJson, gather_broadcast_bytes};
+pub use report::{Overflow, PlanJson, Totals, TransferJson, gather_broadcast_bytes};
 pub use schedule::Schedule;
 
 use crate::error::{Dims, Error, Result};
@@ -379,13 +384,15 @@ fn receives(
         return;
     };
     let target = dst.region_at(position);
+    let receiver = Receiver::at(dst, position);
     for_each_overlap(src, &target, |index, piece| {
         let box_id = src.box_id(index);
+        let holds = src.holds(rank, index);
         assign(
             piece,
             &holders.of(index, box_id),
-            rank,
-            position,
+            holds,
+            &receiver,
             box_id,
             src.dtype().size(),
             options,
@@ -405,14 +412,14 @@ fn sends(src: &Layout, dst: &Layout, rank: Rank, options: &PlanOptions) -> Vec<T
     let box_id = src.box_id(&index);
     let mut all = Vec::new();
     for_each_overlap(dst, &held, |dst_index, piece| {
-        for receiver in dst.holders(dst_index) {
-            let dst_position = dst.mesh().position(receiver).unwrap_or_default();
+        for rank in dst.holders(dst_index) {
+            let dst_position = dst.mesh().position(rank).unwrap_or_default();
             let elem = src.dtype().size();
             assign(
                 piece.clone(),
                 &holders,
-                receiver,
-                dst_position,
+                src.holds(rank, &index),
+                &Receiver::at(dst, dst_position),
                 box_id,
                 elem,
                 options,
@@ -424,32 +431,65 @@ fn sends(src: &Layout, dst: &Layout, rank: Rank, options: &PlanOptions) -> Vec<T
     all
 }
 
-/// Chooses who sends `piece` (held by `holders`) to `receiver`; see the module docs.
+/// A destination rank as the source choice sees it.
+struct Receiver {
+    rank: Rank,
+    /// Its position among the ranks of one destination replica ([`Layout::shard_position`]).
+    shard_position: usize,
+    /// Which destination replica it belongs to, in `0..replicas`.
+    replica: usize,
+    /// How many destination ranks hold the same box (the destination's replication).
+    replicas: usize,
+}
+
+impl Receiver {
+    fn at(dst: &Layout, position: usize) -> Receiver {
+        Receiver {
+            rank: dst.mesh().ranks()[position],
+            shard_position: dst.shard_position(position),
+            replica: dst.replica_index(position),
+            replicas: dst.replication().max(1),
+        }
+    }
+}
+
+/// Chooses who sends `piece` (held by `holders`; `holds`: the receiver is one of them) to
+/// `receiver`; see the module docs.
+///
+/// A piece is split into at most `ceil(holders / receiver.replicas)` parts: the replicas of a
+/// destination box all ask for the same piece, so with `r` of them each needs only that many
+/// parts for every holder to serve its share. Splitting every copy among all holders would
+/// make `holders x replicas` transfers: quadratic in the data-parallel size when both sides
+/// replicate (dp=10000 on both sides made up to 10^8 transfers per tensor). Replica `k` starts
+/// `k x parts` holders further on, so that the replicas draw on disjoint holders.
 #[allow(clippy::too_many_arguments)]
 fn assign(
     piece: Region,
     holders: &[Rank],
-    receiver: Rank,
-    receiver_position: usize,
+    holds: bool,
+    receiver: &Receiver,
     box_id: usize,
     elem_bytes: usize,
     options: &PlanOptions,
     out: &mut Vec<Transfer>,
 ) {
-    if holders.contains(&receiver) {
+    if holds {
         out.push(Transfer {
-            src: receiver,
-            dst: receiver,
+            src: receiver.rank,
+            dst: receiver.rank,
             region: piece,
         });
         return;
     }
     let h = holders.len();
-    let rotation = (receiver_position + box_id) % h;
+    let cap = h.div_ceil(receiver.replicas) as u64;
     let bytes = piece.volume().saturating_mul(elem_bytes as u64);
     let wanted = bytes
         .checked_div(options.min_split_bytes)
-        .map_or(h as u64, |parts| parts.clamp(1, h as u64));
+        .map_or(cap, |parts| parts.clamp(1, cap));
+    // positions, box ids, replica numbers and `wanted` are at most 2^24 (a side's ranks, see
+    // `limits`): no overflow
+    let rotation = (receiver.shard_position + box_id + receiver.replica * wanted as usize) % h;
     let split = if wanted > 1 {
         match (0..piece.ndim()).find(|&d| piece.extent[d] >= wanted) {
             Some(d) => Some((d, wanted)),
@@ -464,7 +504,7 @@ fn assign(
     let Some((dim, parts)) = split else {
         out.push(Transfer {
             src: holders[rotation],
-            dst: receiver,
+            dst: receiver.rank,
             region: piece,
         });
         return;
@@ -480,7 +520,7 @@ fn assign(
         part.extent[dim] = b - a;
         out.push(Transfer {
             src: holders[(rotation + p as usize) % h],
-            dst: receiver,
+            dst: receiver.rank,
             region: part,
         });
     }

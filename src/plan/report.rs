@@ -10,7 +10,12 @@ use super::Plan;
 use super::baseline::gather_replica;
 
 /// Byte and message counts of a plan (the `totals` object of the plan JSON).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+///
+/// A count whose true value exceeds `2^64 - 1` (a near-2^64-byte tensor sent to several
+/// replicas) holds `u64::MAX` and is named in [`Totals::overflow`]; the JSON writes it as
+/// `null` and lists it under `overflow`, so that no reader takes the saturated number for a
+/// real one.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Totals {
     /// Bytes that cross from one rank to another.
     pub bytes_remote: u64,
@@ -22,33 +27,128 @@ pub struct Totals {
     pub max_rank_recv_bytes: u64,
     /// What gather+broadcast moves for the same layouts (see [`gather_broadcast_bytes`]).
     pub gather_broadcast_bytes: u64,
+    /// The counts above that overflowed.
+    pub overflow: Overflow,
+}
+
+/// A set of [`Totals`] fields whose true value does not fit in 64 bits.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Overflow(u8);
+
+impl Overflow {
+    /// The field names, in the order of the plan JSON.
+    pub const FIELDS: [&'static str; 6] = [
+        "bytes_remote",
+        "bytes_local",
+        "messages",
+        "max_rank_send_bytes",
+        "max_rank_recv_bytes",
+        "gather_broadcast_bytes",
+    ];
+
+    /// The bit of `field`; none (0) for a name that is not a field.
+    fn bit(field: &str) -> u8 {
+        Overflow::FIELDS
+            .iter()
+            .position(|f| *f == field)
+            .map_or(0, |i| 1 << i)
+    }
+
+    /// Marks `field` (one of [`Overflow::FIELDS`]) as overflowed.
+    fn insert(&mut self, field: &str) {
+        self.0 |= Overflow::bit(field);
+    }
+
+    /// Whether `field` overflowed (false for a name that is not one of [`Overflow::FIELDS`]).
+    pub fn contains(&self, field: &str) -> bool {
+        self.0 & Overflow::bit(field) != 0
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0 == 0
+    }
+
+    /// The overflowed fields, in JSON order.
+    pub fn fields(&self) -> Vec<&'static str> {
+        Overflow::FIELDS
+            .into_iter()
+            .filter(|f| self.contains(f))
+            .collect()
+    }
+}
+
+/// `u64` sums that remember whether they overflowed, instead of saturating silently.
+fn fit(total: u128, field: &'static str, overflow: &mut Overflow) -> u64 {
+    u64::try_from(total).unwrap_or_else(|_| {
+        overflow.insert(field);
+        u64::MAX
+    })
 }
 
 impl Totals {
     pub fn of(plan: &Plan) -> Totals {
         let elem = plan.elem_bytes();
-        let mut totals = Totals {
-            gather_broadcast_bytes: gather_broadcast_bytes(plan.src(), plan.dst()),
-            ..Totals::default()
-        };
-        let mut sent: BTreeMap<Rank, u64> = BTreeMap::new();
-        let mut received: BTreeMap<Rank, u64> = BTreeMap::new();
+        let mut overflow = Overflow::default();
+        let gather_broadcast = fit(
+            gather_broadcast_bytes_wide(plan.src(), plan.dst()),
+            "gather_broadcast_bytes",
+            &mut overflow,
+        );
+        // in u128: replicated destinations of a near-2^64-byte tensor overflow u64
+        let (mut remote, mut local, mut messages) = (0u128, 0u128, 0u128);
+        let mut sent: BTreeMap<Rank, u128> = BTreeMap::new();
+        let mut received: BTreeMap<Rank, u128> = BTreeMap::new();
         for t in plan.transfers() {
-            // saturating: replicated destinations of a near-2^64-byte tensor overflow u64
-            let bytes = t.bytes(elem);
-            let add = |total: &mut u64| *total = total.saturating_add(bytes);
+            let bytes = u128::from(t.bytes(elem));
             if t.is_local() {
-                add(&mut totals.bytes_local);
+                local += bytes;
             } else {
-                add(&mut totals.bytes_remote);
-                totals.messages += 1;
-                add(sent.entry(t.src).or_default());
-                add(received.entry(t.dst).or_default());
+                remote += bytes;
+                messages += 1;
+                *sent.entry(t.src).or_default() += bytes;
+                *received.entry(t.dst).or_default() += bytes;
             }
         }
-        totals.max_rank_send_bytes = sent.values().copied().max().unwrap_or(0);
-        totals.max_rank_recv_bytes = received.values().copied().max().unwrap_or(0);
-        totals
+        let max = |m: &BTreeMap<Rank, u128>| m.values().copied().max().unwrap_or(0);
+        Totals {
+            bytes_remote: fit(remote, "bytes_remote", &mut overflow),
+            bytes_local: fit(local, "bytes_local", &mut overflow),
+            messages: fit(messages, "messages", &mut overflow),
+            max_rank_send_bytes: fit(max(&sent), "max_rank_send_bytes", &mut overflow),
+            max_rank_recv_bytes: fit(max(&received), "max_rank_recv_bytes", &mut overflow),
+            gather_broadcast_bytes: gather_broadcast,
+            overflow,
+        }
+    }
+
+    /// The count as the JSON shows it: `None` (null) when it overflowed.
+    fn shown(&self, field: &'static str, value: u64) -> Option<u64> {
+        (!self.overflow.contains(field)).then_some(value)
+    }
+}
+
+impl Serialize for Totals {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeStruct;
+        let values = [
+            self.bytes_remote,
+            self.bytes_local,
+            self.messages,
+            self.max_rank_send_bytes,
+            self.max_rank_recv_bytes,
+            self.gather_broadcast_bytes,
+        ];
+        let extra = usize::from(!self.overflow.is_empty());
+        let mut st = s.serialize_struct("Totals", values.len() + extra)?;
+        for (field, value) in Overflow::FIELDS.into_iter().zip(values) {
+            st.serialize_field(field, &self.shown(field, value))?;
+        }
+        if self.overflow.is_empty() {
+            st.skip_field("overflow")?;
+        } else {
+            st.serialize_field("overflow", &self.overflow.fields())?;
+        }
+        st.end()
     }
 }
 
@@ -56,18 +156,24 @@ impl Totals {
 /// (each of its `k` ranks receives what it lacks: `(k - 1) x total`), then a broadcast of the
 /// whole tensor to every destination rank that does not hold it yet. The replica chosen is the
 /// one that contains the most destination ranks; a fully replicated source needs no gather.
+/// Saturates at `u64::MAX`; [`Totals`] reports the overflow.
 pub fn gather_broadcast_bytes(src: &Layout, dst: &Layout) -> u64 {
-    let total = src.total_bytes();
+    u64::try_from(gather_broadcast_bytes_wide(src, dst)).unwrap_or(u64::MAX)
+}
+
+/// [`gather_broadcast_bytes`] without the saturation: at most `2^31 x 2^64`, which fits.
+pub(crate) fn gather_broadcast_bytes_wide(src: &Layout, dst: &Layout) -> u128 {
+    let total = u128::from(src.total_bytes());
     let holders: BTreeSet<Rank> = gather_replica(src, dst).into_iter().collect();
-    let replica_size = (src.mesh().size() / src.replication().max(1)) as u64;
-    let gather = (replica_size - 1).saturating_mul(total);
+    let replica_size = (src.mesh().size() / src.replication().max(1)) as u128;
+    let gather = (replica_size - 1) * total;
     let receivers = dst
         .mesh()
         .ranks()
         .iter()
         .filter(|r| !holders.contains(r))
-        .count() as u64;
-    gather.saturating_add(receivers.saturating_mul(total))
+        .count() as u128;
+    gather + receivers * total
 }
 
 /// One transfer in the plan JSON.
@@ -110,5 +216,58 @@ impl PlanJson {
                 .collect(),
             totals: plan.totals(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::dtype::DType;
+    use crate::layout::LayoutSpec;
+    use crate::plan::Plan;
+
+    fn plan(shape: &[u64], src: &str, dst: &str) -> Plan {
+        let layout = |spec: &str, first| {
+            LayoutSpec::parse(spec)
+                .unwrap()
+                .resolve(shape, DType::U8, first)
+                .unwrap()
+        };
+        Plan::new(layout(src, 0), layout(dst, 4)).unwrap()
+    }
+
+    /// A 2^62-byte tensor to four replicas moves 2^64 bytes: one more than a u64 holds.
+    #[test]
+    fn overflowed_totals_are_marked_not_passed_off_as_real() {
+        let t = plan(&[1 << 62], "mesh=1 place=R", "mesh=4 place=R").totals();
+        // the one source sends all of it
+        assert_eq!(
+            t.overflow.fields(),
+            [
+                "bytes_remote",
+                "max_rank_send_bytes",
+                "gather_broadcast_bytes"
+            ]
+        );
+        assert_eq!(t.max_rank_recv_bytes, 1 << 62);
+        assert!(!t.overflow.contains("max_rank_recv_bytes") && !t.overflow.contains("nonsense"));
+        let json = serde_json::to_value(t).unwrap();
+        assert!(json["bytes_remote"].is_null(), "{json}");
+        assert!(json["gather_broadcast_bytes"].is_null(), "{json}");
+        assert_eq!(json["messages"], 4);
+        assert_eq!(
+            json["overflow"],
+            serde_json::json!([
+                "bytes_remote",
+                "max_rank_send_bytes",
+                "gather_broadcast_bytes"
+            ])
+        );
+        // one replica fewer fits, and the JSON has no `overflow` key
+        let t = plan(&[1 << 62], "mesh=1 place=R", "mesh=3 place=R").totals();
+        assert!(t.overflow.is_empty());
+        assert_eq!(t.bytes_remote, 3 << 62);
+        let json = serde_json::to_value(t).unwrap();
+        assert_eq!(json["bytes_remote"], 3u64 << 62);
+        assert!(json.get("overflow").is_none(), "{json}");
     }
 }

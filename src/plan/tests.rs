@@ -237,3 +237,60 @@ fn plans_deepseek_scale_shapes_without_materializing() {
     assert_eq!(t.messages, 16 * 32);
     assert_eq!(t.max_rank_recv_bytes, 256 * 7168 * 64 * 2);
 }
+
+#[test]
+fn replicated_sides_plan_one_transfer_per_destination() {
+    // dp=64 -> dp=64, every piece large enough to split 64 ways: each destination replica takes
+    // the whole tensor from its own source replica, instead of 1/64 from each of them (64 x 64)
+    let shape = [4096, 1024];
+    let src = layout("mesh=64 place=R", &shape, DType::U8, 0);
+    let dst = layout("mesh=64 place=R", &shape, DType::U8, 64);
+    let plan = Plan::new(src.clone(), dst.clone()).unwrap();
+    assert_eq!(plan.transfers().len(), 64);
+    let senders: std::collections::BTreeSet<Rank> =
+        plan.transfers().iter().map(|t| t.src).collect();
+    assert_eq!(
+        senders.len(),
+        64,
+        "every source replica serves one destination"
+    );
+    for r in plan.ranks() {
+        let alone = rank_plan(&src, &dst, r, &PlanOptions::default()).unwrap();
+        assert_eq!(alone, plan.for_rank(r));
+    }
+}
+
+#[test]
+fn fewer_destination_replicas_draw_on_disjoint_sources() {
+    // 4 source replicas, 2 destination replicas: each destination takes half from two sources
+    let shape = [4096, 1024];
+    let src = layout("mesh=4 place=R", &shape, DType::U8, 0);
+    let dst = layout("mesh=2 place=R", &shape, DType::U8, 4);
+    let plan = Plan::new(src, dst).unwrap();
+    assert_eq!(plan.transfers().len(), 4);
+    let mut sent: BTreeMap<Rank, u64> = BTreeMap::new();
+    for t in plan.transfers() {
+        *sent.entry(t.src).or_default() += t.bytes(1);
+    }
+    assert_eq!(sent.len(), 4, "{sent:?}");
+    assert!(sent.values().all(|&b| b == 4096 * 1024 / 2), "{sent:?}");
+    // replicas of a sharded destination box too: dp2 x tp2 from 4 replicas
+    let src = layout("mesh=4 place=R", &shape, DType::U8, 0);
+    let dst = layout("mesh=2x2 place=R,S(0)", &shape, DType::U8, 4);
+    let plan = Plan::new(src, dst).unwrap();
+    let mut sent: BTreeMap<Rank, u64> = BTreeMap::new();
+    for t in plan.transfers() {
+        *sent.entry(t.src).or_default() += t.bytes(1);
+    }
+    assert!(sent.values().all(|&b| b == 4096 * 1024 / 2), "{sent:?}");
+}
+
+#[test]
+fn a_million_replicas_on_each_side_plan() {
+    // `holders.contains` scanned all 10^6 replicas for each of the 10^6 destinations
+    let src = layout("mesh=1000x1000 place=R,R", &[8, 8], DType::Bf16, 0);
+    let dst = layout("mesh=1000x1000 place=R,R", &[8, 8], DType::Bf16, 1_000_000);
+    let plan = Plan::new(src, dst).unwrap();
+    assert_eq!(plan.transfers().len(), 1_000_000);
+    assert_eq!(plan.totals().bytes_remote, 128 * 1_000_000);
+}

@@ -110,6 +110,8 @@ pub use cost::{
     price_gather_broadcast_layouts, price_pairs, price_reshard,
 };
 
+use rayon::prelude::*;
+
 use crate::layout::Rank;
 use crate::plan::Plan;
 
@@ -144,6 +146,11 @@ pub enum SimError {
 
     #[error("rank {rank} has no GPU: the cluster's `ranks` places only ranks 0..{placed}")]
     RankNotPlaced { rank: Rank, placed: usize },
+
+    #[error(
+        "the plans and their gather+broadcast move {bytes} bytes, more than 2^64-1: too many to price"
+    )]
+    TooLarge { bytes: u128 },
 }
 
 /// The `simulation` object of the refit JSON (see the design notes).
@@ -203,6 +210,12 @@ impl Pricing {
 /// and as gather+broadcast. Fails on an invalid cluster or a rank it does not place.
 pub fn price(plans: &[Plan], cluster: &Cluster, options: &SimOptions) -> Result<Pricing, SimError> {
     cluster.validate()?;
+    // the cost model counts bytes per port and link in u64: past 2^64 they would saturate, and
+    // the times would look real while being wrong
+    let bytes: u128 = plans.par_iter().map(bytes_moved).sum();
+    if bytes > u128::from(u64::MAX) {
+        return Err(SimError::TooLarge { bytes });
+    }
     // the bounds and the baseline alongside the reshard
     let (reshard, (bound, baseline)) = rayon::join(
         || price_reshard(plans, cluster, options.messages),
@@ -219,6 +232,18 @@ pub fn price(plans: &[Plan], cluster: &Cluster, options: &SimOptions) -> Result<
         domain_bound_s: bound?,
         gather_broadcast: baseline?,
     })
+}
+
+/// Every byte a plan moves (local copies too) and its gather+broadcast moves: a bound on any
+/// count the cost model keeps.
+fn bytes_moved(plan: &Plan) -> u128 {
+    let elem = plan.elem_bytes();
+    let reshard: u128 = plan
+        .transfers()
+        .iter()
+        .map(|t| u128::from(t.bytes(elem)))
+        .sum();
+    reshard + crate::plan::report::gather_broadcast_bytes_wide(plan.src(), plan.dst())
 }
 
 /// [`price`] with default options, summarized.

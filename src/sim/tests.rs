@@ -318,8 +318,11 @@ fn load_reads_presets_and_files() {
     assert_eq!(Cluster::load("h100").unwrap(), Cluster::h100());
     let err = Cluster::load("no-such-cluster.json").unwrap_err();
     assert!(err.to_string().contains("no-such-cluster.json"), "{err}");
-    let dir = std::env::temp_dir().join(format!("reshard-sim-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let scratch = tempfile::Builder::new()
+        .prefix("reshard-sim-")
+        .tempdir()
+        .unwrap();
+    let dir = scratch.path();
     let path = dir.join("slow-net.json");
     std::fs::write(&path, r#"{"base": "h100", "nic_gb_s": 12.5}"#).unwrap();
     let c = Cluster::load(path.to_str().unwrap()).unwrap();
@@ -327,7 +330,6 @@ fn load_reads_presets_and_files() {
     std::fs::write(&path, r#"{"base": "h100", "nic_gb_s": "fast"}"#).unwrap();
     let err = Cluster::load(path.to_str().unwrap()).unwrap_err();
     assert!(err.to_string().contains("slow-net.json"), "{err}");
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 fn arb_cluster() -> impl Strategy<Value = Cluster> {
@@ -512,4 +514,19 @@ fn the_broadcast_chain_starts_at_the_root_and_wraps_around() {
     );
     // the reshard sends both copies from GPU 2: its NIC carries one
     assert_us!(priced.reshard.seconds, 104);
+}
+
+/// Past 2^64 bytes the per-port counts would saturate and the times look real: refused.
+#[test]
+fn plans_past_64_bits_are_not_priced() {
+    let huge = plan(&[1 << 62], "mesh=1 place=R", "mesh=4 place=R");
+    let err = price(&[huge], &Cluster::h100(), &SimOptions::default()).unwrap_err();
+    assert!(matches!(err, SimError::TooLarge { .. }), "{err}");
+    assert!(
+        err.to_string()
+            .ends_with("more than 2^64-1: too many to price"),
+        "{err}"
+    );
+    let fits = plan(&[1 << 62], "mesh=1 place=R", "mesh=2 place=R");
+    assert!(price(&[fits], &Cluster::h100(), &SimOptions::default()).is_ok());
 }

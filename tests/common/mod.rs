@@ -7,10 +7,13 @@ use std::time::{Duration, Instant};
 
 pub const EXE: &str = env!("CARGO_BIN_EXE_reshard");
 
-pub fn temp_dir(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("reshard-proc-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    dir
+/// A fresh, empty folder under the system temp dir, removed with all it holds when the guard
+/// drops, also when a test fails half-way.
+pub fn temp_dir(name: &str) -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix(&format!("reshard-proc-{name}-"))
+        .tempdir()
+        .expect("a temp dir")
 }
 
 pub fn text(bytes: &[u8]) -> String {
@@ -102,6 +105,9 @@ pub struct RandomRun {
     pub dst: String,
     pub world: u64,
     chunk: &'static str,
+    /// Holds `dirs`, and removes them when the run drops.
+    _scratch: tempfile::TempDir,
+    /// Where the local and the multi-process run dump (not created: `--dump` makes them).
     dirs: (PathBuf, PathBuf),
     /// What rank 0 printed in the last multi-process run.
     pub report: std::cell::RefCell<String>,
@@ -117,6 +123,8 @@ impl RandomRun {
         let dst = random_spec(rng, ndim, world);
         let dtype = ["u8", "bf16", "f32", "f64"][rng.below(4) as usize];
         let chunk = ["3", "64", "4MiB"][rng.below(3) as usize];
+        let scratch = temp_dir(&format!("{tag}-{case}"));
+        let dirs = (scratch.path().join("local"), scratch.path().join("other"));
         RandomRun {
             case,
             shape: shape.join(","),
@@ -125,10 +133,8 @@ impl RandomRun {
             dst,
             world,
             chunk,
-            dirs: (
-                temp_dir(&format!("{tag}-local{case}")),
-                temp_dir(&format!("{tag}-{case}")),
-            ),
+            _scratch: scratch,
+            dirs,
             report: std::cell::RefCell::new(String::new()),
         }
     }
@@ -216,13 +222,6 @@ impl RandomRun {
         );
         assert_eq!(read_dumps(other_dir), read_dumps(local_dir), "{what}");
         *self.report.borrow_mut() = report;
-    }
-}
-
-impl Drop for RandomRun {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.dirs.0);
-        let _ = std::fs::remove_dir_all(&self.dirs.1);
     }
 }
 
