@@ -18,7 +18,7 @@ use reshard::{Error, Plan, Rank, RankPlan};
 
 use super::processes::{
     AnyTransport, Destination, ExecArgs, Links, Measured, Method, MethodJson, TransportKind,
-    check_memory, check_world, conclude, connect, fingerprint_or_refusal, in_mpi_job, not_in_a_job,
+    agree_or_refuse, check_memory, check_world, conclude, connect, in_mpi_job, not_in_a_job,
     with_plan,
 };
 use super::units::{bytes, parse_bytes};
@@ -348,9 +348,9 @@ pub fn main(args: &BenchArgs) -> Result<(), Failure> {
                     .try_for_each(|case| case.check_memory(Some(rank)))
             });
             let group = Group::join(env, options.timeout)?;
-            group.agree(&fingerprint_or_refusal("bench", ready, || {
+            agree_or_refuse(&group, "bench", ready, || {
                 fingerprint(args, &cases, fill, &options)
-            }))?;
+            })?;
             bench_processes(
                 args,
                 &cases,
@@ -479,9 +479,9 @@ fn bench_mpi(
             .iter()
             .try_for_each(|case| case.check_memory(Some(job.rank())))
     });
-    job.agree(&fingerprint_or_refusal("bench", ready, || {
+    agree_or_refuse(&job, "bench", ready, || {
         fingerprint(args, cases, fill, options)
-    }))?;
+    })?;
     let kind = args.exec.transport;
     bench_processes(args, cases, fill, options, &job, &|links, destination| {
         let layouts = cases.iter().map(|c| c.plan.src());

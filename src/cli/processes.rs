@@ -223,17 +223,21 @@ fn over_shm<C: Carrier>(
     Ok(shm)
 }
 
-/// What this rank tells the others at rendezvous ([`reshard::transport::Job::agree`]): the
-/// fingerprint of its job, or, when its own checks (`ready`) failed, its refusal, so that
-/// every rank fails at once naming it instead of waiting for it until the timeout.
-pub fn fingerprint_or_refusal(
+/// The plan agreement at rendezvous ([`Job::agree`]): this rank's fingerprint, or, when its
+/// own checks (`ready`) failed, its refusal, so that every rank fails at once naming it
+/// instead of waiting for it until the timeout. A rank that refused returns its own error.
+pub fn agree_or_refuse<J: Job>(
+    job: &J,
     command: &str,
     ready: Result<(), Error>,
     fingerprint: impl FnOnce() -> Fingerprint,
-) -> Fingerprint {
+) -> Result<(), Error> {
     match ready {
-        Ok(()) => fingerprint(),
-        Err(e) => Fingerprint::refusal(command, e),
+        Ok(()) => job.agree(&fingerprint()),
+        Err(e) => {
+            let _ = job.agree(&Fingerprint::refusal(command, &e));
+            Err(e)
+        }
     }
 }
 

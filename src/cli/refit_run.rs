@@ -19,8 +19,8 @@ use reshard::{Error, PlanOptions, Side};
 
 use super::Failure;
 use super::processes::{
-    AnyTransport, ExecArgs, Links, Measured, Method, MethodJson, TransportKind, check_memory,
-    check_world, conclude, connect, fingerprint_or_refusal, in_mpi_job, not_in_a_job,
+    AnyTransport, ExecArgs, Links, Measured, Method, MethodJson, TransportKind, agree_or_refuse,
+    check_memory, check_world, conclude, connect, in_mpi_job, not_in_a_job,
 };
 use super::units::{bytes, parse_bytes};
 
@@ -121,9 +121,7 @@ pub fn main(
         (_, Some(env)) => {
             let ready = check_world(batch.world().saturating_sub(1), env.world);
             let group = Group::join(env, options.timeout)?;
-            group.agree(&fingerprint_or_refusal("refit --run", ready, || {
-                fingerprint
-            }))?;
+            agree_or_refuse(&group, "refit --run", ready, || fingerprint)?;
             run_processes(
                 args,
                 &batch,
@@ -183,9 +181,7 @@ fn run_mpi(
     use reshard::transport::mpi::MpiJob;
     let job = MpiJob::init()?;
     let ready = check_world(batch.world().saturating_sub(1), job.world());
-    job.agree(&fingerprint_or_refusal("refit --run", ready, || {
-        fingerprint
-    }))?;
+    agree_or_refuse(&job, "refit --run", ready, || fingerprint)?;
     let kind = args.exec.transport;
     run_processes(args, batch, baseline, pack_below, options, &job, &|links| {
         let layouts = batch.tensors().iter().map(|t| &t.src);

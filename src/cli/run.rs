@@ -16,8 +16,8 @@ use reshard::transport::segment::SharedBuffer;
 use reshard::{Error, Plan, Rank, RankPlan};
 
 use super::processes::{
-    AnyTransport, Destination, ExecArgs, Links, TransportKind, check_memory, check_world, conclude,
-    connect, fingerprint_or_refusal, in_mpi_job, not_in_a_job, with_plan,
+    AnyTransport, Destination, ExecArgs, Links, TransportKind, agree_or_refuse, check_memory,
+    check_world, conclude, connect, in_mpi_job, not_in_a_job, with_plan,
 };
 use super::units::bytes;
 use super::{Failure, TensorArgs};
@@ -159,9 +159,9 @@ fn run_process(
     let ready = check_world(highest(plan), env.world)
         .and_then(|()| check_memory(rank_bytes(plan, env.rank), plan.src().shape()));
     let group = Group::join(env, options.timeout)?;
-    group.agree(&fingerprint_or_refusal("run", ready, || {
+    agree_or_refuse(&group, "run", ready, || {
         fingerprint(args, plan, fill, options)
-    }))?;
+    })?;
     let kind = args.exec.transport;
     process_rank(args, plan, fill, options, &group, |mine, destination| {
         let links = Links {
@@ -201,9 +201,9 @@ fn run_mpi(args: &RunArgs, plan: &Plan, fill: Fill, options: &ExecOptions) -> Re
     let job = MpiJob::init()?;
     let ready = check_world(highest(plan), job.world())
         .and_then(|()| check_memory(rank_bytes(plan, job.rank()), plan.src().shape()));
-    job.agree(&fingerprint_or_refusal("run", ready, || {
+    agree_or_refuse(&job, "run", ready, || {
         fingerprint(args, plan, fill, options)
-    }))?;
+    })?;
     let kind = args.exec.transport;
     process_rank(args, plan, fill, options, &job, |mine, destination| {
         let links = Links {
