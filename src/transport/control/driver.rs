@@ -18,7 +18,7 @@ use crate::error::{Error, Result};
 use crate::layout::Rank;
 use crate::transport::frame::{self, FrameError, HEADER_BYTES, MAX_CONTROL_BYTES};
 
-use super::{Action, Call, Event, Lost, Machine, Msg};
+use super::{Action, Call, Event, Lost, Machine, Msg, later};
 
 /// The most bytes read from a control link at a time.
 const READ_BYTES: usize = 64 << 10;
@@ -126,10 +126,10 @@ struct Link {
 }
 
 impl Link {
-    /// Every whole message that has arrived, and the link's end if it came.
-    fn read(&mut self) -> (Vec<Msg>, Option<Lost>) {
+    /// Every whole message that has arrived, and the link's end if it came; `chunk` is room
+    /// to read into.
+    fn read(&mut self, chunk: &mut [u8]) -> (Vec<Msg>, Option<Lost>) {
         let mut msgs = Vec::new();
-        let mut chunk = vec![0u8; READ_BYTES];
         loop {
             let want = if self.buf.len() < HEADER_BYTES {
                 HEADER_BYTES
@@ -148,7 +148,7 @@ impl Link {
                 continue;
             }
             // the body grows as its bytes arrive, never to more than the header claims
-            let room = (want - self.buf.len()).min(READ_BYTES);
+            let room = (want - self.buf.len()).min(chunk.len());
             match self.stream.read(&mut chunk[..room]) {
                 Ok(0) => return (msgs, Some(Lost::Closed)),
                 Ok(n) => self.buf.extend_from_slice(&chunk[..n]),
@@ -161,7 +161,7 @@ impl Link {
 
     /// Writes a whole frame, waiting at most `timeout` for the peer to make room.
     fn write(&mut self, mut bytes: &[u8], timeout: Duration) -> std::result::Result<(), Lost> {
-        let deadline = Instant::now() + timeout;
+        let deadline = later(Instant::now(), timeout);
         while !bytes.is_empty() {
             match self.stream.write(bytes) {
                 Ok(0) => return Err(Lost::Closed),
@@ -219,6 +219,7 @@ struct Driver {
 impl Driver {
     fn run(mut self) {
         let mut events = std::collections::VecDeque::new();
+        let mut chunk = vec![0u8; READ_BYTES];
         loop {
             let now = Instant::now();
             let timeout_ms = self.machine.wakeup().map_or(-1, |at| millis_until(now, at));
@@ -270,7 +271,7 @@ impl Driver {
                 let Some(link) = self.links[peer].as_mut() else {
                     continue;
                 };
-                let (msgs, end) = link.read();
+                let (msgs, end) = link.read(&mut chunk);
                 events.extend(
                     msgs.into_iter()
                         .map(|msg| Event::Message { from: peer, msg }),

@@ -53,6 +53,14 @@ pub const MEMBER_PATIENCE: u32 = 4;
 /// How many timeouts rank 0 gives its members, all together, to make the call it makes.
 pub const COORDINATOR_PATIENCE: u32 = 2;
 
+/// `d` after `now`, or a century after it where `d` is longer than a clock can count: a
+/// library caller may pass any timeout, and none may make the protocol panic.
+pub(crate) fn later(now: Instant, d: Duration) -> Instant {
+    now.checked_add(d)
+        .or_else(|| now.checked_add(Duration::from_secs(100 * 365 * 86_400)))
+        .unwrap_or(now)
+}
+
 /// Control messages after rendezvous.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub enum Msg {
@@ -267,7 +275,7 @@ impl Coordinator {
                 self.collecting = Some(Collecting {
                     step: Step::of(&call),
                     mine: call,
-                    deadline: now + self.timeout.saturating_mul(COORDINATOR_PATIENCE),
+                    deadline: later(now, self.timeout.saturating_mul(COORDINATOR_PATIENCE)),
                     heard,
                     pending: self.world - 1,
                 });
@@ -281,7 +289,7 @@ impl Coordinator {
                 if member && msg != Msg::Working {
                     self.waiting[from] = true;
                     if self.next_beat.is_none() {
-                        self.next_beat = Some(now + self.timeout);
+                        self.next_beat = Some(later(now, self.timeout));
                     }
                     self.inbox[from].push_back(msg);
                     self.take(from);
@@ -395,9 +403,9 @@ impl Coordinator {
             msg: Msg::Working,
         });
         // from the beat that was due, not from a late wake: beats keep their pace
-        let mut next = at + self.timeout;
+        let mut next = later(at, self.timeout);
         if next <= now {
-            next = now + self.timeout;
+            next = later(now, self.timeout);
         }
         self.next_beat = Some(next);
     }
@@ -502,7 +510,7 @@ impl Member {
     }
 
     fn patience(&self, now: Instant) -> Instant {
-        now + self.timeout.saturating_mul(MEMBER_PATIENCE)
+        later(now, self.timeout.saturating_mul(MEMBER_PATIENCE))
     }
 
     pub fn handle(&mut self, now: Instant, event: Event) -> Vec<Action> {

@@ -665,3 +665,18 @@ fn a_barrier_rank_0_reaches_late_is_waited_for() {
     net.deliver();
     assert!(net.outcomes.iter().all(|o| matches!(o, Some(Ok(_)))));
 }
+
+/// A library caller may pass any timeout: the longest one does not overflow the clock.
+#[test]
+fn the_longest_timeout_does_not_overflow() {
+    let t0 = Instant::now();
+    let mut c = Coordinator::new(2, Duration::MAX);
+    c.handle(t0, from(1, Msg::Barrier));
+    let (_, done) = split(c.handle(t0, Event::Call(Call::Barrier)));
+    assert!(matches!(done, Some(Ok(_))));
+    c.handle(t0, Event::Call(Call::Finish(Ok(json!(0)))));
+    assert!(c.wakeup().is_some_and(|w| w > t0));
+    let mut m = Member::new(1, Duration::MAX);
+    m.handle(t0, Event::Call(Call::Barrier));
+    assert!(m.wakeup().is_some_and(|w| w > t0));
+}
