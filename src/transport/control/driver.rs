@@ -319,3 +319,72 @@ impl Driver {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::net::TcpListener;
+
+    use serde_json::json;
+
+    use super::*;
+
+    /// Rank 0's and rank 1's control threads over a loopback connection.
+    fn pair(timeout: Duration) -> (ControlLinks, ControlLinks) {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let member = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (root, _) = listener.accept().unwrap();
+        let root = ControlLinks::start(0, 2, timeout, vec![None, Some(root)]).unwrap();
+        let member = ControlLinks::start(1, 2, timeout, vec![Some(member), None]).unwrap();
+        (root, member)
+    }
+
+    /// Rank 0 reaches its finish long after its member's patience would have run out without
+    /// heartbeats; both succeed.
+    #[test]
+    fn a_member_outwaits_rank_0s_long_part() {
+        let timeout = Duration::from_millis(300);
+        let (root, member) = pair(timeout);
+        std::thread::scope(|s| {
+            let waiting = s.spawn(|| member.call(Call::Finish(Ok(json!("one")))));
+            std::thread::sleep(timeout * super::super::MEMBER_PATIENCE * 2);
+            let reports = root.call(Call::Finish(Ok(json!("zero")))).unwrap();
+            assert_eq!(reports, vec![json!("zero"), json!("one")]);
+            assert!(waiting.join().unwrap().unwrap().is_empty());
+        });
+    }
+
+    /// Rank 0's thread ends with its group: a waiting member hears the link close at once.
+    #[test]
+    fn a_member_hears_that_rank_0_is_gone() {
+        let (root, member) = pair(Duration::from_secs(600));
+        std::thread::scope(|s| {
+            let waiting = s.spawn(|| member.call(Call::Barrier));
+            drop(root);
+            match waiting.join().unwrap() {
+                Err(Error::PeerGone {
+                    rank: 1, peer: 0, ..
+                }) => {}
+                other => panic!("expected rank 0 gone, got {other:?}"),
+            }
+        });
+    }
+
+    /// A member that sends rank 0 something that is not a control frame is named for it.
+    #[test]
+    fn a_malformed_frame_fails_its_sender() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut member = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (stream, _) = listener.accept().unwrap();
+        let root =
+            ControlLinks::start(0, 2, Duration::from_secs(600), vec![None, Some(stream)]).unwrap();
+        member.write_all(b"GET / HTTP/1.1\r\n\r\n").unwrap();
+        match root.call(Call::Barrier) {
+            Err(Error::JobFailed { failures, .. }) => {
+                assert_eq!(failures.len(), 1);
+                assert_eq!(failures[0].0, 1);
+                assert!(failures[0].1.contains("malformed"), "{failures:?}");
+            }
+            other => panic!("expected the job to fail, got {other:?}"),
+        }
+    }
+}
