@@ -6,6 +6,7 @@ use std::collections::VecDeque;
 use serde_json::{Value, json};
 
 use super::*;
+use crate::error::Error;
 
 /// The job's timeout.
 const T: Duration = Duration::from_secs(1);
