@@ -97,7 +97,7 @@ impl Coordinator {
                     mine: call,
                     deadline: later(now, self.timeout.saturating_mul(COORDINATOR_PATIENCE)),
                     heard,
-                    pending: self.world - 1,
+                    pending: self.world.saturating_sub(1),
                 });
                 for r in 1..self.world {
                     self.take(r);

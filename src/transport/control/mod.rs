@@ -30,9 +30,10 @@
 //!
 //! Both sides are fed [`Event`]s (the rank's own call, a message, a lost link, the passing
 //! of time) with the current instant, and answer with [`Action`]s: messages to send and,
-//! when the call is settled, its outcome. A driver (`super::group`) polls the sockets,
-//! feeds the machine and carries out what it says; the tests replay failure orders against
-//! the machine alone.
+//! when the call is settled, its outcome. A driver carries out what the machine says: over
+//! tcp, `driver`'s thread polls the control links that `super::group` opened; under
+//! `mpirun`, the MPI job feeds it MPI's blocking receives (with no deadlines: `mpirun` ends a
+//! job whose rank dies). The tests replay failure orders against the machine alone.
 
 use std::time::{Duration, Instant};
 
