@@ -1,5 +1,7 @@
 //! A job of processes: torchrun-style rendezvous, authenticated connections between the peers
-//! that exchange data, and a control channel through rank 0 (barrier, final verdict).
+//! that exchange data, and a control channel through rank 0 (plan agreement, barrier, final
+//! verdict). The control protocol itself is [`super::control`]; this module opens its links
+//! and hands them to its driver.
 //!
 //! Every process reads `RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT` and `RESHARD_TOKEN`.
 //! Rank 0 listens on `MASTER_ADDR:MASTER_PORT`; every other rank connects to it, says who it
@@ -17,10 +19,12 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
-use crate::agreement::{Difference, Fingerprint};
+use crate::agreement::Fingerprint;
 use crate::error::{Error, Result};
 use crate::layout::Rank;
 
+use super::control::Call;
+use super::control::driver::ControlLinks;
 use super::frame;
 use super::screen::Screen;
 
@@ -227,29 +231,6 @@ enum Reply {
     },
 }
 
-/// Control messages after rendezvous.
-#[derive(Clone, Debug, Serialize, Deserialize)]
-enum Control {
-    /// A member's description of the job it is about to run, right after rendezvous.
-    Agree {
-        fingerprint: Fingerprint,
-    },
-    /// Rank 0's answer when a rank's job differs from its own.
-    Disagree {
-        rank: Rank,
-        difference: Difference,
-    },
-    Barrier,
-    Go,
-    Status {
-        error: Option<String>,
-        report: serde_json::Value,
-    },
-    Verdict {
-        failures: Vec<(Rank, String)>,
-    },
-}
-
 /// One process's membership in a job.
 #[derive(Debug)]
 pub struct Group {
@@ -259,8 +240,9 @@ pub struct Group {
     addrs: Vec<SocketAddr>,
     /// Every rank's process id (meaningful between ranks of one host).
     pids: Vec<u32>,
-    /// Rank 0: a stream to every other rank (index = rank). Others: one stream, to rank 0.
-    control: Vec<Option<TcpStream>>,
+    /// The control protocol's thread, over rank 0's link to every other rank or a member's
+    /// link to rank 0.
+    control: ControlLinks,
 }
 
 /// Connects, retrying while the other side is not listening yet, until `deadline`.
@@ -309,16 +291,19 @@ impl Group {
                 path: format!("MASTER_ADDR:MASTER_PORT {master}"),
                 source: e,
             })?;
-            let mut group = Group {
-                addrs: vec![master; env.world],
-                pids: vec![std::process::id(); env.world],
-                control: (0..env.world).map(|_| None).collect(),
+            let mut addrs = vec![master; env.world];
+            let mut pids = vec![std::process::id(); env.world];
+            let streams =
+                Group::gather_members(&env, &listener, timeout, deadline, &mut addrs, &mut pids)?;
+            let control = ControlLinks::start(0, env.world, timeout, streams)?;
+            Ok(Group {
                 env,
                 timeout,
                 listener,
-            };
-            group.gather_members(deadline)?;
-            Ok(group)
+                addrs,
+                pids,
+                control,
+            })
         } else {
             let mut stream = connect_until(master, deadline).map_err(|e| Error::PeerGone {
                 rank,
@@ -371,8 +356,9 @@ impl Group {
                     });
                 }
             };
-            let mut control: Vec<Option<TcpStream>> = (0..env.world).map(|_| None).collect();
-            control[0] = Some(stream);
+            let mut streams: Vec<Option<TcpStream>> = (0..env.world).map(|_| None).collect();
+            streams[0] = Some(stream);
+            let control = ControlLinks::start(rank, env.world, timeout, streams)?;
             Ok(Group {
                 env,
                 timeout,
@@ -386,18 +372,18 @@ impl Group {
 
     /// Checks a hello against this job; the reason for refusal otherwise.
     fn check_hello(
-        &self,
+        env: &GroupEnv,
         hello: &Hello,
         purpose: &str,
         expected: impl Fn(Rank) -> bool,
     ) -> Result<(), String> {
-        if !same_token(&hello.token, &self.env.token) {
+        if !same_token(&hello.token, &env.token) {
             return Err("wrong job token (RESHARD_TOKEN)".into());
         }
-        if hello.world != self.env.world {
+        if hello.world != env.world {
             return Err(format!(
                 "world size {} does not match this job's {}",
-                hello.world, self.env.world
+                hello.world, env.world
             ));
         }
         if hello.purpose != purpose {
@@ -413,7 +399,7 @@ impl Group {
     /// `expected`; others are refused (told why) or dropped (strangers that do not speak the
     /// protocol), all screened at once by `screen`.
     fn admit(
-        &self,
+        env: &GroupEnv,
         screen: &mut Screen<'_>,
         purpose: &str,
         expected: impl Fn(Rank) -> bool,
@@ -421,10 +407,10 @@ impl Group {
     ) -> Option<(Hello, TcpStream, SocketAddr)> {
         loop {
             let (hello, mut stream, from) = screen.next::<Hello>(deadline)?;
-            match self.check_hello(&hello, purpose, &expected) {
+            match Group::check_hello(env, &hello, purpose, &expected) {
                 Ok(()) => return Some((hello, stream, from)),
                 Err(reason) => {
-                    tracing::warn!(rank = self.env.rank, from = hello.rank, %reason, "refused a connection");
+                    tracing::warn!(rank = env.rank, from = hello.rank, %reason, "refused a connection");
                     // a fresh connection's send buffer is empty: a short answer never blocks
                     // for long, and a peer that does not read it cannot hold us
                     let _ = stream.set_write_timeout(Some(REFUSAL_WAIT));
@@ -435,56 +421,65 @@ impl Group {
     }
 
     /// Rank 0: waits for every other rank's hello, then sends everyone the address table.
-    fn gather_members(&mut self, deadline: Instant) -> Result<()> {
+    fn gather_members(
+        env: &GroupEnv,
+        listener: &TcpListener,
+        timeout: Duration,
+        deadline: Instant,
+        addrs: &mut [SocketAddr],
+        pids: &mut [u32],
+    ) -> Result<Vec<Option<TcpStream>>> {
+        let mut control: Vec<Option<TcpStream>> = (0..env.world).map(|_| None).collect();
         // one flag per rank rather than a set: the memory a rank needs stays small and linear
         // in the world size
-        let mut joined = vec![false; self.env.world];
+        let mut joined = vec![false; env.world];
         joined[0] = true;
-        let mut to_join = self.env.world - 1;
-        let mut screen = Screen::new(&self.listener, 0);
+        let mut to_join = env.world - 1;
+        let mut screen = Screen::new(listener, 0);
         while to_join > 0 {
-            let admitted = self.admit(
+            let admitted = Group::admit(
+                env,
                 &mut screen,
                 "control",
                 |r| joined.get(r) == Some(&false),
                 deadline,
             );
             let Some((hello, stream, from)) = admitted else {
-                let missing: Vec<Rank> = (0..self.env.world).filter(|&r| !joined[r]).collect();
+                let missing: Vec<Rank> = (0..env.world).filter(|&r| !joined[r]).collect();
                 let detail = format!("rendezvous: {} never joined", name_ranks(&missing));
                 // tell the ranks that did join who is missing, so that they need not guess
                 let refusal = Reply::Refused {
                     reason: detail.clone(),
                 };
-                for s in self.control.iter_mut().flatten() {
+                for s in control.iter_mut().flatten() {
                     let _ = frame::write_control(s, &refusal);
                 }
                 return Err(Error::Timeout {
                     rank: 0,
                     peer: missing[0],
-                    waited: self.timeout,
+                    waited: timeout,
                     detail,
                 });
             };
             let _ = stream.set_nodelay(true);
-            let _ = stream.set_write_timeout(Some(self.timeout));
-            self.addrs[hello.rank] = SocketAddr::new(from.ip(), hello.port);
-            self.pids[hello.rank] = hello.pid;
+            let _ = stream.set_write_timeout(Some(timeout));
+            addrs[hello.rank] = SocketAddr::new(from.ip(), hello.port);
+            pids[hello.rank] = hello.pid;
             joined[hello.rank] = true;
             to_join -= 1;
-            self.control[hello.rank] = Some(stream);
+            control[hello.rank] = Some(stream);
         }
         drop(screen);
         let welcome = frame::encode_control(&Reply::Welcome {
-            addrs: self.addrs.clone(),
-            pids: self.pids.clone(),
+            addrs: addrs.to_vec(),
+            pids: pids.to_vec(),
         })
-        .map_err(|e| e.into_error(0, 0, "the rendezvous", self.timeout))?;
+        .map_err(|e| e.into_error(0, 0, "the rendezvous", timeout))?;
         // a rank that died since its hello shows up at the barrier, where all ranks hear of it
-        for s in self.control.iter_mut().flatten() {
+        for s in control.iter_mut().flatten() {
             let _ = frame::write_encoded(s, &welcome);
         }
-        Ok(())
+        Ok(control)
     }
 
     pub fn timeout(&self) -> Duration {
@@ -556,7 +551,13 @@ impl Group {
         let mut waiting: BTreeSet<Rank> = peers.range(rank + 1..).copied().collect();
         let mut screen = Screen::new(&self.listener, rank);
         while !waiting.is_empty() {
-            let admitted = self.admit(&mut screen, "peer", |r| waiting.contains(&r), deadline);
+            let admitted = Group::admit(
+                &self.env,
+                &mut screen,
+                "peer",
+                |r| waiting.contains(&r),
+                deadline,
+            );
             let Some((hello, mut s, _)) = admitted else {
                 return Err(Error::Timeout {
                     rank,
@@ -581,255 +582,6 @@ impl Group {
         }
         Ok(links)
     }
-
-    fn members(&self) -> impl Iterator<Item = (Rank, &TcpStream)> {
-        self.control
-            .iter()
-            .enumerate()
-            .filter_map(|(r, s)| s.as_ref().map(|s| (r, s)))
-    }
-
-    fn send(&self, peer: Rank, mut stream: &TcpStream, msg: &Control) -> Result<()> {
-        frame::write_control(&mut stream, msg)
-            .map_err(|e| e.into_error(self.env.rank, peer, "control", self.timeout))
-    }
-
-    /// Rank 0's one deadline for hearing from every member: a member that is alive answers
-    /// within a timeout of noticing a failure, which may itself take a timeout; silent ones
-    /// all count against the same deadline, not one timeout each.
-    fn members_deadline(&self) -> Instant {
-        Instant::now() + self.timeout.saturating_mul(2)
-    }
-
-    fn recv_until(
-        &self,
-        peer: Rank,
-        stream: &TcpStream,
-        what: &str,
-        deadline: Instant,
-    ) -> Result<Control> {
-        let left = deadline.saturating_duration_since(Instant::now());
-        self.recv_within(peer, stream, what, left.max(Duration::from_millis(1)))
-    }
-
-    fn recv_within(
-        &self,
-        peer: Rank,
-        mut stream: &TcpStream,
-        what: &str,
-        wait: Duration,
-    ) -> Result<Control> {
-        let _ = stream.set_read_timeout(Some(wait));
-        frame::read_control(&mut stream).map_err(|e| e.into_error(self.env.rank, peer, what, wait))
-    }
-
-    /// Rank 0: tells every member the job failed, and why.
-    fn broadcast_verdict(&self, failures: &[(Rank, String)]) {
-        let verdict = Control::Verdict {
-            failures: failures.to_vec(),
-        };
-        for (peer, s) in self.members() {
-            let _ = self.send(peer, s, &verdict);
-        }
-    }
-
-    /// A member's one link to rank 0.
-    fn coordinator(&self) -> (Rank, &TcpStream) {
-        self.members().next().expect("a member has a control link")
-    }
-
-    /// Waits until every rank has called `barrier`. If a rank failed or died before it,
-    /// every rank returns [`Error::JobFailed`] naming it.
-    fn barrier_impl(&self) -> Result<()> {
-        let rank = self.env.rank;
-        if rank == 0 {
-            let mut failures = Vec::new();
-            let deadline = self.members_deadline();
-            for (peer, s) in self.members() {
-                match self.recv_until(peer, s, "the barrier", deadline) {
-                    Ok(Control::Barrier) => {}
-                    Ok(Control::Status { error, .. }) => failures.push((
-                        peer,
-                        error.unwrap_or_else(|| "reported before the barrier".into()),
-                    )),
-                    Ok(other) => failures.push((peer, format!("sent {other:?} at the barrier"))),
-                    Err(Error::PeerGone { .. }) => failures.push((peer, "exited (killed?)".into())),
-                    Err(e) => failures.push((peer, e.to_string())),
-                }
-            }
-            if !failures.is_empty() {
-                self.broadcast_verdict(&failures);
-                return Err(Error::JobFailed { rank, failures });
-            }
-            for (peer, s) in self.members() {
-                self.send(peer, s, &Control::Go)?;
-            }
-            Ok(())
-        } else {
-            let (peer, s) = self.coordinator();
-            self.send(peer, s, &Control::Barrier)?;
-            self.await_go_or_verdict(peer, s, "the barrier")?
-                .map_or(Ok(()), |failures| Err(Error::JobFailed { rank, failures }))
-        }
-    }
-
-    /// A member's wait for rank 0: `None` for go, the failures for a verdict.
-    fn await_go_or_verdict(
-        &self,
-        peer: Rank,
-        s: &TcpStream,
-        what: &str,
-    ) -> Result<Option<Vec<(Rank, String)>>> {
-        // Rank 0 answers once it has heard from every rank: after its own part (which may
-        // end a timeout after a failure) within two timeouts for all the others
-        // ([`Group::members_deadline`]). A member that heard nothing for four timeouts takes
-        // rank 0 for gone.
-        match self.recv_within(peer, s, what, self.timeout.saturating_mul(4))? {
-            Control::Go => Ok(None),
-            Control::Verdict { failures } => Ok(Some(failures)),
-            other => Err(Error::Protocol {
-                rank: self.env.rank,
-                peer,
-                detail: format!("expected go or the verdict, got {other:?}"),
-            }),
-        }
-    }
-
-    /// Every rank reports how its part went; rank 0 decides for all. Returns every rank's
-    /// report on rank 0 (indexed by rank) and nothing elsewhere, or the job's failures on every
-    /// rank. A rank that does not report within the timeout counts as failed.
-    fn finish_impl(
-        &self,
-        mine: std::result::Result<serde_json::Value, String>,
-    ) -> Result<Vec<serde_json::Value>> {
-        let rank = self.env.rank;
-        if rank == 0 {
-            let mut reports = vec![serde_json::Value::Null; self.env.world];
-            let mut failures = Vec::new();
-            match mine {
-                Ok(r) => reports[0] = r,
-                Err(e) => failures.push((0, e)),
-            }
-            let deadline = self.members_deadline();
-            for (peer, s) in self.members() {
-                match self.recv_until(peer, s, "the final report", deadline) {
-                    Ok(Control::Status {
-                        error: None,
-                        report,
-                    }) => reports[peer] = report,
-                    Ok(Control::Status { error: Some(e), .. }) => failures.push((peer, e)),
-                    // still waiting at the barrier this rank failed before: it hears the verdict
-                    Ok(Control::Barrier) => {}
-                    Ok(other) => {
-                        failures.push((peer, format!("sent {other:?} instead of a report")))
-                    }
-                    Err(Error::PeerGone { .. }) => {
-                        failures.push((peer, "exited without reporting (killed?)".into()))
-                    }
-                    Err(e) => failures.push((peer, e.to_string())),
-                }
-            }
-            if failures.is_empty() {
-                self.broadcast_verdict(&failures);
-                Ok(reports)
-            } else {
-                self.broadcast_verdict(&failures);
-                Err(Error::JobFailed { rank, failures })
-            }
-        } else {
-            let (peer, s) = self.coordinator();
-            let my_error = mine.as_ref().err().cloned();
-            let status = match mine {
-                Ok(report) => Control::Status {
-                    error: None,
-                    report,
-                },
-                Err(e) => Control::Status {
-                    error: Some(e),
-                    report: serde_json::Value::Null,
-                },
-            };
-            self.send(peer, s, &status)?;
-            // a "go" still owed from a barrier this rank left early is not the verdict
-            let failures = loop {
-                if let Some(failures) = self.await_go_or_verdict(peer, s, "the verdict")? {
-                    break failures;
-                }
-            };
-            match (failures.is_empty(), my_error) {
-                (true, None) => Ok(Vec::new()),
-                // whatever rank 0 says, a rank that failed never reports success
-                (true, Some(e)) => Err(Error::JobFailed {
-                    rank,
-                    failures: vec![(rank, e)],
-                }),
-                (false, _) => Err(Error::JobFailed { rank, failures }),
-            }
-        }
-    }
-}
-
-impl Group {
-    /// Rank 0 hears every member's fingerprint and compares it with its own; members wait
-    /// for its answer: go, the first disagreement, or the verdict on a rank that failed.
-    fn agree_impl(&self, mine: &Fingerprint) -> Result<()> {
-        let rank = self.env.rank;
-        if rank != 0 {
-            let (peer, s) = self.coordinator();
-            self.send(
-                peer,
-                s,
-                &Control::Agree {
-                    fingerprint: mine.clone(),
-                },
-            )?;
-            let wait = self.timeout.saturating_mul(4);
-            return match self.recv_within(peer, s, "the plan agreement", wait)? {
-                Control::Go => Ok(()),
-                Control::Disagree { rank, difference } => Err(difference.into_error(rank)),
-                Control::Verdict { failures } => Err(Error::JobFailed { rank, failures }),
-                other => Err(Error::Protocol {
-                    rank,
-                    peer,
-                    detail: format!("expected the plan agreement, got {other:?}"),
-                }),
-            };
-        }
-        let deadline = self.members_deadline();
-        let mut heard = Vec::new();
-        let mut failures = Vec::new();
-        for (peer, s) in self.members() {
-            match self.recv_until(peer, s, "the plan agreement", deadline) {
-                Ok(Control::Agree { fingerprint }) => heard.push((peer, fingerprint)),
-                Ok(Control::Status { error, .. }) => failures.push((
-                    peer,
-                    error.unwrap_or_else(|| "reported before the plan agreement".into()),
-                )),
-                Ok(other) => failures.push((peer, format!("sent {other:?} instead of its job"))),
-                Err(Error::PeerGone { .. }) => failures.push((peer, "exited (killed?)".into())),
-                Err(e) => failures.push((peer, e.to_string())),
-            }
-        }
-        let first = Fingerprint::first_disagreement(mine, heard.iter().map(|(r, f)| (*r, f)));
-        if let Some((other, difference)) = first {
-            let answer = Control::Disagree {
-                rank: other,
-                difference: difference.clone(),
-            };
-            for (peer, s) in self.members() {
-                let _ = self.send(peer, s, &answer);
-            }
-            return Err(difference.into_error(other));
-        }
-        if !failures.is_empty() {
-            self.broadcast_verdict(&failures);
-            return Err(Error::JobFailed { rank, failures });
-        }
-        for (peer, s) in self.members() {
-            self.send(peer, s, &Control::Go)?;
-        }
-        Ok(())
-    }
 }
 
 impl super::Job for Group {
@@ -842,18 +594,18 @@ impl super::Job for Group {
     }
 
     fn agree(&self, mine: &Fingerprint) -> Result<()> {
-        self.agree_impl(mine)
+        self.control.call(Call::Agree(mine.clone())).map(drop)
     }
 
     fn barrier(&self) -> Result<()> {
-        self.barrier_impl()
+        self.control.call(Call::Barrier).map(drop)
     }
 
     fn finish(
         &self,
         mine: std::result::Result<serde_json::Value, String>,
     ) -> Result<Vec<serde_json::Value>> {
-        self.finish_impl(mine)
+        self.control.call(Call::Finish(mine))
     }
 }
 

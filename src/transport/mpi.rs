@@ -12,6 +12,7 @@
 
 use std::os::raw::c_int;
 use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 use mpi::ffi;
 use mpi::raw::AsRaw;
@@ -22,12 +23,13 @@ use mpi::environment::Universe;
 use mpi::topology::SimpleCommunicator;
 use mpi::traits::*;
 
-use crate::agreement::{Difference, Fingerprint};
+use crate::agreement::Fingerprint;
 use crate::error::{Error, Result};
 use crate::exec::copy::{CopyGeometry, Place};
 use crate::layout::{Layout, Rank};
 use crate::region::Region;
 
+use super::control::{Action, Call, Event, Lost, Machine, Msg};
 use super::{Incoming, Job, Outgoing, Receive, Transport};
 
 const DATA_TAG: i32 = 17;
@@ -164,13 +166,53 @@ impl MpiJob {
         }
     }
 
-    fn send_json(&self, to: Rank, value: &serde_json::Value) {
-        // a `Value` always encodes
-        let _ = send_json(&self.world, to, CONTROL_TAG, value);
-    }
-
-    fn recv_json(&self, from: Rank) -> serde_json::Value {
-        recv_json(&self.world, from, CONTROL_TAG).unwrap_or(serde_json::Value::Null)
+    /// Runs one call of the control protocol ([`super::control`]) over MPI messages: the
+    /// decisions are the tcp job's, from the same machine. MPI has no deadlines of its own
+    /// (when a rank dies, `mpirun` ends the job), so the machine gets none either, and rank 0
+    /// takes its members' messages in rank order with blocking receives.
+    fn control(&self, call: Call) -> Result<Vec<serde_json::Value>> {
+        let rank = self.rank();
+        let mut machine = Machine::new(rank, self.world(), Duration::MAX);
+        // sends what the machine says to send; the call's outcome, once settled
+        let perform = |actions: Vec<Action>| {
+            let mut done = None;
+            for action in actions {
+                match action {
+                    Action::Send { to, msg } => {
+                        for r in to {
+                            // a `Msg` always encodes
+                            let _ = send_json(&self.world, r, CONTROL_TAG, &msg);
+                        }
+                    }
+                    Action::Done(o) => done = Some(o),
+                }
+            }
+            done
+        };
+        let mut outcome = perform(machine.handle(Instant::now(), Event::Call(call)));
+        let mut from = if rank == 0 { 1 } else { 0 };
+        loop {
+            if let Some(o) = outcome {
+                return o;
+            }
+            if rank == 0 && from >= self.world() {
+                return Err(Error::Internal {
+                    rank,
+                    detail: "the control protocol did not settle after every rank's message".into(),
+                });
+            }
+            let event = match recv_json::<Msg>(&self.world, from, CONTROL_TAG) {
+                Ok(msg) => Event::Message { from, msg },
+                Err(e) => Event::Gone {
+                    peer: from,
+                    lost: Lost::Broken(format!("sent a malformed control message: {e}")),
+                },
+            };
+            outcome = perform(machine.handle(Instant::now(), event));
+            if rank == 0 {
+                from += 1;
+            }
+        }
     }
 }
 
@@ -219,26 +261,7 @@ impl Job for MpiJob {
     }
 
     fn agree(&self, mine: &Fingerprint) -> Result<()> {
-        // one gather of fingerprints on rank 0, one answer to each rank: the first
-        // disagreement (rank, difference), or null
-        if self.rank() != 0 {
-            self.send_json(0, &serde_json::json!(mine));
-            let answer: Option<(Rank, Difference)> =
-                serde_json::from_value(self.recv_json(0)).unwrap_or(None);
-            return answer.map_or(Ok(()), |(rank, d)| Err(d.into_error(rank)));
-        }
-        let theirs: Vec<(Rank, Fingerprint)> = (1..self.world())
-            .map(|r| {
-                let fp = serde_json::from_value(self.recv_json(r)).unwrap_or_default();
-                (r, fp)
-            })
-            .collect();
-        let first = Fingerprint::first_disagreement(mine, theirs.iter().map(|(r, f)| (*r, f)));
-        let answer = serde_json::json!(first);
-        for r in 1..self.world() {
-            self.send_json(r, &answer);
-        }
-        first.map_or(Ok(()), |(rank, d)| Err(d.into_error(rank)))
+        self.control(Call::Agree(mine.clone())).map(drop)
     }
 
     fn barrier(&self) -> Result<()> {
@@ -250,42 +273,7 @@ impl Job for MpiJob {
         &self,
         mine: std::result::Result<serde_json::Value, String>,
     ) -> Result<Vec<serde_json::Value>> {
-        let rank = self.rank();
-        let status = |r: &std::result::Result<serde_json::Value, String>| match r {
-            Ok(v) => serde_json::json!({ "report": v }),
-            Err(e) => serde_json::json!({ "error": e }),
-        };
-        if rank == 0 {
-            let mut reports = vec![serde_json::Value::Null; self.world()];
-            let mut failures = Vec::new();
-            let mut take = |r: Rank, s: serde_json::Value| match s["error"].as_str() {
-                Some(e) => failures.push((r, e.to_string())),
-                None => reports[r] = s["report"].clone(),
-            };
-            take(0, status(&mine));
-            for r in 1..self.world() {
-                let s = self.recv_json(r);
-                take(r, s);
-            }
-            let verdict = serde_json::json!(failures);
-            for r in 1..self.world() {
-                self.send_json(r, &verdict);
-            }
-            if failures.is_empty() {
-                Ok(reports)
-            } else {
-                Err(Error::JobFailed { rank, failures })
-            }
-        } else {
-            self.send_json(0, &status(&mine));
-            let failures: Vec<(Rank, String)> =
-                serde_json::from_value(self.recv_json(0)).unwrap_or_default();
-            if failures.is_empty() {
-                Ok(Vec::new())
-            } else {
-                Err(Error::JobFailed { rank, failures })
-            }
-        }
+        self.control(Call::Finish(mine))
     }
 }
 
