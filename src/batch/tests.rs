@@ -22,6 +22,7 @@ fn options(chunk_bytes: usize) -> ExecOptions {
         chunk_bytes,
         staging_bytes: 2 * chunk_bytes,
         timeout: Duration::from_secs(30),
+        ..ExecOptions::default()
     }
 }
 

@@ -67,6 +67,10 @@ pub struct ExecArgs {
         allow_hyphen_values = true
     )]
     timeout: f64,
+    /// Checksum every transfer: its sender sums each chunk (CRC-32C) as it sends it, its
+    /// receiver checks what landed, and a difference fails the job naming the transfer.
+    #[arg(long)]
+    checksum: bool,
 }
 
 impl ExecArgs {
@@ -84,6 +88,7 @@ impl ExecArgs {
             chunk_bytes: usize::try_from(chunk).unwrap_or(usize::MAX),
             staging_bytes: usize::try_from(staging).unwrap_or(usize::MAX),
             timeout: Duration::from_secs_f64(self.timeout),
+            checksum: self.checksum,
         };
         options.validate()?;
         Ok(options)

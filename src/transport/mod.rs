@@ -223,6 +223,21 @@ pub trait Transport<'buf>: Sync {
         recv_in_order(self, expected, dst_bufs, chunk, landed)
     }
 
+    /// Sends `sums` to `to` after every chunk this rank sends it: the checksums of those
+    /// chunks, in order (`--checksum`). A transport that carries them overrides this and
+    /// [`Transport::recv_sums`]; the others refuse the option.
+    fn send_sums(&self, to: Rank, sums: Vec<u32>) -> Result<()> {
+        let _ = (to, sums);
+        Err(no_sums(self.name()))
+    }
+
+    /// Waits (within the transport's timeout) for the checksums `from` sent with
+    /// [`Transport::send_sums`], after every chunk it sent this rank.
+    fn recv_sums(&self, from: Rank) -> Result<Vec<u32>> {
+        let _ = from;
+        Err(no_sums(self.name()))
+    }
+
     /// Breaks every link at once, so that a rank that failed stops its other thread and its
     /// peers notice now rather than after their timeout.
     fn abort(&self) {}
@@ -236,6 +251,15 @@ pub trait Transport<'buf>: Sync {
     /// The most staging memory this endpoint has held at once, in bytes.
     fn peak_staging_bytes(&self) -> u64 {
         0
+    }
+}
+
+/// The refusal of a transport that cannot carry checksums.
+fn no_sums(transport: &'static str) -> crate::Error {
+    crate::Error::InvalidOption {
+        field: "--checksum",
+        value: transport.into(),
+        reason: format!("the {transport} transport cannot carry checksums"),
     }
 }
 
