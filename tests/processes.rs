@@ -76,6 +76,36 @@ fn runs_match_local_runs_with(transport: &str, seed: u64, env: &[(&str, &str)]) 
     }
 }
 
+/// `--checksum` over processes: every sender's sums reach its receivers after the data, over
+/// tcp frames, shm notices after direct writes, and shm notices after ring slots, and every
+/// chunk checks.
+#[test]
+fn checksummed_runs_match_local_runs() {
+    for (transport, seed, direct) in [
+        ("tcp", 0xc0c0, "1"),
+        ("shm", 0xc1c1, "1"),
+        ("shm", 0xc2c2, "0"),
+    ] {
+        let mut rng = Lcg(seed);
+        for case in 0..4 {
+            let run = RandomRun::new(&mut rng, case, &format!("sums-{transport}-{seed}"));
+            run.check_against_local(transport, |args, world| {
+                let mut c = Command::new(EXE);
+                c.args(["launch", "--nproc", &world.to_string(), "--"])
+                    .args(args)
+                    .arg("--checksum")
+                    .env("RESHARD_SHM_DIRECT", direct);
+                c
+            });
+            let report = run.report.borrow();
+            assert!(
+                report.contains("checksum every chunk landed as its sender summed it"),
+                "{report}"
+            );
+        }
+    }
+}
+
 /// kill -9 of a random rank at a random moment: every other rank exits non-zero, naming it,
 /// within the timeout; nothing hangs and no process is left.
 #[test]

@@ -70,7 +70,7 @@ pub struct ExecArgs {
     /// Checksum every transfer: its sender sums each chunk (CRC-32C) as it sends it, its
     /// receiver checks what landed, and a difference fails the job naming the transfer.
     #[arg(long)]
-    checksum: bool,
+    pub checksum: bool,
 }
 
 impl ExecArgs {

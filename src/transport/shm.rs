@@ -62,6 +62,8 @@ enum Notice {
     Ring { pid: u32, fd: i32 },
     /// The receiver has mapped the ring: the sender may close its descriptor.
     Opened,
+    /// After the last chunk to this receiver, the checksum of every chunk (`--checksum`).
+    Sums(Vec<u32>),
 }
 
 /// A receiver's destination shard, mapped here for writing.
@@ -447,6 +449,33 @@ impl<'buf, C: Carrier + Transport<'buf>> Transport<'buf> for ShmTransport<C> {
             })?;
         }
         Ok(())
+    }
+
+    /// To a same-host peer, the sums go as a notice after the last ring slot or `Written`
+    /// notice; to others, as the carrier sends them.
+    fn send_sums(&self, to: Rank, sums: Vec<u32>) -> Result<()> {
+        if !self.local_peers.contains_key(&to) {
+            return self.links.send_sums(to, sums);
+        }
+        self.links
+            .tell(to, &Notice::Sums(sums), "the checksums of its chunks")
+    }
+
+    fn recv_sums(&self, from: Rank) -> Result<Vec<u32>> {
+        if !self.local_peers.contains_key(&from) {
+            return self.links.recv_sums(from);
+        }
+        let what = "the checksums of its chunks";
+        loop {
+            match self.notice(from, what)? {
+                Notice::Sums(sums) => return Ok(sums),
+                // its acknowledgement of this rank's ring may come first
+                Notice::Opened => self.note_opened(from),
+                other => {
+                    return Err(self.unexpected(from, &other, &format!("while {what} were due")));
+                }
+            }
+        }
     }
 
     /// Waits until every receiver has mapped its ring, and the carrier's sends are done: only

@@ -501,6 +501,15 @@ impl<'buf> Transport<'buf> for TcpTransport {
         }
     }
 
+    /// The sums go as a control frame on the stream, after the data frames they sum.
+    fn send_sums(&self, to: Rank, sums: Vec<u32>) -> Result<()> {
+        super::shm::Carrier::tell(self, to, &sums, "the checksums of its chunks")
+    }
+
+    fn recv_sums(&self, from: Rank) -> Result<Vec<u32>> {
+        super::shm::Carrier::hear(self, from, "the checksums of its chunks")
+    }
+
     fn abort(&self) {
         // through clones, so that even a thread blocked inside a read or write is woken up
         for s in &self.shutdown_handles {
