@@ -494,3 +494,37 @@ fn refit_runs_over_processes() {
         );
     }
 }
+
+/// `refit --run --checksum` over processes: the batched executor's transfers (pieces of many
+/// tensors, small ones packed) carry their sums over tcp and shm, and the refit verifies.
+#[test]
+fn checksummed_refit_runs_over_processes() {
+    let dir = common::temp_dir("refit-sums");
+    std::fs::create_dir_all(&dir).unwrap();
+    let moe = common::tiny_moe_config(&dir);
+    for (transport, pack_below) in [("tcp", "64KiB"), ("shm", "0")] {
+        let child = Command::new(EXE)
+            .args(["launch", "--nproc", "8", "--", "refit", "--model"])
+            .arg(&moe)
+            .args([
+                "--train",
+                "tp=2,ep=2,pp=2",
+                "--infer",
+                "tp=4",
+                "--run",
+                "--json",
+            ])
+            .args(["--transport", transport, "--iters", "1", "--timeout", "30"])
+            .args(["--pack-below", pack_below, "--checksum"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let out = wait_bounded(child, Duration::from_secs(120), "refit under launch");
+        assert!(out.status.success(), "{transport}: {}", text(&out.stderr));
+        let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(j["run"]["verified"], true, "{j}");
+        assert_eq!(j["run"]["transport"], transport);
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
