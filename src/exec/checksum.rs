@@ -27,10 +27,42 @@ pub fn region_sum(
 ) -> u32 {
     let g = CopyGeometry::new(region, Place::Within(holder), Place::Stream, elem_bytes);
     let mut sum = 0;
-    g.for_each_run(range, |at, _, len| {
-        sum = crc32c::crc32c_append(sum, &shard[at..at + len])
-    });
+    if g.run_bytes() < PREFETCH_MIN_RUN {
+        g.for_each_run(range, |at, _, len| {
+            sum = crc32c::crc32c_append(sum, &shard[at..at + len])
+        });
+        return sum;
+    }
+    // A strided region starts a new page with nearly every run, where the hardware
+    // prefetchers stop: the run after next is prefetched while this one is summed, as the
+    // copy kernels do.
+    let mut runs = Vec::with_capacity(range.len().div_ceil(g.run_bytes()) + 1);
+    g.for_each_run(range, |at, _, len| runs.push(at..at + len));
+    for (i, run) in runs.iter().enumerate() {
+        if let Some(ahead) = runs.get(i + PREFETCH_RUNS_AHEAD) {
+            prefetch(&shard[ahead.clone()]);
+        }
+        sum = crc32c::crc32c_append(sum, &shard[run.clone()]);
+    }
     sum
+}
+
+/// Runs shorter than this are summed without prefetching.
+const PREFETCH_MIN_RUN: usize = 1024;
+/// How many runs ahead of the one being summed are prefetched.
+const PREFETCH_RUNS_AHEAD: usize = 2;
+
+/// Asks for every cache line of `bytes` (a hint: it never faults, and does nothing where the
+/// CPU has no such instruction).
+fn prefetch(bytes: &[u8]) {
+    #[cfg(target_arch = "x86_64")]
+    for at in (0..bytes.len()).step_by(64) {
+        use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
+        // SAFETY: `at` lies inside `bytes`; a prefetch only hints the caches.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(bytes.as_ptr().add(at).cast()) };
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = bytes;
 }
 
 /// The CRC-32C of a whole message (a packed stream of a region, or of several).
@@ -186,6 +218,28 @@ mod tests {
             landed.check(&sent[..2]),
             Err(Error::Protocol { .. })
         ));
+    }
+
+    /// The sender's sum taken while copying equals the sum of the region in place and of the
+    /// bytes copied: short runs, prefetched runs, and runs longer than a summed piece, over
+    /// ranges that start and end inside a run.
+    #[test]
+    fn summing_copies_agree_with_sums_in_place() {
+        for cols in [3u64, 2048, 40 << 10] {
+            let rows = 5;
+            let holder = Region::from_ranges(&[0..rows, 0..2 * cols]);
+            let bytes: Vec<u8> = (0..rows * 2 * cols).map(|i| (i * 13 + 1) as u8).collect();
+            let region = Region::from_ranges(&[1..rows, cols / 2..cols / 2 + cols]);
+            let g = CopyGeometry::new(&region, Place::Within(&holder), Place::Stream, 1);
+            let len = g.len();
+            for r in [0..len, 1..len - 1, len / 3..len / 2] {
+                let mut out = vec![0; r.len()];
+                let mut sum = 0;
+                g.copy_summing(&bytes, &mut out, r.clone(), &mut sum);
+                assert_eq!(sum, region_sum(&bytes, &holder, &region, 1, r.clone()));
+                assert_eq!(sum, bytes_sum(&out), "{cols} {r:?}");
+            }
+        }
     }
 
     #[test]

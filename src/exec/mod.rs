@@ -315,14 +315,7 @@ pub fn run_steps<'buf, T: Transport<'buf> + ?Sized>(
                 None
             };
             for range in checksum::chunks(len, chunk) {
-                if let Some(peer_sums) = peer_sums {
-                    // summed right before the transport reads the same bytes: they are
-                    // in cache for its copy
-                    let sum =
-                        checksum::region_sum(src, s.src_box, s.region, s.elem_bytes, range.clone());
-                    sums[peer_sums].1.push(sum);
-                }
-                transport.send(Outgoing {
+                let out = Outgoing {
                     from: rank,
                     to: s.to,
                     src,
@@ -330,7 +323,12 @@ pub fn run_steps<'buf, T: Transport<'buf> + ?Sized>(
                     region: s.region,
                     elem_bytes: s.elem_bytes,
                     range,
-                })?;
+                };
+                match peer_sums {
+                    // summed by the transport as it reads the bytes, where it can
+                    Some(peer_sums) => sums[peer_sums].1.push(transport.send_summed(out)?),
+                    None => transport.send(out)?,
+                }
                 chunks += 1;
             }
             bytes += len as u64;

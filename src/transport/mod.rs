@@ -204,6 +204,22 @@ pub trait Transport<'buf>: Sync {
     /// chunk's source memory stays valid and unchanged for `'buf`.
     fn send(&self, chunk: Outgoing<'buf>) -> Result<()>;
 
+    /// [`Transport::send`] for `--checksum`: also returns the chunk's sum, the CRC-32C of its
+    /// bytes in stream order ([`crate::exec::checksum::region_sum`]). The default sums the
+    /// chunk first, in a pass of its own; a transport that reads the bytes anyway, to pack or
+    /// copy them, sums them as it goes ([`CopyGeometry::copy_summing`]).
+    fn send_summed(&self, chunk: Outgoing<'buf>) -> Result<u32> {
+        let sum = crate::exec::checksum::region_sum(
+            chunk.src,
+            chunk.src_box,
+            chunk.region,
+            chunk.elem_bytes,
+            chunk.range.clone(),
+        );
+        self.send(chunk)?;
+        Ok(sum)
+    }
+
     /// Waits (within the transport's timeout) for the next chunk from `chunk.from` and writes
     /// it into the destination shard.
     fn recv(&self, chunk: Incoming<'_>) -> Result<()>;
