@@ -304,16 +304,12 @@ pub fn run_steps<'buf, T: Transport<'buf> + ?Sized>(
     let send_all = || -> Result<(u64, u64)> {
         let (mut bytes, mut chunks) = (0u64, 0u64);
         // with --checksum: every receiver's chunk sums, in the order they are sent
-        let mut sums: Vec<(Rank, Vec<u32>)> = Vec::new();
+        let mut sums: BTreeMap<Rank, Vec<u32>> = BTreeMap::new();
         for s in &steps.sends {
             let len = s.bytes() as usize;
             let chunk = transport.chunk_bytes(len, chunk).max(1);
             let src = source(s);
-            let peer_sums = if options.checksum {
-                Some(sums_of(&mut sums, s.to))
-            } else {
-                None
-            };
+            let mut peer_sums = options.checksum.then(|| sums.entry(s.to).or_default());
             for range in checksum::chunks(len, chunk) {
                 let out = Outgoing {
                     from: rank,
@@ -324,9 +320,9 @@ pub fn run_steps<'buf, T: Transport<'buf> + ?Sized>(
                     elem_bytes: s.elem_bytes,
                     range,
                 };
-                match peer_sums {
+                match peer_sums.as_deref_mut() {
                     // summed by the transport as it reads the bytes, where it can
-                    Some(peer_sums) => sums[peer_sums].1.push(transport.send_summed(out)?),
+                    Some(peer_sums) => peer_sums.push(transport.send_summed(out)?),
                     None => transport.send(out)?,
                 }
                 chunks += 1;
@@ -479,17 +475,6 @@ pub fn run_steps<'buf, T: Transport<'buf> + ?Sized>(
     Ok(stats)
 }
 
-/// The index of `peer`'s list in `sums`, added at the end the first time.
-fn sums_of(sums: &mut Vec<(Rank, Vec<u32>)>, peer: Rank) -> usize {
-    match sums.iter().position(|(p, _)| *p == peer) {
-        Some(i) => i,
-        None => {
-            sums.push((peer, Vec::new()));
-            sums.len() - 1
-        }
-    }
-}
-
 /// With `--checksum`, once every transfer has landed: takes each sender's sums (sent after
 /// its last chunk to this rank) and compares them with what landed. A transfer that differs
 /// is marked as not arrived; the error names the first one.
@@ -500,20 +485,17 @@ fn check_sums<'buf, T: Transport<'buf> + ?Sized>(
     chunk: usize,
     arrived: &mut [bool],
 ) -> Result<()> {
-    let mut senders: Vec<Rank> = Vec::new();
-    for s in &steps.recvs {
-        if !senders.contains(&s.from) {
-            senders.push(s.from);
-        }
+    // each sender's transfers, in their order
+    let mut senders: BTreeMap<Rank, Vec<usize>> = BTreeMap::new();
+    for (i, s) in steps.recvs.iter().enumerate() {
+        senders.entry(s.from).or_default().push(i);
     }
     let mut first = None;
-    for peer in senders {
+    for (peer, transfers) in senders {
         let sums = transport.recv_sums(peer)?;
         let mut rest = &sums[..];
-        for (i, s) in steps.recvs.iter().enumerate() {
-            if s.from != peer {
-                continue;
-            }
+        for i in transfers {
+            let s = &steps.recvs[i];
             let (b, bytes) = s.dst_at.clone().expect("checked");
             let len = s.bytes() as usize;
             let landed = checksum::Landed {
