@@ -172,7 +172,7 @@ impl CopyGeometry {
         };
         let mut add = |bytes: &[u8]| {
             if let Some(sum) = sum.as_deref_mut() {
-                *sum = crc32c::crc32c_append(*sum, bytes);
+                *sum = crate::exec::checksum::append(*sum, bytes);
             }
         };
         if self.run < PREFETCH_MIN_RUN {
