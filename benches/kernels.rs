@@ -6,6 +6,8 @@
 //! times (3-D) the block, so buffers total 96 to 160 MiB and the copies run from memory, not
 //! from the caches. Throughput is bytes of the region per second; read ratios within one run.
 //!
+//! `sum_2d` is `--checksum`'s CRC-32C over the same regions, read in place.
+//!
 //! `cargo bench --bench kernels`; results in BENCHMARKS.md ("Kernels").
 
 use std::hint::black_box;
@@ -144,6 +146,28 @@ fn direct(bencher: Bencher, case: Case) {
     );
     assert_eq!(dst[d..d + g.run_bytes()], src[s..s + g.run_bytes()]);
     counted(bencher).bench_local(|| g.copy(black_box(&src), black_box(&mut dst), 0..COPIED));
+}
+
+/// The CRC-32C of the region where it lies in a shard: what `--checksum` adds on each side
+/// of a transfer (the sender's sum, the receiver's check), against the copies above.
+fn sum(bencher: Bencher, case: Case) {
+    let src = filled(bytes_of(&case.src_box));
+    let sum = || {
+        reshard::exec::checksum::region_sum(
+            black_box(&src),
+            &case.src_box,
+            &case.region,
+            ELEM,
+            0..COPIED,
+        )
+    };
+    assert_ne!(sum(), 0);
+    counted(bencher).bench_local(sum);
+}
+
+#[divan::bench(args = RUNS, sample_count = SAMPLES, sample_size = 1)]
+fn sum_2d(bencher: Bencher, run: usize) {
+    sum(bencher, case_2d(run));
 }
 
 #[divan::bench(args = RUNS, sample_count = SAMPLES, sample_size = 1)]

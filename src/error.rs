@@ -167,6 +167,23 @@ pub enum Error {
         detail: String,
     },
 
+    /// What landed differs from what the sender sent (`--checksum`): a byte changed on the way.
+    #[error(
+        "rank {dst}: checksum mismatch in the transfer from rank {src} to rank {dst} at offset {offset:?} extent {extent}: chunk {chunk} (bytes {}..{} of the transfer) was sent with crc32c {sent:#010x} but landed as {landed:#010x}",
+        .bytes.start, .bytes.end
+    )]
+    ChecksumMismatch {
+        src: Rank,
+        dst: Rank,
+        /// The transfer's region, in global tensor coordinates.
+        offset: Vec<u64>,
+        extent: Dims,
+        chunk: usize,
+        bytes: std::ops::Range<usize>,
+        sent: u32,
+        landed: u32,
+    },
+
     #[error("the reshard did not complete: {}", .failures.iter().map(|e| e.to_string()).collect::<Vec<_>>().join("; "))]
     Incomplete { failures: Vec<Error> },
 

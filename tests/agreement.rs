@@ -180,7 +180,10 @@ fn a_rank_that_cannot_run_its_part_is_named_at_once() {
     for (rank, out) in outputs.iter().enumerate() {
         let err = text(&out.stderr);
         assert_eq!(out.status.code(), Some(2), "rank {rank}: {err}");
-        assert!(err.contains("WORLD_SIZE=\"4\" is invalid"), "rank {rank}: {err}");
+        assert!(
+            err.contains("WORLD_SIZE=\"4\" is invalid"),
+            "rank {rank}: {err}"
+        );
         // the rank that refused says its own error; the others name it
         let named = err.contains("rank 1 cannot run its part of the job, so nothing was moved");
         assert_eq!(named, rank != 1, "rank {rank}: {err}");

@@ -76,6 +76,36 @@ fn runs_match_local_runs_with(transport: &str, seed: u64, env: &[(&str, &str)]) 
     }
 }
 
+/// `--checksum` over processes: every sender's sums reach its receivers after the data, over
+/// tcp frames, shm notices after direct writes, and shm notices after ring slots, and every
+/// chunk checks.
+#[test]
+fn checksummed_runs_match_local_runs() {
+    for (transport, seed, direct) in [
+        ("tcp", 0xc0c0, "1"),
+        ("shm", 0xc1c1, "1"),
+        ("shm", 0xc2c2, "0"),
+    ] {
+        let mut rng = Lcg(seed);
+        for case in 0..4 {
+            let run = RandomRun::new(&mut rng, case, &format!("sums-{transport}-{seed}"));
+            run.check_against_local(transport, |args, world| {
+                let mut c = Command::new(EXE);
+                c.args(["launch", "--nproc", &world.to_string(), "--"])
+                    .args(args)
+                    .arg("--checksum")
+                    .env("RESHARD_SHM_DIRECT", direct);
+                c
+            });
+            let report = run.report.borrow();
+            assert!(
+                report.contains("checksum every chunk landed as its sender summed it"),
+                "{report}"
+            );
+        }
+    }
+}
+
 /// kill -9 of a random rank at a random moment: every other rank exits non-zero, naming it,
 /// within the timeout; nothing hangs and no process is left.
 #[test]
@@ -650,4 +680,36 @@ fn verified_and_dump_checks_over_processes() {
     );
     assert!(out.stdout.is_empty(), "{}", text(&out.stdout));
     assert_eq!(std::fs::read(&file).unwrap(), b"keep");
+}
+
+/// `refit --run --checksum` over processes: the batched executor's transfers (pieces of many
+/// tensors, small ones packed) carry their sums over tcp and shm, and the refit verifies.
+#[test]
+fn checksummed_refit_runs_over_processes() {
+    let scratch = common::temp_dir("refit-sums");
+    let moe = common::tiny_moe_config(scratch.path());
+    for (transport, pack_below) in [("tcp", "64KiB"), ("shm", "0")] {
+        let child = Command::new(EXE)
+            .args(["launch", "--nproc", "8", "--", "refit", "--model"])
+            .arg(&moe)
+            .args([
+                "--train",
+                "tp=2,ep=2,pp=2",
+                "--infer",
+                "tp=4",
+                "--run",
+                "--json",
+            ])
+            .args(["--transport", transport, "--iters", "1", "--timeout", "30"])
+            .args(["--pack-below", pack_below, "--checksum"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let out = wait_bounded(child, Duration::from_secs(120), "refit under launch");
+        assert!(out.status.success(), "{transport}: {}", text(&out.stderr));
+        let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(j["run"]["verified"], true, "{j}");
+        assert_eq!(j["run"]["transport"], transport);
+    }
 }

@@ -8,6 +8,12 @@ both sides locally meanwhile, and unpacks. The same call runs over gloo on CPU a
 inside one process group or between two (training and inference ranks of one world).
 
 Rank numbers in layouts are ranks of ``group`` (the global world when ``group`` is None).
+
+With ``checksum=True`` every packed message ends with the CRC-32C of each region it holds,
+summed by the sender after packing; the receiver sums what arrived and raises
+:class:`reshard.ReshardError` naming the transfer (sender, receiver, offset, extent) before it
+unpacks anything. The sums are taken in CPU memory: on a GPU, each message is copied to the
+host for them.
 """
 
 from __future__ import annotations
@@ -15,13 +21,14 @@ from __future__ import annotations
 import collections
 import functools
 import hashlib
+import struct
 from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
-from ._core import Layout, Refit, ReshardError, rank_plan
+from ._core import Layout, Refit, ReshardError, crc32c, rank_plan
 
 __all__ = ["reshard_", "reshard_many_", "torch_dtype", "local_tensor", "DEFAULT_BUCKET_BYTES"]
 
@@ -80,11 +87,15 @@ def _slices(offset: Sequence[int], extent: Sequence[int]) -> Tuple[slice, ...]:
 
 @dataclass(frozen=True)
 class _Piece:
-    """One region of one message: where it sits in the local tensor and in the buffer."""
+    """One region of one message: where it sits in the local tensor and in the buffer, and
+    (for errors) which transfer it is."""
 
     local: Tuple[slice, ...]
     shape: Tuple[int, ...]
     nbytes: int
+    src: int
+    dst: int
+    offset: Tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -116,7 +127,14 @@ def _local_plan(src: Layout, dst: Layout, rank: int) -> _LocalPlan:
         n = 1
         for e in t.extent:
             n *= e
-        return _Piece(_relative(t.offset, t.extent, origin), tuple(t.extent), n * elem)
+        return _Piece(
+            _relative(t.offset, t.extent, origin),
+            tuple(t.extent),
+            n * elem,
+            t.src,
+            t.dst,
+            tuple(t.offset),
+        )
 
     sends: Dict[int, List[_Piece]] = {}
     for t in rp.sends:
@@ -225,12 +243,53 @@ class _Message:
 
     def regions(self, buffer: torch.Tensor):
         """Each region's slot in the packed ``buffer`` and its place in the local tensor."""
-        at = 0
-        for tensor, piece, dtype in self.parts:
-            at = _aligned(at)
-            slot = buffer[at : at + piece.nbytes].view(dtype).view(piece.shape)
+        for (at, nbytes), (tensor, piece, dtype) in zip(self.spans(), self.parts):
+            slot = buffer[at : at + nbytes].view(dtype).view(piece.shape)
             yield slot, tensor[piece.local]
+
+    def spans(self) -> List[Tuple[int, int]]:
+        """Each region's ``(start, length)`` in the packed buffer."""
+        out = []
+        at = 0
+        for _, piece, _ in self.parts:
+            at = _aligned(at)
+            out.append((at, piece.nbytes))
             at += piece.nbytes
+        return out
+
+    def checked_nbytes(self) -> int:
+        """The size of the message with its checksums: the packed regions, then one
+        little-endian u32 per region."""
+        return _aligned(self.nbytes) + 4 * len(self.parts)
+
+    def sums_of(self, buffer: torch.Tensor) -> List[int]:
+        """The CRC-32C of every region's bytes in the packed ``buffer``."""
+        data = buffer[: self.nbytes]
+        if data.device.type != "cpu":
+            data = data.cpu()
+        return crc32c(data, self.spans())
+
+    def seal(self, buffer: torch.Tensor) -> None:
+        """Writes the sums of the packed regions after them."""
+        sums = self.sums_of(buffer)
+        trailer = bytearray(struct.pack(f"<{len(sums)}I", *sums))
+        at = _aligned(self.nbytes)
+        buffer[at : at + len(trailer)].copy_(torch.frombuffer(trailer, dtype=torch.uint8))
+
+    def check(self, buffer: torch.Tensor, group_rank: int) -> None:
+        """Compares what arrived in ``buffer`` with the sums the sender wrote after it."""
+        at = _aligned(self.nbytes)
+        trailer = buffer[at : at + 4 * len(self.parts)]
+        sent = struct.unpack(f"<{len(self.parts)}I", bytes(trailer.cpu().tolist()))
+        landed = self.sums_of(buffer)
+        for (_, piece, _), s, got in zip(self.parts, sent, landed):
+            if s != got:
+                raise ReshardError(
+                    f"rank {group_rank}: checksum mismatch in the transfer from rank "
+                    f"{piece.src} to rank {piece.dst} at offset {list(piece.offset)} extent "
+                    f"{'x'.join(map(str, piece.shape))}: sent with crc32c {s:#010x} but "
+                    f"arrived as {got:#010x}"
+                )
 
 
 def _given(tensor: Optional[torch.Tensor]) -> torch.Tensor:
@@ -242,8 +301,9 @@ def _peer(group, r: int) -> int:
     return r if group is None else dist.get_global_rank(group, r)
 
 
-def _exchange(entries: List[_Entry], group, device: torch.device) -> None:
-    """One batch: pack, post every send and receive, copy locally, wait, unpack."""
+def _exchange(entries: List[_Entry], group, device: torch.device, checksum: bool = False) -> None:
+    """One batch: pack, post every send and receive, copy locally, wait, unpack. With
+    ``checksum``, every message is packed with its sums, and checked before any unpacking."""
     sends: Dict[int, _Message] = {}
     recvs: Dict[int, _Message] = {}
     for e in entries:
@@ -258,18 +318,22 @@ def _exchange(entries: List[_Entry], group, device: torch.device) -> None:
     ops = []
     for peer in sorted(sends):
         m = sends[peer]
-        buffer = m.direct()
+        buffer = None if checksum else m.direct()
         if buffer is None:
-            buffer = torch.empty(m.nbytes, dtype=torch.uint8, device=device)
+            size = m.checked_nbytes() if checksum else m.nbytes
+            buffer = torch.empty(size, dtype=torch.uint8, device=device)
             for slot, region in m.regions(buffer):
                 slot.copy_(region)
+            if checksum:
+                m.seal(buffer)
         ops.append(dist.P2POp(dist.isend, buffer, _peer(group, peer), group))
     unpack = []
     for peer in sorted(recvs):
         m = recvs[peer]
-        buffer = m.direct()
+        buffer = None if checksum else m.direct()
         if buffer is None:
-            buffer = torch.empty(m.nbytes, dtype=torch.uint8, device=device)
+            size = m.checked_nbytes() if checksum else m.nbytes
+            buffer = torch.empty(size, dtype=torch.uint8, device=device)
             unpack.append((m, buffer))
         ops.append(dist.P2POp(dist.irecv, buffer, _peer(group, peer), group))
     requests = dist.batch_isend_irecv(ops) if ops else []
@@ -281,6 +345,10 @@ def _exchange(entries: List[_Entry], group, device: torch.device) -> None:
 
     for request in requests:
         request.wait()
+    if checksum:
+        me = dist.get_rank(group)
+        for m, buffer in unpack:
+            m.check(buffer, me)
     for m, buffer in unpack:
         for slot, region in m.regions(buffer):
             region.copy_(slot)
@@ -367,6 +435,7 @@ def reshard_(
     src_layout: Layout,
     dst_layout: Layout,
     group=None,
+    checksum: bool = False,
 ) -> None:
     """Fill ``dst_local`` (this rank's shard in ``dst_layout``) from the source shards.
 
@@ -383,8 +452,14 @@ def reshard_(
 
     With NCCL, ``batch_isend_irecv`` wants the group's communicator to exist before a batch
     that not every rank of the group joins: run one collective on the group first (a barrier).
+
+    With ``checksum=True`` (on every rank alike), each message carries the CRC-32C of every
+    transfer it holds, and a receiver raises :class:`reshard.ReshardError` naming a transfer
+    that arrived changed (sender, receiver, offset, extent), before it unpacks any message.
     """
-    reshard_many_({"": (src_local, dst_local, src_layout, dst_layout)}, group=group)
+    reshard_many_(
+        {"": (src_local, dst_local, src_layout, dst_layout)}, group=group, checksum=checksum
+    )
 
 
 def _views(refit: Refit, tensors: Mapping[str, torch.Tensor], rank: int, side: str, what: str):
@@ -432,6 +507,7 @@ def reshard_many_(
     ],
     group=None,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    checksum: bool = False,
     *,
     src: Optional[Mapping[str, torch.Tensor]] = None,
     dst: Optional[Mapping[str, torch.Tensor]] = None,
@@ -448,7 +524,7 @@ def reshard_many_(
     Every rank passes the same names (in any order). The tensors' messages to each peer are
     packed into one buffer per peer and exchanged in one ``batch_isend_irecv`` per bucket of
     about ``bucket_bytes`` of global tensor data, so two ranks exchange a bounded, equal number
-    of messages however many tensors there are.
+    of messages however many tensors there are. ``checksum`` as for :func:`reshard_`.
     """
     rank, world = _group_rank(group)
     if rank < 0:
@@ -483,7 +559,9 @@ def reshard_many_(
             entries.append((size * src_layout.elem_bytes, entry))
         return entries
 
-    fingerprint = _fingerprint("reshard_many_", pairs, names, bucket_bytes=bucket_bytes)
+    fingerprint = _fingerprint(
+        "reshard_many_", pairs, names, bucket_bytes=bucket_bytes, checksum=bool(checksum)
+    )
     entries = _agree(fingerprint, prepare, group, rank)
 
     device = next(
@@ -495,9 +573,9 @@ def reshard_many_(
     filled = 0
     for size, entry in entries:
         if bucket and filled + size > bucket_bytes:
-            _exchange(bucket, group, device)
+            _exchange(bucket, group, device, checksum)
             bucket, filled = [], 0
         bucket.append(entry)
         filled += size
     if bucket:
-        _exchange(bucket, group, device)
+        _exchange(bucket, group, device, checksum)

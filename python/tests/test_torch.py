@@ -179,3 +179,72 @@ def train_to_infer(rank, world):
 
 def test_four_training_ranks_to_two_inference_ranks():
     run_ranks(train_to_infer, 6)
+
+
+def checksummed(rank, world):
+    # 4 training ranks (row shards) to 2 inference ranks (column shards), and a whole model
+    shape = (37, 23)
+    full = numbered(shape, torch.bfloat16)
+    src = reshard.Layout(shape, "bf16", 4, range(4), ["S(0)"])
+    dst = reshard.Layout(shape, "bf16", 2, [4, 5], ["S(1)"])
+    s = rt.local_tensor(src, rank, full)
+    s = None if s is None else s.clone()
+    d = None if rank < 4 else torch.zeros(dst.local_shape(rank), dtype=torch.bfloat16)
+    rt.reshard_(s, d, src, dst, checksum=True)
+    if d is not None:
+        assert torch.equal(d, rt.local_tensor(dst, rank, full))
+    pairs = {
+        "a": (s, None if d is None else torch.zeros_like(d), src, dst),
+        "b": (s, None if d is None else torch.zeros_like(d), src, dst),
+    }
+    rt.reshard_many_(pairs, checksum=True, bucket_bytes=64)
+    if d is not None:
+        for name in pairs:
+            assert torch.equal(pairs[name][1], d), name
+
+    # a byte changed on the way: rank 1 flips one byte of the rows it sends to rank 5 after
+    # summing them, and rank 5 refuses the transfer, naming it, before it unpacks anything
+    seal = rt._Message.seal
+
+    def corrupt(message, buffer):
+        seal(message, buffer)
+        if any(piece.dst == 5 for _, piece, _ in message.parts):
+            buffer[3] ^= 0x40
+
+    if rank == 1:
+        rt._Message.seal = corrupt
+    if d is not None:
+        d.zero_()
+    try:
+        if rank == 5:
+            with pytest.raises(reshard.ReshardError) as e:
+                rt.reshard_(s, d, src, dst, checksum=True)
+            assert str(e.value).startswith(
+                "rank 5: checksum mismatch in the transfer from rank 1 to rank 5 at offset "
+                "[10, 12] extent 10x11: sent with crc32c 0x"
+            ), str(e.value)
+            assert not d.any(), "a region was unpacked"
+        else:
+            rt.reshard_(s, d, src, dst, checksum=True)
+            if d is not None:
+                assert torch.equal(d, rt.local_tensor(dst, rank, full))
+    finally:
+        rt._Message.seal = seal
+
+
+def test_checksums_pass_and_name_a_changed_transfer():
+    run_ranks(checksummed, 6)
+
+
+def test_crc32c_refuses_what_it_cannot_read_in_place():
+    t = torch.arange(10, dtype=torch.uint8)
+    assert reshard._core.crc32c(t, [(0, 0), (0, 10)])[0] == 0
+    # the CRC-32C check value
+    check = torch.frombuffer(bytearray(b"123456789"), dtype=torch.uint8)
+    assert reshard._core.crc32c(check, [(0, 9)]) == [0xE3069283]
+    with pytest.raises(reshard.ReshardError, match=r"piece \(5, 6\) lies outside the tensor's 10 bytes"):
+        reshard._core.crc32c(t, [(5, 6)])
+    with pytest.raises(reshard.ReshardError, match="expected a contiguous 1-D torch.uint8 tensor"):
+        reshard._core.crc32c(t.to(torch.int32), [(0, 1)])
+    with pytest.raises(reshard.ReshardError, match="not contiguous"):
+        reshard._core.crc32c(t[::2], [(0, 1)])

@@ -22,6 +22,7 @@ fn options(chunk_bytes: usize) -> ExecOptions {
         chunk_bytes,
         staging_bytes: 2 * chunk_bytes,
         timeout: Duration::from_secs(30),
+        ..ExecOptions::default()
     }
 }
 
@@ -93,6 +94,7 @@ proptest! {
         seed in any::<u64>(),
         pack_below in prop_oneof![Just(0u64), Just(u64::MAX), 1u64..256],
         chunk_bytes in prop_oneof![Just(5usize), Just(4 << 20)],
+        checksum in any::<bool>(),
     ) {
         let tensors: Vec<Tensor> = pairs
             .into_iter()
@@ -109,7 +111,8 @@ proptest! {
         ).unwrap();
         let src = buffers(&batch, Side::Src, Some(&fills));
         let mut dst = buffers(&batch, Side::Dst, None);
-        run_local_batch(&batch, &src, &mut dst, &options(chunk_bytes)).unwrap();
+        let options = ExecOptions { checksum, ..options(chunk_bytes) };
+        run_local_batch(&batch, &src, &mut dst, &options).unwrap();
         prop_assert_eq!(dst, buffers(&batch, Side::Dst, Some(&fills)));
     }
 }

@@ -300,6 +300,9 @@ struct CaseJson {
     transport: String,
     iters: u32,
     verified: bool,
+    /// Whether both methods ran with `--checksum`; left out when not.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    checksummed: bool,
     dst_bytes: u64,
     reshard: MethodJson,
     gather_broadcast: MethodJson,
@@ -689,6 +692,7 @@ fn report(args: &BenchArgs, cases: &[Case], transport: &str, results: &[CaseResu
             transport: transport.to_string(),
             iters: args.iters,
             verified: r.verified,
+            checksummed: args.exec.checksum,
             dst_bytes,
             speedup: gather_broadcast.median_s / reshard.median_s.max(1e-12),
             byte_ratio: r.gather_broadcast.wire_bytes as f64 / r.reshard.wire_bytes.max(1) as f64,
@@ -714,8 +718,14 @@ fn report(args: &BenchArgs, cases: &[Case], transport: &str, results: &[CaseResu
         return;
     }
     println!(
-        "reshard vs gather+broadcast over {transport}, median of {} (after {} warm-up), every destination byte verified",
-        args.iters, args.warmup
+        "reshard vs gather+broadcast over {transport}, median of {} (after {} warm-up), every destination byte verified{}",
+        args.iters,
+        args.warmup,
+        if args.exec.checksum {
+            ", every transfer checksummed"
+        } else {
+            ""
+        }
     );
     println!(
         "{:<22} {:>10} {:>10} {:>10} {:>10} {:>9} {:>9} {:>8} {:>7} {:>11} {:>11}",

@@ -68,16 +68,21 @@ pub struct ExecArgs {
         allow_hyphen_values = true
     )]
     timeout: f64,
+    /// Checksum every transfer: its sender sums each chunk (CRC-32C) as it sends it, its
+    /// receiver checks what landed, and a difference fails the job naming the transfer.
+    #[arg(long)]
+    pub checksum: bool,
 }
 
 impl ExecArgs {
     /// `fingerprint` with what the executor's options add to a job: the transport, the
-    /// chunking and the staging bound (the timeout may differ between ranks).
+    /// chunking, the staging bound and whether transfers are checksummed (the timeout may differ between ranks).
     pub fn agreed(&self, options: &ExecOptions, fingerprint: Fingerprint) -> Fingerprint {
         fingerprint
             .with("--transport", self.transport.name())
             .with("--chunk-bytes", options.chunk_bytes)
             .with("--staging-bytes", options.staging_bytes)
+            .with("--checksum", options.checksum)
     }
 
     pub fn options(&self) -> Result<ExecOptions, Error> {
@@ -94,6 +99,7 @@ impl ExecArgs {
             chunk_bytes: usize::try_from(chunk).unwrap_or(usize::MAX),
             staging_bytes: usize::try_from(staging).unwrap_or(usize::MAX),
             timeout: Duration::from_secs_f64(self.timeout),
+            checksum: self.checksum,
         };
         options.validate()?;
         Ok(options)

@@ -474,6 +474,9 @@ fn report(args: &RunArgs, plan: &Plan, stats: &Summary, transport: &str, verifie
         bytes(dst_bytes)
     );
     println!("  staging {} per rank at most", bytes(stats.peak_staging));
+    if args.exec.checksum {
+        println!("  checksum every chunk landed as its sender summed it (crc32c)");
+    }
     if verified {
         println!(
             "  verify  every destination byte matches the {} fill",

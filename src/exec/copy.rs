@@ -139,6 +139,24 @@ impl CopyGeometry {
     ///
     /// Panics if a buffer is too small: the executor checks sizes before any copy.
     pub fn copy(&self, src: &[u8], dst: &mut [u8], range: Range<usize>) {
+        self.copy_and_sum(src, dst, range, None);
+    }
+
+    /// [`CopyGeometry::copy`] that also appends the CRC-32C of the bytes it copies, in stream
+    /// order, to `sum` (`--checksum`): each piece of at most [`SUMMED_PIECE`] bytes is summed
+    /// right before it is copied, so the copy reads it from the nearest cache instead of a
+    /// second pass reading it from memory.
+    pub fn copy_summing(&self, src: &[u8], dst: &mut [u8], range: Range<usize>, sum: &mut u32) {
+        self.copy_and_sum(src, dst, range, Some(sum));
+    }
+
+    fn copy_and_sum(
+        &self,
+        src: &[u8],
+        dst: &mut [u8],
+        range: Range<usize>,
+        mut sum: Option<&mut u32>,
+    ) {
         // A shard is written region by region across many calls; a message, in this call.
         let written = if self.dst.stream {
             range.len()
@@ -146,8 +164,20 @@ impl CopyGeometry {
             self.len
         };
         let streaming = written >= STREAMING_BYTES;
+        // a plain copy takes every run whole
+        let most = if sum.is_some() {
+            SUMMED_PIECE
+        } else {
+            usize::MAX
+        };
+        let mut add = |bytes: &[u8]| {
+            if let Some(sum) = sum.as_deref_mut() {
+                *sum = crate::exec::checksum::append(*sum, bytes);
+            }
+        };
         if self.run < PREFETCH_MIN_RUN {
             for (s, d, len) in self.runs_of(range) {
+                add(&src[s..s + len]);
                 dst[d..d + len].copy_from_slice(&src[s..s + len]);
             }
         } else {
@@ -157,7 +187,17 @@ impl CopyGeometry {
             }
             for (s, d, len) in self.runs_of(range) {
                 let next = ahead.next().map_or(&[][..], |(s, _, len)| &src[s..s + len]);
-                lines::copy(&mut dst[d..d + len], &src[s..s + len], next, streaming);
+                let mut at = 0;
+                while at < len {
+                    // a long run goes in pieces, so that a summed piece is still cached when
+                    // it is copied; the next run is prefetched alongside the last piece
+                    let n = (len - at).min(most);
+                    let piece = &src[s + at..s + at + n];
+                    add(piece);
+                    let next = if at + n == len { next } else { &[][..] };
+                    lines::copy(&mut dst[d + at..d + at + n], piece, next, streaming);
+                    at += n;
+                }
             }
         }
         if streaming {
@@ -276,6 +316,10 @@ pub fn fill_around_caches(buf: &mut [u8], value: u8) {
     }
     lines::fence();
 }
+
+/// The largest piece of a run that is summed and then copied at once by
+/// [`CopyGeometry::copy_summing`]: well inside the first-level caches of a core.
+pub const SUMMED_PIECE: usize = 16 << 10;
 
 /// Runs shorter than this are copied without prefetching: the walk would cost more than the
 /// misses it hides.

@@ -8,6 +8,7 @@
 //! [`run_local`] runs all ranks as threads of this process.
 
 pub mod baseline;
+pub mod checksum;
 pub mod copy;
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -30,6 +31,9 @@ pub struct ExecOptions {
     pub staging_bytes: usize,
     /// How long a rank waits for a peer before failing.
     pub timeout: Duration,
+    /// Whether every transfer is checksummed by its sender and checked by its receiver
+    /// ([`checksum`]): a byte changed on the way fails the job, naming the transfer.
+    pub checksum: bool,
 }
 
 impl Default for ExecOptions {
@@ -38,6 +42,7 @@ impl Default for ExecOptions {
             chunk_bytes: 4 << 20,
             staging_bytes: 64 << 20,
             timeout: Duration::from_secs(60),
+            checksum: false,
         }
     }
 }
@@ -298,23 +303,35 @@ pub fn run_steps<'buf, T: Transport<'buf> + ?Sized>(
 
     let send_all = || -> Result<(u64, u64)> {
         let (mut bytes, mut chunks) = (0u64, 0u64);
+        // with --checksum: every receiver's chunk sums, in the order they are sent
+        let mut sums: BTreeMap<Rank, Vec<u32>> = BTreeMap::new();
         for s in &steps.sends {
             let len = s.bytes() as usize;
             let chunk = transport.chunk_bytes(len, chunk).max(1);
             let src = source(s);
-            for start in (0..len).step_by(chunk) {
-                transport.send(Outgoing {
+            let mut peer_sums = options.checksum.then(|| sums.entry(s.to).or_default());
+            for range in checksum::chunks(len, chunk) {
+                let out = Outgoing {
                     from: rank,
                     to: s.to,
                     src,
                     src_box: s.src_box,
                     region: s.region,
                     elem_bytes: s.elem_bytes,
-                    range: start..start.saturating_add(chunk).min(len),
-                })?;
+                    range,
+                };
+                match peer_sums.as_deref_mut() {
+                    // summed by the transport as it reads the bytes, where it can
+                    Some(peer_sums) => peer_sums.push(transport.send_summed(out)?),
+                    None => transport.send(out)?,
+                }
                 chunks += 1;
             }
             bytes += len as u64;
+        }
+        // the sums follow every chunk to their receiver
+        for (peer, peer_sums) in sums {
+            transport.send_sums(peer, peer_sums)?;
         }
         Ok((bytes, chunks))
     };
@@ -356,7 +373,11 @@ pub fn run_steps<'buf, T: Transport<'buf> + ?Sized>(
                 stats.chunks_received +=
                     len.div_ceil(transport.chunk_bytes(len, chunk).max(1)) as u64;
             };
-            transport.recv_all(&expected, dst_bufs, chunk, landed)
+            transport.recv_all(&expected, dst_bufs, chunk, landed)?;
+            if options.checksum {
+                check_sums(steps, dst_bufs, transport, chunk, arrived)?;
+            }
+            Ok(())
         };
 
     // A failure on either side breaks every link at once, so that the other side and the
@@ -414,12 +435,14 @@ pub fn run_steps<'buf, T: Transport<'buf> + ?Sized>(
         let mut from: Vec<Rank> = missing.iter().map(|s| s.from).collect();
         from.sort_unstable();
         from.dedup();
-        failures.push(Error::NotArrived {
-            rank,
-            transfers: missing.len(),
-            bytes: missing.iter().map(|s| s.bytes()).sum(),
-            from,
-        });
+        if !missing.is_empty() {
+            failures.push(Error::NotArrived {
+                rank,
+                transfers: missing.len(),
+                bytes: missing.iter().map(|s| s.bytes()).sum(),
+                from,
+            });
+        }
     }
     let (bytes_sent, chunks_sent) = match sent {
         Ok(s) => s,
@@ -450,6 +473,57 @@ pub fn run_steps<'buf, T: Transport<'buf> + ?Sized>(
     stats.chunks_sent = chunks_sent;
     stats.peak_staging_bytes = transport.peak_staging_bytes();
     Ok(stats)
+}
+
+/// With `--checksum`, once every transfer has landed: takes each sender's sums (sent after
+/// its last chunk to this rank) and compares them with what landed. A transfer that differs
+/// is marked as not arrived; the error names the first one.
+fn check_sums<'buf, T: Transport<'buf> + ?Sized>(
+    steps: &Steps<'_, '_>,
+    dst_bufs: &[&mut [u8]],
+    transport: &T,
+    chunk: usize,
+    arrived: &mut [bool],
+) -> Result<()> {
+    // each sender's transfers, in their order
+    let mut senders: BTreeMap<Rank, Vec<usize>> = BTreeMap::new();
+    for (i, s) in steps.recvs.iter().enumerate() {
+        senders.entry(s.from).or_default().push(i);
+    }
+    let mut first = None;
+    for (peer, transfers) in senders {
+        let sums = transport.recv_sums(peer)?;
+        let mut rest = &sums[..];
+        for i in transfers {
+            let s = &steps.recvs[i];
+            let (b, bytes) = s.dst_at.clone().expect("checked");
+            let len = s.bytes() as usize;
+            let landed = checksum::Landed {
+                from: s.from,
+                to: s.to,
+                region: s.region,
+                elem_bytes: s.elem_bytes,
+                shard: &dst_bufs[b][bytes],
+                dst_box: s.dst_box,
+                chunk: transport.chunk_bytes(len, chunk).max(1),
+            };
+            let n = landed.chunk_count().min(rest.len());
+            let (mine, later) = rest.split_at(n);
+            rest = later;
+            if let Err(e) = landed.check(mine) {
+                arrived[i] = false;
+                first.get_or_insert(e);
+            }
+        }
+        if !rest.is_empty() {
+            return Err(Error::Protocol {
+                rank: steps.rank,
+                peer,
+                detail: format!("sent {} checksums more than the chunks it sent", rest.len()),
+            });
+        }
+    }
+    first.map_or(Ok(()), Err)
 }
 
 /// Checks a rank's steps against its buffers before any byte moves: every slot lies inside

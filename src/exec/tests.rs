@@ -21,6 +21,7 @@ fn small_chunks(chunk_bytes: usize) -> ExecOptions {
         chunk_bytes,
         staging_bytes: 2 * chunk_bytes,
         timeout: Duration::from_secs(30),
+        ..ExecOptions::default()
     }
 }
 
@@ -34,6 +35,7 @@ proptest! {
         seed in any::<u64>(),
         chunk_bytes in prop_oneof![Just(1usize), 2usize..48, Just(4 << 20)],
         min_split_bytes in prop_oneof![Just(0u64), Just(64 << 10), 1u64..32],
+        checksum in any::<bool>(),
     ) {
         let fill = Fill::Hash { seed };
         let plan = Plan::with_options(src, dst, PlanOptions { min_split_bytes }).unwrap();
@@ -41,7 +43,8 @@ proptest! {
         let sources = reference_shards(plan.src(), fill);
         prop_assert_eq!(&fill.shards(plan.src()).unwrap(), &sources);
         let mut shards = zeroed_shards(plan.dst()).unwrap();
-        let stats = run_local(&plan, &sources, &mut shards, &small_chunks(chunk_bytes)).unwrap();
+        let options = ExecOptions { checksum, ..small_chunks(chunk_bytes) };
+        let stats = run_local(&plan, &sources, &mut shards, &options).unwrap();
         prop_assert_eq!(&shards, &reference_shards(plan.dst(), fill));
         let totals = plan.totals();
         prop_assert_eq!(stats.bytes_remote(), totals.bytes_remote);
@@ -98,6 +101,7 @@ fn faulty_run(fault: Fault) -> Error {
         chunk_bytes: 256,
         staging_bytes: 512,
         timeout: Duration::from_millis(300),
+        ..ExecOptions::default()
     };
     run_local_with_faults(&plan, &sources, &mut shards, &options, &[fault]).unwrap_err()
 }
@@ -149,6 +153,48 @@ fn a_stalled_sender_times_out_every_receiver() {
         text.contains("rank 5: timed out after 300ms waiting for peer rank 2"),
         "{text}"
     );
+}
+
+/// A byte changed on the way lands unnoticed without `--checksum`, and with it fails the
+/// receiver, naming the transfer (sender, receiver, offset, extent) and the chunk.
+#[test]
+fn a_corrupted_chunk_fails_its_receiver_under_checksum() {
+    let src = layout("mesh=4 place=S(0)", &[64, 64], DType::F32, 0);
+    let dst = layout("mesh=2 place=S(1)", &[64, 64], DType::F32, 4);
+    let plan = Plan::new(src, dst).unwrap();
+    let sources = Fill::Index.shards(plan.src()).unwrap();
+    // rank 4 takes 8 chunks of 256 bytes from each sender: its 11th is the 4th of the second
+    let fault = Fault::Corrupt { rank: 4, chunk: 10 };
+    let run = |checksum| {
+        let mut shards = zeroed_shards(plan.dst()).unwrap();
+        let options = ExecOptions {
+            chunk_bytes: 256,
+            staging_bytes: 512,
+            checksum,
+            ..ExecOptions::default()
+        };
+        let ran = run_local_with_faults(&plan, &sources, &mut shards, &options, &[fault]);
+        (ran, shards)
+    };
+    let (ran, shards) = run(false);
+    assert!(ran.is_ok(), "{ran:?}");
+    assert!(Fill::Index.verify_shards(plan.dst(), &shards).is_err());
+
+    let (ran, _) = run(true);
+    let err = ran.unwrap_err();
+    let second = plan.rank_plans()[&4].recvs[1].clone();
+    let text = err.to_string();
+    let named = format!(
+        "rank 4: checksum mismatch in the transfer from rank {} to rank 4 at offset {:?} extent 16x32: chunk 2 (bytes 512..768 of the transfer)",
+        second.src, second.region.offset
+    );
+    assert!(text.contains(&named), "{text}");
+    // the corrupted transfer is reported as not arrived, the others' data is whole
+    assert!(
+        text.contains("rank 4: 1 transfers (2048 bytes) did not arrive"),
+        "{text}"
+    );
+    assert!(!text.contains("rank 5"), "{text}");
 }
 
 #[test]

@@ -11,6 +11,7 @@ use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::time::Duration;
 
 use crate::error::{Error, Result};
+use crate::exec::copy::{CopyGeometry, Place};
 use crate::layout::Rank;
 
 use super::{Incoming, Outgoing, Transport};
@@ -23,12 +24,18 @@ pub enum Fault {
     Die { rank: Rank, after_chunks: u64 },
     /// The rank stops sending for `for_` before failing, with its links open: a hung peer.
     Stall { rank: Rank, for_: Duration },
+    /// When the `chunk`-th chunk the rank handles (counted from 0 over its sends and
+    /// receives, as for `Die`) is one it receives, its first byte is flipped after it lands:
+    /// a byte changed on the way, which only `--checksum` notices.
+    Corrupt { rank: Rank, chunk: u64 },
 }
 
 impl Fault {
     fn rank(&self) -> Rank {
         match *self {
-            Fault::Die { rank, .. } | Fault::Stall { rank, .. } => rank,
+            Fault::Die { rank, .. } | Fault::Stall { rank, .. } | Fault::Corrupt { rank, .. } => {
+                rank
+            }
         }
     }
 }
@@ -86,18 +93,27 @@ impl LocalFabric {
     }
 }
 
+/// What goes from one rank to another.
+#[derive(Debug)]
+enum Message<'buf> {
+    /// A chunk, read by the receiver straight from the sender's shard.
+    Chunk(Outgoing<'buf>),
+    /// The checksums of every chunk sent before (`--checksum`).
+    Sums(Vec<u32>),
+}
+
 /// One rank's end of a local run.
 #[derive(Debug)]
 pub struct LocalEndpoint<'buf> {
     rank: Rank,
-    outboxes: Mutex<BTreeMap<Rank, Sender<Outgoing<'buf>>>>,
-    inboxes: BTreeMap<Rank, Mutex<Option<Receiver<Outgoing<'buf>>>>>,
+    outboxes: Mutex<BTreeMap<Rank, Sender<Message<'buf>>>>,
+    inboxes: BTreeMap<Rank, Mutex<Option<Receiver<Message<'buf>>>>>,
     timeout: Duration,
     fault: Option<Fault>,
     handled_chunks: AtomicU64,
 }
 
-impl LocalEndpoint<'_> {
+impl<'buf> LocalEndpoint<'buf> {
     /// Applies an injected `Die` fault once its time has come: closes every link and fails.
     fn check_alive(&self) -> Result<()> {
         let Some(Fault::Die { after_chunks, .. }) = self.fault else {
@@ -119,6 +135,48 @@ impl LocalEndpoint<'_> {
             detail: "this rank was killed by an injected fault".into(),
         })
     }
+
+    /// Hands `message` to `peer`.
+    fn post(&self, peer: Rank, message: Message<'buf>) -> Result<()> {
+        let outboxes = self.outboxes.lock().unwrap_or_else(|p| p.into_inner());
+        let outbox = outboxes.get(&peer).ok_or_else(|| Error::Protocol {
+            rank: self.rank,
+            peer,
+            detail: "no link to this peer: the plans of the two ranks disagree".into(),
+        })?;
+        outbox.send(message).map_err(|_| Error::PeerGone {
+            rank: self.rank,
+            peer,
+            detail: "it exited before receiving everything".into(),
+        })
+    }
+
+    /// Waits for `peer`'s next message; `what` says what was awaited, in an error.
+    fn take(&self, peer: Rank, what: &dyn Fn() -> String) -> Result<Message<'buf>> {
+        let inbox = self.inboxes.get(&peer).ok_or_else(|| Error::Protocol {
+            rank: self.rank,
+            peer,
+            detail: "no link from this peer: the plans of the two ranks disagree".into(),
+        })?;
+        let got = match inbox.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
+            Some(rx) => rx.recv_timeout(self.timeout),
+            None => Err(RecvTimeoutError::Disconnected),
+        };
+        match got {
+            Ok(message) => Ok(message),
+            Err(RecvTimeoutError::Timeout) => Err(Error::Timeout {
+                rank: self.rank,
+                peer,
+                waited: self.timeout,
+                detail: format!("{} never arrived", what()),
+            }),
+            Err(RecvTimeoutError::Disconnected) => Err(Error::PeerGone {
+                rank: self.rank,
+                peer,
+                detail: format!("it exited before sending {}", what()),
+            }),
+        }
+    }
 }
 
 impl<'buf> Transport<'buf> for LocalEndpoint<'buf> {
@@ -138,17 +196,7 @@ impl<'buf> Transport<'buf> for LocalEndpoint<'buf> {
                 detail: "this rank was stalled by an injected fault".into(),
             });
         }
-        let outboxes = self.outboxes.lock().unwrap_or_else(|p| p.into_inner());
-        let outbox = outboxes.get(&peer).ok_or_else(|| Error::Protocol {
-            rank: self.rank,
-            peer,
-            detail: "no link to this peer: the plans of the two ranks disagree".into(),
-        })?;
-        outbox.send(chunk).map_err(|_| Error::PeerGone {
-            rank: self.rank,
-            peer,
-            detail: "it exited before receiving everything".into(),
-        })?;
+        self.post(peer, Message::Chunk(chunk))?;
         self.handled_chunks.fetch_add(1, Ordering::Relaxed);
         Ok(())
     }
@@ -156,31 +204,15 @@ impl<'buf> Transport<'buf> for LocalEndpoint<'buf> {
     fn recv(&self, mut chunk: Incoming<'_>) -> Result<()> {
         let peer = chunk.from;
         self.check_alive()?;
-        let what = || format!("bytes {:?} of {}", chunk.range, chunk.region);
-        let inbox = self.inboxes.get(&peer).ok_or_else(|| Error::Protocol {
-            rank: self.rank,
-            peer,
-            detail: "no link from this peer: the plans of the two ranks disagree".into(),
-        })?;
-        let got = match inbox.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
-            Some(rx) => rx.recv_timeout(self.timeout),
-            None => Err(RecvTimeoutError::Disconnected),
-        };
-        let out = match got {
-            Ok(out) => out,
-            Err(RecvTimeoutError::Timeout) => {
-                return Err(Error::Timeout {
+        let (range, region) = (chunk.range.clone(), chunk.region);
+        let what = || format!("bytes {range:?} of {region}");
+        let out = match self.take(peer, &what)? {
+            Message::Chunk(out) => out,
+            Message::Sums(_) => {
+                return Err(Error::Protocol {
                     rank: self.rank,
                     peer,
-                    waited: self.timeout,
-                    detail: format!("{} never arrived", what()),
-                });
-            }
-            Err(RecvTimeoutError::Disconnected) => {
-                return Err(Error::PeerGone {
-                    rank: self.rank,
-                    peer,
-                    detail: format!("it exited before sending {}", what()),
+                    detail: format!("sent its checksums while {} was due", what()),
                 });
             }
         };
@@ -189,7 +221,50 @@ impl<'buf> Transport<'buf> for LocalEndpoint<'buf> {
             peer,
             detail,
         })?;
-        self.handled_chunks.fetch_add(1, Ordering::Relaxed);
+        let handled = self.handled_chunks.fetch_add(1, Ordering::Relaxed);
+        if let Some(Fault::Corrupt { chunk: bad, .. }) = self.fault
+            && bad == handled
+            && !chunk.range.is_empty()
+        {
+            flip_first_byte(&mut chunk);
+        }
         Ok(())
+    }
+
+    fn send_sums(&self, to: Rank, sums: Vec<u32>) -> Result<()> {
+        self.check_alive()?;
+        self.post(to, Message::Sums(sums))
+    }
+
+    fn recv_sums(&self, from: Rank) -> Result<Vec<u32>> {
+        self.check_alive()?;
+        match self.take(from, &|| "its checksums".to_string())? {
+            Message::Sums(sums) => Ok(sums),
+            Message::Chunk(out) => Err(Error::Protocol {
+                rank: self.rank,
+                peer: from,
+                detail: format!(
+                    "sent bytes {:?} of {} while its checksums were due",
+                    out.range, out.region
+                ),
+            }),
+        }
+    }
+}
+
+/// Flips the first byte of a chunk where it landed in the destination shard.
+fn flip_first_byte(chunk: &mut Incoming<'_>) {
+    let g = CopyGeometry::new(
+        chunk.region,
+        Place::Stream,
+        Place::Within(chunk.dst_box),
+        chunk.elem_bytes,
+    );
+    let mut first = None;
+    g.for_each_run(chunk.range.clone(), |_, at, _| {
+        first.get_or_insert(at);
+    });
+    if let Some(at) = first {
+        chunk.dst[at] ^= 0x5a;
     }
 }

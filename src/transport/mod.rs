@@ -213,6 +213,22 @@ pub trait Transport<'buf>: Sync {
     /// chunk's source memory stays valid and unchanged for `'buf`.
     fn send(&self, chunk: Outgoing<'buf>) -> Result<()>;
 
+    /// [`Transport::send`] for `--checksum`: also returns the chunk's sum, the CRC-32C of its
+    /// bytes in stream order ([`crate::exec::checksum::region_sum`]). The default sums the
+    /// chunk first, in a pass of its own; a transport that reads the bytes anyway, to pack or
+    /// copy them, sums them as it goes ([`CopyGeometry::copy_summing`]).
+    fn send_summed(&self, chunk: Outgoing<'buf>) -> Result<u32> {
+        let sum = crate::exec::checksum::region_sum(
+            chunk.src,
+            chunk.src_box,
+            chunk.region,
+            chunk.elem_bytes,
+            chunk.range.clone(),
+        );
+        self.send(chunk)?;
+        Ok(sum)
+    }
+
     /// Waits (within the transport's timeout) for the next chunk from `chunk.from` and writes
     /// it into the destination shard.
     fn recv(&self, chunk: Incoming<'_>) -> Result<()>;
@@ -232,6 +248,21 @@ pub trait Transport<'buf>: Sync {
         recv_in_order(self, expected, dst_bufs, chunk, landed)
     }
 
+    /// Sends `sums` to `to` after every chunk this rank sends it: the checksums of those
+    /// chunks, in order (`--checksum`). A transport that carries them overrides this and
+    /// [`Transport::recv_sums`]; the others refuse the option.
+    fn send_sums(&self, to: Rank, sums: Vec<u32>) -> Result<()> {
+        let _ = (to, sums);
+        Err(no_sums(self.name()))
+    }
+
+    /// Waits (within the transport's timeout) for the checksums `from` sent with
+    /// [`Transport::send_sums`], after every chunk it sent this rank.
+    fn recv_sums(&self, from: Rank) -> Result<Vec<u32>> {
+        let _ = from;
+        Err(no_sums(self.name()))
+    }
+
     /// Breaks every link at once, so that a rank that failed stops its other thread and its
     /// peers notice now rather than after their timeout.
     fn abort(&self) {}
@@ -245,6 +276,15 @@ pub trait Transport<'buf>: Sync {
     /// The most staging memory this endpoint has held at once, in bytes.
     fn peak_staging_bytes(&self) -> u64 {
         0
+    }
+}
+
+/// The refusal of a transport that cannot carry checksums.
+fn no_sums(transport: &'static str) -> crate::Error {
+    crate::Error::InvalidOption {
+        field: "--checksum",
+        value: transport.into(),
+        reason: format!("the {transport} transport cannot carry checksums"),
     }
 }
 

@@ -99,6 +99,8 @@ const CONTROL_TAG: i32 = 18;
 /// Notices of the shm transport riding on MPI ([`super::shm::Carrier`]): a tag of their own,
 /// so that they never match a data message or the job's reports.
 const NOTICE_TAG: i32 = 19;
+/// The checksums of a sender's chunks (`--checksum`), after its data: a tag of their own too.
+const SUMS_TAG: i32 = 20;
 
 /// This process's membership in the MPI job; finalizes MPI when dropped.
 pub struct MpiJob {
@@ -629,6 +631,57 @@ impl<'buf> Transport<'buf> for MpiTransport<'_> {
         }
         types.into_iter().for_each(free_datatype);
         failure.map_or(Ok(()), Err)
+    }
+
+    /// The sums are posted (`MPI_Isend`) like the data, from a buffer kept until `finish`:
+    /// every rank posts its sends before it receives, so a blocking send could wait forever.
+    fn send_sums(&self, to: Rank, sums: Vec<u32>) -> Result<()> {
+        let bytes: Vec<u8> = sums.iter().flat_map(|s| s.to_le_bytes()).collect();
+        self.check_len(bytes.len(), to)?;
+        let mut request = std::mem::MaybeUninit::<ffi::MPI_Request>::uninit();
+        // SAFETY: `bytes` moves into `pending` below, where it lives until the request is
+        // complete in `finish`; moving a Vec does not move its heap buffer.
+        unsafe {
+            ffi::MPI_Isend(
+                bytes.as_ptr().cast(),
+                bytes.len() as c_int,
+                ffi::RSMPI_UINT8_T,
+                to as c_int,
+                SUMS_TAG,
+                self.world.as_raw(),
+                request.as_mut_ptr(),
+            );
+            self.pending
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push(Pending {
+                    request: request.assume_init(),
+                    datatype: None,
+                    _buffer: Some(bytes),
+                });
+        }
+        Ok(())
+    }
+
+    fn recv_sums(&self, from: Rank) -> Result<Vec<u32>> {
+        let (bytes, _) = self
+            .world
+            .process_at_rank(from as c_int)
+            .receive_vec_with_tag::<u8>(SUMS_TAG);
+        if bytes.len() % 4 != 0 {
+            return Err(Error::Protocol {
+                rank: self.rank,
+                peer: from,
+                detail: format!(
+                    "sent checksums of {} bytes, not a multiple of 4",
+                    bytes.len()
+                ),
+            });
+        }
+        Ok(bytes
+            .chunks_exact(4)
+            .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect())
     }
 
     /// MPI cannot cancel what other ranks wait for: a rank that fails ends the whole job,

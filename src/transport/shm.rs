@@ -62,6 +62,8 @@ enum Notice {
     Ring { pid: u32, fd: i32 },
     /// The receiver has mapped the ring: the sender may close its descriptor.
     Opened,
+    /// After the last chunk to this receiver, the checksum of every chunk (`--checksum`).
+    Sums(Vec<u32>),
 }
 
 /// A receiver's destination shard, mapped here for writing.
@@ -315,31 +317,21 @@ impl<C: Carrier> ShmTransport<C> {
     }
 }
 
-/// The slot-sized pieces of a chunk's byte range.
-fn pieces(
-    range: std::ops::Range<usize>,
-    slot: usize,
-) -> impl Iterator<Item = std::ops::Range<usize>> {
-    (range.start..range.end)
-        .step_by(slot)
-        .map(move |s| s..(s + slot).min(range.end))
-}
-
-impl<'buf, C: Carrier + Transport<'buf>> Transport<'buf> for ShmTransport<C> {
-    fn name(&self) -> &'static str {
-        "shm"
-    }
-
-    /// The carrier's answer, for every peer: both ends of a transfer must answer alike, and
-    /// the data to other hosts moves as the carrier moves it best (MPI: whole transfers of
-    /// derived datatypes). Memory moves cut chunks into slots anyway.
-    fn chunk_bytes(&self, transfer_bytes: usize, requested: usize) -> usize {
-        self.links.chunk_bytes(transfer_bytes, requested)
-    }
-
-    fn send(&self, chunk: Outgoing<'buf>) -> Result<()> {
+impl<C: Carrier> ShmTransport<C> {
+    /// Sends a chunk: straight into the receiver's shard, through a ring, or by the carrier;
+    /// with `sum`, appends the chunk's CRC-32C to it as the bytes are copied.
+    fn send_with<'buf>(&self, chunk: Outgoing<'buf>, mut sum: Option<&mut u32>) -> Result<()>
+    where
+        C: Transport<'buf>,
+    {
         let Some(&pid) = self.local_peers.get(&chunk.to) else {
-            return self.links.send(chunk);
+            return match sum {
+                Some(sum) => {
+                    *sum = self.links.send_summed(chunk)?;
+                    Ok(())
+                }
+                None => self.links.send(chunk),
+            };
         };
         if let Some(target) = self.targets.get(&chunk.to) {
             // one copy: straight from this shard into the receiver's
@@ -369,7 +361,10 @@ impl<'buf, C: Carrier + Transport<'buf>> Transport<'buf> for ShmTransport<C> {
                     detail: "its destination shard has another size than its box".into(),
                 });
             }
-            g.copy(chunk.src, bytes, chunk.range.clone());
+            match sum {
+                Some(sum) => g.copy_summing(chunk.src, bytes, chunk.range.clone(), sum),
+                None => g.copy(chunk.src, bytes, chunk.range.clone()),
+            }
             drop(buffer);
             let written = Notice::Written {
                 start: chunk.range.start as u64,
@@ -388,8 +383,12 @@ impl<'buf, C: Carrier + Transport<'buf>> Transport<'buf> for ShmTransport<C> {
         let deadline = Instant::now() + self.timeout;
         for piece in pieces(chunk.range.clone(), ring.slot_bytes()) {
             let len = piece.len();
+            let sum = sum.as_deref_mut();
             ring.push(
-                |slot| g.copy(chunk.src, &mut slot[..len], piece.clone()),
+                |slot| match sum {
+                    Some(sum) => g.copy_summing(chunk.src, &mut slot[..len], piece.clone(), sum),
+                    None => g.copy(chunk.src, &mut slot[..len], piece.clone()),
+                },
                 pid,
                 deadline,
             )
@@ -398,6 +397,40 @@ impl<'buf, C: Carrier + Transport<'buf>> Transport<'buf> for ShmTransport<C> {
             })?;
         }
         Ok(())
+    }
+}
+
+/// The slot-sized pieces of a chunk's byte range.
+fn pieces(
+    range: std::ops::Range<usize>,
+    slot: usize,
+) -> impl Iterator<Item = std::ops::Range<usize>> {
+    (range.start..range.end)
+        .step_by(slot)
+        .map(move |s| s..(s + slot).min(range.end))
+}
+
+impl<'buf, C: Carrier + Transport<'buf>> Transport<'buf> for ShmTransport<C> {
+    fn name(&self) -> &'static str {
+        "shm"
+    }
+
+    /// The carrier's answer, for every peer: both ends of a transfer must answer alike, and
+    /// the data to other hosts moves as the carrier moves it best (MPI: whole transfers of
+    /// derived datatypes). Memory moves cut chunks into slots anyway.
+    fn chunk_bytes(&self, transfer_bytes: usize, requested: usize) -> usize {
+        self.links.chunk_bytes(transfer_bytes, requested)
+    }
+
+    fn send(&self, chunk: Outgoing<'buf>) -> Result<()> {
+        self.send_with(chunk, None)
+    }
+
+    /// Sums the chunk as it copies it, into the receiver's shard or a ring slot.
+    fn send_summed(&self, chunk: Outgoing<'buf>) -> Result<u32> {
+        let mut sum = 0;
+        self.send_with(chunk, Some(&mut sum))?;
+        Ok(sum)
     }
 
     fn recv(&self, chunk: Incoming<'_>) -> Result<()> {
@@ -447,6 +480,33 @@ impl<'buf, C: Carrier + Transport<'buf>> Transport<'buf> for ShmTransport<C> {
             })?;
         }
         Ok(())
+    }
+
+    /// To a same-host peer, the sums go as a notice after the last ring slot or `Written`
+    /// notice; to others, as the carrier sends them.
+    fn send_sums(&self, to: Rank, sums: Vec<u32>) -> Result<()> {
+        if !self.local_peers.contains_key(&to) {
+            return self.links.send_sums(to, sums);
+        }
+        self.links
+            .tell(to, &Notice::Sums(sums), "the checksums of its chunks")
+    }
+
+    fn recv_sums(&self, from: Rank) -> Result<Vec<u32>> {
+        if !self.local_peers.contains_key(&from) {
+            return self.links.recv_sums(from);
+        }
+        let what = "the checksums of its chunks";
+        loop {
+            match self.notice(from, what)? {
+                Notice::Sums(sums) => return Ok(sums),
+                // its acknowledgement of this rank's ring may come first
+                Notice::Opened => self.note_opened(from),
+                other => {
+                    return Err(self.unexpected(from, &other, &format!("while {what} were due")));
+                }
+            }
+        }
     }
 
     /// Waits until every receiver has mapped its ring, and the carrier's sends are done: only

@@ -392,12 +392,9 @@ impl TcpTransport {
     }
 }
 
-impl<'buf> Transport<'buf> for TcpTransport {
-    fn name(&self) -> &'static str {
-        "tcp"
-    }
-
-    fn send(&self, chunk: Outgoing<'buf>) -> Result<()> {
+impl TcpTransport {
+    /// Sends a chunk as one data frame; with `sum`, also sums it (CRC-32C, stream order).
+    fn send_with(&self, chunk: Outgoing<'_>, sum: Option<&mut u32>) -> Result<()> {
         let peer = chunk.to;
         let what = || format!("bytes {:?} of {} to rank {peer}", chunk.range, chunk.region);
         let mut w = self.writer(peer)?;
@@ -410,15 +407,47 @@ impl<'buf> Transport<'buf> for TcpTransport {
         let header = |w: &mut TcpStream| frame::write_data_header(w, chunk.len() as u64);
         header(&mut w).map_err(|e| self.fail(peer, what(), e))?;
         if g.run_bytes() >= VECTORED_MIN_RUN {
+            if let Some(sum) = sum {
+                *sum = crate::exec::checksum::region_sum(
+                    chunk.src,
+                    chunk.src_box,
+                    chunk.region,
+                    chunk.elem_bytes,
+                    chunk.range.clone(),
+                );
+            }
             let segs = segments(&g, chunk.range.clone(), true);
             write_all_vectored(&mut w, chunk.src, &segs)
                 .map_err(|e| self.fail(peer, what(), e.into()))
         } else {
             let mut buf = self.stage(0, chunk.len());
-            g.copy(chunk.src, &mut buf[..chunk.len()], chunk.range.clone());
+            match sum {
+                Some(sum) => {
+                    g.copy_summing(chunk.src, &mut buf[..chunk.len()], chunk.range.clone(), sum)
+                }
+                None => g.copy(chunk.src, &mut buf[..chunk.len()], chunk.range.clone()),
+            }
             w.write_all(&buf[..chunk.len()])
                 .map_err(|e| self.fail(peer, what(), e.into()))
         }
+    }
+}
+
+impl<'buf> Transport<'buf> for TcpTransport {
+    fn name(&self) -> &'static str {
+        "tcp"
+    }
+
+    fn send(&self, chunk: Outgoing<'buf>) -> Result<()> {
+        self.send_with(chunk, None)
+    }
+
+    /// Short runs are summed as they are packed; long ones, which the kernel copies from the
+    /// shard, in a pass of their own.
+    fn send_summed(&self, chunk: Outgoing<'buf>) -> Result<u32> {
+        let mut sum = 0;
+        self.send_with(chunk, Some(&mut sum))?;
+        Ok(sum)
     }
 
     fn recv(&self, mut chunk: Incoming<'_>) -> Result<()> {
@@ -499,6 +528,15 @@ impl<'buf> Transport<'buf> for TcpTransport {
                 }
             }
         }
+    }
+
+    /// The sums go as a control frame on the stream, after the data frames they sum.
+    fn send_sums(&self, to: Rank, sums: Vec<u32>) -> Result<()> {
+        super::shm::Carrier::tell(self, to, &sums, "the checksums of its chunks")
+    }
+
+    fn recv_sums(&self, from: Rank) -> Result<Vec<u32>> {
+        super::shm::Carrier::hear(self, from, "the checksums of its chunks")
     }
 
     fn abort(&self) {
