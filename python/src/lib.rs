@@ -946,6 +946,7 @@ impl PyRefit {
             self.inner.infer_base
         )
     }
+}
 
 /// The CRC-32C of each `(start, length)` piece of `tensor`, a contiguous 1-D `torch.uint8`
 /// tensor in CPU memory (a packed message of the torch executor): the sums that travel with
