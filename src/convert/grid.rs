@@ -1,0 +1,478 @@
+//! The block grid of a quantized tensor, and what the ranks do with it: which blocks a region
+//! touches, which destination boundaries are legal, which partial amax the source ranks
+//! exchange (planned without communication, like the transfers), each rank's amax and scales,
+//! and the quantizing copy of a run of source elements.
+//!
+//! The order of work on a source rank, for one tensor:
+//! 1. [`BlockGrid::new`] and [`BlockGrid::check_aligned`] on the destination layout (and on the
+//!    source for an already quantized source), before any byte moves;
+//! 2. [`AmaxGrid::local`] over its shard (the error for a non-finite value names the block);
+//! 3. for every `(peer, blocks)` of [`amax_exchange`]: send [`AmaxGrid::payload`] of `blocks`,
+//!    receive the peer's and [`AmaxGrid::merge`] it (nothing to do when no block is cut by a
+//!    source shard boundary);
+//! 4. [`Scales::new`], then [`Scales::quantize_run`] on every run it packs, and
+//!    [`Scales::write`] of [`BlockGrid::scales_carried`] for every transfer, so that each
+//!    destination receives its [`BlockGrid::scale_region`] exactly once.
+
+use crate::convert::ConvertError;
+use crate::convert::cast::read_f32;
+use crate::convert::quant::{BlockScale, Quant, QuantScheme};
+use crate::dtype::DType;
+use crate::error::{Dims, Side};
+use crate::layout::{Layout, Rank};
+use crate::region::Region;
+
+/// The blocks of a tensor of `shape` under a scheme: block `b` (grid coordinates) covers
+/// elements `b[d] * block[d] .. min((b[d] + 1) * block[d], shape[d])` along every dim `d`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BlockGrid {
+    shape: Vec<u64>,
+    block: Vec<u64>,
+    may_cut: Vec<bool>,
+}
+
+impl BlockGrid {
+    /// The grid of `scheme` over a tensor of `shape`.
+    pub fn new(scheme: QuantScheme, shape: &[u64]) -> Result<BlockGrid, ConvertError> {
+        Ok(BlockGrid {
+            shape: shape.to_vec(),
+            block: scheme.block_shape(shape)?,
+            may_cut: scheme.may_cut(shape.len()),
+        })
+    }
+
+    /// The tensor's shape.
+    pub fn shape(&self) -> &[u64] {
+        &self.shape
+    }
+
+    /// A block's extent along every dim (the last block of a dim may be shorter).
+    pub fn block(&self) -> &[u64] {
+        &self.block
+    }
+
+    /// The shape of the scale tensor: `ceil(shape[d] / block[d])` along every dim.
+    pub fn grid_shape(&self) -> Vec<u64> {
+        self.shape
+            .iter()
+            .zip(&self.block)
+            .map(|(&n, &b)| n.div_ceil(b))
+            .collect()
+    }
+
+    /// The elements of block `b`.
+    pub fn block_region(&self, b: &[u64]) -> Region {
+        let ranges: Vec<_> = (0..self.shape.len())
+            .map(|d| {
+                let lo = b[d] * self.block[d];
+                lo..(lo + self.block[d]).min(self.shape[d])
+            })
+            .collect();
+        Region::from_ranges(&ranges)
+    }
+
+    /// The blocks (a box of grid coordinates) that share an element with `region`; empty for
+    /// an empty region.
+    pub fn blocks_touching(&self, region: &Region) -> Region {
+        if region.is_empty() {
+            return Region {
+                offset: vec![0; self.shape.len()],
+                extent: vec![0; self.shape.len()],
+            };
+        }
+        let ranges: Vec<_> = (0..self.shape.len())
+            .map(|d| {
+                let r = region.range(d);
+                r.start / self.block[d]..r.end.div_ceil(self.block[d])
+            })
+            .collect();
+        Region::from_ranges(&ranges)
+    }
+
+    /// The blocks that lie wholly inside `region` (a block cut short by the tensor's end
+    /// counts as whole).
+    pub fn blocks_inside(&self, region: &Region) -> Region {
+        let ranges: Vec<_> = (0..self.shape.len())
+            .map(|d| {
+                let r = region.range(d);
+                let lo = r.start.div_ceil(self.block[d]);
+                let hi = if r.end >= self.shape[d] {
+                    self.shape[d].div_ceil(self.block[d])
+                } else {
+                    r.end / self.block[d]
+                };
+                lo..hi.max(lo)
+            })
+            .collect();
+        Region::from_ranges(&ranges)
+    }
+
+    /// Checks that every shard boundary of `layout` falls on a block boundary (or the
+    /// tensor's end) along the dims where blocks may not be cut: the destination's rule (vLLM
+    /// loads whole blocks), and the source's too when it is already quantized.
+    pub fn check_aligned(&self, layout: &Layout, side: Side) -> Result<(), ConvertError> {
+        for d in 0..self.shape.len() {
+            if self.may_cut[d] {
+                continue;
+            }
+            let b = self.block[d];
+            for piece in layout.dim_pieces(d) {
+                for boundary in [piece.start, piece.end] {
+                    if boundary % b != 0 && boundary != self.shape[d] {
+                        return Err(ConvertError::CutBlock {
+                            side,
+                            dim: d,
+                            boundary,
+                            block: Dims(self.block.clone()),
+                        });
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The scales a destination shard holds (a box of grid coordinates): the blocks its
+    /// shard touches, which are the blocks inside it once [`BlockGrid::check_aligned`] has
+    /// passed, and, along the dims a shard may cut (`channel`, `tensor`), the replicated
+    /// scales of the blocks it holds part of. Its `rank<R>.scale.bin` is this box of the
+    /// scale tensor, row-major.
+    pub fn scale_region(&self, dst_shard: &Region) -> Region {
+        self.blocks_touching(dst_shard)
+    }
+
+    /// The scales a transfer of `region` into the destination shard `dst_shard` carries:
+    /// block `b` goes with the transfer that holds the first element of `b` inside the
+    /// shard. Transfers tile the shard, so every scale of [`BlockGrid::scale_region`] travels
+    /// exactly once.
+    pub fn scales_carried(&self, dst_shard: &Region, region: &Region) -> Region {
+        if region.is_empty() {
+            return self.blocks_touching(region);
+        }
+        let ranges: Vec<_> = (0..self.shape.len())
+            .map(|d| {
+                let (b, shard, r) = (self.block[d], dst_shard.range(d), region.range(d));
+                // blocks whose anchor max(block start, shard start) lies in r
+                let first = if r.start == shard.start {
+                    r.start / b
+                } else {
+                    r.start.div_ceil(b)
+                };
+                let last = r.end.div_ceil(b);
+                first..last.max(first)
+            })
+            .collect();
+        Region::from_ranges(&ranges)
+    }
+}
+
+/// Every block's amax over the part of the tensor one rank holds (later: merged with its
+/// peers' partial amax into the whole block's).
+#[derive(Clone, Debug, PartialEq)]
+pub struct AmaxGrid {
+    /// The blocks covered, in grid coordinates.
+    pub blocks: Region,
+    /// Their amax, row-major over `blocks`.
+    pub amax: Vec<f32>,
+}
+
+/// Row-major index of grid point `b` within `boxed` (which contains it).
+fn index_in(boxed: &Region, b: &[u64]) -> usize {
+    (0..b.len()).fold(0u64, |acc, d| {
+        acc * boxed.extent[d] + (b[d] - boxed.offset[d])
+    }) as usize
+}
+
+/// Calls `f(point)` for every point of `region`, row-major.
+fn for_each_point(region: &Region, mut f: impl FnMut(&[u64])) {
+    if region.is_empty() {
+        return;
+    }
+    let n = region.ndim();
+    let mut p = region.offset.clone();
+    loop {
+        f(&p);
+        let mut d = n;
+        loop {
+            if d == 0 {
+                return;
+            }
+            d -= 1;
+            p[d] += 1;
+            if p[d] < region.offset[d] + region.extent[d] {
+                break;
+            }
+            p[d] = region.offset[d];
+        }
+    }
+}
+
+/// Calls `f(first_element_coords, shard_element_index, len)` for every row run of `region`
+/// inside `shard` (runs along the last dim), row-major. `region` must lie in `shard`.
+fn for_each_row(shard: &Region, region: &Region, mut f: impl FnMut(&[u64], u64, u64)) {
+    let n = region.ndim();
+    if region.is_empty() {
+        return;
+    }
+    if n == 0 {
+        f(&[], 0, 1);
+        return;
+    }
+    let rows = Region {
+        offset: region.offset.clone(),
+        extent: region.extent[..n - 1].iter().copied().chain([1]).collect(),
+    };
+    let len = region.extent[n - 1];
+    for_each_point(&rows, |p| {
+        let local = (0..n).fold(0u64, |acc, d| {
+            acc * shard.extent[d] + (p[d] - shard.offset[d])
+        });
+        f(p, local, len);
+    });
+}
+
+impl AmaxGrid {
+    /// The amax of every block `shard` touches, over the elements of `buf`, the rank's dense
+    /// row-major buffer of `shard` (dtype `dtype`, a float type). A NaN or an infinity is an
+    /// error naming its block and element: it has no fp8 value and would poison its block's
+    /// scale.
+    pub fn local(
+        grid: &BlockGrid,
+        shard: &Region,
+        buf: &[u8],
+        dtype: DType,
+    ) -> Result<AmaxGrid, ConvertError> {
+        let blocks = grid.blocks_touching(shard);
+        let mut amax = vec![0f32; blocks.volume() as usize];
+        let elem = dtype.size();
+        let n = shard.ndim();
+        let mut err = None;
+        for_each_row(shard, shard, |p, local, len| {
+            if err.is_some() {
+                return;
+            }
+            let mut b: Vec<u64> = (0..n).map(|d| p[d] / grid.block[d]).collect();
+            let last = n.saturating_sub(1);
+            let mut col = p.get(last).copied().unwrap_or(0);
+            let end = col + len;
+            let mut at = local as usize * elem;
+            while col < end {
+                let bl = grid.block.get(last).copied().unwrap_or(1);
+                let run_end = ((col / bl + 1) * bl).min(end);
+                if n > 0 {
+                    b[last] = col / bl;
+                }
+                let bytes = &buf[at..at + (run_end - col) as usize * elem];
+                let mut m = 0f32;
+                let mut bad = None;
+                for (i, s) in bytes.chunks_exact(elem).enumerate() {
+                    let x = read_f32(dtype, s);
+                    if !x.is_finite() {
+                        bad.get_or_insert((i, x));
+                    }
+                    m = m.max(x.abs());
+                }
+                if let Some((i, x)) = bad {
+                    let mut element = p.to_vec();
+                    if n > 0 {
+                        element[last] = col + i as u64;
+                    }
+                    err = Some(ConvertError::NonFinite {
+                        block: b.clone(),
+                        element,
+                        value: x,
+                    });
+                    return;
+                }
+                let k = index_in(&blocks, &b);
+                amax[k] = amax[k].max(m);
+                at += (run_end - col) as usize * elem;
+                col = run_end;
+            }
+        });
+        match err {
+            Some(e) => Err(e),
+            None => Ok(AmaxGrid { blocks, amax }),
+        }
+    }
+
+    /// The partial amax of `sub` (a box within [`AmaxGrid::blocks`]), row-major, as
+    /// little-endian f32: what a rank sends a peer of [`amax_exchange`].
+    pub fn payload(&self, sub: &Region) -> Vec<u8> {
+        let mut out = Vec::with_capacity(sub.volume() as usize * 4);
+        for_each_point(sub, |b| {
+            out.extend_from_slice(&self.amax[index_in(&self.blocks, b)].to_le_bytes())
+        });
+        out
+    }
+
+    /// Takes a peer's partial amax of `sub` (as [`AmaxGrid::payload`] wrote it) into this
+    /// rank's: the maximum of both. A payload of the wrong length is an error.
+    pub fn merge(&mut self, sub: &Region, payload: &[u8]) -> Result<(), ConvertError> {
+        if payload.len() as u64 != sub.volume() * 4 {
+            return Err(ConvertError::AmaxPayload {
+                blocks: Dims(sub.extent.clone()),
+                got: payload.len() as u64,
+            });
+        }
+        let mut values = payload.chunks_exact(4);
+        let blocks = &self.blocks;
+        let amax = &mut self.amax;
+        for_each_point(sub, |b| {
+            let v = f32::from_le_bytes(
+                values
+                    .next()
+                    .expect("length checked")
+                    .try_into()
+                    .expect("4"),
+            );
+            let k = index_in(blocks, b);
+            amax[k] = amax[k].max(v);
+        });
+        Ok(())
+    }
+}
+
+/// For the source rank `rank` of `src`, the partial amax exchanges it takes part in: every
+/// `(peer, blocks)` means "send your partial amax of `blocks` to `peer`, and receive its
+/// partial amax of the same blocks". Only blocks cut by a source shard boundary appear, so a
+/// layout whose shards hold whole blocks exchanges nothing. Replicas exchange within their
+/// replica group (the ranks of one replica index), each group reaching the same amax; every
+/// rank computes the whole exchange alone, and the two ends of a pair compute each other.
+pub fn amax_exchange(src: &Layout, grid: &BlockGrid, rank: Rank) -> Vec<(Rank, Region)> {
+    let Some(position) = src.mesh().position(rank) else {
+        return Vec::new();
+    };
+    let own_index = src.piece_index(&src.mesh().coords(position));
+    let own_touch = grid.blocks_touching(&src.region_at(position));
+    if own_touch.is_empty() {
+        return Vec::new();
+    }
+    let own_holders = src.holders(&own_index);
+    let slot = own_holders
+        .iter()
+        .position(|&r| r == rank)
+        .expect("a rank holds its own piece");
+    // per dim, the pieces whose blocks meet ours
+    let candidates: Vec<Vec<(usize, std::ops::Range<u64>)>> = (0..src.ndim())
+        .map(|d| {
+            let mine = own_touch.range(d);
+            src.dim_pieces(d)
+                .iter()
+                .enumerate()
+                .filter(|(_, p)| !p.is_empty())
+                .filter_map(|(i, p)| {
+                    let t = p.start / grid.block[d]..p.end.div_ceil(grid.block[d]);
+                    let lo = t.start.max(mine.start);
+                    let hi = t.end.min(mine.end);
+                    (lo < hi).then_some((i, lo..hi))
+                })
+                .collect()
+        })
+        .collect();
+    let mut out = Vec::new();
+    if candidates.iter().any(Vec::is_empty) {
+        return out;
+    }
+    let counts = Region {
+        offset: vec![0; candidates.len()],
+        extent: candidates.iter().map(|c| c.len() as u64).collect(),
+    };
+    for_each_point(&counts, |choice| {
+        let index: Vec<usize> = (0..choice.len())
+            .map(|d| candidates[d][choice[d] as usize].0)
+            .collect();
+        if index == own_index {
+            return;
+        }
+        let ranges: Vec<_> = (0..choice.len())
+            .map(|d| candidates[d][choice[d] as usize].1.clone())
+            .collect();
+        let peer = src.holders(&index)[slot];
+        out.push((peer, Region::from_ranges(&ranges)));
+    });
+    out
+}
+
+/// The scales of the blocks one rank quantizes, from their whole amax.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Scales {
+    pub quant: Quant,
+    /// The blocks, in grid coordinates.
+    pub blocks: Region,
+    /// Each block's scale, row-major over `blocks`.
+    pub scales: Vec<BlockScale>,
+    block: Vec<u64>,
+}
+
+impl Scales {
+    /// The scales of `amax`'s blocks (after the exchange, when one was planned).
+    pub fn new(quant: Quant, grid: &BlockGrid, amax: &AmaxGrid) -> Scales {
+        Scales {
+            quant,
+            blocks: amax.blocks.clone(),
+            scales: amax.amax.iter().map(|&a| quant.scale(a)).collect(),
+            block: grid.block.clone(),
+        }
+    }
+
+    /// Writes the scales of `sub` (a box within [`Scales::blocks`]), row-major, in the
+    /// scale dtype, into `out` (`sub.volume()` scales long).
+    pub fn write(&self, sub: &Region, out: &mut [u8]) {
+        let size = self.quant.scale_dtype.size();
+        let mut at = 0;
+        for_each_point(sub, |b| {
+            let s = &self.scales[index_in(&self.blocks, b)];
+            self.quant.write_scale(s, &mut out[at..at + size]);
+            at += size;
+        });
+    }
+
+    /// The quantizing copy: encodes `src`, a contiguous run of elements of the rank's dense
+    /// buffer of `shard` (dtype `dtype`) starting at element `first` of that buffer, into
+    /// `dst` (one fp8 byte per element, `dst.len()` elements). The run may span rows; it is
+    /// cut where the row or the block changes, and each piece gets its block's multiplier.
+    /// The executor calls it on every run it packs, in place of a copy.
+    pub fn quantize_run(
+        &self,
+        shard: &Region,
+        dtype: DType,
+        first: u64,
+        src: &[u8],
+        dst: &mut [u8],
+    ) {
+        let n = shard.ndim();
+        let elem = dtype.size();
+        let row_len = shard.extent.last().copied().unwrap_or(1).max(1);
+        let mut done = 0usize;
+        let total = dst.len().min(src.len() / elem);
+        let mut b = vec![0u64; n];
+        while done < total {
+            let at = first + done as u64;
+            let (row, col) = (at / row_len, at % row_len);
+            // global coordinates of element `at`
+            let mut rest = row;
+            for d in (0..n.saturating_sub(1)).rev() {
+                let c = shard.offset[d] + rest % shard.extent[d];
+                rest /= shard.extent[d];
+                b[d] = c / self.block[d];
+            }
+            let mut len = (row_len - col) as usize;
+            if n > 0 {
+                let c = shard.offset[n - 1] + col;
+                let bl = self.block[n - 1];
+                b[n - 1] = c / bl;
+                len = len.min(((c / bl + 1) * bl - c) as usize);
+            }
+            let len = len.min(total - done);
+            let mult = self.scales[index_in(&self.blocks, &b)].mult;
+            self.quant.fp8.encode_scaled(
+                dtype,
+                &src[done * elem..(done + len) * elem],
+                mult,
+                &mut dst[done..done + len],
+            );
+            done += len;
+        }
+    }
+}
