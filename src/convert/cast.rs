@@ -6,7 +6,7 @@
 //! - overflow gives ±inf (bf16, f16, f32) or, for the fp8 formats, which the quantization
 //!   schemes call only on scaled values, saturates at ±FMAX;
 //! - NaN stays NaN: bf16 NaN is `0xffff` (torch's vectorized kernels write that whatever the
-//!   sign), f16 NaN keeps its sign and the top bits of its payload, quieted, and f32 NaN from
+//!   sign; its scalar loop, which finishes a tensor's tail, writes `0x7fc0`), f16 NaN keeps its sign and the top bits of its payload, quieted, and f32 NaN from
 //!   f64 likewise;
 //! - from f64 to a type narrower than f32, torch rounds to f32 first and then to the target
 //!   (its `Half` and `BFloat16` are built from a `float`). We do the same, so
@@ -63,11 +63,10 @@ pub(crate) fn encode(bits: u32, fmt: Format) -> u32 {
     let shift = 23 - fmt.m;
     let rounded = abs.wrapping_add((1 << (shift - 1)) - 1 + ((abs >> shift) & 1));
     let normal = (rounded >> shift).wrapping_sub((127 - fmt.bias) << fmt.m);
-    // Subnormal results: adding 2^k, whose ulp is the format's subnormal spacing, makes the
+    // Subnormal results: adding 2^k (k = 24 - bias - m), whose ulp is the format's subnormal spacing, makes the
     // f32 adder round to that spacing (nearest even); the difference of the bit patterns is
     // then the code (up to and including the smallest normal).
-    let magic_exp = 24 - fmt.bias - fmt.m;
-    let magic = f32::from_bits((magic_exp + 127) << 23);
+    let magic = f32::from_bits((151 - fmt.bias - fmt.m) << 23);
     let sub = (f32::from_bits(abs) + magic)
         .to_bits()
         .wrapping_sub(magic.to_bits());
@@ -274,5 +273,247 @@ pub fn write_f32(dtype: DType, x: f32, out: &mut [u8]) {
             let n = d.size().min(4);
             out[..n].copy_from_slice(&x.to_bits().to_le_bytes()[..n]);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// f32 bit patterns to test: a stride over all 2^32 and, for every value of a 16-bit
+    /// format, the midpoints to its neighbour and one f32 ulp either side (ties and near-ties).
+    fn patterns(stride: u32) -> impl Iterator<Item = u32> {
+        let strided = (0..=u32::MAX / stride).map(move |i| i * stride);
+        let ties = (0..=0xffffu32).flat_map(|h| {
+            // bf16 midpoints (16 dropped bits) and f16 midpoints in the normal range
+            let bf = (h << 16) | 0x8000;
+            let f16mid = f32::from_bits(0x3800_0000 + (h << 13)).to_bits() | 0x1000;
+            [bf - 1, bf, bf + 1, f16mid - 1, f16mid, f16mid + 1]
+        });
+        strided.chain(ties)
+    }
+
+    /// The nearer of two candidate codes for `x` by exact f64 distance, ties to the even one.
+    fn nearest(x: f64, lo: (u32, f64), hi: (u32, f64)) -> u32 {
+        let (dl, dh) = ((x - lo.1).abs(), (hi.1 - x).abs());
+        if dl < dh || (dl == dh && lo.0 & 1 == 0) {
+            lo.0
+        } else {
+            hi.0
+        }
+    }
+
+    #[test]
+    fn bf16_from_f32_rounds_to_nearest_even() {
+        for bits in patterns(4099) {
+            let x = f32::from_bits(bits);
+            let got = bf16_from_f32(x);
+            if x.is_nan() {
+                assert_eq!(got, 0xffff, "{bits:#x}");
+                continue;
+            }
+            // the two bf16 values around x, by truncation of the magnitude
+            let t = (bits >> 16) as u16;
+            let lo = (t as u32, bf16_to_f32(t) as f64);
+            let up = bf16_to_f32(t.wrapping_add(1)) as f64;
+            let up = if up.is_nan() { f64::INFINITY } else { up };
+            let want = if bits & 0xffff == 0 {
+                t
+            } else {
+                let hi = (t as u32 + 1, up);
+                // bf16 max rounds up to inf when it is at least halfway to 2^128
+                let x = x as f64;
+                if hi.1.is_infinite() {
+                    let half = (bf16_to_f32(t) as f64).abs() + 2f64.powi(119);
+                    if x.abs() >= half { t + 1 } else { t }
+                } else {
+                    nearest(x, lo, hi) as u16
+                }
+            };
+            assert_eq!(got, want, "{bits:#x}");
+        }
+    }
+
+    #[test]
+    fn every_bf16_and_f16_decodes_exactly_and_encodes_back() {
+        for h in 0..=0xffffu16 {
+            // bf16: an f32 with the low half zero
+            let x = bf16_to_f32(h);
+            assert_eq!(x.to_bits(), (h as u32) << 16);
+            if !x.is_nan() {
+                assert_eq!(bf16_from_f32(x), h);
+            }
+            // f16 against the fields, in f64
+            let (s, e, m) = ((h >> 15) as i32, ((h >> 10) & 31) as i32, (h & 1023) as f64);
+            let sign = if s == 1 { -1.0 } else { 1.0 };
+            let want = match e {
+                0 => sign * m * 2f64.powi(-24),
+                31 if m == 0.0 => sign * f64::INFINITY,
+                31 => f64::NAN,
+                _ => sign * (1.0 + m / 1024.0) * 2f64.powi(e - 15),
+            };
+            let got = f16_to_f32(h);
+            if want.is_nan() {
+                assert!(got.is_nan() && got.is_sign_negative() == (s == 1), "{h:#x}");
+                // a NaN keeps its payload's top bits, quieted
+                assert_eq!(f16_from_f32(got), h | 0x200, "{h:#x}");
+            } else {
+                assert_eq!(got as f64, want, "{h:#x}");
+                assert_eq!(f16_from_f32(got), h, "{h:#x}");
+            }
+            let other = half::f16::from_bits(h).to_f32();
+            assert!(got.to_bits() == other.to_bits() || (got.is_nan() && other.is_nan()));
+        }
+    }
+
+    #[test]
+    fn f16_from_f32_agrees_with_the_half_crate() {
+        for bits in patterns(4099) {
+            let x = f32::from_bits(bits);
+            let got = f16_from_f32(x);
+            let want = half::f16::from_f32(x).to_bits();
+            if x.is_nan() {
+                assert!(f16_to_f32(got).is_nan(), "{bits:#x}");
+                assert_eq!(got & 0x8000, want & 0x8000, "{bits:#x}");
+            } else {
+                assert_eq!(got, want, "{bits:#x} ({x})");
+            }
+        }
+    }
+
+    fn golden(text: &str) -> Vec<Vec<u64>> {
+        text.lines()
+            .map(|l| {
+                l.split_whitespace()
+                    .map(|w| u64::from_str_radix(w, 16).unwrap())
+                    .collect()
+            })
+            .collect()
+    }
+
+    /// Bits torch 2.15 (CPU) gives for `.to()`, generated by `golden/gen.py`.
+    #[test]
+    fn f32_casts_match_torch() {
+        let rows = golden(include_str!("golden/f32.txt"));
+        assert!(rows.len() > 1000);
+        for r in rows {
+            let x = f32::from_bits(r[0] as u32);
+            assert_eq!(bf16_from_f32(x) as u64, r[1], "bf16 of {:#x}", r[0]);
+            assert_eq!(f16_from_f32(x) as u64, r[2], "f16 of {:#x}", r[0]);
+            assert_eq!(Fp8::E4M3.encode(x) as u64, r[3], "e4m3 of {:#x}", r[0]);
+            // torch's e5m2 overflows to inf, where the schemes saturate at FMAX
+            let e5 = Fp8::E5M2.encode(x) as u64;
+            if r[4] & 0x7f == 0x7c {
+                assert_eq!(e5, r[4] - 1, "e5m2 of {:#x}", r[0]);
+            } else {
+                assert_eq!(e5, r[4], "e5m2 of {:#x}", r[0]);
+            }
+        }
+    }
+
+    #[test]
+    fn f64_casts_match_torch() {
+        let rows = golden(include_str!("golden/f64.txt"));
+        assert!(rows.len() > 300);
+        for r in rows {
+            let src = r[0].to_le_bytes();
+            for (dst, want, width) in [
+                (DType::F32, r[1], 4),
+                (DType::Bf16, r[2], 2),
+                (DType::F16, r[3], 2),
+            ] {
+                let mut out = vec![0u8; width];
+                cast(DType::F64, dst, &src, &mut out).unwrap();
+                let mut got = [0u8; 8];
+                got[..width].copy_from_slice(&out);
+                let got = u64::from_le_bytes(got);
+                if dst == DType::Bf16 && want & 0x7fff > 0x7f80 {
+                    // torch writes bf16 NaN as 0xffff in its vector loop and 0x7fc0 in the
+                    // scalar tail after it; either way a NaN
+                    assert!(got & 0x7fff > 0x7f80, "{dst} of {:#x}", r[0]);
+                } else {
+                    assert_eq!(got, want, "{dst} of {:#x}", r[0]);
+                }
+            }
+        }
+    }
+
+    /// Every kernel, over a byte buffer at an odd offset, equals its element function.
+    #[test]
+    fn kernels_equal_the_element_casts() {
+        let floats = [DType::F64, DType::F32, DType::Bf16, DType::F16];
+        let values: Vec<f32> = patterns(1 << 20).take(5000).map(f32::from_bits).collect();
+        for from in floats {
+            let mut src = vec![0u8; 1 + values.len() * from.size()];
+            for (i, &v) in values.iter().enumerate() {
+                write_f32(from, v, &mut src[1 + i * from.size()..]);
+            }
+            for to in floats {
+                let mut dst = vec![0u8; values.len() * to.size()];
+                cast(from, to, &src[1..], &mut dst).unwrap();
+                for i in 0..values.len() {
+                    let x = read_f32(from, &src[1 + i * from.size()..]);
+                    let got = &dst[i * to.size()..(i + 1) * to.size()];
+                    let mut want = vec![0u8; to.size()];
+                    if from == DType::F64 && to == DType::F64 {
+                        want.copy_from_slice(&src[1 + i * 8..9 + i * 8]);
+                    } else if to == DType::F64 && !x.is_nan() {
+                        want.copy_from_slice(&(x as f64).to_le_bytes());
+                    } else {
+                        write_f32(to, x, &mut want);
+                    }
+                    if x.is_nan() {
+                        assert!(read_f32(to, got).is_nan(), "{from}->{to} {i}");
+                    } else {
+                        assert_eq!(got, &want[..], "{from}->{to} of {x}");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn only_float_casts_are_supported() {
+        let float = [DType::F64, DType::F32, DType::Bf16, DType::F16];
+        for a in DType::ALL {
+            for b in DType::ALL {
+                let ok = a == b || (float.contains(&a) && float.contains(&b));
+                assert_eq!(cast_supported(a, b).is_ok(), ok, "{a} -> {b}");
+                assert_eq!(cast_fn(a, b).is_ok(), ok, "{a} -> {b}");
+            }
+        }
+        let err = cast_supported(DType::Bf16, DType::Fp8E4M3).unwrap_err();
+        assert!(err.to_string().contains("--quant"), "{err}");
+        let err = cast_supported(DType::F32, DType::I32).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "--dst-dtype: cannot convert f32 to i32: only float casts among f64, f32, bf16 and f16 are supported"
+        );
+    }
+
+    #[test]
+    fn lengths_that_disagree_are_an_error() {
+        let err = cast(DType::F32, DType::Bf16, &[0; 8], &mut [0; 2]).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                ConvertError::Length {
+                    src_bytes: 8,
+                    dst_bytes: 2,
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        assert!(cast(DType::F32, DType::Bf16, &[0; 7], &mut [0; 2]).is_err());
+        let mut out = [0u8; 4];
+        cast(
+            DType::F32,
+            DType::Bf16,
+            &1.5f32.to_le_bytes().repeat(2),
+            &mut out,
+        )
+        .unwrap();
+        assert_eq!(out, [0xc0, 0x3f, 0xc0, 0x3f]);
     }
 }

@@ -151,3 +151,135 @@ impl Fp8 {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The value of a code from its bit fields, in f64, written apart from the encoder's
+    /// tables: `None` for NaN, and e5m2's infinities as such.
+    pub(crate) fn field_value(fp8: Fp8, code: u8) -> Option<f64> {
+        let (ebits, m, bias) = match fp8 {
+            Fp8::E4M3 => (4, 3, 7),
+            Fp8::E5M2 => (5, 2, 15),
+        };
+        let sign = if code & 0x80 != 0 { -1.0 } else { 1.0 };
+        let e = ((code & 0x7f) >> m) as i32;
+        let man = (code & ((1 << m) - 1)) as f64;
+        let top = (1 << ebits) - 1;
+        match fp8 {
+            Fp8::E4M3 if code & 0x7f == 0x7f => return None,
+            Fp8::E5M2 if e == top && man != 0.0 => return None,
+            Fp8::E5M2 if e == top => return Some(sign * f64::INFINITY),
+            _ => {}
+        }
+        let scale = 2f64.powi(if e == 0 { 1 - bias } else { e - bias });
+        let lead = if e == 0 { 0.0 } else { 1.0 };
+        Some(sign * (lead + man / (1 << m) as f64) * scale)
+    }
+
+    /// The code nearest to `x` among the finite ones, ties to an even code; beyond FMAX, FMAX.
+    fn nearest_code(fp8: Fp8, x: f32) -> u8 {
+        // saturation first: beyond FMAX, f64 distances to the top codes lose their difference
+        let x = (x as f64).clamp(-fp8.fmax() as f64, fp8.fmax() as f64);
+        let mut best: Option<(f64, u8)> = None;
+        for code in 0..=255u8 {
+            let Some(v) = field_value(fp8, code).filter(|v| v.is_finite()) else {
+                continue;
+            };
+            if v == 0.0 && (code & 0x80 != 0) != x.is_sign_negative() {
+                continue; // keep the zero of x's sign
+            }
+            let d = (x - v).abs();
+            best = match best {
+                Some((bd, bc)) if bd < d || (bd == d && bc & 1 == 0) => Some((bd, bc)),
+                _ => Some((d, code)),
+            };
+        }
+        best.unwrap().1
+    }
+
+    #[test]
+    fn the_tables_decode_every_code() {
+        for fp8 in [Fp8::E4M3, Fp8::E5M2] {
+            for code in 0..=255u8 {
+                let got = fp8.decode(code);
+                match field_value(fp8, code) {
+                    None => assert!(got.is_nan(), "{fp8:?} {code:#x}"),
+                    Some(v) => assert_eq!(got as f64, v, "{fp8:?} {code:#x}"),
+                }
+            }
+        }
+        assert_eq!(Fp8::E4M3.decode(0x7e), 448.0);
+        assert_eq!(Fp8::E5M2.decode(0x7b), 57344.0);
+        assert_eq!(Fp8::E4M3.decode(0x01), 2f32.powi(-9));
+        assert_eq!(Fp8::E5M2.decode(0x01), 2f32.powi(-16));
+    }
+
+    #[test]
+    fn encoding_rounds_to_nearest_even_and_saturates() {
+        for fp8 in [Fp8::E4M3, Fp8::E5M2] {
+            // every code, the midpoints to its neighbours and an f32 ulp around them
+            let mut xs = Vec::new();
+            for code in 0..0x7fu8 {
+                let (Some(a), Some(b)) = (field_value(fp8, code), field_value(fp8, code + 1))
+                else {
+                    continue;
+                };
+                if !b.is_finite() {
+                    continue;
+                }
+                let mid = ((a + b) / 2.0) as f32;
+                for x in [
+                    a as f32,
+                    mid,
+                    f32::from_bits(mid.to_bits() - 1),
+                    f32::from_bits(mid.to_bits() + 1),
+                ] {
+                    xs.extend([x, -x]);
+                }
+            }
+            xs.extend((0..=u32::MAX / 65521).map(|i| f32::from_bits(i * 65521)));
+            xs.extend([
+                fp8.fmax() * 1.1,
+                f32::MAX,
+                f32::INFINITY,
+                f32::NEG_INFINITY,
+                1e-30,
+                -0.0,
+            ]);
+            for x in xs {
+                if x.is_nan() {
+                    continue;
+                }
+                assert_eq!(
+                    fp8.encode(x),
+                    nearest_code(fp8, x),
+                    "{fp8:?} {x:e} ({:#x})",
+                    x.to_bits()
+                );
+            }
+            assert!(fp8.decode(fp8.encode(f32::NAN)).is_nan());
+            assert_eq!(fp8.encode(-f32::NAN), 0xff);
+            assert_eq!(fp8.decode(fp8.encode(f32::INFINITY)), fp8.fmax());
+            assert_eq!(fp8.decode(fp8.encode(-1e30)), -fp8.fmax());
+        }
+    }
+
+    #[test]
+    fn scaled_encoding_reads_every_float_source() {
+        let xs = [0.5f32, -3.0, 1e-3, 300.0, 0.0];
+        for dtype in [DType::F64, DType::F32, DType::Bf16, DType::F16] {
+            let mut src = vec![0u8; xs.len() * dtype.size()];
+            for (i, &x) in xs.iter().enumerate() {
+                crate::convert::cast::write_f32(dtype, x, &mut src[i * dtype.size()..]);
+            }
+            let mut dst = vec![0u8; xs.len()];
+            Fp8::E4M3.encode_scaled(dtype, &src, 2.0, &mut dst);
+            for (i, &x) in xs.iter().enumerate() {
+                let read = crate::convert::cast::read_f32(dtype, &src[i * dtype.size()..]);
+                assert_eq!(dst[i], Fp8::E4M3.encode(read * 2.0), "{dtype} {x}");
+            }
+        }
+    }
+}
