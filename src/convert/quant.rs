@@ -373,3 +373,157 @@ pub fn ceil_log2(x: f32) -> i32 {
     };
     floor_log2(x) + i32::from(!exact)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn schemes_parse_and_print_back() {
+        for text in [
+            "block:128x128",
+            "block:1x32:ue8m0",
+            "mx:32",
+            "channel",
+            "tensor",
+        ] {
+            let s = QuantScheme::parse(text).unwrap();
+            assert_eq!(s.to_string(), text);
+        }
+        assert_eq!(
+            "block:128x64".parse::<QuantScheme>().unwrap(),
+            QuantScheme::Block {
+                rows: 128,
+                cols: 64,
+                ue8m0: false
+            }
+        );
+        for bad in [
+            "block:0x128",
+            "block:128",
+            "block:axb",
+            "block:1x1:e8m0",
+            "mx:16",
+            "row",
+            "",
+        ] {
+            let err = QuantScheme::parse(bad).unwrap_err().to_string();
+            assert!(
+                err.starts_with(&format!("--quant: {bad} is invalid")),
+                "{err}"
+            );
+        }
+        assert!(
+            QuantScheme::parse("mx:64")
+                .unwrap_err()
+                .to_string()
+                .contains("mx:32")
+        );
+        assert_eq!("e8m0".parse::<ScaleDType>().unwrap(), ScaleDType::E8M0);
+        let err = "f16".parse::<ScaleDType>().unwrap_err().to_string();
+        assert_eq!(
+            err,
+            "--scale-dtype: f16 is invalid: expected `f32` or `e8m0`"
+        );
+    }
+
+    #[test]
+    fn combinations_are_checked() {
+        let block = QuantScheme::parse("block:128x128").unwrap();
+        let mx = QuantScheme::Mx;
+        let q = Quant::new(block, DType::Bf16, DType::Fp8E4M3, None).unwrap();
+        assert_eq!((q.fp8, q.scale_dtype), (Fp8::E4M3, ScaleDType::F32));
+        let q = Quant::new(mx, DType::F32, DType::Fp8E5M2, None).unwrap();
+        assert_eq!(q.scale_dtype, ScaleDType::E8M0);
+        let err = Quant::new(block, DType::Bf16, DType::Bf16, None).unwrap_err();
+        assert!(
+            err.to_string().contains("the destination dtype is bf16"),
+            "{err}"
+        );
+        let err = Quant::new(block, DType::I32, DType::Fp8E4M3, None).unwrap_err();
+        assert!(err.to_string().contains("the source dtype is i32"), "{err}");
+        let err =
+            Quant::new(block, DType::F32, DType::Fp8E4M3, Some(ScaleDType::E8M0)).unwrap_err();
+        assert!(
+            err.to_string()
+                .starts_with("--scale-dtype e8m0: --quant block:128x128"),
+            "{err}"
+        );
+        let ue = QuantScheme::parse("block:128x128:ue8m0").unwrap();
+        assert!(Quant::new(ue, DType::F32, DType::Fp8E4M3, Some(ScaleDType::E8M0)).is_ok());
+    }
+
+    #[test]
+    fn block_shapes_and_the_dims_they_need() {
+        let block = QuantScheme::parse("block:128x64").unwrap();
+        assert_eq!(block.block_shape(&[8, 300, 200]).unwrap(), [1, 128, 64]);
+        assert!(matches!(
+            block.block_shape(&[300]),
+            Err(ConvertError::SchemeNeedsDims {
+                needs: 2,
+                ndim: 1,
+                ..
+            })
+        ));
+        assert_eq!(QuantScheme::Mx.block_shape(&[4, 100]).unwrap(), [1, 32]);
+        assert_eq!(
+            QuantScheme::Channel.block_shape(&[4, 100]).unwrap(),
+            [1, 100]
+        );
+        assert_eq!(QuantScheme::Tensor.block_shape(&[4, 0]).unwrap(), [4, 1]);
+        assert!(QuantScheme::Tensor.block_shape(&[]).unwrap().is_empty());
+        assert_eq!(QuantScheme::Channel.may_cut(3), [false, false, true]);
+        assert_eq!(block.may_cut(2), [false, false]);
+    }
+
+    #[test]
+    fn exact_logarithms() {
+        for e in -149..=127 {
+            let x = pow2(e);
+            assert_eq!(floor_log2(x), e);
+            assert_eq!(ceil_log2(x), e);
+            let above = f32::from_bits(x.to_bits() + 1);
+            // (above 2^-149 comes 2^-148 itself)
+            if e > -149 && e < 127 {
+                assert_eq!(floor_log2(above), e, "{e}");
+                assert_eq!(ceil_log2(above), e + 1, "{e}");
+            }
+        }
+        assert_eq!(floor_log2(f32::MAX), 127);
+        assert_eq!(floor_log2(3.0 * pow2(-149)), -148);
+    }
+
+    #[test]
+    fn scales_follow_the_formulas() {
+        let q = |s: &str, fp8| {
+            Quant::new(QuantScheme::parse(s).unwrap(), DType::F32, fp8, None).unwrap()
+        };
+        let e4 = DType::Fp8E4M3;
+        // block: amax / FMAX, clamped below at 1e-4
+        let s = q("block:128x128", e4).scale(2.0);
+        assert_eq!((s.scale, s.mult), (2.0 / 448.0, 448.0 / 2.0));
+        let s = q("block:128x128", e4).scale(0.0);
+        assert_eq!((s.scale, s.mult), (1e-4 / 448.0, 448.0 / 1e-4));
+        // ue8m0: 2^ceil(log2(amax / FMAX)): 448 / 448 = 1 -> 2^0; 449 / 448 -> 2^1
+        let s = q("block:128x128:ue8m0", e4).scale(448.0);
+        assert_eq!((s.scale, s.mult, s.e8m0), (1.0, 1.0, 127));
+        let s = q("block:128x128:ue8m0", e4).scale(449.0);
+        assert_eq!((s.scale, s.mult, s.e8m0), (2.0, 0.5, 128));
+        let s = q("block:128x128:ue8m0", e4).scale(0.0);
+        assert_eq!(s.scale, pow2(ceil_log2(1e-4 / 448.0)));
+        // mx: E = floor(log2(amax)) - emax, clamped; amax 0 gives -127
+        let s = q("mx:32", e4).scale(448.0);
+        assert_eq!((s.scale, s.e8m0), (1.0, 127));
+        let s = q("mx:32", DType::Fp8E5M2).scale(1.0);
+        assert_eq!((s.scale, s.e8m0), (pow2(-15), 112));
+        let s = q("mx:32", e4).scale(0.0);
+        assert_eq!((s.scale, s.mult, s.e8m0), (pow2(-127), pow2(127), 0));
+        let s = q("mx:32", e4).scale(f32::MAX);
+        assert_eq!(s.e8m0, 127 + 119);
+        let s = q("mx:32", e4).scale(pow2(-149));
+        assert_eq!(s.e8m0, 0);
+        let mut out = [0u8; 4];
+        q("tensor", e4).write_scale(&q("tensor", e4).scale(4.48), &mut out);
+        assert_eq!(f32::from_le_bytes(out), 4.48 / 448.0);
+    }
+}
