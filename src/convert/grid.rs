@@ -231,6 +231,48 @@ fn for_each_row(shard: &Region, region: &Region, mut f: impl FnMut(&[u64], u64, 
     });
 }
 
+/// The largest magnitude among `bytes` (elements of `dtype`) read as f32, and whether all
+/// are finite. For IEEE formats the order of magnitudes is the order of the bit patterns
+/// without the sign, so the scan is an integer maximum, which vectorizes; NaN and infinities
+/// sort above every finite value. An f64 beyond the f32 range reads as an infinity, as the
+/// quantizer's f32 arithmetic would see it.
+fn max_abs(dtype: DType, bytes: &[u8]) -> (f32, bool) {
+    match dtype {
+        DType::F32 => {
+            let m = bytes
+                .chunks_exact(4)
+                .map(|s| u32::from_le_bytes([s[0], s[1], s[2], s[3]]) & 0x7fff_ffff)
+                .fold(0, u32::max);
+            (f32::from_bits(m), m < 0x7f80_0000)
+        }
+        DType::Bf16 | DType::F16 => {
+            let m = bytes
+                .chunks_exact(2)
+                .map(|s| u16::from_le_bytes([s[0], s[1]]) & 0x7fff)
+                .fold(0, u16::max);
+            if dtype == DType::Bf16 {
+                (crate::convert::cast::bf16_to_f32(m), m < 0x7f80)
+            } else {
+                (crate::convert::cast::f16_to_f32(m), m < 0x7c00)
+            }
+        }
+        DType::F64 => {
+            let m = bytes
+                .chunks_exact(8)
+                .map(|s| u64::from_le_bytes(s.try_into().expect("8 bytes")) & (u64::MAX >> 1))
+                .fold(0, u64::max);
+            let m = f64::from_bits(m) as f32;
+            (m, m.is_finite())
+        }
+        _ => bytes
+            .chunks_exact(dtype.size())
+            .map(|s| read_f32(dtype, s))
+            .fold((0f32, true), |(m, ok), x| {
+                (m.max(x.abs()), ok && x.is_finite())
+            }),
+    }
+}
+
 impl AmaxGrid {
     /// The amax of every block `shard` touches, over the elements of `buf`, the rank's dense
     /// row-major buffer of `shard` (dtype `dtype`, a float type). A NaN or an infinity is an
@@ -263,15 +305,16 @@ impl AmaxGrid {
                     b[last] = col / bl;
                 }
                 let bytes = &buf[at..at + (run_end - col) as usize * elem];
-                let mut m = 0f32;
-                let mut bad = None;
-                for (i, s) in bytes.chunks_exact(elem).enumerate() {
-                    let x = read_f32(dtype, s);
-                    if !x.is_finite() {
-                        bad.get_or_insert((i, x));
-                    }
-                    m = m.max(x.abs());
-                }
+                let (m, finite) = max_abs(dtype, bytes);
+                let bad = if finite {
+                    None
+                } else {
+                    bytes
+                        .chunks_exact(elem)
+                        .map(|s| read_f32(dtype, s))
+                        .enumerate()
+                        .find(|(_, x)| !x.is_finite())
+                };
                 if let Some((i, x)) = bad {
                     let mut element = p.to_vec();
                     if n > 0 {
@@ -402,6 +445,8 @@ pub struct Scales {
     pub blocks: Region,
     /// Each block's scale, row-major over `blocks`.
     pub scales: Vec<BlockScale>,
+    /// Each block's multiplier, row-major over `blocks`: the quantizing copy's lookups.
+    mults: Vec<f32>,
     block: Vec<u64>,
 }
 
@@ -412,6 +457,7 @@ impl Scales {
             quant,
             blocks: amax.blocks.clone(),
             scales: amax.amax.iter().map(|&a| quant.scale(a)).collect(),
+            mults: amax.amax.iter().map(|&a| quant.scale(a).mult).collect(),
             block: grid.block.clone(),
         }
     }
@@ -444,35 +490,44 @@ impl Scales {
         let n = shard.ndim();
         let elem = dtype.size();
         let row_len = shard.extent.last().copied().unwrap_or(1).max(1);
-        let mut done = 0usize;
         let total = dst.len().min(src.len() / elem);
-        let mut b = vec![0u64; n];
+        let (bl, b_last0, blocks_last) = match n {
+            0 => (1, 0, 1),
+            _ => (
+                self.block[n - 1],
+                self.blocks.offset[n - 1],
+                self.blocks.extent[n - 1],
+            ),
+        };
+        let mut done = 0usize;
         while done < total {
             let at = first + done as u64;
             let (row, col) = (at / row_len, at % row_len);
-            // global coordinates of element `at`
+            // the row's first block, as an index into the blocks' row-major order
             let mut rest = row;
+            let mut base = 0u64;
+            let mut stride = blocks_last;
             for d in (0..n.saturating_sub(1)).rev() {
                 let c = shard.offset[d] + rest % shard.extent[d];
                 rest /= shard.extent[d];
-                b[d] = c / self.block[d];
+                base += (c / self.block[d] - self.blocks.offset[d]) * stride;
+                stride *= self.blocks.extent[d];
             }
-            let mut len = (row_len - col) as usize;
-            if n > 0 {
-                let c = shard.offset[n - 1] + col;
-                let bl = self.block[n - 1];
-                b[n - 1] = c / bl;
-                len = len.min(((c / bl + 1) * bl - c) as usize);
+            // the rest of this row, block by block
+            let row_end = done + ((row_len - col) as usize).min(total - done);
+            let mut c = shard.offset.get(n.wrapping_sub(1)).copied().unwrap_or(0) + col;
+            while done < row_end {
+                let len = (((c / bl + 1) * bl - c) as usize).min(row_end - done);
+                let k = base + if n > 0 { c / bl - b_last0 } else { 0 };
+                self.quant.fp8.encode_scaled(
+                    dtype,
+                    &src[done * elem..(done + len) * elem],
+                    self.mults[k as usize],
+                    &mut dst[done..done + len],
+                );
+                done += len;
+                c += len as u64;
             }
-            let len = len.min(total - done);
-            let mult = self.scales[index_in(&self.blocks, &b)].mult;
-            self.quant.fp8.encode_scaled(
-                dtype,
-                &src[done * elem..(done + len) * elem],
-                mult,
-                &mut dst[done..done + len],
-            );
-            done += len;
         }
     }
 }
