@@ -91,3 +91,15 @@ fn amax(bencher: Bencher) {
         .counter(BytesCount::new(SRC))
         .bench_local(|| AmaxGrid::local(&grid, &shard, black_box(&src), DType::Bf16).unwrap());
 }
+
+/// The fp8 encoding loop alone, over the whole buffer with one multiplier: the bound on
+/// `quantize`, without its per-block lookups.
+#[divan::bench(sample_count = SAMPLES, args = ["bf16", "f32"])]
+fn encode(bencher: Bencher, from: &str) {
+    let from: DType = from.parse().unwrap();
+    let src = source(from);
+    let mut dst = vec![0u8; SRC / from.size()];
+    bencher.counter(BytesCount::new(SRC)).bench_local(|| {
+        reshard::convert::Fp8::E4M3.encode_scaled(from, black_box(&src), 3.0, &mut dst)
+    });
+}

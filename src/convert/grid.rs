@@ -237,6 +237,23 @@ fn for_each_row(shard: &Region, region: &Region, mut f: impl FnMut(&[u64], u64, 
 /// sort above every finite value. An f64 beyond the f32 range reads as an infinity, as the
 /// quantizer's f32 arithmetic would see it.
 fn max_abs(dtype: DType, bytes: &[u8]) -> (f32, bool) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU supports AVX2, checked just above.
+        return unsafe { max_abs_avx2(dtype, bytes) };
+    }
+    max_abs_body(dtype, bytes)
+}
+
+/// [`max_abs`] compiled for AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn max_abs_avx2(dtype: DType, bytes: &[u8]) -> (f32, bool) {
+    max_abs_body(dtype, bytes)
+}
+
+#[inline(always)]
+fn max_abs_body(dtype: DType, bytes: &[u8]) -> (f32, bool) {
     match dtype {
         DType::F32 => {
             let m = bytes
