@@ -182,7 +182,7 @@ pub fn cast_fn(src: DType, dst: DType) -> Result<CastFn, ConvertError> {
 pub fn cast(from: DType, to: DType, src: &[u8], dst: &mut [u8]) -> Result<(), ConvertError> {
     let kernel = cast_fn(from, to)?;
     let n = src.len() / from.size();
-    if src.len() % from.size() != 0 || dst.len() != n * to.size() {
+    if !src.len().is_multiple_of(from.size()) || dst.len() != n * to.size() {
         return Err(ConvertError::Length {
             src: from,
             src_bytes: src.len() as u64,

@@ -118,7 +118,7 @@ impl BlockGrid {
             let b = self.block[d];
             for piece in layout.dim_pieces(d) {
                 for boundary in [piece.start, piece.end] {
-                    if boundary % b != 0 && boundary != self.shape[d] {
+                    if !boundary.is_multiple_of(b) && boundary != self.shape[d] {
                         return Err(ConvertError::CutBlock {
                             side,
                             dim: d,
