@@ -737,5 +737,29 @@ mod tests {
             err.to_string(),
             "block [0, 1] holds a non-finite value (NaN) at element [1, 2], which fp8 cannot carry"
         );
+        // an f64 beyond the f32 range is an infinity to the f32 arithmetic of the schemes
+        let big: Vec<u8> = [1.0f64, 2.0, 1e300, 4.0, 5.0, 6.0]
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
+        let err = AmaxGrid::local(&g, &shard, &big, DType::F64).unwrap_err();
+        assert!(
+            matches!(&err, ConvertError::NonFinite { block, element, value }
+                if block == &[0, 1] && element == &[0, 3] && *value == f32::INFINITY),
+            "{err}"
+        );
+        // the magnitude scan of every float dtype agrees with reading each element
+        let xs = [0.0f32, -0.0, 1e-40, -3.5, 448.0, -1e-3, 65000.0, 2.5e-8];
+        for dtype in [DType::F32, DType::Bf16, DType::F16, DType::F64] {
+            let mut buf = vec![0u8; xs.len() * dtype.size()];
+            for (i, &x) in xs.iter().enumerate() {
+                crate::convert::cast::write_f32(dtype, x, &mut buf[i * dtype.size()..]);
+            }
+            let want = buf
+                .chunks_exact(dtype.size())
+                .map(|s| read_f32(dtype, s).abs())
+                .fold(0f32, f32::max);
+            assert_eq!(max_abs(dtype, &buf), (want, true), "{dtype}");
+        }
     }
 }
