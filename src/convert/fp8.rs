@@ -206,11 +206,17 @@ fn encode_scaled_body(fp8: Fp8, src_dtype: DType, src: &[u8], mult: f32, dst: &m
     }
     let bf16 = |s: &[u8]| f32::from_bits((u16::from_le_bytes([s[0], s[1]]) as u32) << 16);
     let f32 = |s: &[u8]| f32::from_le_bytes([s[0], s[1], s[2], s[3]]);
+    let f16 = |s: &[u8]| crate::convert::cast::f16_to_f32(u16::from_le_bytes([s[0], s[1]]));
+    let f64 = |s: &[u8]| f64::from_le_bytes(s.try_into().expect("8 bytes")) as f32;
     match (fp8, src_dtype) {
         (Fp8::E4M3, DType::Bf16) => run::<2>((E4M3, 448.0), src, dst, bf16, mult),
         (Fp8::E5M2, DType::Bf16) => run::<2>((E5M2, 57344.0), src, dst, bf16, mult),
         (Fp8::E4M3, DType::F32) => run::<4>((E4M3, 448.0), src, dst, f32, mult),
         (Fp8::E5M2, DType::F32) => run::<4>((E5M2, 57344.0), src, dst, f32, mult),
+        (Fp8::E4M3, DType::F16) => run::<2>((E4M3, 448.0), src, dst, f16, mult),
+        (Fp8::E5M2, DType::F16) => run::<2>((E5M2, 57344.0), src, dst, f16, mult),
+        (Fp8::E4M3, DType::F64) => run::<8>((E4M3, 448.0), src, dst, f64, mult),
+        (Fp8::E5M2, DType::F64) => run::<8>((E5M2, 57344.0), src, dst, f64, mult),
         _ => {
             let size = src_dtype.size();
             for (s, d) in src.chunks_exact(size).zip(dst.iter_mut()) {

@@ -14,6 +14,30 @@
 //!   which engine loads each, their parsing and their scale arithmetic;
 //! - [`grid`]: the block grid, the destination alignment rule, the partial amax exchange
 //!   between source ranks that share a block, and the quantizing copy of a run.
+//!
+//! One rank quantizing its shard, when no block is cut by another shard (otherwise the
+//! partial amax of [`amax_exchange`] are merged before the scales are taken):
+//!
+//! ```
+//! use reshard::convert::{AmaxGrid, BlockGrid, Quant, QuantScheme, Scales};
+//! use reshard::{DType, Region};
+//! let scheme = QuantScheme::parse("block:2x2")?;
+//! let quant = Quant::new(scheme, DType::F32, DType::Fp8E4M3, None)?;
+//! let grid = BlockGrid::new(scheme, &[2, 4])?;
+//! let shard = Region::full(&[2, 4]);
+//! let values = [1.0f32, -2.0, 0.5, 0.25, 3.0, 4.0, 0.0, 0.125];
+//! let buf: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+//! let amax = AmaxGrid::local(&grid, &shard, &buf, DType::F32)?;
+//! assert_eq!(amax.amax, [4.0, 0.5]);
+//! let scales = Scales::new(quant, &grid, &amax);
+//! let mut q = [0u8; 8];
+//! scales.quantize_run(&shard, DType::F32, 0, &buf, &mut q);
+//! assert_eq!(q[5], 0x7e); // 4.0, its block's amax, becomes FMAX (448)
+//! let mut scale = [0u8; 8];
+//! scales.write(&grid.scale_region(&shard), &mut scale);
+//! assert_eq!(f32::from_le_bytes(scale[..4].try_into()?), 4.0 / 448.0);
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
 
 pub mod cast;
 pub mod fp8;
