@@ -295,6 +295,8 @@ impl AmaxGrid {
     /// row-major buffer of `shard` (dtype `dtype`, a float type). A NaN or an infinity is an
     /// error naming its block and element: it has no fp8 value and would poison its block's
     /// scale.
+    ///
+    /// Panics if `buf` is shorter than `shard`: the executor checks buffer sizes first.
     pub fn local(
         grid: &BlockGrid,
         shard: &Region,
@@ -480,7 +482,8 @@ impl Scales {
     }
 
     /// Writes the scales of `sub` (a box within [`Scales::blocks`]), row-major, in the
-    /// scale dtype, into `out` (`sub.volume()` scales long).
+    /// scale dtype, into `out` (`sub.volume()` scales long). Panics if `sub` or `out` does
+    /// not fit: both come from the plan, never from a user.
     pub fn write(&self, sub: &Region, out: &mut [u8]) {
         let size = self.quant.scale_dtype.size();
         let mut at = 0;
@@ -495,7 +498,9 @@ impl Scales {
     /// buffer of `shard` (dtype `dtype`) starting at element `first` of that buffer, into
     /// `dst` (one fp8 byte per element, `dst.len()` elements). The run may span rows; it is
     /// cut where the row or the block changes, and each piece gets its block's multiplier.
-    /// The executor calls it on every run it packs, in place of a copy.
+    /// The executor calls it on every run it packs, in place of a copy. Panics if the run
+    /// leaves `shard` or `src`, or reaches a block these scales do not cover (the rank's
+    /// own shard's blocks always are).
     pub fn quantize_run(
         &self,
         shard: &Region,

@@ -86,6 +86,9 @@ pub enum ConvertError {
         scale_dtype: quant::ScaleDType,
     },
 
+    #[error("--quant {scheme}: a block needs at least one row and one column")]
+    EmptyBlock { scheme: String },
+
     #[error("--quant {scheme}: needs a tensor of at least {needs} dims, this one has {ndim}")]
     SchemeNeedsDims {
         scheme: String,

@@ -205,6 +205,11 @@ impl QuantScheme {
         Ok(match self {
             QuantScheme::Block { rows, cols, .. } => {
                 need(2)?;
+                if rows == 0 || cols == 0 {
+                    return Err(ConvertError::EmptyBlock {
+                        scheme: self.to_string(),
+                    });
+                }
                 let mut b = vec![1; n];
                 b[n - 2] = rows;
                 b[n - 1] = cols;
@@ -465,6 +470,15 @@ mod tests {
                 ..
             })
         ));
+        let empty = QuantScheme::Block {
+            rows: 0,
+            cols: 4,
+            ue8m0: false,
+        };
+        assert_eq!(
+            empty.block_shape(&[4, 4]).unwrap_err().to_string(),
+            "--quant block:0x4: a block needs at least one row and one column"
+        );
         assert_eq!(QuantScheme::Mx.block_shape(&[4, 100]).unwrap(), [1, 32]);
         assert_eq!(
             QuantScheme::Channel.block_shape(&[4, 100]).unwrap(),
