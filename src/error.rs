@@ -219,6 +219,14 @@ pub enum Error {
         source: std::io::Error,
     },
 
+    /// A conversion (`--dst-dtype`, `--quant`) that cannot be done, for the tensor named.
+    #[error("{tensor}: {source}")]
+    Convert {
+        tensor: String,
+        #[source]
+        source: crate::convert::ConvertError,
+    },
+
     /// A model, parallelism config or layout rule that cannot be refit.
     #[error(transparent)]
     Model(Box<crate::model::ModelError>),

@@ -5,6 +5,7 @@ use std::collections::BTreeMap;
 use std::fmt;
 use std::str::FromStr;
 
+use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::layout::{Layout, Rank};
 use crate::memory;
@@ -22,6 +23,15 @@ pub enum Fill {
     /// for every dtype. A misplaced element of a 1-byte type goes unseen with probability
     /// 1/256, so a misplaced run of `k` elements with `256^-k`; wider types do better.
     Hash { seed: u64 },
+    /// `normal:SEED`: finite floats of varied magnitude, for the conversions (`--dst-dtype`,
+    /// `--quant`), whose results depend on the values: element `i` is an approximately normal
+    /// value (a sum of four uniforms, scaled to unit variance) times a power of two drawn per
+    /// row (the last dim) from 2^-8..2^8, so that block scales differ from block to block;
+    /// about one row in 16 is all zeros (the amax clamp and the zero scale) and one in 16 is
+    /// tiny (near 2^-20, below the clamp). Only basic arithmetic, no `ln` or `cos` (whose last
+    /// bit may differ between C libraries), so every host computes the same bits. Generated
+    /// as f32 and cast (nearest even) to the tensor's float dtype; float dtypes only.
+    Normal { seed: u64 },
 }
 
 impl Default for Fill {
@@ -37,6 +47,7 @@ impl fmt::Display for Fill {
         match self {
             Fill::Index => f.write_str("index"),
             Fill::Hash { seed } => write!(f, "hash:{seed}"),
+            Fill::Normal { seed } => write!(f, "normal:{seed}"),
         }
     }
 }
@@ -44,19 +55,24 @@ impl fmt::Display for Fill {
 impl FromStr for Fill {
     type Err = Error;
 
-    /// `index`, `hash` or `hash:SEED`.
+    /// `index`, `hash`, `hash:SEED`, `normal` or `normal:SEED`.
     fn from_str(s: &str) -> Result<Fill> {
         let bad = || Error::InvalidOption {
             field: "--fill",
             value: s.to_string(),
-            reason: "expected `index`, `hash` or `hash:SEED`".into(),
+            reason: "expected `index`, `hash`, `hash:SEED`, `normal` or `normal:SEED`".into(),
         };
         match s.split_once(':') {
             None if s == "index" => Ok(Fill::Index),
             None if s == "hash" => Ok(Fill::Hash { seed: 0 }),
+            None if s == "normal" => Ok(Fill::Normal { seed: 0 }),
             Some(("hash", seed)) => seed
                 .parse()
                 .map(|seed| Fill::Hash { seed })
+                .map_err(|_| bad()),
+            Some(("normal", seed)) => seed
+                .parse()
+                .map(|seed| Fill::Normal { seed })
                 .map_err(|_| bad()),
             _ => Err(bad()),
         }
@@ -70,12 +86,70 @@ fn mix(mut z: u64) -> u64 {
     z ^ (z >> 31)
 }
 
+/// Rows of `normal` that are all zeros, or tiny: one in `NORMAL_SPECIAL_ROWS` each.
+const NORMAL_SPECIAL_ROWS: u64 = 16;
+
 impl Fill {
     /// The value of global element `index`, as 8 little-endian bytes (the low ones count).
+    /// For `normal`, whose magnitude depends on the row, this is the f32 bits of the element
+    /// of a tensor that is one row; [`Fill::element`] gives the element of any shape.
     pub fn value(self, index: u64) -> u64 {
         match self {
             Fill::Index => index,
             Fill::Hash { seed } => mix(index ^ mix(seed.wrapping_add(0x9e37_79b9_7f4a_7c15))),
+            Fill::Normal { seed } => Self::normal(seed, 0, index).to_bits() as u64,
+        }
+    }
+
+    /// The f32 value of `normal`'s element `index`, in row `row`.
+    pub fn normal(seed: u64, row: u64, index: u64) -> f32 {
+        let row_hash = mix(row ^ mix(seed ^ 0x6a09_e667_f3bc_c909));
+        let power = match row_hash % NORMAL_SPECIAL_ROWS {
+            0 => return 0.0,
+            1 => -20,
+            _ => ((row_hash >> 8) % 17) as i32 - 8,
+        };
+        let h = mix(index ^ mix(seed.wrapping_add(0xbb67_ae85_84ca_a73b)));
+        // four 16-bit uniforms in [0, 1): their sum has mean 2 and variance 1/3
+        let sum: f64 = (0..4)
+            .map(|k| ((h >> (16 * k)) & 0xffff) as f64 / 65536.0)
+            .sum();
+        let unit = (sum - 2.0) * 3f64.sqrt();
+        (unit * 2f64.powi(power)) as f32
+    }
+
+    /// Whether this fill gives values of `dtype`: `normal` fills float dtypes only.
+    pub fn check_dtype(self, dtype: DType) -> Result<()> {
+        let float = matches!(
+            dtype,
+            DType::F64 | DType::F32 | DType::Bf16 | DType::F16 | DType::Fp8E4M3 | DType::Fp8E5M2
+        );
+        match self {
+            Fill::Normal { .. } if !float => Err(Error::InvalidOption {
+                field: "--fill",
+                value: self.to_string(),
+                reason: format!(
+                    "fills float dtypes only (f64, f32, bf16, f16, fp8e4m3, fp8e5m2), and the dtype is {dtype}"
+                ),
+            }),
+            _ => Ok(()),
+        }
+    }
+
+    /// Global element `index` of a tensor of `shape` and `dtype`, as little-endian bytes in
+    /// the low `dtype.size()` of 8. For `normal`, the f32 value cast to `dtype` (to nearest
+    /// even; fp8 saturates); for an integer dtype, which [`Fill::check_dtype`] refuses, the
+    /// f32 bits, truncated.
+    pub fn element(self, shape: &[u64], dtype: DType, index: u64) -> u64 {
+        match self {
+            Fill::Normal { seed } => {
+                let row_len = shape.last().copied().unwrap_or(1).max(1);
+                let x = Self::normal(seed, index / row_len, index);
+                let mut out = [0u8; 8];
+                crate::convert::cast::write_f32(dtype, x, &mut out);
+                u64::from_le_bytes(out)
+            }
+            _ => self.value(index),
         }
     }
 
@@ -116,7 +190,8 @@ impl Fill {
             let start = pos as usize * elem;
             let row = &mut buf[start..start + row_len as usize * elem];
             for (i, out) in row.chunks_exact_mut(elem).enumerate() {
-                out.copy_from_slice(&self.value(global + i as u64).to_le_bytes()[..elem]);
+                let v = self.element(layout.shape(), layout.dtype(), global + i as u64);
+                out.copy_from_slice(&v.to_le_bytes()[..elem]);
             }
         });
     }
@@ -161,7 +236,9 @@ impl Fill {
             let start = pos as usize * elem;
             let row = &buf[start..start + row_len * elem];
             for (i, got) in row.chunks_exact(elem).enumerate() {
-                let want = self.value(global + i as u64).to_le_bytes();
+                let want = self
+                    .element(layout.shape(), layout.dtype(), global + i as u64)
+                    .to_le_bytes();
                 if got != &want[..elem] {
                     for b in 0..elem {
                         if got[b] != want[b] {
@@ -226,7 +303,6 @@ impl Fill {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::dtype::DType;
     use crate::layout::LayoutSpec;
 
     #[test]
@@ -291,6 +367,112 @@ mod tests {
             assert!((176.0..336.0).contains(&same), "distance {d}: {same}");
         }
         assert!((0..n).all(|i| byte(Fill::Index, i) == byte(Fill::Index, i + 256)));
+    }
+
+    #[test]
+    fn normal_parses_and_refuses_integer_dtypes() {
+        assert_eq!("normal".parse::<Fill>().unwrap(), Fill::Normal { seed: 0 });
+        assert_eq!(
+            "normal:7".parse::<Fill>().unwrap(),
+            Fill::Normal { seed: 7 }
+        );
+        assert_eq!(Fill::Normal { seed: 7 }.to_string(), "normal:7");
+        assert!(
+            "normal:x"
+                .parse::<Fill>()
+                .unwrap_err()
+                .to_string()
+                .contains("--fill: normal:x")
+        );
+        for d in DType::ALL {
+            let float = matches!(
+                d,
+                DType::F64
+                    | DType::F32
+                    | DType::Bf16
+                    | DType::F16
+                    | DType::Fp8E4M3
+                    | DType::Fp8E5M2
+            );
+            assert_eq!(
+                Fill::Normal { seed: 0 }.check_dtype(d).is_ok(),
+                float,
+                "{d}"
+            );
+            assert!(Fill::default().check_dtype(d).is_ok());
+        }
+        let err = Fill::Normal { seed: 3 }
+            .check_dtype(DType::I32)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.starts_with("--fill: normal:3 is invalid") && err.ends_with("the dtype is i32"),
+            "{err}"
+        );
+    }
+
+    /// `normal` is finite, varies in magnitude from row to row (zero rows, tiny rows, powers
+    /// 2^-8..2^8), is the same for every shard of it, and is cast from its f32 values.
+    #[test]
+    fn normal_has_rows_of_varied_magnitude() {
+        let fill = Fill::Normal { seed: 5 };
+        let (rows, cols) = (512u64, 64u64);
+        let mut zero_rows = 0;
+        let mut tiny_rows = 0;
+        let mut powers = std::collections::BTreeSet::new();
+        for r in 0..rows {
+            let xs: Vec<f32> = (0..cols)
+                .map(|c| Fill::normal(5, r, r * cols + c))
+                .collect();
+            assert!(xs.iter().all(|x| x.is_finite()));
+            let amax = xs.iter().fold(0f32, |m, x| m.max(x.abs()));
+            if amax == 0.0 {
+                zero_rows += 1;
+            } else if amax < 1e-5 {
+                tiny_rows += 1;
+            } else {
+                // a unit-variance row's amax over 64 lies within 2^-1..2^2 of its power
+                powers.insert(amax.log2().round() as i32);
+            }
+        }
+        assert!((8..=64).contains(&zero_rows), "{zero_rows}");
+        assert!((8..=64).contains(&tiny_rows), "{tiny_rows}");
+        assert!(
+            powers.first().unwrap() <= &-7 && powers.last().unwrap() >= &8,
+            "{powers:?}"
+        );
+        // every dtype's element is the f32 value cast; shards agree with the whole
+        for dtype in [
+            DType::F32,
+            DType::Bf16,
+            DType::F16,
+            DType::F64,
+            DType::Fp8E4M3,
+        ] {
+            let whole = LayoutSpec::parse("mesh=1 place=R")
+                .unwrap()
+                .resolve(&[6, 10], dtype, 0)
+                .unwrap();
+            let split = LayoutSpec::parse("mesh=2x2 place=S(0),S(1)")
+                .unwrap()
+                .resolve(&[6, 10], dtype, 0)
+                .unwrap();
+            let all = fill.shards(&whole).unwrap().remove(&0).unwrap();
+            let e = dtype.size();
+            for i in 0..60u64 {
+                let x = Fill::normal(5, i / 10, i);
+                let mut want = [0u8; 8];
+                crate::convert::cast::write_f32(dtype, x, &mut want);
+                assert_eq!(
+                    &all[i as usize * e..(i as usize + 1) * e],
+                    &want[..e],
+                    "{dtype} {i}"
+                );
+            }
+            let parts = fill.shards(&split).unwrap();
+            assert!(fill.verify_shards(&split, &parts).is_ok());
+            assert_eq!(parts[&3][..e], all[(3 * 10 + 5) * e..(3 * 10 + 6) * e]);
+        }
     }
 
     #[test]

@@ -7,6 +7,7 @@
 //! - [`plan`]: the transfers between two layouts, computed without communication;
 //! - [`exec`]: runs a plan over a [`transport::Transport`], in bounded chunks;
 //! - [`transport`]: moves chunks (`local`: ranks as threads of one process);
+//! - [`convert`]: precision in flight: float casts, fp8, quantization schemes and their scales;
 //! - [`fill`]: deterministic contents for running and verifying reshards;
 //! - [`model`]: whole models (HF configs, checkpoint headers), training and inference
 //!   parallelism, the per-parameter layout rules, and the plan of a whole-model refit;
@@ -25,6 +26,7 @@
 
 pub mod agreement;
 pub mod batch;
+pub mod convert;
 pub mod dtype;
 pub mod error;
 pub mod exec;

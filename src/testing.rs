@@ -100,7 +100,7 @@ pub fn reference_shards(layout: &Layout, fill: Fill) -> std::collections::BTreeM
 }
 
 /// One side: mesh shape, placements (dims resolved), and its ranks drawn from `0..world`.
-fn arb_side(
+pub fn arb_side(
     ndim: usize,
     world: usize,
 ) -> impl Strategy<Value = (Vec<usize>, Vec<Placement>, Vec<Rank>)> {
