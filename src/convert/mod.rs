@@ -6,7 +6,7 @@
 //! this module holds everything that conversion computes, free of I/O, so that the executor,
 //! the reference tests and the Python package agree bit for bit:
 //!
-//! - [`cast`]: float casts between f64, f32, bf16 and f16, exactly as torch's `.to()`, as
+//! - [`cast`](mod@cast): float casts between f64, f32, bf16 and f16, exactly as torch's `.to()`, as
 //!   slice kernels over little-endian bytes, and [`cast_supported`], the check that refuses
 //!   integer, bool and unscaled fp8 conversions before any byte moves;
 //! - [`fp8`]: the e4m3fn and e5m2 formats, encoding (nearest even, saturating) and decoding;

@@ -169,7 +169,7 @@ fn dtype(name: &str) -> Option<DType> {
 /// The tensors of one `.safetensors` file, in name order, read from its header alone.
 ///
 /// The header is checked as a whole before it is believed: its length must fit in the file
-/// (and under [`MAX_HEADER`]) before anything is allocated for it, every tensor name appears
+/// (and under `MAX_HEADER`, 100 MiB) before anything is allocated for it, every tensor name appears
 /// once, and every tensor's bytes lie inside the file's data without overlapping another's.
 pub fn read_header(path: &Path) -> Result<Vec<Param>, ModelError> {
     let (mut file, file_len) = open_regular(path)?;
