@@ -387,8 +387,8 @@ def _first_difference(ours, theirs) -> Optional[Tuple[str, str, str]]:
 def _agree(fingerprint, prepare, group, rank: int):
     """Runs ``prepare`` (this rank's local checks and plans) and, on a fingerprint this group
     has not agreed on yet, compares every rank's fingerprint and outcome through the group:
-    a difference or a rank's bad input raises :class:`ReshardError` on every rank, naming
-    the rank and the field, before any byte moves."""
+    a difference or a rank's bad input raises :class:`ReshardError` on every rank (its own
+    message on the rank with bad input, naming that rank elsewhere), before any byte moves."""
     digest = hashlib.blake2b(repr(fingerprint).encode(), digest_size=16).hexdigest()
     key = (group, digest)
     if key in _AGREED:
@@ -400,6 +400,8 @@ def _agree(fingerprint, prepare, group, rank: int):
         result, problem = None, str(e)
     heard = [None] * dist.get_world_size(group)
     dist.all_gather_object(heard, (digest, problem), group=group)
+    if problem is not None:
+        raise ReshardError(problem)  # this rank's own bad input, as its checks said it
     for r, (_, their_problem) in enumerate(heard):
         if their_problem is not None:
             raise ReshardError(f"nothing was moved: rank {r}: {their_problem}")
