@@ -37,6 +37,7 @@ pub mod memory;
 pub mod model;
 pub mod plan;
 pub mod region;
+pub mod runtime;
 pub mod sim;
 pub mod transport;
 

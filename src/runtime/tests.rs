@@ -1,0 +1,146 @@
+use std::collections::BTreeMap;
+
+use super::*;
+use crate::fill::Fill;
+use crate::layout::LayoutSpec;
+use crate::{DType, Plan};
+
+fn plan(src: &str, dst: &str) -> Plan {
+    let layout = |spec: &str, first| {
+        LayoutSpec::parse(spec)
+            .unwrap()
+            .resolve(&[8, 6], DType::F32, first)
+            .unwrap()
+    };
+    Plan::new(layout(src, 0), layout(dst, 2)).unwrap()
+}
+
+fn env(rank: Rank, world: usize) -> GroupEnv {
+    GroupEnv {
+        rank,
+        world,
+        master_addr: "127.0.0.1".into(),
+        master_port: 1,
+        token: "t".into(),
+    }
+}
+
+fn with(transport: TransportKind) -> JoinOptions {
+    JoinOptions {
+        transport,
+        ..JoinOptions::default()
+    }
+}
+
+#[test]
+fn transport_names_parse_back_and_others_are_refused_by_name() {
+    for kind in TransportKind::ALL {
+        assert_eq!(kind.name().parse::<TransportKind>().unwrap(), kind);
+    }
+    let err = "udp".parse::<TransportKind>().unwrap_err();
+    assert!(err.to_string().starts_with("--transport: udp"), "{err}");
+}
+
+/// A lone process with no rendezvous runs every rank as a thread: the one call moves the
+/// tensor, and the verdict is its own outcome.
+#[test]
+fn a_lone_process_runs_every_rank_as_threads() {
+    for kind in [TransportKind::Auto, TransportKind::Local] {
+        let world = World::join_env(None, with(kind)).unwrap();
+        assert!(world.job().is_none() && world.rank().is_none());
+        let plan = plan("mesh=2 place=S(0)", "mesh=3 place=S(1)");
+        assert_eq!(world.ranks(plan.dst()).collect::<Vec<_>>(), [2, 3, 4]);
+        let fill = Fill::Index;
+        let sources = fill.shards(plan.src()).unwrap();
+        let mut dests = crate::exec::zeroed_shards(plan.dst()).unwrap();
+        let stats = world
+            .run(&plan, &sources, &mut dests, &RunOptions::default())
+            .unwrap();
+        assert_eq!(stats.ranks.len(), 5);
+        fill.verify_shards(plan.dst(), &dests).unwrap();
+        world.agree("run", Ok(()), || unreachable!()).unwrap();
+        let report = serde_json::json!({"rank": "all"});
+        assert_eq!(world.finish(Ok(report.clone())).unwrap(), Some(vec![report]));
+    }
+}
+
+#[test]
+fn transports_that_need_processes_are_refused_in_a_lone_process() {
+    for kind in [TransportKind::Tcp, TransportKind::Shm] {
+        let err = World::join_env(None, with(kind)).err().unwrap();
+        let text = err.to_string();
+        assert!(text.starts_with(&format!("--transport: {}", kind.name())), "{text}");
+        assert!(text.contains("RANK, WORLD_SIZE"), "{text}");
+    }
+}
+
+#[test]
+fn local_is_refused_for_one_rank_of_many() {
+    let err = World::join_env(Some(env(1, 3)), with(TransportKind::Local))
+        .err()
+        .unwrap();
+    assert!(err.to_string().contains("this is rank 1 of 3"), "{err}");
+}
+
+#[cfg(not(feature = "mpi"))]
+#[test]
+fn mpi_is_refused_in_a_build_without_it() {
+    let err = World::join_env(None, with(TransportKind::Mpi)).err().unwrap();
+    assert!(err.to_string().contains("built without MPI"), "{err}");
+}
+
+#[test]
+fn a_bad_token_is_refused_before_joining() {
+    let options = JoinOptions {
+        token: Some(String::new()),
+        ..with(TransportKind::Tcp)
+    };
+    let err = World::join_env(Some(env(0, 2)), options).err().unwrap();
+    assert!(matches!(err, Error::Env { var: "RESHARD_TOKEN", .. }), "{err}");
+}
+
+/// Between threads there are no links to open: asking for them is an error, not a hang.
+#[test]
+fn threads_open_no_links() {
+    let world = World::join_env(None, JoinOptions::default()).unwrap();
+    let err = world
+        .connect(&Links::default(), [], None)
+        .err()
+        .unwrap();
+    assert!(err.to_string().contains("threads of this process"), "{err}");
+    let plan = plan("mesh=2 place=S(0)", "mesh=2 place=S(1)");
+    assert!(world.prepare(&plan).is_err());
+}
+
+#[test]
+fn a_job_too_small_for_the_layouts_is_named() {
+    let err = check_world(4, 3).unwrap_err();
+    assert!(err.to_string().contains("at least 5 processes"), "{err}");
+    check_world(2, 3).unwrap();
+}
+
+#[test]
+fn one_rank_of_a_job_gives_its_own_buffers_only() {
+    let plan = plan("mesh=2 place=S(0)", "mesh=2 place=S(1)");
+    let mut buffers = BTreeMap::new();
+    check_own_for_tests(plan.src(), 1, &buffers).unwrap_err();
+    buffers.insert(1, vec![0u8; plan.src().local_bytes(1) as usize]);
+    check_own_for_tests(plan.src(), 1, &buffers).unwrap();
+    buffers.insert(0, vec![0u8; plan.src().local_bytes(0) as usize]);
+    let err = check_own_for_tests(plan.src(), 1, &buffers).unwrap_err();
+    assert!(matches!(err, Error::UnexpectedBuffer { rank: 0, .. }), "{err}");
+    buffers.remove(&0);
+    buffers.insert(1, vec![0u8; 3]);
+    let err = check_own_for_tests(plan.src(), 1, &buffers).unwrap_err();
+    assert!(matches!(err, Error::BufferSize { got: 3, .. }), "{err}");
+    // rank 3 holds no source shard
+    check_own_for_tests(plan.src(), 3, &BTreeMap::new()).unwrap();
+}
+
+fn check_own_for_tests(
+    layout: &Layout,
+    rank: Rank,
+    buffers: &BTreeMap<Rank, Vec<u8>>,
+) -> Result<()> {
+    super::run::check_own(layout, crate::Side::Src, rank, buffers)
+}
