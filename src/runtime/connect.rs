@@ -6,11 +6,11 @@ use std::collections::BTreeSet;
 use crate::error::{Error, Result};
 use crate::layout::Rank;
 use crate::region::Region;
-use crate::transport::{Job, Transport};
 use crate::transport::group::Group;
 use crate::transport::segment::SharedBuffer;
 use crate::transport::shm::{Carrier, ShmTransport};
 use crate::transport::tcp::TcpTransport;
+use crate::transport::{Job, Transport};
 
 use super::{JoinOptions, TransportKind};
 

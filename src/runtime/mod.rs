@@ -143,8 +143,9 @@ impl Default for RunOptions {
 enum Membership {
     /// Every rank a thread of this process.
     Threads,
-    /// One rank of a job that met at `MASTER_ADDR:MASTER_PORT`.
-    Group(Group),
+    /// One rank of a job that met at `MASTER_ADDR:MASTER_PORT` (boxed: a group is large,
+    /// and a world is moved around by value).
+    Group(Box<Group>),
     /// One rank of an MPI job.
     #[cfg(feature = "mpi")]
     Mpi(crate::transport::mpi::MpiJob),
@@ -189,7 +190,7 @@ impl World {
                     crate::transport::group::check_token(token)?;
                     env.token = token.clone();
                 }
-                Membership::Group(Group::join(env, options.timeout)?)
+                Membership::Group(Box::new(Group::join(env, options.timeout)?))
             }
         };
         Ok(World {
@@ -208,7 +209,7 @@ impl World {
     pub fn job(&self) -> Option<&dyn Job> {
         match &self.membership {
             Membership::Threads => None,
-            Membership::Group(g) => Some(g),
+            Membership::Group(g) => Some(&**g),
             #[cfg(feature = "mpi")]
             Membership::Mpi(j) => Some(j),
         }
@@ -264,6 +265,12 @@ impl World {
                 Err(e)
             }
         }
+    }
+
+    /// Waits until every rank of the job has called it (nothing to wait for between
+    /// threads); fails on every rank if one failed before.
+    pub fn barrier(&self) -> Result<()> {
+        self.job().map_or(Ok(()), Job::barrier)
     }
 
     /// Checks that the job has a process for every rank up to `highest`.

@@ -186,9 +186,10 @@ impl PlanRank<'_> {
         self.shard.as_deref_mut()
     }
 
-    /// Runs the rank's part once, from a barrier (so that every rank starts together), with
-    /// `source`, this rank's source shard if it is a source. The stats count the data phase
-    /// only.
+    /// Runs the rank's part once with `source`, this rank's source shard if it is a source
+    /// (`layout`, the plan's source layout). It does not wait for the other ranks first: a
+    /// caller that times runs calls [`World::barrier`] before, so that every rank starts
+    /// together.
     pub fn run(
         &mut self,
         layout: &Layout,
@@ -221,9 +222,6 @@ impl PlanRank<'_> {
                 });
             }
             _ => {}
-        }
-        if let Some(job) = self.world.job() {
-            job.barrier()?;
         }
         let work = RankJob {
             plan: &self.plan,

@@ -60,7 +60,10 @@ fn a_lone_process_runs_every_rank_as_threads() {
         fill.verify_shards(plan.dst(), &dests).unwrap();
         world.agree("run", Ok(()), || unreachable!()).unwrap();
         let report = serde_json::json!({"rank": "all"});
-        assert_eq!(world.finish(Ok(report.clone())).unwrap(), Some(vec![report]));
+        assert_eq!(
+            world.finish(Ok(report.clone())).unwrap(),
+            Some(vec![report])
+        );
     }
 }
 
@@ -69,7 +72,10 @@ fn transports_that_need_processes_are_refused_in_a_lone_process() {
     for kind in [TransportKind::Tcp, TransportKind::Shm] {
         let err = World::join_env(None, with(kind)).err().unwrap();
         let text = err.to_string();
-        assert!(text.starts_with(&format!("--transport: {}", kind.name())), "{text}");
+        assert!(
+            text.starts_with(&format!("--transport: {}", kind.name())),
+            "{text}"
+        );
         assert!(text.contains("RANK, WORLD_SIZE"), "{text}");
     }
 }
@@ -85,7 +91,9 @@ fn local_is_refused_for_one_rank_of_many() {
 #[cfg(not(feature = "mpi"))]
 #[test]
 fn mpi_is_refused_in_a_build_without_it() {
-    let err = World::join_env(None, with(TransportKind::Mpi)).err().unwrap();
+    let err = World::join_env(None, with(TransportKind::Mpi))
+        .err()
+        .unwrap();
     assert!(err.to_string().contains("built without MPI"), "{err}");
 }
 
@@ -96,17 +104,23 @@ fn a_bad_token_is_refused_before_joining() {
         ..with(TransportKind::Tcp)
     };
     let err = World::join_env(Some(env(0, 2)), options).err().unwrap();
-    assert!(matches!(err, Error::Env { var: "RESHARD_TOKEN", .. }), "{err}");
+    assert!(
+        matches!(
+            err,
+            Error::Env {
+                var: "RESHARD_TOKEN",
+                ..
+            }
+        ),
+        "{err}"
+    );
 }
 
 /// Between threads there are no links to open: asking for them is an error, not a hang.
 #[test]
 fn threads_open_no_links() {
     let world = World::join_env(None, JoinOptions::default()).unwrap();
-    let err = world
-        .connect(&Links::default(), [], None)
-        .err()
-        .unwrap();
+    let err = world.connect(&Links::default(), [], None).err().unwrap();
     assert!(err.to_string().contains("threads of this process"), "{err}");
     let plan = plan("mesh=2 place=S(0)", "mesh=2 place=S(1)");
     assert!(world.prepare(&plan).is_err());
@@ -128,7 +142,10 @@ fn one_rank_of_a_job_gives_its_own_buffers_only() {
     check_own_for_tests(plan.src(), 1, &buffers).unwrap();
     buffers.insert(0, vec![0u8; plan.src().local_bytes(0) as usize]);
     let err = check_own_for_tests(plan.src(), 1, &buffers).unwrap_err();
-    assert!(matches!(err, Error::UnexpectedBuffer { rank: 0, .. }), "{err}");
+    assert!(
+        matches!(err, Error::UnexpectedBuffer { rank: 0, .. }),
+        "{err}"
+    );
     buffers.remove(&0);
     buffers.insert(1, vec![0u8; 3]);
     let err = check_own_for_tests(plan.src(), 1, &buffers).unwrap_err();
