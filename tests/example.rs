@@ -99,3 +99,33 @@ fn the_example_alone_runs_its_ranks_as_threads() {
     let line = example::run("auto").unwrap().unwrap();
     assert!(line.contains("(threads of one process)"), "{line}");
 }
+
+/// Under `mpirun` (a build with `--features mpi`), over MPI and, by `auto`, shared memory.
+#[cfg(feature = "mpi")]
+#[test]
+fn the_example_reshards_under_mpirun() {
+    let exe = std::env::current_exe().unwrap();
+    for transport in ["mpi", "auto"] {
+        let child = Command::new("mpirun")
+            .args(["-n", "3", "--oversubscribe", "-x"])
+            .arg(format!("{TRANSPORT_VAR}={transport}"))
+            .arg(&exe)
+            .args(["--exact", "example_rank", "--nocapture", "--test-threads=1"])
+            .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+            .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+            .env("OMPI_MCA_rmaps_base_oversubscribe", "1")
+            .env_remove("MASTER_PORT")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let out = wait_bounded(child, Duration::from_secs(120), "the example under mpirun");
+        let stdout = text(&out.stdout);
+        assert!(out.status.success(), "{stdout}{}", text(&out.stderr));
+        assert!(
+            stdout.contains("over 3 ranks (one process each)")
+                && stdout.contains("every destination shard verified"),
+            "{transport}: {stdout}"
+        );
+    }
+}

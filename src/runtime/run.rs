@@ -7,9 +7,10 @@ use std::time::Instant;
 use super::{AnyTransport, Links, RunOptions, World};
 use crate::batch::{Batch, RankBatch, run_local_batch, run_rank_batch};
 use crate::error::{Dims, Error, Result, Side};
+use crate::exec::baseline::{self, BaselineJob};
 use crate::exec::{self, RankJob, RankStats, RunStats};
 use crate::layout::{Layout, Rank};
-use crate::plan::{Plan, RankPlan};
+use crate::plan::{GatherBroadcast, Plan, RankPlan};
 use crate::region::Region;
 use crate::transport::Job;
 use crate::transport::segment::SharedBuffer;
@@ -112,6 +113,72 @@ impl World {
             .map(Vec::as_mut_slice)
             .collect();
         let stats = run_rank_batch(batch, &rb, &src, &mut dst, &*transport, &exec_options)?;
+        Ok(RunStats {
+            elapsed: started.elapsed(),
+            ranks: vec![stats],
+        })
+    }
+
+    /// Moves `plan`'s tensor the way [`World::run`] does, by the baseline instead: the source
+    /// gathered whole on one replica's ranks, then broadcast whole to every destination rank,
+    /// each keeping its box ([`GatherBroadcast`]). `sources` are lent to the gather between
+    /// threads, and back in place on return, also on error. For comparisons: it moves far
+    /// more bytes than the plan.
+    pub fn run_gather_broadcast(
+        &self,
+        plan: &Plan,
+        sources: &mut BTreeMap<Rank, Vec<u8>>,
+        destinations: &mut BTreeMap<Rank, Vec<u8>>,
+        options: &RunOptions,
+    ) -> Result<RunStats> {
+        let exec_options = self.exec_options(options);
+        let gb = GatherBroadcast::new(plan.src(), plan.dst())?;
+        let Some(job) = self.job() else {
+            let mut full = baseline::full_buffers(&gb)?;
+            return baseline::run_local_gather_broadcast(
+                &gb,
+                sources,
+                destinations,
+                &mut full,
+                &exec_options,
+            );
+        };
+        exec_options.validate()?;
+        let rank = job.rank();
+        check_own(plan.src(), Side::Src, rank, sources)?;
+        check_own(plan.dst(), Side::Dst, rank, destinations)?;
+        let part = |p: &Option<Plan>| {
+            p.as_ref()
+                .filter(|p| p.ranks().contains(&rank))
+                .map(|p| crate::plan::rank_plan(p.src(), p.dst(), rank, &p.options()))
+                .transpose()
+        };
+        let (gather, broadcast) = (part(&gb.gather)?, part(&gb.broadcast)?);
+        let mut links = Links::default();
+        for p in [&gather, &broadcast].into_iter().flatten() {
+            links.senders.extend(p.senders());
+            links.receivers.extend(p.receivers());
+        }
+        let transport = self.connect(&links, [plan.src()], None)?;
+        let mut full = match gb.needs_full_buffer(rank) {
+            true => Some(crate::memory::zeroed(gb.dst().total_bytes(), || {
+                format!("rank {rank}'s full tensor")
+            })?),
+            false => None,
+        };
+        let (src_box, dst_box) = (plan.src().local_region(rank), plan.dst().local_region(rank));
+        let started = Instant::now();
+        let work = BaselineJob {
+            baseline: &gb,
+            gather: gather.as_ref(),
+            broadcast: broadcast.as_ref(),
+            src: src_box.as_ref().zip(sources.get(&rank).map(Vec::as_slice)),
+            full: full.as_deref_mut(),
+            dst: dst_box
+                .as_ref()
+                .zip(destinations.get_mut(&rank).map(Vec::as_mut_slice)),
+        };
+        let stats = baseline::run_rank_gather_broadcast(rank, work, &*transport, &exec_options)?;
         Ok(RunStats {
             elapsed: started.elapsed(),
             ranks: vec![stats],

@@ -161,3 +161,23 @@ fn check_own_for_tests(
 ) -> Result<()> {
     super::run::check_own(layout, crate::Side::Src, rank, buffers)
 }
+
+/// The baseline's one call moves the same tensor as the plan's, between threads.
+#[test]
+fn the_baseline_moves_the_same_tensor_between_threads() {
+    let world = World::join_env(None, JoinOptions::default()).unwrap();
+    let plan = plan("mesh=2 place=S(0)", "mesh=3 place=S(1)");
+    let fill = Fill::Hash { seed: 3 };
+    let mut sources = fill.shards(plan.src()).unwrap();
+    let mut dests = crate::exec::zeroed_shards(plan.dst()).unwrap();
+    let stats = world
+        .run_gather_broadcast(&plan, &mut sources, &mut dests, &RunOptions::default())
+        .unwrap();
+    fill.verify_shards(plan.dst(), &dests).unwrap();
+    assert!(stats.bytes_remote() > plan.totals().bytes_remote);
+    assert_eq!(
+        sources,
+        fill.shards(plan.src()).unwrap(),
+        "the sources are back"
+    );
+}
