@@ -237,7 +237,7 @@ fn rank_part(
         }
         world.barrier()?;
         let started = Instant::now();
-        stats = Some(mine.run(plan.src(), source.as_deref(), &run)?);
+        stats = Some(mine.run(source.as_deref(), &run)?);
         if i >= args.warmup {
             times.push(started.elapsed().as_secs_f64());
         }

@@ -207,6 +207,7 @@ impl World {
             world: self,
             rank,
             plan: mine,
+            src_layout: plan.src().clone(),
             src_box,
             dst_box,
             shard,
@@ -221,6 +222,8 @@ pub struct PlanRank<'w> {
     world: &'w World,
     rank: Rank,
     plan: RankPlan,
+    /// Where every sender's shard lies.
+    src_layout: Layout,
     src_box: Option<Region>,
     dst_box: Option<Region>,
     shard: Option<SharedBuffer>,
@@ -253,19 +256,14 @@ impl PlanRank<'_> {
         self.shard.as_deref_mut()
     }
 
-    /// Runs the rank's part once with `source`, this rank's source shard if it is a source
-    /// (`layout`, the plan's source layout). It does not wait for the other ranks first: a
+    /// Runs the rank's part once with `source`, this rank's source shard if it is a source.
+    /// It does not wait for the other ranks first: a
     /// caller that times runs calls [`World::barrier`] before, so that every rank starts
     /// together.
-    pub fn run(
-        &mut self,
-        layout: &Layout,
-        source: Option<&[u8]>,
-        options: &RunOptions,
-    ) -> Result<RankStats> {
+    pub fn run(&mut self, source: Option<&[u8]>, options: &RunOptions) -> Result<RankStats> {
         let exec_options = self.world.exec_options(options);
         exec_options.validate()?;
-        let expected = layout.local_bytes(self.rank);
+        let expected = self.src_layout.local_bytes(self.rank);
         match (&self.src_box, source) {
             (Some(_), None) => {
                 return Err(Error::MissingBuffer {
@@ -292,7 +290,7 @@ impl PlanRank<'_> {
         }
         let work = RankJob {
             plan: &self.plan,
-            src_layout: layout,
+            src_layout: &self.src_layout,
             src: self.src_box.as_ref().zip(source),
             dst: self.dst_box.as_ref().zip(self.shard.as_deref_mut()),
         };

@@ -181,3 +181,110 @@ fn the_baseline_moves_the_same_tensor_between_threads() {
         "the sources are back"
     );
 }
+
+/// `ranks` ranks of a job over tcp, each a thread of this process joined through the
+/// rendezvous as a process would be; returns what `part` returned on each, by rank.
+fn job_of_threads<T: Send>(ranks: usize, part: impl Fn(World) -> T + Sync) -> Vec<T> {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..ranks)
+            .map(|rank| {
+                let part = &part;
+                s.spawn(move || {
+                    let env = GroupEnv {
+                        master_port: port,
+                        ..env(rank, ranks)
+                    };
+                    part(World::join_env(Some(env), with(TransportKind::Tcp)).unwrap())
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+/// One rank of a job runs a plan, its baseline and a batch with one call each, on its own
+/// buffers only, and lands what the ranks as threads of one process land.
+#[test]
+fn one_rank_per_member_runs_a_plan_its_baseline_and_a_batch() {
+    use crate::batch::{Batch, BatchOptions, Tensor};
+    let plan = plan("mesh=2 place=S(0)", "mesh=2x2 ranks=0..4 place=S(1),R");
+    let fill = Fill::Hash { seed: 11 };
+    let tensors = vec![
+        Tensor {
+            name: "a".into(),
+            src: plan.src().clone(),
+            dst: plan.dst().clone(),
+        },
+        Tensor {
+            name: "b".into(),
+            src: plan.dst().clone(),
+            dst: plan.src().clone(),
+        },
+    ];
+    let batch = Batch::new(tensors, Vec::new(), BatchOptions::default()).unwrap();
+    let batch_buffers = |rank: Rank, side: crate::Side, filled: bool| -> Vec<Vec<u8>> {
+        let mut bufs = Vec::new();
+        for b in batch.buffers(side, rank).unwrap() {
+            let mut buf = vec![0u8; b.len];
+            for p in b.pieces.iter().filter(|_| filled) {
+                let layout = &batch.tensors()[p.tensor].src;
+                fill.fill_region(layout, &p.region, &mut buf[p.bytes.clone()]);
+            }
+            bufs.push(buf);
+        }
+        bufs
+    };
+    let ranks = 4;
+    let landed = job_of_threads(ranks, |world| {
+        let rank = world.rank().unwrap();
+        let own = |layout: &Layout, filled: bool| -> BTreeMap<Rank, Vec<u8>> {
+            let shard = match filled {
+                true => fill.shard(layout, rank).unwrap(),
+                false => layout
+                    .local_region(rank)
+                    .map(|_| vec![0u8; layout.local_bytes(rank) as usize]),
+            };
+            shard.map(|s| (rank, s)).into_iter().collect()
+        };
+        let run = RunOptions::default();
+        let mut sources = own(plan.src(), true);
+        let mut planned = own(plan.dst(), false);
+        world.run(&plan, &sources, &mut planned, &run).unwrap();
+        let mut baseline = own(plan.dst(), false);
+        world
+            .run_gather_broadcast(&plan, &mut sources, &mut baseline, &run)
+            .unwrap();
+        let src = BTreeMap::from([(rank, batch_buffers(rank, crate::Side::Src, true))]);
+        let mut dst = BTreeMap::from([(rank, batch_buffers(rank, crate::Side::Dst, false))]);
+        world.run_batch(&batch, &src, &mut dst, &run).unwrap();
+        let verdict = world.finish(Ok(serde_json::json!(rank))).unwrap();
+        assert_eq!(verdict.is_some(), rank == 0);
+        (planned, baseline, dst)
+    });
+    for (rank, (planned, baseline, dst)) in landed.into_iter().enumerate() {
+        assert_eq!(planned, baseline, "rank {rank}");
+        match plan.dst().local_region(rank) {
+            Some(b) => fill
+                .verify_region(plan.dst(), &b, &planned[&rank], (rank, 0))
+                .unwrap(),
+            None => assert!(planned.is_empty()),
+        }
+        // the batch's threads run as the reference
+        let threads = World::join_env(None, JoinOptions::default()).unwrap();
+        let all_src = (0..ranks)
+            .map(|r| (r, batch_buffers(r, crate::Side::Src, true)))
+            .collect();
+        let mut all_dst = (0..ranks)
+            .map(|r| (r, batch_buffers(r, crate::Side::Dst, false)))
+            .collect::<BTreeMap<_, _>>();
+        threads
+            .run_batch(&batch, &all_src, &mut all_dst, &RunOptions::default())
+            .unwrap();
+        assert_eq!(dst[&rank], all_dst[&rank], "rank {rank}'s batch");
+    }
+}
