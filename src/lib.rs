@@ -7,6 +7,9 @@
 //! - [`plan`]: the transfers between two layouts, computed without communication;
 //! - [`exec`]: runs a plan over a [`transport::Transport`], in bounded chunks;
 //! - [`transport`]: moves chunks (`local`: ranks as threads of one process);
+//! - [`runtime`]: a [`runtime::World`] joins a job of processes (torchrun variables, `mpirun`)
+//!   or runs the ranks as threads, picks the transports, and runs a plan or a batch for its
+//!   ranks with one call;
 //! - [`convert`]: precision in flight: float casts, fp8, quantization schemes and their scales;
 //! - [`fill`]: deterministic contents for running and verifying reshards;
 //! - [`model`]: whole models (HF configs, checkpoint headers), training and inference
@@ -37,6 +40,7 @@ pub mod memory;
 pub mod model;
 pub mod plan;
 pub mod region;
+pub mod runtime;
 pub mod sim;
 pub mod transport;
 

@@ -11,16 +11,12 @@ use reshard::exec::baseline::{self, BaselineJob};
 use reshard::exec::{self, ExecOptions, RankJob};
 use reshard::fill::Fill;
 use reshard::plan::GatherBroadcast;
+use reshard::runtime::{AnyTransport, Destination, Links, World};
 use reshard::transport::Job;
-use reshard::transport::group::{Group, GroupEnv};
 use reshard::transport::segment::SharedBuffer;
 use reshard::{Error, Plan, Rank, RankPlan};
 
-use super::processes::{
-    AnyTransport, Destination, ExecArgs, Links, Measured, Method, MethodJson, TransportKind,
-    agree_or_refuse, check_memory, check_world, conclude, connect, in_mpi_job, not_in_a_job,
-    with_plan,
-};
+use super::processes::{ExecArgs, Measured, Method, MethodJson, check_memory, conclude, with_plan};
 use super::units::{bytes, parse_bytes};
 use super::{Failure, TensorArgs};
 
@@ -324,44 +320,18 @@ pub fn main(args: &BenchArgs) -> Result<(), Failure> {
     let cases = args.cases()?;
     let fill: Fill = args.fill.parse()?;
     let options = args.exec.options()?;
-    let env = GroupEnv::from_env()?;
-    let kind = args.exec.transport;
-    let results = match (kind, env) {
-        (_, env) if in_mpi_job(kind, env.as_ref()) => bench_mpi(args, &cases, fill, &options)?,
-        (TransportKind::Local | TransportKind::Auto, None) => {
-            bench_threads(args, &cases, fill, &options)?
-        }
-        (TransportKind::Local, Some(env)) => {
-            return Err(Failure::Input(Error::InvalidOption {
-                field: "--transport",
-                value: "local".into(),
-                reason: format!(
-                    "local runs every rank as a thread of one process, but this is rank {} of {} processes; use tcp, shm or auto",
-                    env.rank, env.world
-                ),
-            }));
-        }
-        (_, None) => return Err(Failure::Input(not_in_a_job(kind))),
-        (_, Some(env)) => {
+    let world = args.exec.join(&options)?;
+    let results = match world.rank() {
+        None => bench_threads(args, &cases, fill, &options)?,
+        Some(rank) => {
             let highest = cases.iter().map(Case::highest_rank).max().unwrap_or(0);
-            let rank = env.rank;
-            let ready = check_world(highest, env.world).and_then(|()| {
+            let ready = world.check_size(highest).and_then(|()| {
                 cases
                     .iter()
                     .try_for_each(|case| case.check_memory(Some(rank)))
             });
-            let group = Group::join(env, options.timeout)?;
-            agree_or_refuse(&group, "bench", ready, || {
-                fingerprint(args, &cases, fill, &options)
-            })?;
-            bench_processes(
-                args,
-                &cases,
-                fill,
-                &options,
-                &group,
-                &|links, destination| connect(kind, &group, links, destination, &options),
-            )?
+            world.agree("bench", ready, || fingerprint(args, &cases, fill, &options))?;
+            bench_processes(args, &cases, fill, &options, &world)?
         }
     };
     if let Some((name, results)) = results {
@@ -466,52 +436,22 @@ fn bench_threads(
     Ok(Some(("local".into(), results)))
 }
 
-#[cfg(feature = "mpi")]
-fn bench_mpi(
-    args: &BenchArgs,
-    cases: &[Case],
-    fill: Fill,
-    options: &ExecOptions,
-) -> Result<Option<(String, Vec<CaseResult>)>, Failure> {
-    use super::processes::connect_mpi;
-    use reshard::transport::mpi::MpiJob;
-    let job = MpiJob::init()?;
-    let highest = cases.iter().map(Case::highest_rank).max().unwrap_or(0);
-    let ready = check_world(highest, job.world()).and_then(|()| {
-        cases
-            .iter()
-            .try_for_each(|case| case.check_memory(Some(job.rank())))
-    });
-    agree_or_refuse(&job, "bench", ready, || {
-        fingerprint(args, cases, fill, options)
-    })?;
-    let kind = args.exec.transport;
-    bench_processes(args, cases, fill, options, &job, &|links, destination| {
-        let layouts = cases.iter().map(|c| c.plan.src());
-        connect_mpi(kind, &job, layouts, links, destination, options)
-    })
-}
-
-#[cfg(not(feature = "mpi"))]
-fn bench_mpi(
-    _: &BenchArgs,
-    _: &[Case],
-    _: Fill,
-    _: &ExecOptions,
-) -> Result<Option<(String, Vec<CaseResult>)>, Failure> {
-    Err(Failure::Input(super::processes::no_mpi()))
-}
-
 /// This process is one rank of a job: it runs every case with the others; rank 0 gets every
 /// rank's measurements and returns them.
-fn bench_processes<'j, J: Job>(
+fn bench_processes(
     args: &BenchArgs,
     cases: &[Case],
     fill: Fill,
     options: &ExecOptions,
-    job: &'j J,
-    connect: &dyn Fn(&Links, Destination<'_>) -> Result<AnyTransport<'j>, Error>,
+    world: &World,
 ) -> Result<Option<(String, Vec<CaseResult>)>, Failure> {
+    let Some(job) = world.job() else {
+        return bench_threads(args, cases, fill, options);
+    };
+    // MPI's datatypes cover every tensor the job's links will move
+    let connect = |links: &Links, destination: Destination<'_>| {
+        world.connect(links, cases.iter().map(|c| c.plan.src()), destination)
+    };
     let rank = job.rank();
     let bar = if rank == 0 {
         progress(args, cases.len())
@@ -523,14 +463,14 @@ fn bench_processes<'j, J: Job>(
         .iter()
         .map(|case| {
             bar.set_message(case.name.clone());
-            let (report, transport) = bench_rank(args, case, fill, options, job, connect, &bar)?;
+            let (report, transport) = bench_rank(args, case, fill, options, job, &connect, &bar)?;
             name = transport;
             Ok(report)
         })
         .collect();
     bar.finish_and_clear();
     let mine = outcome.map(|reports| serde_json::json!({ "transport": name, "cases": reports }));
-    let Some(reports) = conclude(job, mine)? else {
+    let Some(reports) = conclude(world, mine)? else {
         return Ok(None);
     };
     let name = reports.transport();
@@ -556,7 +496,7 @@ fn bench_processes<'j, J: Job>(
 
 /// This rank's share of one case: both methods, in turn, on the same buffers. Returns the
 /// report for rank 0 and the transport's name.
-fn bench_rank<'j, J: Job>(
+fn bench_rank<'j, J: Job + ?Sized>(
     args: &BenchArgs,
     case: &Case,
     fill: Fill,

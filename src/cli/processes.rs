@@ -1,19 +1,15 @@
-//! What `run` and `bench` share: the transport choice and executor options, and the set-up of
-//! one rank of a multi-process job (world check, memory check, links).
+//! What `run`, `bench` and `refit --run` share: the transport and executor options as typed,
+//! the memory check, the measurements of repeated runs and the end of a job's report.
 
-use std::collections::BTreeSet;
 use std::time::Duration;
 
 use clap::{Args, ValueEnum};
 
 use reshard::agreement::Fingerprint;
 use reshard::exec::ExecOptions;
-use reshard::transport::group::{Group, GroupEnv};
-use reshard::transport::segment::SharedBuffer;
-use reshard::transport::shm::{Carrier, ShmTransport};
-use reshard::transport::tcp::TcpTransport;
-use reshard::transport::{Job, Transport};
-use reshard::{Error, Plan, Rank, Region};
+use reshard::runtime::{self, JoinOptions, RunOptions, World};
+use reshard::transport::Job;
+use reshard::{Error, Plan};
 
 use super::Failure;
 use super::units::{bytes, parse_bytes};
@@ -45,6 +41,17 @@ impl TransportKind {
             TransportKind::Shm => "shm",
             TransportKind::Mpi => "mpi",
             TransportKind::Auto => "auto",
+        }
+    }
+
+    /// The library's name for the same choice.
+    pub fn runtime(self) -> runtime::TransportKind {
+        match self {
+            TransportKind::Local => runtime::TransportKind::Local,
+            TransportKind::Tcp => runtime::TransportKind::Tcp,
+            TransportKind::Shm => runtime::TransportKind::Shm,
+            TransportKind::Mpi => runtime::TransportKind::Mpi,
+            TransportKind::Auto => runtime::TransportKind::Auto,
         }
     }
 }
@@ -104,6 +111,25 @@ impl ExecArgs {
         options.validate()?;
         Ok(options)
     }
+
+    /// Joins the job the environment describes, with the transport options of `options`
+    /// (from [`ExecArgs::options`]).
+    pub fn join(&self, options: &ExecOptions) -> Result<World, Error> {
+        World::join(JoinOptions {
+            transport: self.transport.runtime(),
+            timeout: options.timeout,
+            staging_bytes: options.staging_bytes,
+            token: None,
+        })
+    }
+}
+
+/// The per-run part of the executor's options.
+pub fn run_options(options: &ExecOptions) -> RunOptions {
+    RunOptions {
+        chunk_bytes: options.chunk_bytes,
+        checksum: options.checksum,
+    }
 }
 
 /// `fingerprint` with a plan's tensor (`prefix` tells the tensors of a suite apart): shape,
@@ -119,147 +145,6 @@ pub fn with_plan(fingerprint: Fingerprint, prefix: &str, plan: &Plan) -> Fingerp
             format!("{prefix}--min-split-bytes"),
             plan.options().min_split_bytes,
         )
-}
-
-/// Whichever transport a multi-process run uses.
-pub type AnyTransport<'a> = Box<dyn for<'b> Transport<'b> + 'a>;
-
-/// This rank's destination buffer in shared memory, and its box, when it has one: same-host
-/// senders may write straight into it.
-pub type Destination<'a> = Option<(&'a SharedBuffer, &'a Region)>;
-
-/// The peers one rank exchanges data with, in each direction.
-#[derive(Clone, Debug, Default)]
-pub struct Links {
-    pub senders: BTreeSet<Rank>,
-    pub receivers: BTreeSet<Rank>,
-}
-
-impl Links {
-    pub fn peers(&self) -> BTreeSet<Rank> {
-        self.senders.union(&self.receivers).copied().collect()
-    }
-}
-
-/// Opens this rank's links for `kind` (tcp, shm or auto) to `links`' peers. Every rank of the
-/// job must call it at the same point (it connects to peers and waits for them).
-pub fn connect<'g>(
-    kind: TransportKind,
-    group: &'g Group,
-    links: &Links,
-    destination: Destination<'_>,
-    options: &ExecOptions,
-) -> Result<AnyTransport<'g>, Error> {
-    let peers = links.peers();
-    let tcp = TcpTransport::new(group.rank(), group.connect_peers(&peers)?, options.timeout)?;
-    if kind == TransportKind::Tcp {
-        return Ok(Box::new(tcp));
-    }
-    let near = |p: Rank| group.same_host(p).then(|| group.pid(p));
-    let shm = over_shm(kind, tcp, links, near, destination, options, "tcp")?;
-    Ok(Box::new(shm))
-}
-
-/// Opens this rank's links for `kind` in an MPI job: MPI itself for `mpi`; for `auto` (and
-/// `shm`, where every peer must be on this host) shared memory for the peers on this host and
-/// MPI for the others. `layouts` are every tensor the links will move. Every rank of the job
-/// must call it at the same point.
-#[cfg(feature = "mpi")]
-pub fn connect_mpi<'j, 'l>(
-    kind: TransportKind,
-    job: &'j reshard::transport::mpi::MpiJob,
-    layouts: impl IntoIterator<Item = &'l reshard::Layout>,
-    links: &Links,
-    destination: Destination<'_>,
-    options: &ExecOptions,
-) -> Result<AnyTransport<'j>, Error> {
-    let mpi = job.transport(layouts);
-    let neighbours = job.same_host_peers();
-    // what every rank decides alike, so that none waits on a rank that stopped here
-    if kind == TransportKind::Shm && neighbours.len() + 1 < job.world() {
-        return Err(Error::InvalidOption {
-            field: "--transport",
-            value: "shm".into(),
-            reason: "the ranks of this job run on more than one host; use mpi or auto".into(),
-        });
-    }
-    let near = |p: Rank| neighbours.get(&p).copied();
-    let alone = links.peers().iter().all(|&p| near(p).is_none());
-    if kind == TransportKind::Mpi || (kind == TransportKind::Auto && alone) {
-        return Ok(Box::new(mpi));
-    }
-    match over_shm(kind, mpi, links, near, destination, options, "mpi") {
-        Ok(shm) => Ok(Box::new(shm)),
-        // the peers wait on this rank in MPI calls that no timeout ends: end the job
-        Err(e) => job.abort(&e),
-    }
-}
-
-/// `carrier` with the peers for which `near` gives a process id (those on this host) moved
-/// to shared memory. With `--transport shm`, a peer elsewhere is an error that suggests
-/// `other` (the carrier's own transport) or auto.
-fn over_shm<C: Carrier>(
-    kind: TransportKind,
-    carrier: C,
-    links: &Links,
-    near: impl Fn(Rank) -> Option<u32>,
-    destination: Destination<'_>,
-    options: &ExecOptions,
-    other: &str,
-) -> Result<ShmTransport<C>, Error> {
-    let peers = links.peers();
-    if let (TransportKind::Shm, Some(&far)) = (kind, peers.iter().find(|&&p| near(p).is_none())) {
-        return Err(Error::InvalidOption {
-            field: "--transport",
-            value: "shm".into(),
-            reason: format!("rank {far} runs on another host; use {other} or auto"),
-        });
-    }
-    let near = peers.iter().filter_map(|&p| near(p).map(|pid| (p, pid)));
-    let mut shm = ShmTransport::new(
-        carrier,
-        near.collect(),
-        options.staging_bytes,
-        options.timeout,
-    );
-    // RESHARD_SHM_DIRECT=0 keeps senders out of the receivers' shards: rings only
-    let direct = std::env::var("RESHARD_SHM_DIRECT").map_or(true, |v| v != "0");
-    let destination = destination.filter(|_| direct);
-    shm.exchange_destinations(destination, &links.senders, &links.receivers)?;
-    Ok(shm)
-}
-
-/// The plan agreement at rendezvous ([`Job::agree`]): this rank's fingerprint, or, when its
-/// own checks (`ready`) failed, its refusal, so that every rank fails at once naming it
-/// instead of waiting for it until the timeout. A rank that refused returns its own error.
-pub fn agree_or_refuse<J: Job>(
-    job: &J,
-    command: &str,
-    ready: Result<(), Error>,
-    fingerprint: impl FnOnce() -> Fingerprint,
-) -> Result<(), Error> {
-    match ready {
-        Ok(()) => job.agree(&fingerprint()),
-        Err(e) => {
-            let _ = job.agree(&Fingerprint::refusal(command, &e));
-            Err(e)
-        }
-    }
-}
-
-/// Checks that the job has a process for every rank the layouts use (`highest`).
-pub fn check_world(highest: Rank, world: usize) -> Result<(), Error> {
-    if highest >= world {
-        return Err(Error::Env {
-            var: "WORLD_SIZE",
-            value: world.to_string(),
-            reason: format!(
-                "the layouts use ranks up to {highest}, so the job needs at least {} processes",
-                highest + 1
-            ),
-        });
-    }
-    Ok(())
 }
 
 /// Refuses a run whose buffers (`needed` bytes) cannot fit in this machine's available memory,
@@ -289,48 +174,6 @@ pub fn check_memory(needed: u64, shape: &[u64]) -> Result<(), Error> {
     }
 }
 
-/// Whether this process was started by OpenMPI's or another PMI launcher.
-pub fn under_mpirun() -> bool {
-    ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"]
-        .iter()
-        .any(|v| std::env::var_os(v).is_some())
-}
-
-/// Whether this process runs as a rank of an MPI job for `kind`: always for `mpi`, and for
-/// `auto` and `shm` when `mpirun` started it (in a build with MPI) and no rendezvous of our
-/// own (`env`) is set.
-pub fn in_mpi_job(kind: TransportKind, env: Option<&GroupEnv>) -> bool {
-    kind == TransportKind::Mpi
-        || (env.is_none()
-            && cfg!(feature = "mpi")
-            && under_mpirun()
-            && matches!(kind, TransportKind::Auto | TransportKind::Shm))
-}
-
-/// The error for a multi-process transport started as a lone process.
-pub fn not_in_a_job(kind: TransportKind) -> Error {
-    Error::InvalidOption {
-        field: "--transport",
-        value: kind.name().into(),
-        reason: "it runs one rank per process: start it with `reshard launch --nproc N -- \
-                 run ...`, or set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT (also \
-                 under mpirun, with -x)"
-            .into(),
-    }
-}
-
-/// The error for `--transport mpi` in a build without MPI.
-#[cfg(not(feature = "mpi"))]
-pub fn no_mpi() -> Error {
-    Error::InvalidOption {
-        field: "--transport",
-        value: "mpi".into(),
-        reason: "this reshard was built without MPI; build it with `cargo build --release --features mpi` \
-                 (needs an MPI library such as Debian's libopenmpi-dev, and libclang-dev)"
-            .into(),
-    }
-}
-
 /// Seconds of `times`: (median, min, max).
 pub fn spread(times: &[f64]) -> (f64, f64, f64) {
     let mut sorted = times.to_vec();
@@ -354,7 +197,7 @@ impl Measured {
     /// Runs one repetition of a method from a barrier, so that every rank starts together,
     /// and keeps its time and counts when `timed`; `extra` is memory the method holds besides
     /// its transport's staging.
-    pub fn repeat<J: Job>(
+    pub fn repeat<J: Job + ?Sized>(
         &mut self,
         job: &J,
         timed: bool,
@@ -471,18 +314,15 @@ impl Reports {
 }
 
 /// Ends this rank's part of a job: prints its own failure, hands its report (or the failure)
-/// to rank 0's verdict, and returns every rank's report on rank 0, `None` on the others.
-pub fn conclude<J: Job>(
-    job: &J,
+/// to rank 0's verdict ([`World::finish`]), and returns every rank's report on rank 0, `None`
+/// on the others.
+pub fn conclude(
+    world: &World,
     outcome: Result<serde_json::Value, Error>,
 ) -> Result<Option<Reports>, Failure> {
     if let Err(e) = &outcome {
         eprintln!("error: {e}");
-        if matches!(e, Error::JobFailed { .. }) {
-            // the verdict is already out: rank 0 told everyone at the barrier
-            return Err(Failure::Run(outcome.unwrap_err()));
-        }
     }
-    let ranks = job.finish(outcome.map_err(|e| e.to_string()))?;
-    Ok((job.rank() == 0).then_some(Reports { ranks }))
+    let ranks = world.finish(outcome)?;
+    Ok(ranks.map(|ranks| Reports { ranks }))
 }

@@ -13,14 +13,12 @@ use reshard::batch::{
 use reshard::exec::ExecOptions;
 use reshard::fill::Fill;
 use reshard::model::Refit;
-use reshard::transport::Job;
-use reshard::transport::group::{Group, GroupEnv};
+use reshard::runtime::{Links, World};
 use reshard::{Error, PlanOptions, Side};
 
 use super::Failure;
 use super::processes::{
-    AnyTransport, ExecArgs, Links, Measured, Method, MethodJson, TransportKind, agree_or_refuse,
-    check_memory, check_world, conclude, connect, in_mpi_job, not_in_a_job,
+    ExecArgs, Measured, Method, MethodJson, TransportKind, check_memory, conclude,
 };
 use super::units::{bytes, parse_bytes};
 
@@ -102,37 +100,26 @@ pub fn main(
     let fingerprint = agreed(args, &batch, &options, pack_below, fingerprint);
     let baseline = BatchBaseline::new(&batch)?;
     let kind = args.exec.transport;
-    let env = GroupEnv::from_env()?;
-    match (kind, env) {
-        (_, env) if in_mpi_job(kind, env.as_ref()) => {
-            run_mpi(args, &batch, &baseline, pack_below, &options, fingerprint)
-        }
-        (TransportKind::Local, _) | (TransportKind::Auto, None) => {
-            Err(Failure::Input(Error::InvalidOption {
-                field: "--run",
-                value: kind.name().into(),
-                reason: format!(
-                    "a refit runs one rank per process: start it with `reshard launch --nproc {} -- refit ... --run` (or under mpirun)",
-                    batch.world()
-                ),
-            }))
-        }
-        (_, None) => Err(Failure::Input(not_in_a_job(kind))),
-        (_, Some(env)) => {
-            let ready = check_world(batch.world().saturating_sub(1), env.world);
-            let group = Group::join(env, options.timeout)?;
-            agree_or_refuse(&group, "refit --run", ready, || fingerprint)?;
-            run_processes(
-                args,
-                &batch,
-                &baseline,
-                pack_below,
-                &options,
-                &group,
-                &|links| connect(kind, &group, links, None, &options),
-            )
-        }
+    let threads = || {
+        Failure::Input(Error::InvalidOption {
+            field: "--run",
+            value: kind.name().into(),
+            reason: format!(
+                "a refit runs one rank per process: start it with `reshard launch --nproc {} -- refit ... --run` (or under mpirun)",
+                batch.world()
+            ),
+        })
+    };
+    if kind == TransportKind::Local {
+        return Err(threads());
     }
+    let world = args.exec.join(&options)?;
+    if world.job().is_none() {
+        return Err(threads());
+    }
+    let ready = world.check_size(batch.world().saturating_sub(1));
+    world.agree("refit --run", ready, || fingerprint)?;
+    run_processes(args, &batch, &baseline, pack_below, &options, &world)
 }
 
 /// `fingerprint` with the batch (every tensor's name, shape, dtype and both layouts, and
@@ -166,39 +153,6 @@ fn agreed(
         .with("--iters", args.iters)
         .with("--warmup", args.warmup);
     args.exec.agreed(options, fingerprint)
-}
-
-#[cfg(feature = "mpi")]
-fn run_mpi(
-    args: &RefitRunArgs,
-    batch: &Batch,
-    baseline: &BatchBaseline,
-    pack_below: u64,
-    options: &ExecOptions,
-    fingerprint: Fingerprint,
-) -> Result<Option<RunJson>, Failure> {
-    use super::processes::connect_mpi;
-    use reshard::transport::mpi::MpiJob;
-    let job = MpiJob::init()?;
-    let ready = check_world(batch.world().saturating_sub(1), job.world());
-    agree_or_refuse(&job, "refit --run", ready, || fingerprint)?;
-    let kind = args.exec.transport;
-    run_processes(args, batch, baseline, pack_below, options, &job, &|links| {
-        let layouts = batch.tensors().iter().map(|t| &t.src);
-        connect_mpi(kind, &job, layouts, links, None, options)
-    })
-}
-
-#[cfg(not(feature = "mpi"))]
-fn run_mpi(
-    _: &RefitRunArgs,
-    _: &Batch,
-    _: &BatchBaseline,
-    _: u64,
-    _: &ExecOptions,
-    _: Fingerprint,
-) -> Result<Option<RunJson>, Failure> {
-    Err(Failure::Input(super::processes::no_mpi()))
 }
 
 /// Every tensor's contents: a hash of the element index, seeded by the tensor's position, so
@@ -237,17 +191,16 @@ fn verify(batch: &Batch, rb: &RankBatch, dst: &[Vec<u8>]) -> Result<(), Error> {
 }
 
 #[allow(clippy::too_many_arguments)]
-fn run_processes<'j, J: Job>(
+fn run_processes(
     args: &RefitRunArgs,
     batch: &Batch,
     baseline: &BatchBaseline,
     pack_below: u64,
     options: &ExecOptions,
-    job: &'j J,
-    connect: &dyn Fn(&Links) -> Result<AnyTransport<'j>, Error>,
+    world: &World,
 ) -> Result<Option<RunJson>, Failure> {
-    let outcome = run_rank(args, batch, baseline, options, job, connect);
-    let Some(reports) = conclude(job, outcome)? else {
+    let outcome = run_rank(args, batch, baseline, options, world);
+    let Some(reports) = conclude(world, outcome)? else {
         return Ok(None);
     };
     let name = reports.transport();
@@ -277,14 +230,23 @@ fn run_processes<'j, J: Job>(
 }
 
 /// This rank's buffers, links and both methods in turn; the report for rank 0.
-fn run_rank<'j, J: Job>(
+fn run_rank(
     args: &RefitRunArgs,
     batch: &Batch,
     baseline: &BatchBaseline,
     options: &ExecOptions,
-    job: &'j J,
-    connect: &dyn Fn(&Links) -> Result<AnyTransport<'j>, Error>,
+    world: &World,
 ) -> Result<serde_json::Value, Error> {
+    let Some(job) = world.job() else {
+        return Err(Error::InvalidOption {
+            field: "--run",
+            value: world.options().transport.name().into(),
+            reason: "a refit runs one rank per process".into(),
+        });
+    };
+    // MPI's datatypes cover every tensor the job's links will move
+    let connect =
+        |links: &Links| world.connect(links, batch.tensors().iter().map(|t| &t.src), None);
     let rank = job.rank();
     let rb = batch.rank_batch(rank)?;
     let mine = baseline.for_rank(rank)?;
@@ -320,15 +282,7 @@ fn run_rank<'j, J: Job>(
 
     // Both methods' links, opened one after the other by every rank.
     job.barrier()?;
-    let mut links = Links::default();
-    for m in rb.moves.iter().filter(|m| m.from != m.to) {
-        if m.to == rank {
-            links.senders.insert(m.from);
-        } else {
-            links.receivers.insert(m.to);
-        }
-    }
-    let reshard_transport = connect(&links)?;
+    let reshard_transport = connect(&Links::of_batch(&rb))?;
     job.barrier()?;
     let mut links = Links::default();
     for p in mine.parts.iter().flat_map(|(g, b)| [g, b]).flatten() {

@@ -8,17 +8,12 @@ use clap::Args;
 use serde::Serialize;
 
 use reshard::agreement::Fingerprint;
-use reshard::exec::{self, ExecOptions, RankJob};
+use reshard::exec::{self, ExecOptions};
 use reshard::fill::Fill;
-use reshard::transport::Job;
-use reshard::transport::group::{Group, GroupEnv};
-use reshard::transport::segment::SharedBuffer;
-use reshard::{Error, Plan, Rank, RankPlan};
+use reshard::runtime::World;
+use reshard::{Error, Plan, Rank};
 
-use super::processes::{
-    AnyTransport, Destination, ExecArgs, Links, TransportKind, agree_or_refuse, check_memory,
-    check_world, conclude, connect, in_mpi_job, not_in_a_job, with_plan,
-};
+use super::processes::{ExecArgs, check_memory, conclude, run_options, with_plan};
 use super::units::bytes;
 use super::{Failure, TensorArgs};
 
@@ -80,22 +75,10 @@ pub fn main(args: &RunArgs) -> Result<(), Failure> {
         // every process of a job checks, before it joins the others
         check_dump_dir(dir)?;
     }
-    let env = GroupEnv::from_env()?;
-    match (args.exec.transport, env) {
-        (kind, env) if in_mpi_job(kind, env.as_ref()) => run_mpi(args, &plan, fill, &options),
-        (TransportKind::Local | TransportKind::Auto, None) => {
-            run_threads(args, &plan, fill, &options)
-        }
-        (TransportKind::Local, Some(env)) => Err(Failure::Input(Error::InvalidOption {
-            field: "--transport",
-            value: "local".into(),
-            reason: format!(
-                "local runs every rank as a thread of one process, but this is rank {} of {} \
-                 processes; use tcp, shm or auto",
-                env.rank, env.world
-            ),
-        })),
-        (_, env) => run_process(args, &plan, fill, &options, env),
+    let world = args.exec.join(&options)?;
+    match world.job() {
+        None => run_threads(args, &plan, fill, &options),
+        Some(_) => run_process(args, &plan, fill, &options, &world),
     }
 }
 
@@ -151,25 +134,14 @@ fn run_process(
     plan: &Plan,
     fill: Fill,
     options: &ExecOptions,
-    env: Option<GroupEnv>,
+    world: &World,
 ) -> Result<(), Failure> {
-    let Some(env) = env else {
-        return Err(Failure::Input(not_in_a_job(args.exec.transport)));
-    };
-    let ready = check_world(highest(plan), env.world)
-        .and_then(|()| check_memory(rank_bytes(plan, env.rank), plan.src().shape()));
-    let group = Group::join(env, options.timeout)?;
-    agree_or_refuse(&group, "run", ready, || {
-        fingerprint(args, plan, fill, options)
-    })?;
-    let kind = args.exec.transport;
-    process_rank(args, plan, fill, options, &group, |mine, destination| {
-        let links = Links {
-            senders: mine.senders(),
-            receivers: mine.receivers(),
-        };
-        connect(kind, &group, &links, destination, options)
-    })
+    let rank = world.rank().unwrap_or(0);
+    let ready = world
+        .check_size(highest(plan))
+        .and_then(|()| check_memory(rank_bytes(plan, rank), plan.src().shape()));
+    world.agree("run", ready, || fingerprint(args, plan, fill, options))?;
+    process_rank(args, plan, fill, options, world)
 }
 
 /// What every rank of the job must run alike.
@@ -194,42 +166,16 @@ fn rank_bytes(plan: &Plan, rank: Rank) -> u64 {
         .saturating_add(plan.dst().local_bytes(rank))
 }
 
-#[cfg(feature = "mpi")]
-fn run_mpi(args: &RunArgs, plan: &Plan, fill: Fill, options: &ExecOptions) -> Result<(), Failure> {
-    use super::processes::connect_mpi;
-    use reshard::transport::mpi::MpiJob;
-    let job = MpiJob::init()?;
-    let ready = check_world(highest(plan), job.world())
-        .and_then(|()| check_memory(rank_bytes(plan, job.rank()), plan.src().shape()));
-    agree_or_refuse(&job, "run", ready, || {
-        fingerprint(args, plan, fill, options)
-    })?;
-    let kind = args.exec.transport;
-    process_rank(args, plan, fill, options, &job, |mine, destination| {
-        let links = Links {
-            senders: mine.senders(),
-            receivers: mine.receivers(),
-        };
-        connect_mpi(kind, &job, [plan.src()], &links, destination, options)
-    })
-}
-
-#[cfg(not(feature = "mpi"))]
-fn run_mpi(_: &RunArgs, _: &Plan, _: Fill, _: &ExecOptions) -> Result<(), Failure> {
-    Err(Failure::Input(super::processes::no_mpi()))
-}
-
-/// Runs this rank's part under `job`, then reports; rank 0 prints the job's report.
-fn process_rank<'j, J: Job>(
+/// Runs this rank's part of the job, then reports; rank 0 prints the job's report.
+fn process_rank(
     args: &RunArgs,
     plan: &Plan,
     fill: Fill,
     options: &ExecOptions,
-    job: &'j J,
-    connect: impl FnOnce(&RankPlan, Destination<'_>) -> Result<AnyTransport<'j>, Error>,
+    world: &World,
 ) -> Result<(), Failure> {
-    let outcome = rank_part(args, plan, fill, options, job, connect);
-    if let Some(reports) = conclude(job, outcome)? {
+    let outcome = rank_part(args, plan, fill, options, world);
+    if let Some(reports) = conclude(world, outcome)? {
         let name = reports.transport();
         let reports = reports.ranks;
         let field = |r: &serde_json::Value, k: &str| r[k].as_f64().unwrap_or(0.0);
@@ -267,63 +213,47 @@ fn process_rank<'j, J: Job>(
 
 /// This rank's share of a multi-process run: its shards, its links, its transfers, its check.
 /// Returns the report it sends to rank 0.
-fn rank_part<'j, J: Job>(
+fn rank_part(
     args: &RunArgs,
     plan: &Plan,
     fill: Fill,
     options: &ExecOptions,
-    job: &'j J,
-    connect: impl FnOnce(&RankPlan, Destination<'_>) -> Result<AnyTransport<'j>, Error>,
+    world: &World,
 ) -> Result<serde_json::Value, Error> {
-    let rank = job.rank();
-    let rank_plan = reshard::plan::rank_plan(plan.src(), plan.dst(), rank, &plan.options())?;
-    let src_box = plan.src().local_region(rank);
-    let dst_box = plan.dst().local_region(rank);
+    // its destination shard in shared memory, so that senders on this host write into it
+    let mut mine = world.prepare(plan)?;
+    let rank = mine.rank();
     let source = fill.shard(plan.src(), rank)?;
-    // in shared memory, so that senders on this host can write into it directly
-    let mut shard = match &dst_box {
-        Some(_) => Some(SharedBuffer::new(plan.dst().local_bytes(rank) as usize)?),
-        None => None,
-    };
-    let transport = connect(
-        &rank_plan,
-        dst_box
-            .as_ref()
-            .and_then(|b| shard.as_ref().map(|s| (s, b))),
-    )?;
+    let run = run_options(options);
 
     // Only the data phase is timed: every rank starts each repetition together.
     let mut times = Vec::new();
     let mut stats = None;
     // a rank with no destination shard has nothing to check: its part of the check passes
-    let mut verified = args.verify && shard.is_none();
+    let mut verified = args.verify && mine.destination().is_none();
     for i in 0..args.warmup + args.iters {
-        if let (true, Some(s)) = (args.verify, shard.as_deref_mut()) {
+        if let (true, Some(s)) = (args.verify, mine.destination_mut()) {
             poison(s);
         }
-        job.barrier()?;
+        world.barrier()?;
         let started = Instant::now();
-        let work = RankJob {
-            plan: &rank_plan,
-            src_layout: plan.src(),
-            src: src_box.as_ref().zip(source.as_deref()),
-            dst: dst_box.as_ref().zip(shard.as_deref_mut()),
-        };
-        stats = Some(exec::run_rank(work, &*transport, options)?);
+        stats = Some(mine.run(source.as_deref(), &run)?);
         if i >= args.warmup {
             times.push(started.elapsed().as_secs_f64());
         }
-        if let (true, Some(b), Some(buf)) = (args.verify, &dst_box, &shard) {
+        if let (true, Some(b), Some(buf)) =
+            (args.verify, mine.destination_box(), mine.destination())
+        {
             fill.verify_region(plan.dst(), b, buf, (rank, 0))?;
             verified = true;
         }
     }
     let stats = stats.expect("at least one iteration");
-    if let (Some(dir), Some(buf)) = (&args.dump, &shard) {
-        dump(dir, [(rank, &buf[..])])?;
+    if let (Some(dir), Some(buf)) = (&args.dump, mine.destination()) {
+        dump(dir, [(rank, buf)])?;
     }
     Ok(serde_json::json!({
-        "transport": transport.name(),
+        "transport": mine.transport_name(),
         "times": times,
         "bytes_remote": stats.bytes_received,
         "bytes_local": stats.bytes_local,

@@ -307,7 +307,7 @@ pub fn run_steps<'buf, T: Transport<'buf> + ?Sized>(
         let mut sums: BTreeMap<Rank, Vec<u32>> = BTreeMap::new();
         for s in &steps.sends {
             let len = s.bytes() as usize;
-            let chunk = transport.chunk_bytes(len, chunk).max(1);
+            let chunk = transport.chunking().chunk_bytes(len, chunk);
             let src = source(s);
             let mut peer_sums = options.checksum.then(|| sums.entry(s.to).or_default());
             for range in checksum::chunks(len, chunk) {
@@ -371,7 +371,7 @@ pub fn run_steps<'buf, T: Transport<'buf> + ?Sized>(
                 arrived[i] = true;
                 stats.bytes_received += len as u64;
                 stats.chunks_received +=
-                    len.div_ceil(transport.chunk_bytes(len, chunk).max(1)) as u64;
+                    len.div_ceil(transport.chunking().chunk_bytes(len, chunk)) as u64;
             };
             transport.recv_all(&expected, dst_bufs, chunk, landed)?;
             if options.checksum {
@@ -505,7 +505,7 @@ fn check_sums<'buf, T: Transport<'buf> + ?Sized>(
                 elem_bytes: s.elem_bytes,
                 shard: &dst_bufs[b][bytes],
                 dst_box: s.dst_box,
-                chunk: transport.chunk_bytes(len, chunk).max(1),
+                chunk: transport.chunking().chunk_bytes(len, chunk),
             };
             let n = landed.chunk_count().min(rest.len());
             let (mine, later) = rest.split_at(n);

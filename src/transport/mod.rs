@@ -195,12 +195,11 @@ pub trait Transport<'buf>: Sync {
     /// Short name for reports (`local`, `tcp`, ...).
     fn name(&self) -> &'static str;
 
-    /// The chunk size to cut a transfer of `transfer_bytes` into, given the executor's
-    /// `requested` size. Both ends of a transfer must answer alike. A transport that moves
-    /// whole regions itself (MPI with derived datatypes) returns `transfer_bytes`.
-    fn chunk_bytes(&self, transfer_bytes: usize, requested: usize) -> usize {
-        let _ = transfer_bytes;
-        requested
+    /// How this transport cuts transfers into chunks: a rule fixed when it is built, so that
+    /// both ends of a transfer, built alike, cut it alike. A transport that moves whole
+    /// regions itself (MPI with derived datatypes) says so here.
+    fn chunking(&self) -> Chunking {
+        Chunking::Requested
     }
 
     /// Whether `send` may block until the receiver takes the chunk. If not, the executor
@@ -279,6 +278,30 @@ pub trait Transport<'buf>: Sync {
     }
 }
 
+/// How a transport cuts a transfer into chunks ([`Transport::chunking`]), applied to the
+/// chunk size the executor asks for in each run.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Chunking {
+    /// Chunks of the size the executor asks for.
+    #[default]
+    Requested,
+    /// Transfers of at most this many bytes as one chunk, however large (MPI moves them
+    /// itself, described by derived datatypes); larger ones in chunks of the asked size.
+    WholeUpTo(usize),
+}
+
+impl Chunking {
+    /// The chunk size for a transfer of `transfer_bytes`, given the executor's `requested`
+    /// size: at least one byte, so that cutting always advances.
+    pub fn chunk_bytes(self, transfer_bytes: usize, requested: usize) -> usize {
+        match self {
+            Chunking::WholeUpTo(limit) if transfer_bytes <= limit => transfer_bytes,
+            _ => requested,
+        }
+        .max(1)
+    }
+}
+
 /// The refusal of a transport that cannot carry checksums.
 fn no_sums(transport: &'static str) -> crate::Error {
     crate::Error::InvalidOption {
@@ -299,7 +322,7 @@ pub fn recv_in_order<'buf, T: Transport<'buf> + ?Sized>(
 ) -> Result<()> {
     for (i, e) in expected.iter().enumerate() {
         let len = e.len();
-        let chunk = transport.chunk_bytes(len, chunk).max(1);
+        let chunk = transport.chunking().chunk_bytes(len, chunk);
         for start in (0..len).step_by(chunk) {
             let dst = &mut dst_bufs[e.buffer][e.bytes.clone()];
             transport.recv(e.chunk(dst, start..start.saturating_add(chunk).min(len)))?;
@@ -307,4 +330,21 @@ pub fn recv_in_order<'buf, T: Transport<'buf> + ?Sized>(
         landed(i);
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Chunking;
+
+    #[test]
+    fn chunking_rules_cut_transfers_alike_at_both_ends() {
+        // the asked size, never zero
+        assert_eq!(Chunking::Requested.chunk_bytes(100, 16), 16);
+        assert_eq!(Chunking::Requested.chunk_bytes(100, 0), 1);
+        // whole transfers up to the limit, the asked size beyond it
+        let whole = Chunking::WholeUpTo(1000);
+        assert_eq!(whole.chunk_bytes(1000, 16), 1000);
+        assert_eq!(whole.chunk_bytes(1001, 16), 16);
+        assert_eq!(whole.chunk_bytes(0, 16), 1);
+    }
 }

@@ -30,7 +30,7 @@ use crate::layout::{Layout, Rank};
 use crate::region::Region;
 
 use super::control::{Action, Call, Event, Lost, Machine, Msg};
-use super::{Incoming, Job, Outgoing, Receive, Transport};
+use super::{Chunking, Incoming, Job, Outgoing, Receive, Transport};
 
 const DATA_TAG: i32 = 17;
 /// Transfers up to this size move whole, as one message of a derived datatype; larger ones
@@ -164,6 +164,11 @@ impl MpiJob {
             rank: self.world.rank() as Rank,
             staging: [Mutex::new(Vec::new()), Mutex::new(Vec::new())],
             datatypes: fits,
+            chunking: if fits {
+                Chunking::WholeUpTo(WHOLE_TRANSFER_LIMIT)
+            } else {
+                Chunking::Requested
+            },
             pending: Mutex::new(Vec::new()),
         }
     }
@@ -345,6 +350,9 @@ pub struct MpiTransport<'a> {
     staging: [Mutex<Vec<u8>>; 2],
     /// Whether regions of this tensor can be described by subarray datatypes.
     datatypes: bool,
+    /// Whole transfers when datatypes describe them (up to [`WHOLE_TRANSFER_LIMIT`]),
+    /// requested chunks otherwise: fixed here, alike on every rank of the job.
+    chunking: Chunking,
     /// Posted sends, completed by `finish`.
     pending: Mutex<Vec<Pending>>,
 }
@@ -414,12 +422,8 @@ impl<'buf> Transport<'buf> for MpiTransport<'_> {
         "mpi"
     }
 
-    fn chunk_bytes(&self, transfer_bytes: usize, requested: usize) -> usize {
-        if self.datatypes && transfer_bytes <= WHOLE_TRANSFER_LIMIT {
-            transfer_bytes
-        } else {
-            requested
-        }
+    fn chunking(&self) -> Chunking {
+        self.chunking
     }
 
     /// Sends are posted (`MPI_Isend`) and completed in `finish`, like MPI_Alltoallw's: the
@@ -560,7 +564,7 @@ impl<'buf> Transport<'buf> for MpiTransport<'_> {
     ) -> Result<()> {
         // a posted receive matches the next message from its sender, so either every
         // transfer moves as one message or all go in order
-        let whole = |e: &Receive<'_>| self.chunk_bytes(e.len(), chunk) >= e.len();
+        let whole = |e: &Receive<'_>| self.chunking.chunk_bytes(e.len(), chunk) >= e.len();
         if !expected.iter().all(whole) {
             return super::recv_in_order(self, expected, dst_bufs, chunk, landed);
         }

@@ -23,7 +23,7 @@ use crate::region::Region;
 
 use super::ring::{Ring, RingError, SLOTS};
 use super::segment::{PeerBuffer, SharedBuffer};
-use super::{Incoming, Outgoing, Transport};
+use super::{Chunking, Incoming, Outgoing, Transport};
 
 /// The job's links that the shm transport rides on: they carry its short notices (where a
 /// ring or a destination lives, which bytes were written) and, as a [`Transport`], the data to
@@ -415,11 +415,11 @@ impl<'buf, C: Carrier + Transport<'buf>> Transport<'buf> for ShmTransport<C> {
         "shm"
     }
 
-    /// The carrier's answer, for every peer: both ends of a transfer must answer alike, and
+    /// The carrier's rule, for every peer: both ends of a transfer must cut it alike, and
     /// the data to other hosts moves as the carrier moves it best (MPI: whole transfers of
     /// derived datatypes). Memory moves cut chunks into slots anyway.
-    fn chunk_bytes(&self, transfer_bytes: usize, requested: usize) -> usize {
-        self.links.chunk_bytes(transfer_bytes, requested)
+    fn chunking(&self) -> Chunking {
+        self.links.chunking()
     }
 
     fn send(&self, chunk: Outgoing<'buf>) -> Result<()> {

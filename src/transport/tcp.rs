@@ -362,7 +362,7 @@ impl TcpTransport {
         let mut r = self.reader(inbound.peer)?;
         match inbound.reading.as_mut() {
             None => {
-                let size = self.chunk_bytes(len, chunk).max(1);
+                let size = self.chunking().chunk_bytes(len, chunk);
                 let range = inbound.done..inbound.done.saturating_add(size).min(len);
                 let end = range.end;
                 inbound.reading = self.begin_chunk(&mut r, &mut e.chunk(dst, range))?;

@@ -1,0 +1,330 @@
+//! Running this process's rank(s) of a plan or a batch: one call each, over the links the
+//! world opens.
+
+use std::collections::BTreeMap;
+use std::time::Instant;
+
+use super::{AnyTransport, Links, RunOptions, World};
+use crate::batch::{Batch, RankBatch, run_local_batch, run_rank_batch};
+use crate::error::{Dims, Error, Result, Side};
+use crate::exec::baseline::{self, BaselineJob};
+use crate::exec::{self, RankJob, RankStats, RunStats};
+use crate::layout::{Layout, Rank};
+use crate::plan::{GatherBroadcast, Plan, RankPlan};
+use crate::region::Region;
+use crate::transport::Job;
+use crate::transport::segment::SharedBuffer;
+
+impl Links {
+    /// The peers of one rank's part of a plan.
+    pub fn of_plan(plan: &RankPlan) -> Links {
+        Links {
+            senders: plan.senders(),
+            receivers: plan.receivers(),
+        }
+    }
+
+    /// The peers of one rank's part of a batch.
+    pub fn of_batch(rb: &RankBatch) -> Links {
+        let mut links = Links::default();
+        for m in rb.moves.iter().filter(|m| m.from != m.to) {
+            if m.to == rb.rank {
+                links.senders.insert(m.from);
+            } else {
+                links.receivers.insert(m.to);
+            }
+        }
+        links
+    }
+}
+
+impl World {
+    /// Runs `plan` for this process's ranks: `sources` and `destinations` hold the shards of
+    /// the ranks it runs ([`World::ranks`]: every rank's between threads, its own between
+    /// processes), checked before any byte moves; the destinations are written in place.
+    /// Every rank of the job calls it alike. Returns the stats of this process's ranks.
+    pub fn run(
+        &self,
+        plan: &Plan,
+        sources: &BTreeMap<Rank, Vec<u8>>,
+        destinations: &mut BTreeMap<Rank, Vec<u8>>,
+        options: &RunOptions,
+    ) -> Result<RunStats> {
+        let exec_options = self.exec_options(options);
+        let Some(job) = self.job() else {
+            return exec::run_local(plan, sources, destinations, &exec_options);
+        };
+        exec_options.validate()?;
+        let rank = job.rank();
+        check_own(plan.src(), Side::Src, rank, sources)?;
+        check_own(plan.dst(), Side::Dst, rank, destinations)?;
+        let mine = crate::plan::rank_plan(plan.src(), plan.dst(), rank, &plan.options())?;
+        let transport = self.connect(&Links::of_plan(&mine), [plan.src()], None)?;
+        let (src_box, dst_box) = (plan.src().local_region(rank), plan.dst().local_region(rank));
+        let started = Instant::now();
+        let work = RankJob {
+            plan: &mine,
+            src_layout: plan.src(),
+            src: src_box.as_ref().zip(sources.get(&rank).map(Vec::as_slice)),
+            dst: dst_box
+                .as_ref()
+                .zip(destinations.get_mut(&rank).map(Vec::as_mut_slice)),
+        };
+        let stats = exec::run_rank(work, &*transport, &exec_options)?;
+        Ok(RunStats {
+            elapsed: started.elapsed(),
+            ranks: vec![stats],
+        })
+    }
+
+    /// Runs `batch` (a whole-model refit) for this process's ranks: `sources` and
+    /// `destinations` hold their buffers in the order of [`Batch::buffers`]. Every rank of
+    /// the job calls it alike. Returns the stats of this process's ranks.
+    pub fn run_batch(
+        &self,
+        batch: &Batch,
+        sources: &BTreeMap<Rank, Vec<Vec<u8>>>,
+        destinations: &mut BTreeMap<Rank, Vec<Vec<u8>>>,
+        options: &RunOptions,
+    ) -> Result<RunStats> {
+        let exec_options = self.exec_options(options);
+        let Some(job) = self.job() else {
+            return run_local_batch(batch, sources, destinations, &exec_options);
+        };
+        exec_options.validate()?;
+        let rank = job.rank();
+        self.check_size(batch.world().saturating_sub(1))?;
+        let rb = batch.rank_batch(rank)?;
+        let layouts = batch.tensors().iter().map(|t| &t.src);
+        let transport = self.connect(&Links::of_batch(&rb), layouts, None)?;
+        let started = Instant::now();
+        let none = Vec::new();
+        let src: Vec<&[u8]> = sources
+            .get(&rank)
+            .unwrap_or(&none)
+            .iter()
+            .map(Vec::as_slice)
+            .collect();
+        let mut none = Vec::new();
+        let mut dst: Vec<&mut [u8]> = destinations
+            .get_mut(&rank)
+            .unwrap_or(&mut none)
+            .iter_mut()
+            .map(Vec::as_mut_slice)
+            .collect();
+        let stats = run_rank_batch(batch, &rb, &src, &mut dst, &*transport, &exec_options)?;
+        Ok(RunStats {
+            elapsed: started.elapsed(),
+            ranks: vec![stats],
+        })
+    }
+
+    /// Moves `plan`'s tensor the way [`World::run`] does, by the baseline instead: the source
+    /// gathered whole on one replica's ranks, then broadcast whole to every destination rank,
+    /// each keeping its box ([`GatherBroadcast`]). `sources` are lent to the gather between
+    /// threads, and back in place on return, also on error. For comparisons: it moves far
+    /// more bytes than the plan.
+    pub fn run_gather_broadcast(
+        &self,
+        plan: &Plan,
+        sources: &mut BTreeMap<Rank, Vec<u8>>,
+        destinations: &mut BTreeMap<Rank, Vec<u8>>,
+        options: &RunOptions,
+    ) -> Result<RunStats> {
+        let exec_options = self.exec_options(options);
+        let gb = GatherBroadcast::new(plan.src(), plan.dst())?;
+        let Some(job) = self.job() else {
+            let mut full = baseline::full_buffers(&gb)?;
+            return baseline::run_local_gather_broadcast(
+                &gb,
+                sources,
+                destinations,
+                &mut full,
+                &exec_options,
+            );
+        };
+        exec_options.validate()?;
+        let rank = job.rank();
+        check_own(plan.src(), Side::Src, rank, sources)?;
+        check_own(plan.dst(), Side::Dst, rank, destinations)?;
+        let part = |p: &Option<Plan>| {
+            p.as_ref()
+                .filter(|p| p.ranks().contains(&rank))
+                .map(|p| crate::plan::rank_plan(p.src(), p.dst(), rank, &p.options()))
+                .transpose()
+        };
+        let (gather, broadcast) = (part(&gb.gather)?, part(&gb.broadcast)?);
+        let mut links = Links::default();
+        for p in [&gather, &broadcast].into_iter().flatten() {
+            links.senders.extend(p.senders());
+            links.receivers.extend(p.receivers());
+        }
+        let transport = self.connect(&links, [plan.src()], None)?;
+        let mut full = match gb.needs_full_buffer(rank) {
+            true => Some(crate::memory::zeroed(gb.dst().total_bytes(), || {
+                format!("rank {rank}'s full tensor")
+            })?),
+            false => None,
+        };
+        let (src_box, dst_box) = (plan.src().local_region(rank), plan.dst().local_region(rank));
+        let started = Instant::now();
+        let work = BaselineJob {
+            baseline: &gb,
+            gather: gather.as_ref(),
+            broadcast: broadcast.as_ref(),
+            src: src_box.as_ref().zip(sources.get(&rank).map(Vec::as_slice)),
+            full: full.as_deref_mut(),
+            dst: dst_box
+                .as_ref()
+                .zip(destinations.get_mut(&rank).map(Vec::as_mut_slice)),
+        };
+        let stats = baseline::run_rank_gather_broadcast(rank, work, &*transport, &exec_options)?;
+        Ok(RunStats {
+            elapsed: started.elapsed(),
+            ranks: vec![stats],
+        })
+    }
+
+    /// Opens this rank's links for `plan` and its destination shard in shared memory (so
+    /// that same-host senders write straight into it), for running the plan again and again
+    /// on the same links ([`PlanRank::run`]). For processes only: between threads it is an
+    /// error, as [`World::connect`] says. Every rank of the job calls it alike.
+    pub fn prepare(&self, plan: &Plan) -> Result<PlanRank<'_>> {
+        let job = self.job();
+        let rank = job.map_or(0, Job::rank);
+        let mine = crate::plan::rank_plan(plan.src(), plan.dst(), rank, &plan.options())?;
+        let src_box = plan.src().local_region(rank);
+        let dst_box = plan.dst().local_region(rank);
+        let shard = match &dst_box {
+            Some(_) => Some(SharedBuffer::new(plan.dst().local_bytes(rank) as usize)?),
+            None => None,
+        };
+        let destination = dst_box
+            .as_ref()
+            .and_then(|b| shard.as_ref().map(|s| (s, b)));
+        let transport = self.connect(&Links::of_plan(&mine), [plan.src()], destination)?;
+        Ok(PlanRank {
+            world: self,
+            rank,
+            plan: mine,
+            src_layout: plan.src().clone(),
+            src_box,
+            dst_box,
+            shard,
+            transport,
+        })
+    }
+}
+
+/// One rank's part of a plan with its links open and its destination shard in shared memory
+/// ([`World::prepare`]), to run as many times as wanted.
+pub struct PlanRank<'w> {
+    world: &'w World,
+    rank: Rank,
+    plan: RankPlan,
+    /// Where every sender's shard lies.
+    src_layout: Layout,
+    src_box: Option<Region>,
+    dst_box: Option<Region>,
+    shard: Option<SharedBuffer>,
+    transport: AnyTransport<'w>,
+}
+
+impl PlanRank<'_> {
+    pub fn rank(&self) -> Rank {
+        self.rank
+    }
+
+    /// The transport the links run over (`tcp`, `shm`, `mpi`).
+    pub fn transport_name(&self) -> &'static str {
+        self.transport.name()
+    }
+
+    /// This rank's box of the destination, if it is a destination.
+    pub fn destination_box(&self) -> Option<&Region> {
+        self.dst_box.as_ref()
+    }
+
+    /// This rank's destination shard, if it is a destination.
+    pub fn destination(&self) -> Option<&[u8]> {
+        self.shard.as_deref()
+    }
+
+    /// This rank's destination shard, to write before a run (a pattern, to see what the run
+    /// moved).
+    pub fn destination_mut(&mut self) -> Option<&mut [u8]> {
+        self.shard.as_deref_mut()
+    }
+
+    /// Runs the rank's part once with `source`, this rank's source shard if it is a source.
+    /// It does not wait for the other ranks first: a
+    /// caller that times runs calls [`World::barrier`] before, so that every rank starts
+    /// together.
+    pub fn run(&mut self, source: Option<&[u8]>, options: &RunOptions) -> Result<RankStats> {
+        let exec_options = self.world.exec_options(options);
+        exec_options.validate()?;
+        let expected = self.src_layout.local_bytes(self.rank);
+        match (&self.src_box, source) {
+            (Some(_), None) => {
+                return Err(Error::MissingBuffer {
+                    side: Side::Src,
+                    rank: self.rank,
+                });
+            }
+            (None, Some(_)) => {
+                return Err(Error::UnexpectedBuffer {
+                    side: Side::Src,
+                    rank: self.rank,
+                });
+            }
+            (Some(b), Some(s)) if s.len() as u64 != expected => {
+                return Err(Error::BufferSize {
+                    side: Side::Src,
+                    rank: self.rank,
+                    extent: Dims(b.extent.clone()),
+                    expected,
+                    got: s.len() as u64,
+                });
+            }
+            _ => {}
+        }
+        let work = RankJob {
+            plan: &self.plan,
+            src_layout: &self.src_layout,
+            src: self.src_box.as_ref().zip(source),
+            dst: self.dst_box.as_ref().zip(self.shard.as_deref_mut()),
+        };
+        exec::run_rank(work, &*self.transport, &exec_options)
+    }
+}
+
+/// Checks that `rank`, one rank of a job, has a buffer of exactly its shard's size when
+/// `layout` holds it, and none otherwise; buffers of other ranks are not this process's.
+pub(super) fn check_own(
+    layout: &Layout,
+    side: Side,
+    rank: Rank,
+    buffers: &BTreeMap<Rank, Vec<u8>>,
+) -> Result<()> {
+    if let Some(&other) = buffers.keys().find(|&&r| r != rank) {
+        return Err(Error::UnexpectedBuffer { side, rank: other });
+    }
+    match (layout.local_region(rank), buffers.get(&rank)) {
+        (Some(region), Some(buf)) => {
+            let expected = layout.local_bytes(rank);
+            if buf.len() as u64 != expected {
+                return Err(Error::BufferSize {
+                    side,
+                    rank,
+                    extent: Dims(region.extent),
+                    expected,
+                    got: buf.len() as u64,
+                });
+            }
+            Ok(())
+        }
+        (Some(_), None) => Err(Error::MissingBuffer { side, rank }),
+        (None, Some(_)) => Err(Error::UnexpectedBuffer { side, rank }),
+        (None, None) => Ok(()),
+    }
+}

@@ -1,0 +1,290 @@
+use std::collections::BTreeMap;
+
+use super::*;
+use crate::fill::Fill;
+use crate::layout::LayoutSpec;
+use crate::{DType, Plan};
+
+fn plan(src: &str, dst: &str) -> Plan {
+    let layout = |spec: &str, first| {
+        LayoutSpec::parse(spec)
+            .unwrap()
+            .resolve(&[8, 6], DType::F32, first)
+            .unwrap()
+    };
+    Plan::new(layout(src, 0), layout(dst, 2)).unwrap()
+}
+
+fn env(rank: Rank, world: usize) -> GroupEnv {
+    GroupEnv {
+        rank,
+        world,
+        master_addr: "127.0.0.1".into(),
+        master_port: 1,
+        token: "t".into(),
+    }
+}
+
+fn with(transport: TransportKind) -> JoinOptions {
+    JoinOptions {
+        transport,
+        ..JoinOptions::default()
+    }
+}
+
+#[test]
+fn transport_names_parse_back_and_others_are_refused_by_name() {
+    for kind in TransportKind::ALL {
+        assert_eq!(kind.name().parse::<TransportKind>().unwrap(), kind);
+    }
+    let err = "udp".parse::<TransportKind>().unwrap_err();
+    assert!(err.to_string().starts_with("--transport: udp"), "{err}");
+}
+
+/// A lone process with no rendezvous runs every rank as a thread: the one call moves the
+/// tensor, and the verdict is its own outcome.
+#[test]
+fn a_lone_process_runs_every_rank_as_threads() {
+    for kind in [TransportKind::Auto, TransportKind::Local] {
+        let world = World::join_env(None, with(kind)).unwrap();
+        assert!(world.job().is_none() && world.rank().is_none());
+        let plan = plan("mesh=2 place=S(0)", "mesh=3 place=S(1)");
+        assert_eq!(world.ranks(plan.dst()).collect::<Vec<_>>(), [2, 3, 4]);
+        let fill = Fill::Index;
+        let sources = fill.shards(plan.src()).unwrap();
+        let mut dests = crate::exec::zeroed_shards(plan.dst()).unwrap();
+        let stats = world
+            .run(&plan, &sources, &mut dests, &RunOptions::default())
+            .unwrap();
+        assert_eq!(stats.ranks.len(), 5);
+        fill.verify_shards(plan.dst(), &dests).unwrap();
+        world.agree("run", Ok(()), || unreachable!()).unwrap();
+        let report = serde_json::json!({"rank": "all"});
+        assert_eq!(
+            world.finish(Ok(report.clone())).unwrap(),
+            Some(vec![report])
+        );
+    }
+}
+
+#[test]
+fn transports_that_need_processes_are_refused_in_a_lone_process() {
+    for kind in [TransportKind::Tcp, TransportKind::Shm] {
+        let err = World::join_env(None, with(kind)).err().unwrap();
+        let text = err.to_string();
+        assert!(
+            text.starts_with(&format!("--transport: {}", kind.name())),
+            "{text}"
+        );
+        assert!(text.contains("RANK, WORLD_SIZE"), "{text}");
+    }
+}
+
+#[test]
+fn local_is_refused_for_one_rank_of_many() {
+    let err = World::join_env(Some(env(1, 3)), with(TransportKind::Local))
+        .err()
+        .unwrap();
+    assert!(err.to_string().contains("this is rank 1 of 3"), "{err}");
+}
+
+#[cfg(not(feature = "mpi"))]
+#[test]
+fn mpi_is_refused_in_a_build_without_it() {
+    let err = World::join_env(None, with(TransportKind::Mpi))
+        .err()
+        .unwrap();
+    assert!(err.to_string().contains("built without MPI"), "{err}");
+}
+
+#[test]
+fn a_bad_token_is_refused_before_joining() {
+    let options = JoinOptions {
+        token: Some(String::new()),
+        ..with(TransportKind::Tcp)
+    };
+    let err = World::join_env(Some(env(0, 2)), options).err().unwrap();
+    assert!(
+        matches!(
+            err,
+            Error::Env {
+                var: "RESHARD_TOKEN",
+                ..
+            }
+        ),
+        "{err}"
+    );
+}
+
+/// Between threads there are no links to open: asking for them is an error, not a hang.
+#[test]
+fn threads_open_no_links() {
+    let world = World::join_env(None, JoinOptions::default()).unwrap();
+    let err = world.connect(&Links::default(), [], None).err().unwrap();
+    assert!(err.to_string().contains("threads of this process"), "{err}");
+    let plan = plan("mesh=2 place=S(0)", "mesh=2 place=S(1)");
+    assert!(world.prepare(&plan).is_err());
+}
+
+#[test]
+fn a_job_too_small_for_the_layouts_is_named() {
+    let err = check_world(4, 3).unwrap_err();
+    assert!(err.to_string().contains("at least 5 processes"), "{err}");
+    check_world(2, 3).unwrap();
+}
+
+#[test]
+fn one_rank_of_a_job_gives_its_own_buffers_only() {
+    let plan = plan("mesh=2 place=S(0)", "mesh=2 place=S(1)");
+    let mut buffers = BTreeMap::new();
+    check_own_for_tests(plan.src(), 1, &buffers).unwrap_err();
+    buffers.insert(1, vec![0u8; plan.src().local_bytes(1) as usize]);
+    check_own_for_tests(plan.src(), 1, &buffers).unwrap();
+    buffers.insert(0, vec![0u8; plan.src().local_bytes(0) as usize]);
+    let err = check_own_for_tests(plan.src(), 1, &buffers).unwrap_err();
+    assert!(
+        matches!(err, Error::UnexpectedBuffer { rank: 0, .. }),
+        "{err}"
+    );
+    buffers.remove(&0);
+    buffers.insert(1, vec![0u8; 3]);
+    let err = check_own_for_tests(plan.src(), 1, &buffers).unwrap_err();
+    assert!(matches!(err, Error::BufferSize { got: 3, .. }), "{err}");
+    // rank 3 holds no source shard
+    check_own_for_tests(plan.src(), 3, &BTreeMap::new()).unwrap();
+}
+
+fn check_own_for_tests(
+    layout: &Layout,
+    rank: Rank,
+    buffers: &BTreeMap<Rank, Vec<u8>>,
+) -> Result<()> {
+    super::run::check_own(layout, crate::Side::Src, rank, buffers)
+}
+
+/// The baseline's one call moves the same tensor as the plan's, between threads.
+#[test]
+fn the_baseline_moves_the_same_tensor_between_threads() {
+    let world = World::join_env(None, JoinOptions::default()).unwrap();
+    let plan = plan("mesh=2 place=S(0)", "mesh=3 place=S(1)");
+    let fill = Fill::Hash { seed: 3 };
+    let mut sources = fill.shards(plan.src()).unwrap();
+    let mut dests = crate::exec::zeroed_shards(plan.dst()).unwrap();
+    let stats = world
+        .run_gather_broadcast(&plan, &mut sources, &mut dests, &RunOptions::default())
+        .unwrap();
+    fill.verify_shards(plan.dst(), &dests).unwrap();
+    assert!(stats.bytes_remote() > plan.totals().bytes_remote);
+    assert_eq!(
+        sources,
+        fill.shards(plan.src()).unwrap(),
+        "the sources are back"
+    );
+}
+
+/// `ranks` ranks of a job over tcp, each a thread of this process joined through the
+/// rendezvous as a process would be; returns what `part` returned on each, by rank.
+fn job_of_threads<T: Send>(ranks: usize, part: impl Fn(World) -> T + Sync) -> Vec<T> {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..ranks)
+            .map(|rank| {
+                let part = &part;
+                s.spawn(move || {
+                    let env = GroupEnv {
+                        master_port: port,
+                        ..env(rank, ranks)
+                    };
+                    part(World::join_env(Some(env), with(TransportKind::Tcp)).unwrap())
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+/// One rank of a job runs a plan, its baseline and a batch with one call each, on its own
+/// buffers only, and lands what the ranks as threads of one process land.
+#[test]
+fn one_rank_per_member_runs_a_plan_its_baseline_and_a_batch() {
+    use crate::batch::{Batch, BatchOptions, Tensor};
+    let plan = plan("mesh=2 place=S(0)", "mesh=2x2 ranks=0..4 place=S(1),R");
+    let fill = Fill::Hash { seed: 11 };
+    let tensors = vec![
+        Tensor {
+            name: "a".into(),
+            src: plan.src().clone(),
+            dst: plan.dst().clone(),
+        },
+        Tensor {
+            name: "b".into(),
+            src: plan.dst().clone(),
+            dst: plan.src().clone(),
+        },
+    ];
+    let batch = Batch::new(tensors, Vec::new(), BatchOptions::default()).unwrap();
+    let batch_buffers = |rank: Rank, side: crate::Side, filled: bool| -> Vec<Vec<u8>> {
+        let mut bufs = Vec::new();
+        for b in batch.buffers(side, rank).unwrap() {
+            let mut buf = vec![0u8; b.len];
+            for p in b.pieces.iter().filter(|_| filled) {
+                let layout = &batch.tensors()[p.tensor].src;
+                fill.fill_region(layout, &p.region, &mut buf[p.bytes.clone()]);
+            }
+            bufs.push(buf);
+        }
+        bufs
+    };
+    let ranks = 4;
+    let landed = job_of_threads(ranks, |world| {
+        let rank = world.rank().unwrap();
+        let own = |layout: &Layout, filled: bool| -> BTreeMap<Rank, Vec<u8>> {
+            let shard = match filled {
+                true => fill.shard(layout, rank).unwrap(),
+                false => layout
+                    .local_region(rank)
+                    .map(|_| vec![0u8; layout.local_bytes(rank) as usize]),
+            };
+            shard.map(|s| (rank, s)).into_iter().collect()
+        };
+        let run = RunOptions::default();
+        let mut sources = own(plan.src(), true);
+        let mut planned = own(plan.dst(), false);
+        world.run(&plan, &sources, &mut planned, &run).unwrap();
+        let mut baseline = own(plan.dst(), false);
+        world
+            .run_gather_broadcast(&plan, &mut sources, &mut baseline, &run)
+            .unwrap();
+        let src = BTreeMap::from([(rank, batch_buffers(rank, crate::Side::Src, true))]);
+        let mut dst = BTreeMap::from([(rank, batch_buffers(rank, crate::Side::Dst, false))]);
+        world.run_batch(&batch, &src, &mut dst, &run).unwrap();
+        let verdict = world.finish(Ok(serde_json::json!(rank))).unwrap();
+        assert_eq!(verdict.is_some(), rank == 0);
+        (planned, baseline, dst)
+    });
+    for (rank, (planned, baseline, dst)) in landed.into_iter().enumerate() {
+        assert_eq!(planned, baseline, "rank {rank}");
+        match plan.dst().local_region(rank) {
+            Some(b) => fill
+                .verify_region(plan.dst(), &b, &planned[&rank], (rank, 0))
+                .unwrap(),
+            None => assert!(planned.is_empty()),
+        }
+        // the batch's threads run as the reference
+        let threads = World::join_env(None, JoinOptions::default()).unwrap();
+        let all_src = (0..ranks)
+            .map(|r| (r, batch_buffers(r, crate::Side::Src, true)))
+            .collect();
+        let mut all_dst = (0..ranks)
+            .map(|r| (r, batch_buffers(r, crate::Side::Dst, false)))
+            .collect::<BTreeMap<_, _>>();
+        threads
+            .run_batch(&batch, &all_src, &mut all_dst, &RunOptions::default())
+            .unwrap();
+        assert_eq!(dst[&rank], all_dst[&rank], "rank {rank}'s batch");
+    }
+}
