@@ -39,6 +39,9 @@ pub struct BenchArgs {
     /// Element type.
     #[arg(long, default_value = "bf16")]
     dtype: String,
+    /// Destination element type (default: --dtype), converted by the senders as they pack.
+    #[arg(long, value_name = "DTYPE")]
+    dst_dtype: Option<String>,
     /// Source layout, e.g. "mesh=4 place=S(0)" (not with --suite).
     #[arg(long, value_name = "SPEC", required_unless_present = "suite")]
     src: Option<String>,
@@ -157,7 +160,7 @@ impl Case {
 fn refit_suite(
     bytes: u64,
     bytes_text: &str,
-    dtype: &str,
+    (dtype, dst_dtype): (&str, Option<&str>),
     min_split_bytes: &str,
 ) -> Result<Vec<Case>, Error> {
     let elem = dtype.parse::<reshard::DType>()?.size() as u64;
@@ -229,6 +232,7 @@ fn refit_suite(
             let tensor = TensorArgs {
                 shape: shape.to_string(),
                 dtype: dtype.to_string(),
+                dst_dtype: dst_dtype.map(str::to_string),
                 src: src.to_string(),
                 dst: dst.to_string(),
                 min_split_bytes: min_split_bytes.to_string(),
@@ -249,11 +253,17 @@ impl BenchArgs {
     fn cases(&self) -> Result<Vec<Case>, Error> {
         if self.suite.is_some() {
             let bytes = parse_bytes("--suite-bytes", &self.suite_bytes)?;
-            return refit_suite(bytes, &self.suite_bytes, &self.dtype, &self.min_split_bytes);
+            return refit_suite(
+                bytes,
+                &self.suite_bytes,
+                (&self.dtype, self.dst_dtype.as_deref()),
+                &self.min_split_bytes,
+            );
         }
         let tensor = TensorArgs {
             shape: self.shape.clone().unwrap_or_default(),
             dtype: self.dtype.clone(),
+            dst_dtype: self.dst_dtype.clone(),
             src: self.src.clone().unwrap_or_default(),
             dst: self.dst.clone().unwrap_or_default(),
             min_split_bytes: self.min_split_bytes.clone(),
@@ -634,6 +644,7 @@ fn bench_rank<'j, J: Job>(
                         src_layout: src,
                         src: src_box.as_ref().zip(source.as_deref()),
                         dst: dst_box.as_ref().zip(shard.as_deref_mut()),
+                        dst_dtype: src.dtype(),
                     };
                     exec::run_rank(work, &*reshard_transport, options)
                 })?,

@@ -66,6 +66,7 @@ where
             src_layout: gather.src(),
             src,
             dst: full.as_deref_mut().map(|f| (&whole, f)),
+            dst_dtype: gather.dst().dtype(),
         };
         add(run_rank(work, transport, options)?);
     }
@@ -83,6 +84,7 @@ where
             src_layout: broadcast.src(),
             src: send_from.map(|s| (&whole, s)),
             dst: receive_into.map(|f| (&whole, f)),
+            dst_dtype: broadcast.dst().dtype(),
         };
         add(run_rank(work, transport, options)?);
     }

@@ -28,16 +28,57 @@ struct Strides {
     stream: bool,
 }
 
+/// A conversion applied while copying (`--dst-dtype`): the source's element size and the
+/// kernel that casts a run of source elements into destination ones. The region's stream,
+/// and so every byte range and length of a converting copy, counts destination bytes: what
+/// the wire carries.
+#[derive(Clone, Copy, Debug)]
+pub struct Cast {
+    pub src: crate::DType,
+    pub dst: crate::DType,
+    pub src_elem: usize,
+    pub kernel: crate::convert::CastFn,
+}
+
+/// Two casts are the same when they convert the same dtypes (the kernel follows from them).
+impl PartialEq for Cast {
+    fn eq(&self, other: &Cast) -> bool {
+        (self.src, self.dst) == (other.src, other.dst)
+    }
+}
+
+impl Eq for Cast {}
+
+impl Cast {
+    /// The conversion from `src` to `dst` elements, or `None` when they are the same dtype (a
+    /// plain copy). Fails, naming both dtypes, for the pairs that cannot be converted.
+    pub fn between(
+        src: crate::DType,
+        dst: crate::DType,
+    ) -> std::result::Result<Option<Cast>, crate::convert::ConvertError> {
+        let kernel = crate::convert::cast_fn(src, dst)?;
+        Ok((src != dst).then_some(Cast {
+            src,
+            dst,
+            src_elem: src.size(),
+            kernel,
+        }))
+    }
+}
+
 /// The folded loop nest that copies one region between two places.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct CopyGeometry {
-    /// Bytes per contiguous run.
+    /// Bytes per contiguous run (destination bytes when converting).
     run: usize,
     /// Trip counts of the outer loops, outermost first.
     counts: Vec<usize>,
     src: Strides,
     dst: Strides,
     len: usize,
+    /// Destination element size, and the conversion from source elements, if any.
+    elem: usize,
+    cast: Option<Cast>,
 }
 
 /// Row-major byte strides of a buffer of `extent` elements of `elem` bytes.
@@ -68,9 +109,26 @@ impl CopyGeometry {
     /// The copy of `region` (of `elem`-byte elements) from `src` to `dst`. Boxes given in
     /// [`Place::Within`] must contain `region`.
     pub fn new(region: &Region, src: Place<'_>, dst: Place<'_>, elem: usize) -> CopyGeometry {
-        let (src_base, src_strides) = place_strides(region, src, elem);
+        CopyGeometry::converting(region, src, dst, elem, None)
+    }
+
+    /// The copy of `region` from `src` (elements of `cast.src_elem` bytes, or `elem` without
+    /// a cast) to `dst` (elements of `elem` bytes), converting every run with the cast's
+    /// kernel. Byte ranges count destination bytes; a range must start and end on whole
+    /// elements (the executor cuts converted transfers at multiples of 8 bytes).
+    pub fn converting(
+        region: &Region,
+        src: Place<'_>,
+        dst: Place<'_>,
+        elem: usize,
+        cast: Option<Cast>,
+    ) -> CopyGeometry {
+        let src_elem = cast.map_or(elem, |c| c.src_elem);
+        let (src_base, src_strides) = place_strides(region, src, src_elem);
         let (dst_base, dst_strides) = place_strides(region, dst, elem);
         let len = region.volume() as usize * elem;
+        // folded in elements: both sides fold the same dims whatever their element sizes
+        let mut run_elems = 1usize;
         let mut run = elem;
         let mut counts = Vec::new();
         let mut src_outer = Vec::new();
@@ -81,7 +139,11 @@ impl CopyGeometry {
             if e == 1 {
                 continue;
             }
-            if folding && src_strides[d] == run && dst_strides[d] == run {
+            if folding
+                && src_strides[d] == run_elems * src_elem
+                && dst_strides[d] == run_elems * elem
+            {
+                run_elems *= e;
                 run *= e;
                 continue;
             }
@@ -107,6 +169,8 @@ impl CopyGeometry {
                 stream: matches!(dst, Place::Stream),
             },
             len,
+            elem,
+            cast,
         }
     }
 
@@ -157,6 +221,19 @@ impl CopyGeometry {
         range: Range<usize>,
         mut sum: Option<&mut u32>,
     ) {
+        if let Some(cast) = self.cast {
+            // Converting: each run is cast straight from the source into its place, and
+            // summed (`--checksum`) as the destination bytes it became, while still cached.
+            for (s, d, len) in self.runs_of(range) {
+                let n = len / self.elem * cast.src_elem;
+                let out = &mut dst[d..d + len];
+                (cast.kernel)(&src[s..s + n], out);
+                if let Some(sum) = sum.as_deref_mut() {
+                    *sum = crate::exec::checksum::append(*sum, out);
+                }
+            }
+            return;
+        }
         // A shard is written region by region across many calls; a message, in this call.
         let written = if self.dst.stream {
             range.len()
@@ -218,7 +295,10 @@ impl CopyGeometry {
     /// `(src_offset, dst_offset, len)` (see [`CopyGeometry::for_each_run`]).
     fn runs_of(&self, range: Range<usize>) -> Runs<'_> {
         debug_assert!(range.end <= self.len);
-        let shift = |s: &Strides| if s.stream { range.start } else { 0 };
+        let src_elem = self.cast.map_or(self.elem, |c| c.src_elem);
+        // source offsets scale destination byte counts by the ratio of the element sizes
+        let to_src = move |bytes: usize| bytes / self.elem * src_elem;
+        let shift = |s: &Strides, bytes: usize| if s.stream { bytes } else { 0 };
         // an empty range walks nothing (an empty region may have runs, or trip counts, of 0)
         let run_index = range.start.checked_div(self.run).unwrap_or(0);
         // Odometer over the outer loops, positioned at `run_index`.
@@ -235,7 +315,10 @@ impl CopyGeometry {
             d_off: self.dst.base + dot(&idx, &self.dst.outer),
             idx,
             intra: range.start.checked_rem(self.run).unwrap_or(0),
-            shifts: (shift(&self.src), shift(&self.dst)),
+            shifts: (
+                shift(&self.src, to_src(range.start)),
+                shift(&self.dst, range.start),
+            ),
             pos: range.start,
             end: range.end,
         }
@@ -266,8 +349,9 @@ impl Iterator for Runs<'_> {
         }
         let g = self.g;
         let len = (g.run - self.intra).min(self.end - self.pos);
+        let src_intra = self.intra / g.elem * g.cast.map_or(g.elem, |c| c.src_elem);
         let item = (
-            self.s_off + self.intra - self.shifts.0,
+            self.s_off + src_intra - self.shifts.0,
             self.d_off + self.intra - self.shifts.1,
             len,
         );

@@ -386,6 +386,7 @@ fn transfers_that_land_out_of_order_are_accounted_one_by_one() {
         src_layout: &src,
         src: None,
         dst: Some((&dst_box, &mut shard)),
+        dst_dtype: dst.dtype(),
     };
     let err = run_rank(work, &LandsEveryOther, &ExecOptions::default()).unwrap_err();
     // the even places of the schedule never landed
