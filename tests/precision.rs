@@ -164,11 +164,16 @@ fn every_float_cast_is_exact_over_shm() {
     every_pair_over("shm", &[]);
 }
 
-/// Through the rings alone (senders kept out of receivers' shards), and with `--checksum`,
+/// With `--checksum` (local, tcp, shm), whose sums are over the converted bytes the wire
+/// carries, and through the shm rings alone (senders kept out of receivers' shards).
 /// whose sums are over the converted bytes the wire carries.
 #[test]
 fn casts_over_shm_rings_and_with_checksums() {
-    for (transport, from, to) in [("tcp", "f32", "bf16"), ("shm", "bf16", "f64")] {
+    for (transport, from, to) in [
+        ("local", "f64", "f16"),
+        ("tcp", "f32", "bf16"),
+        ("shm", "bf16", "f64"),
+    ] {
         let scratch = temp_dir(&format!("cast-sums-{transport}"));
         run_job(transport, from, to, scratch.path(), &["--checksum"]);
     }

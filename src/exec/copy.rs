@@ -282,6 +282,15 @@ impl CopyGeometry {
         }
     }
 
+    /// The source bytes of `bytes` of the stream: as many when copying, scaled by the ratio
+    /// of the element sizes (on whole elements) when converting.
+    fn src_bytes(&self, bytes: usize) -> usize {
+        match self.cast {
+            None => bytes,
+            Some(cast) => bytes / self.elem * cast.src_elem,
+        }
+    }
+
     /// Calls `f(src_offset, dst_offset, len)` for every contiguous piece of bytes `range` of
     /// the region's stream, in order, with offsets into the buffers [`CopyGeometry::copy`]
     /// takes.
@@ -295,9 +304,7 @@ impl CopyGeometry {
     /// `(src_offset, dst_offset, len)` (see [`CopyGeometry::for_each_run`]).
     fn runs_of(&self, range: Range<usize>) -> Runs<'_> {
         debug_assert!(range.end <= self.len);
-        let src_elem = self.cast.map_or(self.elem, |c| c.src_elem);
-        // source offsets scale destination byte counts by the ratio of the element sizes
-        let to_src = move |bytes: usize| bytes / self.elem * src_elem;
+        let to_src = |bytes: usize| self.src_bytes(bytes);
         let shift = |s: &Strides, bytes: usize| if s.stream { bytes } else { 0 };
         // an empty range walks nothing (an empty region may have runs, or trip counts, of 0)
         let run_index = range.start.checked_div(self.run).unwrap_or(0);
@@ -349,7 +356,7 @@ impl Iterator for Runs<'_> {
         }
         let g = self.g;
         let len = (g.run - self.intra).min(self.end - self.pos);
-        let src_intra = self.intra / g.elem * g.cast.map_or(g.elem, |c| c.src_elem);
+        let src_intra = g.src_bytes(self.intra);
         let item = (
             self.s_off + src_intra - self.shifts.0,
             self.d_off + self.intra - self.shifts.1,
@@ -573,6 +580,64 @@ mod tests {
             }
             assert_eq!(got, want, "chunk {chunk}");
         }
+    }
+
+    /// A converting copy (f32 -> bf16, bf16 -> f64) packed in chunks of whole destination
+    /// elements and unpacked, or written directly, equals the naive copy of the cast source,
+    /// and its checksum is that of the destination bytes.
+    #[test]
+    fn converting_copies_equal_the_cast_of_the_naive_copy() {
+        use crate::DType;
+        let src_box = Region::from_ranges(&[2..9, 0..5, 1..8]);
+        let dst_box = Region::from_ranges(&[0..6, 1..5, 0..8]);
+        let region = src_box.intersect(&dst_box).unwrap();
+        // whole tensors of the source box, cast as a block: the reference
+        for (from, to) in [(DType::F32, DType::Bf16), (DType::Bf16, DType::F64)] {
+            let (se, de) = (from.size(), to.size());
+            let src: Vec<u8> = (0..src_box.volume() as usize * se)
+                .map(|i| (i * 7 % 251) as u8)
+                .collect();
+            let mut cast_box = vec![0u8; src_box.volume() as usize * de];
+            crate::convert::cast(from, to, &src, &mut cast_box).unwrap();
+            let want = naive(&region, &src_box, &dst_box, &cast_box, de);
+            let cast = Cast::between(from, to).unwrap();
+            assert!(cast.is_some());
+            let direct = CopyGeometry::converting(
+                &region,
+                Place::Within(&src_box),
+                Place::Within(&dst_box),
+                de,
+                cast,
+            );
+            assert_eq!(direct.len(), region.volume() as usize * de);
+            let mut got = vec![0u8; want.len()];
+            direct.copy(&src, &mut got, 0..direct.len());
+            assert!(got == want, "{from} -> {to} direct");
+            for chunk in [de, 3 * de, 8, 48, 1000 * de] {
+                let pack = CopyGeometry::converting(
+                    &region,
+                    Place::Within(&src_box),
+                    Place::Stream,
+                    de,
+                    cast,
+                );
+                let unpack = CopyGeometry::new(&region, Place::Stream, Place::Within(&dst_box), de);
+                let mut got = vec![0u8; want.len()];
+                let mut start = 0;
+                while start < pack.len() {
+                    let end = (start + chunk).min(pack.len());
+                    let mut msg = vec![0u8; end - start];
+                    let mut sum = 0;
+                    pack.copy_summing(&src, &mut msg, start..end, &mut sum);
+                    assert_eq!(sum, crate::exec::checksum::append(0, &msg));
+                    unpack.copy(&msg, &mut got, start..end);
+                    start = end;
+                }
+                assert!(got == want, "{from} -> {to}, chunk {chunk}");
+            }
+        }
+        assert_eq!(Cast::between(DType::F32, DType::F32).unwrap(), None);
+        assert!(Cast::between(DType::F32, DType::I32).is_err());
     }
 
     #[test]

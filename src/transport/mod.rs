@@ -225,6 +225,20 @@ pub trait Transport<'buf>: Sync {
     /// chunk first, in a pass of its own; a transport that reads the bytes anyway, to pack or
     /// copy them, sums them as it goes ([`CopyGeometry::copy_summing`]).
     fn send_summed(&self, chunk: Outgoing<'buf>) -> Result<u32> {
+        if chunk.cast.is_some() {
+            // the sum is over the wire bytes, the converted ones: packed (one chunk, within
+            // the staging bound) and summed in one pass
+            let mut packed = vec![0u8; chunk.len()];
+            let mut sum = 0;
+            chunk.geometry(Place::Stream).copy_summing(
+                chunk.src,
+                &mut packed,
+                chunk.range.clone(),
+                &mut sum,
+            );
+            self.send(chunk)?;
+            return Ok(sum);
+        }
         let sum = crate::exec::checksum::region_sum(
             chunk.src,
             chunk.src_box,
