@@ -166,7 +166,6 @@ fn every_float_cast_is_exact_over_shm() {
 
 /// With `--checksum` (local, tcp, shm), whose sums are over the converted bytes the wire
 /// carries, and through the shm rings alone (senders kept out of receivers' shards).
-/// whose sums are over the converted bytes the wire carries.
 #[test]
 fn casts_over_shm_rings_and_with_checksums() {
     for (transport, from, to) in [
