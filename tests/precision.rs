@@ -310,3 +310,74 @@ fn plan_json_counts_destination_bytes() {
         same["totals"]["bytes_remote"].as_u64().unwrap()
     );
 }
+
+/// `bench --dst-dtype`: the reshard converts in flight (its wire bytes are the destination's),
+/// gather+broadcast moves the source's dtype and converts as each rank keeps its box (also a
+/// rank that keeps the whole tensor, and a fully replicated source); every repetition of both
+/// verifies, in one process and over tcp and shm.
+#[test]
+fn bench_converts_both_methods() {
+    for (transport, src, dst) in [
+        ("local", "mesh=4 place=S(0)", "mesh=2 ranks=4..6 place=R"),
+        ("local", "mesh=2 place=R", "mesh=3 ranks=1..4 place=S(1)"),
+        ("tcp", "mesh=4 place=S(0)", "mesh=2 ranks=3..5 place=R"),
+        ("shm", "mesh=2 place=R", "mesh=3 ranks=1..4 place=S(1)"),
+    ] {
+        let mut c = Command::new(EXE);
+        if transport != "local" {
+            c.args(["launch", "--nproc", "5", "--"]);
+        }
+        let child = c
+            .args([
+                "bench",
+                "--shape",
+                "24,20",
+                "--dtype",
+                "f32",
+                "--dst-dtype",
+                "bf16",
+                "--src",
+                src,
+                "--dst",
+                dst,
+                "--iters",
+                "2",
+                "--transport",
+                transport,
+                "--timeout",
+                "60",
+                "--json",
+            ])
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let what = format!("bench {src} -> {dst} over {transport}");
+        let out = wait_bounded(child, Duration::from_secs(180), &what);
+        assert!(out.status.success(), "{what}: {}", text(&out.stderr));
+        let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(j["verified"], true, "{what}: {j}");
+        assert_eq!(j["dst_dtype"], "bf16", "{what}: {j}");
+        let dst_layout = layout_of(dst, DType::Bf16, &[24, 20]);
+        assert_eq!(
+            j["dst_bytes"].as_u64().unwrap(),
+            dst_layout.shard_bytes(),
+            "{what}"
+        );
+        let src_layout = layout_of(src, DType::F32, &[24, 20]);
+        let plan = reshard::Plan::new(src_layout, dst_layout).unwrap();
+        assert_eq!(
+            j["reshard"]["wire_bytes"].as_u64().unwrap(),
+            plan.totals().bytes_remote,
+            "{what}: {j}"
+        );
+    }
+}
+
+fn layout_of(spec: &str, dtype: DType, shape: &[u64]) -> Layout {
+    LayoutSpec::parse(spec)
+        .unwrap()
+        .resolve(shape, dtype, 0)
+        .unwrap()
+}

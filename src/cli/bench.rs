@@ -65,7 +65,8 @@ pub struct BenchArgs {
     #[command(flatten)]
     exec: ExecArgs,
     /// Contents of the global tensor: hash or hash:SEED (location-sensitive for every dtype),
-    /// or index (element i holds i mod 2^bits, which repeats every 2^bits elements).
+    /// index (element i holds i mod 2^bits, which repeats every 2^bits elements), or normal
+    /// or normal:SEED (float dtypes only: finite values of varied magnitude).
     #[arg(long, default_value = "hash")]
     fill: String,
     /// Timed repetitions of each method (the report gives their median, min and max).
@@ -139,7 +140,7 @@ impl Case {
     /// Bytes of every buffer the case allocates on `rank` (or on all ranks).
     fn memory(&self, rank: Option<Rank>) -> u64 {
         let (src, dst) = (self.plan.src(), self.plan.dst());
-        let full = self.baseline.dst().total_bytes();
+        let full = self.baseline.full_bytes();
         let ranks = match rank {
             Some(r) => vec![r],
             None => self.baseline.ranks(),
@@ -305,6 +306,9 @@ struct CaseJson {
     name: String,
     shape: Vec<u64>,
     dtype: String,
+    /// The destination's dtype (`--dst-dtype`): `dst_bytes` and the reshard's `wire_bytes`
+    /// count it; gather+broadcast moves the source's dtype and converts as ranks keep boxes.
+    dst_dtype: String,
     src: String,
     dst: String,
     transport: String,
@@ -333,6 +337,9 @@ pub fn main(args: &BenchArgs) -> Result<(), Failure> {
     // Everything the user typed is checked before a buffer is allocated or a byte moves.
     let cases = args.cases()?;
     let fill: Fill = args.fill.parse()?;
+    for case in &cases {
+        fill.check_dtype(case.plan.src().dtype())?;
+    }
     let options = args.exec.options()?;
     let env = GroupEnv::from_env()?;
     let kind = args.exec.transport;
@@ -452,15 +459,11 @@ fn bench_threads(
                             options,
                         )?,
                         &mut result.gather_broadcast,
-                        if full.is_empty() {
-                            0
-                        } else {
-                            gb.dst().total_bytes()
-                        },
+                        if full.is_empty() { 0 } else { gb.full_bytes() },
                     ),
                 };
                 bar.inc(1);
-                fill.verify_shards(plan.dst(), &shards)?;
+                fill.verify_shards_converted(plan.src().dtype(), plan.dst(), &shards)?;
                 checked += 1;
                 if timed {
                     measured.times.push(stats.elapsed.as_secs_f64());
@@ -597,7 +600,7 @@ fn bench_rank<'j, J: Job>(
         .transpose()?;
     let mut full = gb
         .needs_full_buffer(rank)
-        .then(|| shared(gb.dst().total_bytes()))
+        .then(|| shared(gb.full_bytes()))
         .transpose()?;
     let whole = reshard::Region::full(dst.shape());
 
@@ -644,7 +647,7 @@ fn bench_rank<'j, J: Job>(
                         src_layout: src,
                         src: src_box.as_ref().zip(source.as_deref()),
                         dst: dst_box.as_ref().zip(shard.as_deref_mut()),
-                        dst_dtype: src.dtype(),
+                        dst_dtype: dst.dtype(),
                     };
                     exec::run_rank(work, &*reshard_transport, options)
                 })?,
@@ -684,7 +687,9 @@ fn bench_rank<'j, J: Job>(
 /// Checks this rank's destination shard against the fill.
 fn verify(fill: Fill, plan: &Plan, rank: Rank, shard: Option<&[u8]>) -> Result<(), Error> {
     match (plan.dst().local_region(rank), shard) {
-        (Some(region), Some(buf)) => fill.verify_region(plan.dst(), &region, buf, (rank, 0)),
+        (Some(region), Some(buf)) => {
+            fill.verify_converted(plan.src().dtype(), plan.dst(), &region, buf, (rank, 0))
+        }
         _ => Ok(()),
     }
 }
@@ -698,6 +703,7 @@ fn report(args: &BenchArgs, cases: &[Case], transport: &str, results: &[CaseResu
             name: case.name.clone(),
             shape: case.plan.src().shape().to_vec(),
             dtype: case.plan.src().dtype().to_string(),
+            dst_dtype: case.plan.dst().dtype().to_string(),
             src: case.src_spec.clone(),
             dst: case.dst_spec.clone(),
             transport: transport.to_string(),
