@@ -290,6 +290,27 @@ fn plan_json_counts_destination_bytes() {
         assert!(out.status.success(), "{}", text(&out.stderr));
         serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()
     };
+    let text_plan = Command::new(EXE)
+        .args([
+            "plan",
+            "--shape",
+            "8,8",
+            "--dtype",
+            "f32",
+            "--dst-dtype",
+            "bf16",
+            "--src",
+            "mesh=2 place=S(0)",
+            "--dst",
+            "mesh=4 place=S(1)",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        text(&text_plan.stdout).contains("convert f32 -> bf16"),
+        "{}",
+        text(&text_plan.stdout)
+    );
     let (same, half) = (plan("f32"), plan("bf16"));
     assert_eq!(half["dtype"], "f32");
     assert_eq!(half["elem_bytes"], 4);
