@@ -223,13 +223,25 @@ impl CopyGeometry {
     ) {
         if let Some(cast) = self.cast {
             // Converting: each run is cast straight from the source into its place, and
-            // summed (`--checksum`) as the destination bytes it became, while still cached.
+            // summed (`--checksum`) as the destination bytes it became, piece by piece
+            // while they are cached (a piece holds whole elements: SUMMED_PIECE is a
+            // multiple of every element size).
+            let piece = if sum.is_some() {
+                SUMMED_PIECE
+            } else {
+                usize::MAX
+            };
             for (s, d, len) in self.runs_of(range) {
-                let n = len / self.elem * cast.src_elem;
-                let out = &mut dst[d..d + len];
-                (cast.kernel)(&src[s..s + n], out);
-                if let Some(sum) = sum.as_deref_mut() {
-                    *sum = crate::exec::checksum::append(*sum, out);
+                let mut at = 0;
+                while at < len {
+                    let n = (len - at).min(piece);
+                    let from = s + self.src_bytes(at);
+                    let out = &mut dst[d + at..d + at + n];
+                    (cast.kernel)(&src[from..from + self.src_bytes(n)], out);
+                    if let Some(sum) = sum.as_deref_mut() {
+                        *sum = crate::exec::checksum::append(*sum, out);
+                    }
+                    at += n;
                 }
             }
             return;
@@ -638,6 +650,30 @@ mod tests {
         }
         assert_eq!(Cast::between(DType::F32, DType::F32).unwrap(), None);
         assert!(Cast::between(DType::F32, DType::I32).is_err());
+    }
+
+    /// A converted run longer than [`SUMMED_PIECE`] is cast and summed piece by piece: the
+    /// same bytes and the same sum as one cast of the whole run.
+    #[test]
+    fn long_converted_runs_are_summed_piece_by_piece() {
+        use crate::DType;
+        let holder = Region::from_ranges(&[0..3, 0..7001]);
+        let src: Vec<u8> = (0..holder.volume() as usize * 4)
+            .map(|i| (i * 13 % 251) as u8)
+            .collect();
+        let mut want = vec![0u8; holder.volume() as usize * 2];
+        crate::convert::cast(DType::F32, DType::Bf16, &src, &mut want).unwrap();
+        let cast = Cast::between(DType::F32, DType::Bf16).unwrap();
+        let g = CopyGeometry::converting(&holder, Place::Within(&holder), Place::Stream, 2, cast);
+        assert_eq!(g.runs(), 1);
+        assert!(g.run_bytes() > 2 * SUMMED_PIECE);
+        for range in [0..g.len(), 6..g.len() - 4] {
+            let mut got = vec![0u8; range.len()];
+            let mut sum = 0;
+            g.copy_summing(&src, &mut got, range.clone(), &mut sum);
+            assert!(got == want[range.clone()], "{range:?}");
+            assert_eq!(sum, crate::exec::checksum::append(0, &want[range]));
+        }
     }
 
     #[test]
