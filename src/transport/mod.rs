@@ -226,8 +226,9 @@ pub trait Transport<'buf>: Sync {
     /// copy them, sums them as it goes ([`CopyGeometry::copy_summing`]).
     fn send_summed(&self, chunk: Outgoing<'buf>) -> Result<u32> {
         if chunk.cast.is_some() {
-            // the sum is over the wire bytes, the converted ones: packed (one chunk, within
-            // the staging bound) and summed in one pass
+            // the sum is over the wire bytes, the converted ones: converted into a temporary
+            // of one chunk and summed in the same pass (the transport converts again as it
+            // sends; transports that pack anyway sum as they pack instead)
             let mut packed = vec![0u8; chunk.len()];
             let mut sum = 0;
             chunk.geometry(Place::Stream).copy_summing(
