@@ -17,7 +17,7 @@ const FLOATS: [&str; 4] = ["f64", "f32", "bf16", "f16"];
 
 /// Uneven shards both ways, a replicated source (two holders of each piece), and rank 2 in
 /// both meshes (a local copy that converts too).
-const SHAPE: [u64; 2] = [13, 11];
+const SHAPE: [u64; 2] = [64, 41];
 const SRC: &str = "mesh=2x2 place=S(0),R";
 const DST: &str = "mesh=3 ranks=2..5 place=S(1)";
 
@@ -65,6 +65,12 @@ fn check_against_reference(dir: &Path, from: DType, to: DType, what: &str) {
             global[g * se..(g + 1) * se].copy_from_slice(&bytes[k * se..(k + 1) * se]);
         }
     }
+    // the fill gives the special values the casts must carry: NaN or infinity, subnormals
+    let (nonfinite, subnormal) = specials(from, &global);
+    assert!(
+        nonfinite > 0 && subnormal > 0,
+        "{what}: {nonfinite} {subnormal}"
+    );
     let mut cast = vec![0u8; total as usize * de];
     reshard::convert::cast(from, to, &global, &mut cast).unwrap();
     for &r in dst.mesh().ranks() {
@@ -82,13 +88,38 @@ fn check_against_reference(dir: &Path, from: DType, to: DType, what: &str) {
     }
 }
 
+/// How many elements of `bytes` (of `dtype`) are NaN or infinite, and how many subnormal.
+fn specials(dtype: DType, bytes: &[u8]) -> (usize, usize) {
+    let (exp_bits, man_bits) = match dtype {
+        DType::F64 => (11, 52),
+        DType::F32 => (8, 23),
+        DType::Bf16 => (8, 7),
+        DType::F16 => (5, 10),
+        other => panic!("{other} is not a float"),
+    };
+    let (mut nonfinite, mut subnormal) = (0, 0);
+    for e in bytes.chunks_exact(dtype.size()) {
+        let mut le = [0u8; 8];
+        le[..e.len()].copy_from_slice(e);
+        let bits = u64::from_le_bytes(le);
+        let exp = (bits >> man_bits) & ((1 << exp_bits) - 1);
+        let man = bits & ((1 << man_bits) - 1);
+        if exp == (1 << exp_bits) - 1 {
+            nonfinite += 1;
+        } else if exp == 0 && man != 0 {
+            subnormal += 1;
+        }
+    }
+    (nonfinite, subnormal)
+}
+
 fn run_job(transport: &str, from: &str, to: &str, dir: &Path, extra: &[&str]) {
     // destinations dump rank<R>.bin, sources src<R>.bin: one folder holds both
     let dump = dir.to_str().unwrap();
     let args = [
         "run",
         "--shape",
-        "13,11",
+        "64,41",
         "--dtype",
         from,
         "--dst-dtype",
@@ -134,7 +165,7 @@ fn run_job(transport: &str, from: &str, to: &str, dir: &Path, extra: &[&str]) {
     // the wire carries destination bytes
     let to_size = to.parse::<DType>().unwrap().size() as u64;
     let remote_and_local = j["bytes_remote"].as_u64().unwrap() + j["bytes_local"].as_u64().unwrap();
-    assert_eq!(remote_and_local, 13 * 11 * to_size, "{what}: {j}");
+    assert_eq!(remote_and_local, 64 * 41 * to_size, "{what}: {j}");
     check_against_reference(dir, from.parse().unwrap(), to.parse().unwrap(), &what);
 }
 
