@@ -140,7 +140,7 @@ fn main() {
             } else {
                 &source
             };
-            keep_slice(from, &whole, b, &mut shard, dtype.size());
+            keep_slice(from, &whole, b, &mut shard, dtype.size(), None);
         }
         world.barrier();
         // SAFETY: plain wall clock.

@@ -61,9 +61,6 @@ pub enum Error {
     #[error("--shape: the sides disagree: --src has shape {src}, --dst has shape {dst}")]
     ShapeMismatch { src: Dims, dst: Dims },
 
-    #[error("--dtype: the sides disagree: --src is {src}, --dst is {dst}")]
-    DTypeMismatch { src: String, dst: String },
-
     #[error("{side}: no local buffer given for rank {rank}")]
     MissingBuffer { side: Side, rank: Rank },
 

@@ -228,7 +228,33 @@ impl Fill {
         region: &Region,
         buf: &[u8],
     ) -> Option<(u64, u8, u8, u64)> {
+        self.check_converted(layout.dtype(), layout, region, buf)
+    }
+
+    /// [`Fill::check_region`] for a destination converted from a source of `from` elements
+    /// (`--dst-dtype`): each expected element is the fill's value in `from`, cast to `layout`'s
+    /// dtype as [`crate::convert::cast`] does (exactly torch's `.to()`). Pairs the cast refuses
+    /// are never planned; for them the fill's own value in `layout`'s dtype is expected.
+    pub fn check_converted(
+        self,
+        from: DType,
+        layout: &Layout,
+        region: &Region,
+        buf: &[u8],
+    ) -> Option<(u64, u8, u8, u64)> {
         let elem = layout.dtype().size();
+        let to = layout.dtype();
+        let converts = from != to && crate::convert::cast_supported(from, to).is_ok();
+        let expect = |index: u64| -> [u8; 8] {
+            if !converts {
+                return self.element(layout.shape(), to, index).to_le_bytes();
+            }
+            let v = self.element(layout.shape(), from, index).to_le_bytes();
+            let mut out = [0u8; 8];
+            // a supported pair, on one element each side: cannot fail
+            let _ = crate::convert::cast(from, to, &v[..from.size()], &mut out[..elem]);
+            out
+        };
         let row_len = region.extent.last().copied().unwrap_or(1) as usize;
         let mut first = None;
         let mut count = 0u64;
@@ -236,9 +262,7 @@ impl Fill {
             let start = pos as usize * elem;
             let row = &buf[start..start + row_len * elem];
             for (i, got) in row.chunks_exact(elem).enumerate() {
-                let want = self
-                    .element(layout.shape(), layout.dtype(), global + i as u64)
-                    .to_le_bytes();
+                let want = expect(global + i as u64);
                 if got != &want[..elem] {
                     for b in 0..elem {
                         if got[b] != want[b] {
@@ -260,9 +284,22 @@ impl Fill {
         layout: &Layout,
         region: &Region,
         buf: &[u8],
+        at: (Rank, u64),
+    ) -> Result<()> {
+        self.verify_converted(layout.dtype(), layout, region, buf, at)
+    }
+
+    /// [`Fill::verify_region`] for a destination converted from `from` elements (see
+    /// [`Fill::check_converted`]).
+    pub fn verify_converted(
+        self,
+        from: DType,
+        layout: &Layout,
+        region: &Region,
+        buf: &[u8],
         (rank, at): (Rank, u64),
     ) -> Result<()> {
-        match self.check_region(layout, region, buf) {
+        match self.check_converted(from, layout, region, buf) {
             None => Ok(()),
             Some((offset, expected, found, mismatches)) => Err(Error::VerifyFailed {
                 rank,
@@ -276,12 +313,23 @@ impl Fill {
 
     /// Checks every destination shard of `layout` against the fill, byte for byte.
     pub fn verify_shards(self, layout: &Layout, shards: &BTreeMap<Rank, Vec<u8>>) -> Result<()> {
+        self.verify_shards_converted(layout.dtype(), layout, shards)
+    }
+
+    /// [`Fill::verify_shards`] for destinations converted from `from` elements (see
+    /// [`Fill::check_converted`]).
+    pub fn verify_shards_converted(
+        self,
+        from: DType,
+        layout: &Layout,
+        shards: &BTreeMap<Rank, Vec<u8>>,
+    ) -> Result<()> {
         crate::exec::check_buffers(layout, crate::error::Side::Dst, shards)?;
         let mut first = None;
         let mut mismatches = 0;
         for (p, &rank) in layout.mesh().ranks().iter().enumerate() {
             if let Some((offset, expected, found, n)) =
-                self.check_region(layout, &layout.region_at(p), &shards[&rank])
+                self.check_converted(from, layout, &layout.region_at(p), &shards[&rank])
             {
                 mismatches += n;
                 first.get_or_insert((rank, offset, expected, found));

@@ -99,6 +99,20 @@ fn a_different_dtype_is_refused() {
     every_rank_refused(&job(&jobs), &["rank 1", "--dtype", "i32", "f32"]);
 }
 
+/// `--dst-dtype` is part of the job: a rank converting to another dtype is refused.
+#[test]
+fn a_different_destination_dtype_is_refused() {
+    let (src, dst) = ("mesh=2 place=S(0)", "mesh=2 place=S(1)");
+    let with = |dst_dtype| {
+        let mut args = run_args("f32", src, dst);
+        args.extend(["--dst-dtype", dst_dtype]);
+        args
+    };
+    let mut jobs = vec![with("bf16"); 4];
+    jobs[2] = with("f16");
+    every_rank_refused(&job(&jobs), &["rank 2", "--dst-dtype", "bf16", "f16"]);
+}
+
 #[test]
 fn a_different_source_layout_is_refused_at_once() {
     // the two would exchange with different peers: without the agreement, a wait for a

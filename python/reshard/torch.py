@@ -204,6 +204,12 @@ def _prepare(name: str, src_local, dst_local, src_layout, dst_layout, rank: int,
         if not isinstance(layout, Layout):
             raise ReshardError(f"{label}{what}: expected a reshard.Layout, got {type(layout).__name__}")
         _check_ranks(label, what, layout, world)
+    if src_layout.dtype != dst_layout.dtype:
+        # the core converts float dtypes in flight (`--dst-dtype`); this executor does not yet
+        raise ReshardError(
+            f"{label}dst_layout: dtype {dst_layout.dtype} differs from src_layout's {src_layout.dtype}, "
+            "and the torch executor moves tensors in one dtype"
+        )
     try:
         plan = _local_plan(src_layout, dst_layout, rank)
     except ReshardError as e:

@@ -740,7 +740,7 @@ fn rank_plan(
     let inner = core_rank_plan(src, dst, rank, &options).map_err(error)?;
     Ok(PyRankPlan {
         inner,
-        elem_bytes: src.dtype().size(),
+        elem_bytes: dst.dtype().size(),
     })
 }
 

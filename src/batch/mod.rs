@@ -572,6 +572,8 @@ impl RankBatch {
                 dst_box: &m.dst_box,
                 src_at: m.src_at.clone(),
                 dst_at: m.dst_at.clone(),
+                // refit moves every tensor in its own dtype
+                cast: None,
             };
             if m.from == m.to {
                 steps.locals.push(step);

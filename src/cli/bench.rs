@@ -35,6 +35,9 @@ pub struct BenchArgs {
     /// Element type.
     #[arg(long, default_value = "bf16")]
     dtype: String,
+    /// Destination element type (default: --dtype), converted by the senders as they pack.
+    #[arg(long, value_name = "DTYPE")]
+    dst_dtype: Option<String>,
     /// Source layout, e.g. "mesh=4 place=S(0)" (not with --suite).
     #[arg(long, value_name = "SPEC", required_unless_present = "suite")]
     src: Option<String>,
@@ -58,7 +61,8 @@ pub struct BenchArgs {
     #[command(flatten)]
     exec: ExecArgs,
     /// Contents of the global tensor: hash or hash:SEED (location-sensitive for every dtype),
-    /// or index (element i holds i mod 2^bits, which repeats every 2^bits elements).
+    /// index (element i holds i mod 2^bits, which repeats every 2^bits elements), or normal
+    /// or normal:SEED (float dtypes only: finite values of varied magnitude).
     #[arg(long, default_value = "hash")]
     fill: String,
     /// Timed repetitions of each method (the report gives their median, min and max).
@@ -132,7 +136,7 @@ impl Case {
     /// Bytes of every buffer the case allocates on `rank` (or on all ranks).
     fn memory(&self, rank: Option<Rank>) -> u64 {
         let (src, dst) = (self.plan.src(), self.plan.dst());
-        let full = self.baseline.dst().total_bytes();
+        let full = self.baseline.full_bytes();
         let ranks = match rank {
             Some(r) => vec![r],
             None => self.baseline.ranks(),
@@ -153,7 +157,7 @@ impl Case {
 fn refit_suite(
     bytes: u64,
     bytes_text: &str,
-    dtype: &str,
+    (dtype, dst_dtype): (&str, Option<&str>),
     min_split_bytes: &str,
 ) -> Result<Vec<Case>, Error> {
     let elem = dtype.parse::<reshard::DType>()?.size() as u64;
@@ -225,6 +229,7 @@ fn refit_suite(
             let tensor = TensorArgs {
                 shape: shape.to_string(),
                 dtype: dtype.to_string(),
+                dst_dtype: dst_dtype.map(str::to_string),
                 src: src.to_string(),
                 dst: dst.to_string(),
                 min_split_bytes: min_split_bytes.to_string(),
@@ -245,11 +250,17 @@ impl BenchArgs {
     fn cases(&self) -> Result<Vec<Case>, Error> {
         if self.suite.is_some() {
             let bytes = parse_bytes("--suite-bytes", &self.suite_bytes)?;
-            return refit_suite(bytes, &self.suite_bytes, &self.dtype, &self.min_split_bytes);
+            return refit_suite(
+                bytes,
+                &self.suite_bytes,
+                (&self.dtype, self.dst_dtype.as_deref()),
+                &self.min_split_bytes,
+            );
         }
         let tensor = TensorArgs {
             shape: self.shape.clone().unwrap_or_default(),
             dtype: self.dtype.clone(),
+            dst_dtype: self.dst_dtype.clone(),
             src: self.src.clone().unwrap_or_default(),
             dst: self.dst.clone().unwrap_or_default(),
             min_split_bytes: self.min_split_bytes.clone(),
@@ -291,6 +302,9 @@ struct CaseJson {
     name: String,
     shape: Vec<u64>,
     dtype: String,
+    /// The destination's dtype (`--dst-dtype`): `dst_bytes` and the reshard's `wire_bytes`
+    /// count it; gather+broadcast moves the source's dtype and converts as ranks keep boxes.
+    dst_dtype: String,
     src: String,
     dst: String,
     transport: String,
@@ -319,6 +333,9 @@ pub fn main(args: &BenchArgs) -> Result<(), Failure> {
     // Everything the user typed is checked before a buffer is allocated or a byte moves.
     let cases = args.cases()?;
     let fill: Fill = args.fill.parse()?;
+    for case in &cases {
+        fill.check_dtype(case.plan.src().dtype())?;
+    }
     let options = args.exec.options()?;
     let world = args.exec.join(&options)?;
     let results = match world.rank() {
@@ -412,15 +429,11 @@ fn bench_threads(
                             options,
                         )?,
                         &mut result.gather_broadcast,
-                        if full.is_empty() {
-                            0
-                        } else {
-                            gb.dst().total_bytes()
-                        },
+                        if full.is_empty() { 0 } else { gb.full_bytes() },
                     ),
                 };
                 bar.inc(1);
-                fill.verify_shards(plan.dst(), &shards)?;
+                fill.verify_shards_converted(plan.src().dtype(), plan.dst(), &shards)?;
                 checked += 1;
                 if timed {
                     measured.times.push(stats.elapsed.as_secs_f64());
@@ -527,7 +540,7 @@ fn bench_rank<'j, J: Job + ?Sized>(
         .transpose()?;
     let mut full = gb
         .needs_full_buffer(rank)
-        .then(|| shared(gb.dst().total_bytes()))
+        .then(|| shared(gb.full_bytes()))
         .transpose()?;
     let whole = reshard::Region::full(dst.shape());
 
@@ -574,6 +587,7 @@ fn bench_rank<'j, J: Job + ?Sized>(
                         src_layout: src,
                         src: src_box.as_ref().zip(source.as_deref()),
                         dst: dst_box.as_ref().zip(shard.as_deref_mut()),
+                        dst_dtype: dst.dtype(),
                     };
                     exec::run_rank(work, &*reshard_transport, options)
                 })?,
@@ -613,7 +627,9 @@ fn bench_rank<'j, J: Job + ?Sized>(
 /// Checks this rank's destination shard against the fill.
 fn verify(fill: Fill, plan: &Plan, rank: Rank, shard: Option<&[u8]>) -> Result<(), Error> {
     match (plan.dst().local_region(rank), shard) {
-        (Some(region), Some(buf)) => fill.verify_region(plan.dst(), &region, buf, (rank, 0)),
+        (Some(region), Some(buf)) => {
+            fill.verify_converted(plan.src().dtype(), plan.dst(), &region, buf, (rank, 0))
+        }
         _ => Ok(()),
     }
 }
@@ -627,6 +643,7 @@ fn report(args: &BenchArgs, cases: &[Case], transport: &str, results: &[CaseResu
             name: case.name.clone(),
             shape: case.plan.src().shape().to_vec(),
             dtype: case.plan.src().dtype().to_string(),
+            dst_dtype: case.plan.dst().dtype().to_string(),
             src: case.src_spec.clone(),
             dst: case.dst_spec.clone(),
             transport: transport.to_string(),

@@ -11,6 +11,7 @@ pub fn main() -> Result<(), Failure> {
     let seed = super::TensorArgs {
         shape: "8,8".into(),
         dtype: "bf16".into(),
+        dst_dtype: None,
         src: "mesh=2 place=S(0)".into(),
         dst: "mesh=4 place=S(1)".into(),
         min_split_bytes: "64KiB".into(),

@@ -68,6 +68,11 @@ pub struct TensorArgs {
     /// Element type: bool u8 i8 fp8e4m3 fp8e5m2 bf16 f16 i16 u16 f32 i32 u32 f64 i64 u64.
     #[arg(long, default_value = "bf16")]
     dtype: String,
+    /// Destination element type (default: --dtype). Float casts among f64 f32 bf16 f16 are
+    /// done by the senders while they pack (the wire carries destination bytes), rounding to
+    /// nearest even exactly as torch's `.to()`; other pairs are refused before any byte moves.
+    #[arg(long, value_name = "DTYPE")]
+    dst_dtype: Option<String>,
     /// Source layout, e.g. "mesh=2 place=S(0)".
     #[arg(long, value_name = "SPEC")]
     src: String,
@@ -85,6 +90,17 @@ impl TensorArgs {
     pub fn plan(&self) -> Result<Plan, Error> {
         let shape = parse_shape(&self.shape)?;
         let dtype: DType = self.dtype.parse()?;
+        let dst_dtype: DType = match &self.dst_dtype {
+            Some(text) => text.parse().map_err(|e| match e {
+                Error::UnknownDType { value } => Error::InvalidOption {
+                    field: "--dst-dtype",
+                    value,
+                    reason: "unknown dtype (bool u8 i8 fp8e4m3 fp8e5m2 bf16 f16 i16 u16 f32 i32 u32 f64 i64 u64)".into(),
+                },
+                other => other,
+            })?,
+            None => dtype,
+        };
         let spec = |side: Side, text: &str| {
             LayoutSpec::parse(text).map_err(|source| Error::Layout { side, source })
         };
@@ -98,7 +114,7 @@ impl TensorArgs {
         // by default the destination ranks start right after the source ranks
         let after_src = src.mesh().ranks().iter().max().map_or(0, |&r| r + 1); // r < 2^31
         let dst = dst_spec
-            .resolve(&shape, dtype, after_src)
+            .resolve(&shape, dst_dtype, after_src)
             .map_err(|source| Error::Layout {
                 side: Side::Dst,
                 source,

@@ -130,6 +130,15 @@ pub fn describe(plan: &Plan, max_rows: usize) -> String {
         src.dtype(),
         bytes(src.total_bytes())
     );
+    if dst.dtype() != src.dtype() {
+        let _ = writeln!(
+            out,
+            "convert {} -> {} by the senders as they pack: byte counts are {}'s",
+            src.dtype(),
+            dst.dtype(),
+            dst.dtype()
+        );
+    }
     let _ = writeln!(out, "src     {src}  ({} ranks)", src.mesh().size());
     let _ = writeln!(out, "dst     {dst}  ({} ranks)", dst.mesh().size());
     let _ = writeln!(out);

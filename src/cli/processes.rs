@@ -139,6 +139,7 @@ pub fn with_plan(fingerprint: Fingerprint, prefix: &str, plan: &Plan) -> Fingerp
     fingerprint
         .with(format!("{prefix}--shape"), shape.join(","))
         .with(format!("{prefix}--dtype"), plan.src().dtype())
+        .with(format!("{prefix}--dst-dtype"), plan.dst().dtype())
         .with_layout(&format!("{prefix}--src"), plan.src())
         .with_layout(&format!("{prefix}--dst"), plan.dst())
         .with(

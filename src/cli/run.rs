@@ -22,14 +22,20 @@ pub struct RunArgs {
     #[command(flatten)]
     tensor: TensorArgs,
     /// Contents of the global tensor: hash or hash:SEED (a hash of each element's index, so
-    /// that a block in the wrong place fails --verify, for every dtype), or index (element i
-    /// holds i mod 2^bits: readable in dumps, but it repeats every 2^bits elements).
+    /// that a block in the wrong place fails --verify, for every dtype), index (element i
+    /// holds i mod 2^bits: readable in dumps, but it repeats every 2^bits elements), or
+    /// normal or normal:SEED (float dtypes only: finite values of varied magnitude, with
+    /// all-zero and tiny rows, for conversions).
     #[arg(long, default_value = "hash")]
     fill: String,
     /// Write each destination rank's local buffer, raw, to DIR/rank<R>.bin (DIR is created if
     /// missing and checked before any byte moves; each file appears whole or not at all).
     #[arg(long, value_name = "DIR")]
     dump: Option<PathBuf>,
+    /// Write each source rank's local shard, raw, to DIR/src<R>.bin (as --dump does): the
+    /// input a conversion (--dst-dtype) can be checked against.
+    #[arg(long, value_name = "DIR")]
+    dump_src: Option<PathBuf>,
     /// Check every destination byte against the fill after every repetition; exit non-zero
     /// on any mismatch.
     #[arg(long)]
@@ -51,6 +57,8 @@ pub struct RunArgs {
 struct RunJson {
     shape: Vec<u64>,
     dtype: String,
+    /// The destination's dtype (`--dst-dtype`); byte counts are in it (wire bytes).
+    dst_dtype: String,
     transport: String,
     iters: usize,
     /// The median of the timed repetitions.
@@ -70,9 +78,10 @@ pub fn main(args: &RunArgs) -> Result<(), Failure> {
     // Everything the user typed is checked before a buffer is allocated or a byte moves.
     let plan = args.tensor.plan()?;
     let fill: Fill = args.fill.parse()?;
+    fill.check_dtype(plan.src().dtype())?;
     let options = args.exec.options()?;
-    if let Some(dir) = &args.dump {
-        // every process of a job checks, before it joins the others
+    // every process of a job checks, before it joins the others
+    for dir in [&args.dump, &args.dump_src].into_iter().flatten() {
         check_dump_dir(dir)?;
     }
     let world = args.exec.join(&options)?;
@@ -96,6 +105,9 @@ fn run_threads(
         plan.src().shape(),
     )?;
     let sources = fill.shards(plan.src())?;
+    if let Some(dir) = &args.dump_src {
+        dump_named(dir, "src", sources.iter().map(|(&r, b)| (r, b.as_slice())))?;
+    }
     let mut shards = exec::zeroed_shards(plan.dst())?;
     let mut times = Vec::new();
     let mut last = None;
@@ -110,7 +122,7 @@ fn run_threads(
         }
         last = Some(stats);
         if args.verify {
-            fill.verify_shards(plan.dst(), &shards)?;
+            fill.verify_shards_converted(plan.src().dtype(), plan.dst(), &shards)?;
             verified = true;
         }
     }
@@ -225,6 +237,9 @@ fn rank_part(
     let rank = mine.rank();
     let source = fill.shard(plan.src(), rank)?;
     let run = run_options(options);
+    if let (Some(dir), Some(buf)) = (&args.dump_src, &source) {
+        dump_named(dir, "src", [(rank, &buf[..])])?;
+    }
 
     // Only the data phase is timed: every rank starts each repetition together.
     let mut times = Vec::new();
@@ -244,7 +259,7 @@ fn rank_part(
         if let (true, Some(b), Some(buf)) =
             (args.verify, mine.destination_box(), mine.destination())
         {
-            fill.verify_region(plan.dst(), b, buf, (rank, 0))?;
+            fill.verify_converted(plan.src().dtype(), plan.dst(), b, buf, (rank, 0))?;
             verified = true;
         }
     }
@@ -299,8 +314,19 @@ pub(super) fn dump<'a>(
     dir: &Path,
     shards: impl IntoIterator<Item = (Rank, &'a [u8])>,
 ) -> Result<(), Error> {
+    dump_named(dir, "rank", shards)
+}
+
+/// Writes `DIR/<prefix><R>.bin` for every shard: `rank` for destinations, `src` for sources.
+pub(super) fn dump_named<'a>(
+    dir: &Path,
+    prefix: &str,
+    shards: impl IntoIterator<Item = (Rank, &'a [u8])>,
+) -> Result<(), Error> {
     for (rank, buf) in shards {
-        write_whole(dir, &format!("rank{rank}.bin"), |file| file.write_all(buf))?;
+        write_whole(dir, &format!("{prefix}{rank}.bin"), |file| {
+            file.write_all(buf)
+        })?;
     }
     Ok(())
 }
@@ -355,6 +381,7 @@ fn report(args: &RunArgs, plan: &Plan, stats: &Summary, transport: &str, verifie
         let json = RunJson {
             shape: plan.src().shape().to_vec(),
             dtype: plan.src().dtype().to_string(),
+            dst_dtype: plan.dst().dtype().to_string(),
             transport: transport.to_string(),
             iters: sorted.len(),
             seconds,
@@ -375,10 +402,13 @@ fn report(args: &RunArgs, plan: &Plan, stats: &Summary, transport: &str, verifie
         return;
     }
     let shape: Vec<String> = plan.src().shape().iter().map(u64::to_string).collect();
+    let dtypes = match (plan.src().dtype(), plan.dst().dtype()) {
+        (src, dst) if src == dst => src.to_string(),
+        (src, dst) => format!("{src} -> {dst}"),
+    };
     println!(
-        "reshard {} {}: {} -> {} ranks over {transport}",
+        "reshard {} {dtypes}: {} -> {} ranks over {transport}",
         shape.join("x"),
-        plan.src().dtype(),
         plan.src().mesh().size(),
         plan.dst().mesh().size()
     );

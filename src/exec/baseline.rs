@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 use std::time::Instant;
 
-use super::copy::{CopyGeometry, Place};
+use super::copy::{Cast, CopyGeometry, Place};
 use super::{ExecOptions, RankJob, RankStats, RunStats, check_buffers, run_local, run_rank};
 use crate::error::{Error, Result, Side};
 use crate::layout::Rank;
@@ -66,6 +66,7 @@ where
             src_layout: gather.src(),
             src,
             dst: full.as_deref_mut().map(|f| (&whole, f)),
+            dst_dtype: gather.dst().dtype(),
         };
         add(run_rank(work, transport, options)?);
     }
@@ -83,6 +84,7 @@ where
             src_layout: broadcast.src(),
             src: send_from.map(|s| (&whole, s)),
             dst: receive_into.map(|f| (&whole, f)),
+            dst_dtype: broadcast.dst().dtype(),
         };
         add(run_rank(work, transport, options)?);
     }
@@ -94,24 +96,27 @@ where
                 rank,
             });
         };
-        stats.bytes_local += keep_slice(tensor, &whole, dst_box, dst, elem_bytes);
+        stats.bytes_local += keep_slice(tensor, &whole, dst_box, dst, elem_bytes, baseline.cast());
     }
     Ok(stats)
 }
 
-/// Copies `rank`'s destination box out of the full tensor in `full`.
+/// Copies `rank`'s destination box out of the full tensor in `full`, converting it with
+/// `cast` when the destination has a dtype of its own (`elem_bytes` is the destination's).
 pub fn keep_slice(
     full: &[u8],
     whole: &Region,
     dst_box: &Region,
     dst: &mut [u8],
     elem_bytes: usize,
+    cast: Option<Cast>,
 ) -> u64 {
-    let g = CopyGeometry::new(
+    let g = CopyGeometry::converting(
         dst_box,
         Place::Within(whole),
         Place::Within(dst_box),
         elem_bytes,
+        cast,
     );
     g.copy(full, dst, 0..g.len());
     g.len() as u64
@@ -119,7 +124,7 @@ pub fn keep_slice(
 
 /// Checks a rank's full-tensor buffer before any byte moves.
 fn check_full(baseline: &GatherBroadcast, rank: Rank, full: Option<usize>) -> Result<()> {
-    let expected = baseline.dst().total_bytes();
+    let expected = baseline.full_bytes();
     match (baseline.needs_full_buffer(rank), full) {
         (true, None) => Err(Error::MissingBuffer {
             side: Side::Dst,
@@ -144,7 +149,7 @@ fn check_full(baseline: &GatherBroadcast, rank: Rank, full: Option<usize>) -> Re
 /// A zeroed full-tensor buffer for every rank that needs one; [`Error::OutOfMemory`] when
 /// they do not fit in memory.
 pub fn full_buffers(baseline: &GatherBroadcast) -> Result<BTreeMap<Rank, Vec<u8>>> {
-    let bytes = baseline.dst().total_bytes();
+    let bytes = baseline.full_bytes();
     let mut out = BTreeMap::new();
     for r in baseline.ranks() {
         if baseline.needs_full_buffer(r) {
@@ -213,6 +218,7 @@ pub fn run_local_gather_broadcast(
     // every destination rank keeps its box, all at once as separate processes would
     let whole = Region::full(baseline.dst().shape());
     let elem_bytes = baseline.dst().dtype().size();
+    let cast = baseline.cast();
     let layout = baseline.dst();
     let kept: Vec<(Rank, Result<u64>)> = std::thread::scope(|scope| {
         let handles: Vec<_> = dst
@@ -229,8 +235,8 @@ pub fn run_local_gather_broadcast(
                     rank,
                     std::thread::Builder::new().spawn_scoped(scope, move || {
                         match (tensor, dst_box) {
-                            (Some(t), Some(dst_box)) if t.len() as u64 == layout.total_bytes() => {
-                                Ok(keep_slice(t, whole, &dst_box, shard, elem_bytes))
+                            (Some(t), Some(dst_box)) if t.len() as u64 == baseline.full_bytes() => {
+                                Ok(keep_slice(t, whole, &dst_box, shard, elem_bytes, cast))
                             }
                             _ => Err(Error::MissingBuffer {
                                 side: Side::Dst,

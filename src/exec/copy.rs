@@ -28,16 +28,57 @@ struct Strides {
     stream: bool,
 }
 
+/// A conversion applied while copying (`--dst-dtype`): the source's element size and the
+/// kernel that casts a run of source elements into destination ones. The region's stream,
+/// and so every byte range and length of a converting copy, counts destination bytes: what
+/// the wire carries.
+#[derive(Clone, Copy, Debug)]
+pub struct Cast {
+    pub src: crate::DType,
+    pub dst: crate::DType,
+    pub src_elem: usize,
+    pub kernel: crate::convert::CastFn,
+}
+
+/// Two casts are the same when they convert the same dtypes (the kernel follows from them).
+impl PartialEq for Cast {
+    fn eq(&self, other: &Cast) -> bool {
+        (self.src, self.dst) == (other.src, other.dst)
+    }
+}
+
+impl Eq for Cast {}
+
+impl Cast {
+    /// The conversion from `src` to `dst` elements, or `None` when they are the same dtype (a
+    /// plain copy). Fails, naming both dtypes, for the pairs that cannot be converted.
+    pub fn between(
+        src: crate::DType,
+        dst: crate::DType,
+    ) -> std::result::Result<Option<Cast>, crate::convert::ConvertError> {
+        let kernel = crate::convert::cast_fn(src, dst)?;
+        Ok((src != dst).then_some(Cast {
+            src,
+            dst,
+            src_elem: src.size(),
+            kernel,
+        }))
+    }
+}
+
 /// The folded loop nest that copies one region between two places.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct CopyGeometry {
-    /// Bytes per contiguous run.
+    /// Bytes per contiguous run (destination bytes when converting).
     run: usize,
     /// Trip counts of the outer loops, outermost first.
     counts: Vec<usize>,
     src: Strides,
     dst: Strides,
     len: usize,
+    /// Destination element size, and the conversion from source elements, if any.
+    elem: usize,
+    cast: Option<Cast>,
 }
 
 /// Row-major byte strides of a buffer of `extent` elements of `elem` bytes.
@@ -68,9 +109,26 @@ impl CopyGeometry {
     /// The copy of `region` (of `elem`-byte elements) from `src` to `dst`. Boxes given in
     /// [`Place::Within`] must contain `region`.
     pub fn new(region: &Region, src: Place<'_>, dst: Place<'_>, elem: usize) -> CopyGeometry {
-        let (src_base, src_strides) = place_strides(region, src, elem);
+        CopyGeometry::converting(region, src, dst, elem, None)
+    }
+
+    /// The copy of `region` from `src` (elements of `cast.src_elem` bytes, or `elem` without
+    /// a cast) to `dst` (elements of `elem` bytes), converting every run with the cast's
+    /// kernel. Byte ranges count destination bytes; a range must start and end on whole
+    /// elements (the executor cuts converted transfers at multiples of 8 bytes).
+    pub fn converting(
+        region: &Region,
+        src: Place<'_>,
+        dst: Place<'_>,
+        elem: usize,
+        cast: Option<Cast>,
+    ) -> CopyGeometry {
+        let src_elem = cast.map_or(elem, |c| c.src_elem);
+        let (src_base, src_strides) = place_strides(region, src, src_elem);
         let (dst_base, dst_strides) = place_strides(region, dst, elem);
         let len = region.volume() as usize * elem;
+        // folded in elements: both sides fold the same dims whatever their element sizes
+        let mut run_elems = 1usize;
         let mut run = elem;
         let mut counts = Vec::new();
         let mut src_outer = Vec::new();
@@ -81,7 +139,11 @@ impl CopyGeometry {
             if e == 1 {
                 continue;
             }
-            if folding && src_strides[d] == run && dst_strides[d] == run {
+            if folding
+                && src_strides[d] == run_elems * src_elem
+                && dst_strides[d] == run_elems * elem
+            {
+                run_elems *= e;
                 run *= e;
                 continue;
             }
@@ -107,6 +169,8 @@ impl CopyGeometry {
                 stream: matches!(dst, Place::Stream),
             },
             len,
+            elem,
+            cast,
         }
     }
 
@@ -157,6 +221,31 @@ impl CopyGeometry {
         range: Range<usize>,
         mut sum: Option<&mut u32>,
     ) {
+        if let Some(cast) = self.cast {
+            // Converting: each run is cast straight from the source into its place, and
+            // summed (`--checksum`) as the destination bytes it became, piece by piece
+            // while they are cached (a piece holds whole elements: SUMMED_PIECE is a
+            // multiple of every element size).
+            let piece = if sum.is_some() {
+                SUMMED_PIECE
+            } else {
+                usize::MAX
+            };
+            for (s, d, len) in self.runs_of(range) {
+                let mut at = 0;
+                while at < len {
+                    let n = (len - at).min(piece);
+                    let from = s + self.src_bytes(at);
+                    let out = &mut dst[d + at..d + at + n];
+                    (cast.kernel)(&src[from..from + self.src_bytes(n)], out);
+                    if let Some(sum) = sum.as_deref_mut() {
+                        *sum = crate::exec::checksum::append(*sum, out);
+                    }
+                    at += n;
+                }
+            }
+            return;
+        }
         // A shard is written region by region across many calls; a message, in this call.
         let written = if self.dst.stream {
             range.len()
@@ -205,6 +294,15 @@ impl CopyGeometry {
         }
     }
 
+    /// The source bytes of `bytes` of the stream: as many when copying, scaled by the ratio
+    /// of the element sizes (on whole elements) when converting.
+    fn src_bytes(&self, bytes: usize) -> usize {
+        match self.cast {
+            None => bytes,
+            Some(cast) => bytes / self.elem * cast.src_elem,
+        }
+    }
+
     /// Calls `f(src_offset, dst_offset, len)` for every contiguous piece of bytes `range` of
     /// the region's stream, in order, with offsets into the buffers [`CopyGeometry::copy`]
     /// takes.
@@ -218,7 +316,8 @@ impl CopyGeometry {
     /// `(src_offset, dst_offset, len)` (see [`CopyGeometry::for_each_run`]).
     fn runs_of(&self, range: Range<usize>) -> Runs<'_> {
         debug_assert!(range.end <= self.len);
-        let shift = |s: &Strides| if s.stream { range.start } else { 0 };
+        let to_src = |bytes: usize| self.src_bytes(bytes);
+        let shift = |s: &Strides, bytes: usize| if s.stream { bytes } else { 0 };
         // an empty range walks nothing (an empty region may have runs, or trip counts, of 0)
         let run_index = range.start.checked_div(self.run).unwrap_or(0);
         // Odometer over the outer loops, positioned at `run_index`.
@@ -235,7 +334,10 @@ impl CopyGeometry {
             d_off: self.dst.base + dot(&idx, &self.dst.outer),
             idx,
             intra: range.start.checked_rem(self.run).unwrap_or(0),
-            shifts: (shift(&self.src), shift(&self.dst)),
+            shifts: (
+                shift(&self.src, to_src(range.start)),
+                shift(&self.dst, range.start),
+            ),
             pos: range.start,
             end: range.end,
         }
@@ -266,8 +368,9 @@ impl Iterator for Runs<'_> {
         }
         let g = self.g;
         let len = (g.run - self.intra).min(self.end - self.pos);
+        let src_intra = g.src_bytes(self.intra);
         let item = (
-            self.s_off + self.intra - self.shifts.0,
+            self.s_off + src_intra - self.shifts.0,
             self.d_off + self.intra - self.shifts.1,
             len,
         );
@@ -488,6 +591,88 @@ mod tests {
                 start = end;
             }
             assert_eq!(got, want, "chunk {chunk}");
+        }
+    }
+
+    /// A converting copy (f32 -> bf16, bf16 -> f64) packed in chunks of whole destination
+    /// elements and unpacked, or written directly, equals the naive copy of the cast source,
+    /// and its checksum is that of the destination bytes.
+    #[test]
+    fn converting_copies_equal_the_cast_of_the_naive_copy() {
+        use crate::DType;
+        let src_box = Region::from_ranges(&[2..9, 0..5, 1..8]);
+        let dst_box = Region::from_ranges(&[0..6, 1..5, 0..8]);
+        let region = src_box.intersect(&dst_box).unwrap();
+        // whole tensors of the source box, cast as a block: the reference
+        for (from, to) in [(DType::F32, DType::Bf16), (DType::Bf16, DType::F64)] {
+            let (se, de) = (from.size(), to.size());
+            let src: Vec<u8> = (0..src_box.volume() as usize * se)
+                .map(|i| (i * 7 % 251) as u8)
+                .collect();
+            let mut cast_box = vec![0u8; src_box.volume() as usize * de];
+            crate::convert::cast(from, to, &src, &mut cast_box).unwrap();
+            let want = naive(&region, &src_box, &dst_box, &cast_box, de);
+            let cast = Cast::between(from, to).unwrap();
+            assert!(cast.is_some());
+            let direct = CopyGeometry::converting(
+                &region,
+                Place::Within(&src_box),
+                Place::Within(&dst_box),
+                de,
+                cast,
+            );
+            assert_eq!(direct.len(), region.volume() as usize * de);
+            let mut got = vec![0u8; want.len()];
+            direct.copy(&src, &mut got, 0..direct.len());
+            assert!(got == want, "{from} -> {to} direct");
+            for chunk in [de, 3 * de, 8, 48, 1000 * de] {
+                let pack = CopyGeometry::converting(
+                    &region,
+                    Place::Within(&src_box),
+                    Place::Stream,
+                    de,
+                    cast,
+                );
+                let unpack = CopyGeometry::new(&region, Place::Stream, Place::Within(&dst_box), de);
+                let mut got = vec![0u8; want.len()];
+                let mut start = 0;
+                while start < pack.len() {
+                    let end = (start + chunk).min(pack.len());
+                    let mut msg = vec![0u8; end - start];
+                    let mut sum = 0;
+                    pack.copy_summing(&src, &mut msg, start..end, &mut sum);
+                    assert_eq!(sum, crate::exec::checksum::append(0, &msg));
+                    unpack.copy(&msg, &mut got, start..end);
+                    start = end;
+                }
+                assert!(got == want, "{from} -> {to}, chunk {chunk}");
+            }
+        }
+        assert_eq!(Cast::between(DType::F32, DType::F32).unwrap(), None);
+        assert!(Cast::between(DType::F32, DType::I32).is_err());
+    }
+
+    /// A converted run longer than [`SUMMED_PIECE`] is cast and summed piece by piece: the
+    /// same bytes and the same sum as one cast of the whole run.
+    #[test]
+    fn long_converted_runs_are_summed_piece_by_piece() {
+        use crate::DType;
+        let holder = Region::from_ranges(&[0..3, 0..7001]);
+        let src: Vec<u8> = (0..holder.volume() as usize * 4)
+            .map(|i| (i * 13 % 251) as u8)
+            .collect();
+        let mut want = vec![0u8; holder.volume() as usize * 2];
+        crate::convert::cast(DType::F32, DType::Bf16, &src, &mut want).unwrap();
+        let cast = Cast::between(DType::F32, DType::Bf16).unwrap();
+        let g = CopyGeometry::converting(&holder, Place::Within(&holder), Place::Stream, 2, cast);
+        assert_eq!(g.runs(), 1);
+        assert!(g.run_bytes() > 2 * SUMMED_PIECE);
+        for range in [0..g.len(), 6..g.len() - 4] {
+            let mut got = vec![0u8; range.len()];
+            let mut sum = 0;
+            g.copy_summing(&src, &mut got, range.clone(), &mut sum);
+            assert!(got == want[range.clone()], "{range:?}");
+            assert_eq!(sum, crate::exec::checksum::append(0, &want[range]));
         }
     }
 

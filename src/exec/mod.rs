@@ -14,7 +14,7 @@ pub mod copy;
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
-use copy::{CopyGeometry, Place};
+use copy::{Cast, CopyGeometry, Place};
 
 use crate::error::{Dims, Error, Result, Side};
 use crate::layout::{Layout, Rank};
@@ -159,6 +159,10 @@ pub struct RankJob<'buf, 'dst> {
     pub src: Option<(&'buf Region, &'buf [u8])>,
     /// The rank's destination box and shard, if it is a destination.
     pub dst: Option<(&'buf Region, &'dst mut [u8])>,
+    /// The destination's dtype (`--dst-dtype`): when it differs from the source layout's,
+    /// this rank converts what it sends and copies locally, and its destination shard holds
+    /// elements of this dtype.
+    pub dst_dtype: crate::DType,
 }
 
 /// Runs one rank's part of a plan over `transport`.
@@ -172,11 +176,18 @@ pub fn run_rank<'buf, T: Transport<'buf> + ?Sized>(
         src_layout,
         src,
         dst,
+        dst_dtype,
     } = job;
     let rank = plan.rank;
-    let elem_bytes = src_layout.dtype().size();
+    // transfers move destination elements; the sender converts while it packs
+    let elem_bytes = dst_dtype.size();
+    let cast = Cast::between(src_layout.dtype(), dst_dtype).map_err(|source| Error::Convert {
+        tensor: "tensor".into(),
+        source,
+    })?;
     check_job(
         plan,
+        src_layout.dtype().size(),
         elem_bytes,
         src,
         dst.as_ref().map(|(b, d)| (*b, d.len())),
@@ -207,6 +218,7 @@ pub fn run_rank<'buf, T: Transport<'buf> + ?Sized>(
         dst_box,
         src_at: Some((0, 0..src_len)),
         dst_at: Some((0, 0..dst_len)),
+        cast,
     };
     let (src_box, dst_box) = (src.map(|s| s.0), dst.as_ref().map(|d| d.0));
     let mut steps = Steps {
@@ -260,9 +272,25 @@ pub struct Step<'a> {
     pub src_at: Option<(usize, std::ops::Range<usize>)>,
     /// On this rank, when it receives: the destination buffer and the bytes of `dst_box`.
     pub dst_at: Option<(usize, std::ops::Range<usize>)>,
+    /// The conversion from the source's dtype (`elem_bytes` is the destination's): done by
+    /// the sender while it packs, or in a local copy. Every step of a converting job carries
+    /// it, the receives too, because both ends cut its transfers alike ([`cut_chunk`]).
+    pub cast: Option<Cast>,
+}
+
+/// The chunk size a job cuts its transfers into: `requested`, or for a converting job, the
+/// largest multiple of 8 bytes not above it (at least 8), so that every chunk holds whole
+/// elements of every dtype on both sides. Both ends of a transfer compute the same.
+pub fn cut_chunk(requested: usize, converts: bool) -> usize {
+    if converts {
+        (requested - requested % 8).max(8)
+    } else {
+        requested
+    }
 }
 
 impl Step<'_> {
+    /// Bytes of the transfer on the wire (destination elements).
     pub fn bytes(&self) -> u64 {
         self.region.volume() * self.elem_bytes as u64
     }
@@ -289,7 +317,10 @@ pub fn run_steps<'buf, T: Transport<'buf> + ?Sized>(
     options: &ExecOptions,
 ) -> Result<RankStats> {
     let rank = steps.rank;
-    let chunk = options.chunk_bytes;
+    let converts = [&steps.sends, &steps.recvs, &steps.locals]
+        .iter()
+        .any(|list| list.iter().any(|s| s.cast.is_some()));
+    let chunk = cut_chunk(options.chunk_bytes, converts);
     check_steps(steps, src_bufs, dst_bufs)?;
     let mut stats = RankStats {
         rank,
@@ -319,6 +350,7 @@ pub fn run_steps<'buf, T: Transport<'buf> + ?Sized>(
                     region: s.region,
                     elem_bytes: s.elem_bytes,
                     range,
+                    cast: s.cast,
                 };
                 match peer_sums.as_deref_mut() {
                     // summed by the transport as it reads the bytes, where it can
@@ -340,11 +372,12 @@ pub fn run_steps<'buf, T: Transport<'buf> + ?Sized>(
         |stats: &mut RankStats, arrived: &mut [bool], dst_bufs: &mut [&mut [u8]]| -> Result<()> {
             for s in &steps.locals {
                 let (b, bytes) = s.dst_at.clone().expect("checked");
-                let g = CopyGeometry::new(
+                let g = CopyGeometry::converting(
                     s.region,
                     Place::Within(s.src_box),
                     Place::Within(s.dst_box),
                     s.elem_bytes,
+                    s.cast,
                 );
                 g.copy(source(s), &mut dst_bufs[b][bytes], 0..g.len());
                 stats.bytes_local += g.len() as u64;
@@ -541,7 +574,11 @@ fn check_steps(steps: &Steps<'_, '_>, src_bufs: &[&[u8]], dst_bufs: &[&mut [u8]]
             let Some((b, bytes)) = at else {
                 return Err(Error::MissingBuffer { side, rank });
             };
-            let expected = holder.volume().saturating_mul(s.elem_bytes as u64);
+            let elem = match (side, s.cast) {
+                (Side::Src, Some(cast)) => cast.src_elem,
+                _ => s.elem_bytes,
+            };
+            let expected = holder.volume().saturating_mul(elem as u64);
             match lens.get(*b) {
                 Some(&len) if bytes.start <= bytes.end && bytes.end <= len => {}
                 _ => return Err(Error::MissingBuffer { side, rank }),
@@ -586,7 +623,8 @@ fn check_steps(steps: &Steps<'_, '_>, src_bufs: &[&[u8]], dst_bufs: &[&mut [u8]]
 /// size, and every region lies inside the shard it is read from or written to.
 fn check_job(
     plan: &RankPlan,
-    elem_bytes: usize,
+    src_elem: usize,
+    dst_elem: usize,
     src: Option<(&Region, &[u8])>,
     dst: Option<(&Region, usize)>,
 ) -> Result<()> {
@@ -605,7 +643,7 @@ fn check_job(
             rank,
         });
     }
-    let sized = |side, region: &Region, got: usize| {
+    let sized = |side, region: &Region, got: usize, elem_bytes: usize| {
         let expected = region.volume().saturating_mul(elem_bytes as u64);
         if expected == got as u64 {
             Ok(())
@@ -620,10 +658,10 @@ fn check_job(
         }
     };
     if let Some((region, buf)) = src {
-        sized(Side::Src, region, buf.len())?;
+        sized(Side::Src, region, buf.len(), src_elem)?;
     }
     if let Some((region, len)) = dst {
-        sized(Side::Dst, region, len)?;
+        sized(Side::Dst, region, len, dst_elem)?;
     }
     let inside = |holder: Option<&Region>, t: &Transfer, side: Side| match holder {
         Some(b) if b.ndim() == t.region.ndim() && b.contains(&t.region) => Ok(()),
@@ -762,6 +800,7 @@ pub fn run_local_with_faults(
                     dst: dst_boxes
                         .get(&rank)
                         .zip(dst_shards.remove(&rank).map(Vec::as_mut_slice)),
+                    dst_dtype: plan.dst().dtype(),
                 };
                 let endpoint = endpoints.remove(&rank);
                 std::thread::Builder::new()

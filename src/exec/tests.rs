@@ -386,6 +386,7 @@ fn transfers_that_land_out_of_order_are_accounted_one_by_one() {
         src_layout: &src,
         src: None,
         dst: Some((&dst_box, &mut shard)),
+        dst_dtype: dst.dtype(),
     };
     let err = run_rank(work, &LandsEveryOther, &ExecOptions::default()).unwrap_err();
     // the even places of the schedule never landed
@@ -529,4 +530,73 @@ fn rows_eight_apart_swapped_pass_the_index_fill_but_not_the_default() {
         ),
         "{caught:?}"
     );
+}
+
+/// `layout` with elements of `dtype`.
+fn retyped(layout: &Layout, dtype: DType) -> Layout {
+    Layout::new(
+        layout.shape().to_vec(),
+        dtype,
+        layout.mesh().clone(),
+        layout.placements().to_vec(),
+    )
+    .unwrap()
+}
+
+const FLOATS: [DType; 4] = [DType::F64, DType::F32, DType::Bf16, DType::F16];
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(600))]
+
+    /// With `--dst-dtype`, senders and local copies cast while they copy: every destination
+    /// element is the source's fill cast exactly, at any chunk size (cut to whole elements),
+    /// with and without checksums, and the byte counts are destination bytes.
+    #[test]
+    fn converting_runs_match_the_cast_fill(
+        (src, dst) in arb_layout_pair(),
+        from in prop::sample::select(FLOATS.to_vec()),
+        to in prop::sample::select(FLOATS.to_vec()),
+        seed in any::<u64>(),
+        chunk_bytes in prop_oneof![Just(1usize), 2usize..48, Just(4 << 20)],
+        checksum in any::<bool>(),
+    ) {
+        let fill = Fill::Hash { seed };
+        let plan = Plan::new(retyped(&src, from), retyped(&dst, to)).unwrap();
+        let sources = fill.shards(plan.src()).unwrap();
+        let mut shards = zeroed_shards(plan.dst()).unwrap();
+        let options = ExecOptions { checksum, ..small_chunks(chunk_bytes) };
+        let stats = run_local(&plan, &sources, &mut shards, &options).unwrap();
+        prop_assert!(fill.verify_shards_converted(from, plan.dst(), &shards).is_ok());
+        let totals = plan.totals();
+        prop_assert_eq!(stats.bytes_remote(), totals.bytes_remote);
+        prop_assert_eq!(stats.bytes_local(), totals.bytes_local);
+        prop_assert_eq!(
+            stats.bytes_remote() + stats.bytes_local(),
+            plan.dst().shard_bytes()
+        );
+    }
+}
+
+#[test]
+fn converted_chunks_hold_whole_elements() {
+    assert_eq!(cut_chunk(1, false), 1);
+    assert_eq!(cut_chunk(13, false), 13);
+    assert_eq!(cut_chunk(1, true), 8);
+    assert_eq!(cut_chunk(13, true), 8);
+    assert_eq!(cut_chunk(4 << 20, true), 4 << 20);
+}
+
+#[test]
+fn integer_and_unscaled_fp8_destinations_are_refused_by_the_plan() {
+    let src = layout("mesh=2 place=S(0)", &[8, 8], DType::F32, 0);
+    for to in [DType::I32, DType::Bool, DType::Fp8E4M3, DType::U8] {
+        let dst = layout("mesh=4 place=S(1)", &[8, 8], to, 2);
+        let err = Plan::new(src.clone(), dst).unwrap_err();
+        assert!(matches!(err, Error::Convert { .. }), "{err}");
+        let text = err.to_string();
+        assert!(
+            text.contains("--dst-dtype") && text.contains(&to.to_string()),
+            "{text}"
+        );
+    }
 }

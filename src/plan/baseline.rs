@@ -15,6 +15,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use crate::error::{Error, Result, Side};
 use crate::layout::{Layout, Mesh, Placement, Rank};
+use crate::region::Region;
 
 use super::{Plan, PlanOptions, check_compatible};
 
@@ -62,6 +63,10 @@ pub struct GatherBroadcast {
     /// Ranks holding the full tensor after the gather, sorted.
     pub holders: Vec<Rank>,
     dst: Layout,
+    /// The dtype the tensor moves in: the source's. With `--dst-dtype`, each destination rank
+    /// converts its box as it keeps it (what an engine does when it receives the training
+    /// dtype and converts afterwards).
+    src_dtype: crate::DType,
 }
 
 impl GatherBroadcast {
@@ -110,6 +115,7 @@ impl GatherBroadcast {
             broadcast,
             holders: holding.into_iter().collect(),
             dst: dst.clone(),
+            src_dtype: src.dtype(),
         })
     }
 
@@ -132,10 +138,28 @@ impl GatherBroadcast {
 
     /// Whether `rank` keeps the whole tensor: its destination box is all of it, so the tensor
     /// lands straight in its destination shard.
+    /// Not when the destination has a dtype of its own: the tensor arrives in the source's
+    /// and is converted into the shard.
     pub fn keeps_all(&self, rank: Rank) -> bool {
-        self.dst
-            .local_region(rank)
-            .is_some_and(|b| b.extent == self.dst.shape())
+        self.dst.dtype() == self.src_dtype
+            && self
+                .dst
+                .local_region(rank)
+                .is_some_and(|b| b.extent == self.dst.shape())
+    }
+
+    /// Bytes of the whole tensor as it moves (in the source's dtype): the size of a rank's
+    /// full-tensor buffer.
+    pub fn full_bytes(&self) -> u64 {
+        Region::full(self.dst.shape()).volume() * self.src_dtype.size() as u64
+    }
+
+    /// The conversion each destination rank applies as it keeps its box, if the dtypes
+    /// differ (checked when the baseline was planned).
+    pub fn cast(&self) -> Option<crate::exec::copy::Cast> {
+        crate::exec::copy::Cast::between(self.src_dtype, self.dst.dtype())
+            .ok()
+            .flatten()
     }
 
     /// Whether `rank` needs a buffer for the whole tensor besides its shards: it gathers or

@@ -174,8 +174,10 @@ impl Plan {
         &self.transfers
     }
 
+    /// Bytes per element on the wire: the destination dtype's, since senders convert while
+    /// they pack (`--dst-dtype`). Every byte count of a plan (transfers, totals) uses it.
     pub fn elem_bytes(&self) -> usize {
-        self.src.dtype().size()
+        self.dst.dtype().size()
     }
 
     /// Every rank that sends or receives anything (sources and destinations), sorted.
@@ -233,7 +235,8 @@ impl Plan {
     }
 }
 
-/// The sides must describe the same tensor.
+/// The sides must describe the same tensor; their dtypes may differ by a float cast
+/// ([`crate::convert::cast_supported`]), refused here, before any byte moves, otherwise.
 pub fn check_compatible(src: &Layout, dst: &Layout) -> Result<()> {
     if src.shape() != dst.shape() {
         return Err(Error::ShapeMismatch {
@@ -241,12 +244,11 @@ pub fn check_compatible(src: &Layout, dst: &Layout) -> Result<()> {
             dst: Dims(dst.shape().to_vec()),
         });
     }
-    if src.dtype() != dst.dtype() {
-        return Err(Error::DTypeMismatch {
-            src: src.dtype().to_string(),
-            dst: dst.dtype().to_string(),
-        });
-    }
+    // a destination of its own dtype is converted in flight; only float casts are
+    crate::convert::cast_supported(src.dtype(), dst.dtype()).map_err(|source| Error::Convert {
+        tensor: "tensor".into(),
+        source,
+    })?;
     Ok(())
 }
 
@@ -394,7 +396,7 @@ fn receives(
             holds,
             &receiver,
             box_id,
-            src.dtype().size(),
+            dst.dtype().size(),
             options,
             out,
         );
@@ -414,7 +416,7 @@ fn sends(src: &Layout, dst: &Layout, rank: Rank, options: &PlanOptions) -> Vec<T
     for_each_overlap(dst, &held, |dst_index, piece| {
         for rank in dst.holders(dst_index) {
             let dst_position = dst.mesh().position(rank).unwrap_or_default();
-            let elem = src.dtype().size();
+            let elem = dst.dtype().size();
             assign(
                 piece.clone(),
                 &holders,

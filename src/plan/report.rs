@@ -190,8 +190,12 @@ pub struct TransferJson {
 #[derive(Clone, Debug, Serialize)]
 pub struct PlanJson {
     pub shape: Vec<u64>,
+    /// The source's dtype and element size.
     pub dtype: String,
     pub elem_bytes: usize,
+    /// The destination's (`--dst-dtype`): what the wire carries, so what `bytes` counts.
+    pub dst_dtype: String,
+    pub dst_elem_bytes: usize,
     pub transfers: Vec<TransferJson>,
     pub totals: Totals,
 }
@@ -202,7 +206,9 @@ impl PlanJson {
         PlanJson {
             shape: plan.src().shape().to_vec(),
             dtype: plan.src().dtype().to_string(),
-            elem_bytes: elem,
+            elem_bytes: plan.src().dtype().size(),
+            dst_dtype: plan.dst().dtype().to_string(),
+            dst_elem_bytes: elem,
             transfers: plan
                 .transfers()
                 .iter()

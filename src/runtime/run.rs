@@ -6,6 +6,7 @@ use std::time::Instant;
 
 use super::{AnyTransport, Links, RunOptions, World};
 use crate::batch::{Batch, RankBatch, run_local_batch, run_rank_batch};
+use crate::dtype::DType;
 use crate::error::{Dims, Error, Result, Side};
 use crate::exec::baseline::{self, BaselineJob};
 use crate::exec::{self, RankJob, RankStats, RunStats};
@@ -65,6 +66,7 @@ impl World {
         let work = RankJob {
             plan: &mine,
             src_layout: plan.src(),
+            dst_dtype: plan.dst().dtype(),
             src: src_box.as_ref().zip(sources.get(&rank).map(Vec::as_slice)),
             dst: dst_box
                 .as_ref()
@@ -208,6 +210,7 @@ impl World {
             rank,
             plan: mine,
             src_layout: plan.src().clone(),
+            dst_dtype: plan.dst().dtype(),
             src_box,
             dst_box,
             shard,
@@ -224,6 +227,8 @@ pub struct PlanRank<'w> {
     plan: RankPlan,
     /// Where every sender's shard lies.
     src_layout: Layout,
+    /// What the destination holds: the senders convert to it.
+    dst_dtype: DType,
     src_box: Option<Region>,
     dst_box: Option<Region>,
     shard: Option<SharedBuffer>,
@@ -291,6 +296,7 @@ impl PlanRank<'_> {
         let work = RankJob {
             plan: &self.plan,
             src_layout: &self.src_layout,
+            dst_dtype: self.dst_dtype,
             src: self.src_box.as_ref().zip(source),
             dst: self.dst_box.as_ref().zip(self.shard.as_deref_mut()),
         };

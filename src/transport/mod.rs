@@ -25,7 +25,7 @@ pub use local::{Fault, LocalEndpoint, LocalFabric};
 
 use crate::agreement::Fingerprint;
 use crate::error::Result;
-use crate::exec::copy::{CopyGeometry, Place};
+use crate::exec::copy::{Cast, CopyGeometry, Place};
 use crate::layout::Rank;
 use crate::region::Region;
 
@@ -39,11 +39,28 @@ pub struct Outgoing<'buf> {
     pub src: &'buf [u8],
     pub src_box: &'buf Region,
     pub region: &'buf Region,
+    /// Bytes per element on the wire: the destination dtype's.
     pub elem_bytes: usize,
+    /// Bytes `range` of the region's stream in the destination dtype (wire bytes).
     pub range: Range<usize>,
+    /// The conversion from the source shard's dtype (`--dst-dtype`), done while packing, so
+    /// that the wire carries destination bytes; `None` when both sides share one dtype.
+    pub cast: Option<Cast>,
 }
 
 impl Outgoing<'_> {
+    /// The copy of this chunk's region from the source shard to `dst`, converting on the way
+    /// when the chunk has a cast. Every transport packs or writes through it.
+    pub fn geometry(&self, dst: Place<'_>) -> CopyGeometry {
+        CopyGeometry::converting(
+            self.region,
+            Place::Within(self.src_box),
+            dst,
+            self.elem_bytes,
+            self.cast,
+        )
+    }
+
     pub fn len(&self) -> usize {
         self.range.len()
     }
@@ -54,13 +71,8 @@ impl Outgoing<'_> {
 
     /// Packs the chunk into `out`, which must be exactly [`Outgoing::len`] bytes.
     pub fn pack_into(&self, out: &mut [u8]) {
-        let g = CopyGeometry::new(
-            self.region,
-            Place::Within(self.src_box),
-            Place::Stream,
-            self.elem_bytes,
-        );
-        g.copy(self.src, out, self.range.clone());
+        self.geometry(Place::Stream)
+            .copy(self.src, out, self.range.clone());
     }
 }
 
@@ -112,13 +124,8 @@ impl Incoming<'_> {
                 self.range, self.region, self.from, out.range, out.region, out.from
             ));
         }
-        let g = CopyGeometry::new(
-            self.region,
-            Place::Within(out.src_box),
-            Place::Within(self.dst_box),
-            self.elem_bytes,
-        );
-        g.copy(out.src, self.dst, self.range.clone());
+        out.geometry(Place::Within(self.dst_box))
+            .copy(out.src, self.dst, self.range.clone());
         Ok(())
     }
 }
@@ -217,6 +224,21 @@ pub trait Transport<'buf>: Sync {
     /// chunk first, in a pass of its own; a transport that reads the bytes anyway, to pack or
     /// copy them, sums them as it goes ([`CopyGeometry::copy_summing`]).
     fn send_summed(&self, chunk: Outgoing<'buf>) -> Result<u32> {
+        if chunk.cast.is_some() {
+            // the sum is over the wire bytes, the converted ones: converted into a temporary
+            // of one chunk and summed in the same pass (the transport converts again as it
+            // sends; transports that pack anyway sum as they pack instead)
+            let mut packed = vec![0u8; chunk.len()];
+            let mut sum = 0;
+            chunk.geometry(Place::Stream).copy_summing(
+                chunk.src,
+                &mut packed,
+                chunk.range.clone(),
+                &mut sum,
+            );
+            self.send(chunk)?;
+            return Ok(sum);
+        }
         let sum = crate::exec::checksum::region_sum(
             chunk.src,
             chunk.src_box,

@@ -435,7 +435,9 @@ impl<'buf> Transport<'buf> for MpiTransport<'_> {
 
     fn send(&self, chunk: Outgoing<'buf>) -> Result<()> {
         self.check_len(chunk.len(), chunk.to)?;
+        // derived datatypes move bytes as they are: a converted chunk is packed
         let whole = self.datatypes
+            && chunk.cast.is_none()
             && chunk.range.start == 0
             && chunk.len() as u64 == chunk.region.volume() * chunk.elem_bytes as u64;
         let (datatype, buffer) = if whole {
@@ -445,12 +447,7 @@ impl<'buf> Transport<'buf> for MpiTransport<'_> {
             )
         } else {
             // a piece of a huge transfer: packed into a buffer of its own, kept until done
-            let g = CopyGeometry::new(
-                chunk.region,
-                Place::Within(chunk.src_box),
-                Place::Stream,
-                chunk.elem_bytes,
-            );
+            let g = chunk.geometry(Place::Stream);
             let mut packed = vec![0u8; chunk.len()];
             g.copy(chunk.src, &mut packed, chunk.range.clone());
             (None, Some(packed))

@@ -346,12 +346,8 @@ impl<C: Carrier> ShmTransport<C> {
                     ),
                 });
             }
-            let g = CopyGeometry::new(
-                chunk.region,
-                Place::Within(chunk.src_box),
-                Place::Within(&target.region),
-                chunk.elem_bytes,
-            );
+            // converting as it writes, when the dtypes differ
+            let g = chunk.geometry(Place::Within(&target.region));
             let mut buffer = target.buffer.lock().unwrap_or_else(|p| p.into_inner());
             let bytes = buffer.bytes_mut();
             if (target.region.volume() * chunk.elem_bytes as u64) as usize != bytes.len() {
@@ -374,12 +370,7 @@ impl<C: Carrier> ShmTransport<C> {
             return self.links.tell(chunk.to, &written, &what);
         }
         let ring = self.outgoing(chunk.to)?;
-        let g = CopyGeometry::new(
-            chunk.region,
-            Place::Within(chunk.src_box),
-            Place::Stream,
-            chunk.elem_bytes,
-        );
+        let g = chunk.geometry(Place::Stream);
         let deadline = Instant::now() + self.timeout;
         for piece in pieces(chunk.range.clone(), ring.slot_bytes()) {
             let len = piece.len();

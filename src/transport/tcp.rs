@@ -398,15 +398,11 @@ impl TcpTransport {
         let peer = chunk.to;
         let what = || format!("bytes {:?} of {} to rank {peer}", chunk.range, chunk.region);
         let mut w = self.writer(peer)?;
-        let g = CopyGeometry::new(
-            chunk.region,
-            Place::Within(chunk.src_box),
-            Place::Stream,
-            chunk.elem_bytes,
-        );
+        let g = chunk.geometry(Place::Stream);
         let header = |w: &mut TcpStream| frame::write_data_header(w, chunk.len() as u64);
         header(&mut w).map_err(|e| self.fail(peer, what(), e))?;
-        if g.run_bytes() >= VECTORED_MIN_RUN {
+        // a converted chunk is packed: the wire carries destination bytes, not the shard's
+        if g.run_bytes() >= VECTORED_MIN_RUN && chunk.cast.is_none() {
             if let Some(sum) = sum {
                 *sum = crate::exec::checksum::region_sum(
                     chunk.src,
