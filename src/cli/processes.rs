@@ -35,13 +35,7 @@ pub enum TransportKind {
 
 impl TransportKind {
     pub fn name(self) -> &'static str {
-        match self {
-            TransportKind::Local => "local",
-            TransportKind::Tcp => "tcp",
-            TransportKind::Shm => "shm",
-            TransportKind::Mpi => "mpi",
-            TransportKind::Auto => "auto",
-        }
+        self.runtime().name()
     }
 
     /// The library's name for the same choice.
