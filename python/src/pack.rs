@@ -278,6 +278,18 @@ unsafe fn copy_piece(piece: &Piece, view: &View, message: &mut [u8], way: Way) {
     }
 }
 
+/// A message's buffer of `size` bytes at `ptr` (an empty tensor's address may be null).
+///
+/// # Safety
+/// `ptr` is the address of `size` bytes of a live buffer that nothing else reads or writes
+/// during the borrow.
+unsafe fn message<'a>(ptr: usize, size: usize) -> &'a mut [u8] {
+    if size == 0 {
+        return &mut [];
+    }
+    unsafe { std::slice::from_raw_parts_mut(ptr as *mut u8, size) }
+}
+
 /// Whether two tensors' byte spans overlap.
 fn overlap(a: &View, b: &View) -> bool {
     a.span > 0 && b.span > 0 && a.ptr < b.ptr + b.span && b.ptr < a.ptr + a.span
@@ -480,7 +492,7 @@ impl Packing {
                 // SAFETY: the buffer is a live contiguous tensor of at least `size` bytes
                 // (checked above), held by the caller for this call, and no tensor of a slot
                 // shares it (the executor allocates it).
-                let message = unsafe { std::slice::from_raw_parts_mut(ptr as *mut u8, size) };
+                let message = unsafe { message(ptr, size) };
                 for piece in pieces {
                     let view = views[piece.slot]
                         .as_ref()
@@ -508,7 +520,7 @@ impl Packing {
             for ((_, pieces), buffer) in self.recvs.iter().zip(&buffers) {
                 let Some((ptr, size)) = *buffer else { continue };
                 // SAFETY: as in `pack`; here the message is only read.
-                let message = unsafe { std::slice::from_raw_parts_mut(ptr as *mut u8, size) };
+                let message = unsafe { message(ptr, size) };
                 for piece in pieces {
                     let view = views[piece.slot]
                         .as_ref()
