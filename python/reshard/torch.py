@@ -22,6 +22,7 @@ import collections
 import functools
 import hashlib
 import struct
+import threading
 from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -30,7 +31,14 @@ import torch.distributed as dist
 
 from ._core import Layout, Packing, Refit, ReshardError, crc32c, rank_plan
 
-__all__ = ["reshard_", "reshard_many_", "torch_dtype", "local_tensor", "DEFAULT_BUCKET_BYTES"]
+__all__ = [
+    "reshard_",
+    "reshard_many_",
+    "torch_dtype",
+    "local_tensor",
+    "free_staging",
+    "DEFAULT_BUCKET_BYTES",
+]
 
 _TORCH_DTYPES = {
     name: getattr(torch, attr)
@@ -341,15 +349,9 @@ class _Bucket:
         torch copy per message."""
         native = _NATIVE and device.type == "cpu"
         ops = []
-        staged: List[Optional[torch.Tensor]] = []
-        for peer, m in self.sends:
-            buffer = None if checksum else m.direct(tensors)
-            if buffer is None:
-                size = m.checked_nbytes() if checksum else m.nbytes
-                buffer = torch.empty(size, dtype=torch.uint8, device=device)
-                staged.append(buffer)
-            else:
-                staged.append(None)
+        staged = _buffers(self.sends, tensors, device, checksum, "send")
+        for (peer, m), buffer in zip(self.sends, staged):
+            buffer = _given(m.direct(tensors) if buffer is None else buffer)
             ops.append(dist.P2POp(dist.isend, buffer, _peer(group, peer), group))
         if native:
             self.packing.pack(tensors, staged)
@@ -360,15 +362,9 @@ class _Bucket:
         if checksum:
             for (_, m), buffer in zip(self.sends, staged):
                 m.seal(_given(buffer))
-        landing: List[Optional[torch.Tensor]] = []
-        for peer, m in self.recvs:
-            buffer = None if checksum else m.direct(tensors)
-            if buffer is None:
-                size = m.checked_nbytes() if checksum else m.nbytes
-                buffer = torch.empty(size, dtype=torch.uint8, device=device)
-                landing.append(buffer)
-            else:
-                landing.append(None)
+        landing = _buffers(self.recvs, tensors, device, checksum, "recv")
+        for (peer, m), buffer in zip(self.recvs, landing):
+            buffer = _given(m.direct(tensors) if buffer is None else buffer)
             ops.append(dist.P2POp(dist.irecv, buffer, _peer(group, peer), group))
         requests = dist.batch_isend_irecv(ops) if ops else []
 
@@ -394,6 +390,46 @@ class _Bucket:
                 if buffer is not None:
                     slots, places = m.regions(buffer, tensors)
                     _copies(places, slots)
+
+
+def _buffers(messages, tensors, device, checksum: bool, way: str) -> List[Optional[torch.Tensor]]:
+    """A staging buffer for every message that cannot go in place (None for those that can).
+    In CPU memory they are cut from one arena per direction and thread, kept between calls
+    (see :func:`free_staging`): a fresh buffer of a few hundred MiB costs as much in page
+    faults and unmapping as packing it. Elsewhere each is a fresh tensor (torch's CUDA
+    allocator keeps its blocks anyway)."""
+    sizes: List[Optional[int]] = []
+    for _, m in messages:
+        inplace = not checksum and m.direct(tensors) is not None
+        sizes.append(None if inplace else (m.checked_nbytes() if checksum else m.nbytes))
+    if device.type != "cpu":
+        return [None if n is None else torch.empty(n, dtype=torch.uint8, device=device) for n in sizes]
+    total = sum(_aligned(n) for n in sizes if n is not None)
+    arena = getattr(_STAGING, way, None)
+    if arena is None or arena.numel() < total:
+        arena = None
+        setattr(_STAGING, way, None)  # the old arena goes before the new one is allocated
+        arena = torch.empty(total, dtype=torch.uint8)
+        setattr(_STAGING, way, arena)
+    out: List[Optional[torch.Tensor]] = []
+    at = 0
+    for n in sizes:
+        if n is None:
+            out.append(None)
+        else:
+            out.append(arena[at : at + n])
+            at += _aligned(n)
+    return out
+
+
+# This thread's staging arenas in CPU memory, by direction ("send", "recv").
+_STAGING = threading.local()
+
+
+def free_staging() -> None:
+    """Releases this thread's staging buffers in CPU memory, which :func:`reshard_many_` keeps
+    between calls (as large as the largest bucket's messages of this rank)."""
+    _STAGING.__dict__.clear()
 
 
 #: Whether CPU tensors are packed by the Rust program (:class:`reshard._core.Packing`);
