@@ -1,10 +1,13 @@
 """Reshard torch tensors with ``torch.distributed`` point-to-point.
 
 Every rank of the process group calls :func:`reshard_` (or :func:`reshard_many_` for a whole
-model) with its own local tensors (None where it holds no shard). Each rank computes its part of the plan alone, from the layouts
-(cached per layout pair), packs what it sends to each peer into one flat buffer with torch
-tensor ops, exchanges all buffers in one ``batch_isend_irecv``, copies the regions it holds on
-both sides locally meanwhile, and unpacks. The same call runs over gloo on CPU and NCCL on GPU,
+model) with its own local tensors (None where it holds no shard). Each rank computes its part
+of the plan alone, from the layouts, and keeps it as a program per set of names, layouts and
+options (a refit every step reruns it); packs what it sends to each peer into one flat buffer,
+exchanges all buffers in one ``batch_isend_irecv``, copies the regions it holds on both sides
+locally meanwhile, and unpacks. CPU tensors are packed and unpacked in Rust
+(:class:`reshard._core.Packing`, one call per bucket and direction), tensors on other devices
+with one batched torch copy per message. The same call runs over gloo on CPU and NCCL on GPU,
 inside one process group or between two (training and inference ranks of one world).
 
 Rank numbers in layouts are ranks of ``group`` (the global world when ``group`` is None).

@@ -155,7 +155,7 @@ def test_bad_tensors_and_programs_are_refused():
         Packing([([4, 4], 4), None], [(64, [(1, [0, 0], [1, 4], 0)])], [], [])
     p = Packing([([4, 4], 4)], [(16, [(0, [0, 0], [1, 4], 0)])], [], [])
     buffer = torch.zeros(16, dtype=torch.uint8)
-    with pytest.raises(reshard.ReshardError, match=r"tensors\[0\]: expected a tensor of shape \[4, 4\] with 4-byte"):
+    with pytest.raises(reshard.ReshardError, match=r"tensors\[0\]: expected a tensor of shape \[4, 4\] with 4"):
         p.pack([torch.zeros(4, 3)], [buffer])
     with pytest.raises(reshard.ReshardError, match="got None"):
         p.pack([None], [buffer])
@@ -201,7 +201,8 @@ def many_tensors(rank, world):
         s = rt.local_tensor(src, rank, full)
         d = dst.local_shape(rank)
         how = rng.choice(["contiguous", "transposed", "slice", "every_other"])
-        pairs[f"t{i}"] = (None if s is None else s.clone(), None if d is None else strided(d, dtype, how), src, dst)
+        mine = None if d is None else strided(d, dtype, how)
+        pairs[f"t{i}"] = (None if s is None else s.clone(), mine, src, dst)
         want[f"t{i}"] = rt.local_tensor(dst, rank, full)
     for native in (True, False):
         rt._NATIVE = native
@@ -213,6 +214,14 @@ def many_tensors(rank, world):
                     d.zero_()
     rt._NATIVE = True
     rt.reshard_many_(pairs, checksum=True)
+    for name, (_, d, _, _) in pairs.items():
+        if d is not None:
+            assert torch.equal(raw(d), raw(want[name])), name
+            d.zero_()
+    # the staging arenas, once released, are allocated afresh
+    rt.free_staging()
+    assert not vars(rt._STAGING)
+    rt.reshard_many_(pairs)
     for name, (_, d, _, _) in pairs.items():
         if d is not None:
             assert torch.equal(raw(d), raw(want[name])), name
