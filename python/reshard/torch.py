@@ -1,10 +1,13 @@
 """Reshard torch tensors with ``torch.distributed`` point-to-point.
 
 Every rank of the process group calls :func:`reshard_` (or :func:`reshard_many_` for a whole
-model) with its own local tensors (None where it holds no shard). Each rank computes its part of the plan alone, from the layouts
-(cached per layout pair), packs what it sends to each peer into one flat buffer with torch
-tensor ops, exchanges all buffers in one ``batch_isend_irecv``, copies the regions it holds on
-both sides locally meanwhile, and unpacks. The same call runs over gloo on CPU and NCCL on GPU,
+model) with its own local tensors (None where it holds no shard). Each rank computes its part
+of the plan alone, from the layouts, and keeps it as a program per set of names, layouts and
+options (a refit every step reruns it); packs what it sends to each peer into one flat buffer,
+exchanges all buffers in one ``batch_isend_irecv``, copies the regions it holds on both sides
+locally meanwhile, and unpacks. CPU tensors are packed and unpacked in Rust
+(:class:`reshard._core.Packing`, one call per bucket and direction), tensors on other devices
+with one batched torch copy per message. The same call runs over gloo on CPU and NCCL on GPU,
 inside one process group or between two (training and inference ranks of one world).
 
 Rank numbers in layouts are ranks of ``group`` (the global world when ``group`` is None).
@@ -22,15 +25,23 @@ import collections
 import functools
 import hashlib
 import struct
+import threading
 from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
-from ._core import Layout, Refit, ReshardError, crc32c, rank_plan
+from ._core import Layout, Packing, Refit, ReshardError, crc32c, rank_plan
 
-__all__ = ["reshard_", "reshard_many_", "torch_dtype", "local_tensor", "DEFAULT_BUCKET_BYTES"]
+__all__ = [
+    "reshard_",
+    "reshard_many_",
+    "torch_dtype",
+    "local_tensor",
+    "free_staging",
+    "DEFAULT_BUCKET_BYTES",
+]
 
 _TORCH_DTYPES = {
     name: getattr(torch, attr)
@@ -188,21 +199,18 @@ def _check_ranks(name: str, what: str, layout: Layout, world: int) -> None:
         )
 
 
-@dataclass
-class _Entry:
-    """One tensor of a reshard on this rank: its plan and its local tensors."""
+def _check_entry(name: str, src_local, dst_local, src_layout, dst_layout, plan, rank: int) -> None:
+    """This rank's tensors fit its shards of the layouts, on one device."""
+    label = f"{name}: " if name else ""
+    _check_tensor(label, "src_local", src_local, src_layout, plan.src_shape, rank)
+    _check_tensor(label, "dst_local", dst_local, dst_layout, plan.dst_shape, rank)
+    if src_local is not None and dst_local is not None and src_local.device != dst_local.device:
+        raise ReshardError(f"{label}src_local is on {src_local.device} but dst_local on {dst_local.device}")
 
-    plan: _LocalPlan
-    dtype: torch.dtype
-    src: Optional[torch.Tensor]
-    dst: Optional[torch.Tensor]
 
-
-def _prepare(name: str, src_local, dst_local, src_layout, dst_layout, rank: int, world: int) -> _Entry:
+def _plan_of(name: str, src_layout, dst_layout, rank: int, world: int) -> _LocalPlan:
     label = f"{name}: " if name else ""
     for what, layout in (("src_layout", src_layout), ("dst_layout", dst_layout)):
-        if not isinstance(layout, Layout):
-            raise ReshardError(f"{label}{what}: expected a reshard.Layout, got {type(layout).__name__}")
         _check_ranks(label, what, layout, world)
     if src_layout.dtype != dst_layout.dtype:
         # the core converts float dtypes in flight (`--dst-dtype`); this executor does not yet
@@ -211,14 +219,9 @@ def _prepare(name: str, src_local, dst_local, src_layout, dst_layout, rank: int,
             "and the torch executor moves tensors in one dtype"
         )
     try:
-        plan = _local_plan(src_layout, dst_layout, rank)
+        return _local_plan(src_layout, dst_layout, rank)
     except ReshardError as e:
         raise ReshardError(f"{label}{e}") from None
-    _check_tensor(label, "src_local", src_local, src_layout, plan.src_shape, rank)
-    _check_tensor(label, "dst_local", dst_local, dst_layout, plan.dst_shape, rank)
-    if src_local is not None and dst_local is not None and src_local.device != dst_local.device:
-        raise ReshardError(f"{label}src_local is on {src_local.device} but dst_local on {dst_local.device}")
-    return _Entry(plan, torch_dtype(src_layout), src_local, dst_local)
 
 
 def _aligned(n: int) -> int:
@@ -226,42 +229,38 @@ def _aligned(n: int) -> int:
 
 
 class _Message:
-    """Everything one rank sends to (or receives from) one peer in one batch."""
+    """Everything one rank sends to (or receives from) one peer in one bucket: its regions,
+    each in a tensor slot of the bucket, and where each lies in the packed buffer."""
 
     def __init__(self) -> None:
-        self.parts: List[Tuple[torch.Tensor, _Piece, torch.dtype]] = []
+        self.parts: List[Tuple[int, _Piece, torch.dtype]] = []
         self.nbytes = 0
+        self.spans: List[Tuple[int, int]] = []
 
-    def add(self, tensor: torch.Tensor, piece: _Piece, dtype: torch.dtype) -> None:
-        self.parts.append((tensor, piece, dtype))
-        self.nbytes = _aligned(self.nbytes) + piece.nbytes
+    def add(self, slot: int, piece: _Piece, dtype: torch.dtype) -> None:
+        at = _aligned(self.nbytes)
+        self.parts.append((slot, piece, dtype))
+        self.spans.append((at, piece.nbytes))
+        self.nbytes = at + piece.nbytes
 
-    def direct(self) -> Optional[torch.Tensor]:
+    def direct(self, tensors: List[Optional[torch.Tensor]]) -> Optional[torch.Tensor]:
         """The bytes of the one region this message holds, in place, if they are contiguous:
         such a message needs no staging copy."""
         if len(self.parts) != 1:
             return None
-        tensor, piece, _ = self.parts[0]
-        view = tensor[piece.local]
+        slot, piece, _ = self.parts[0]
+        view = _given(tensors[slot])[piece.local]
         if not view.is_contiguous():
             return None
         return view.reshape(-1).view(torch.uint8)
 
-    def regions(self, buffer: torch.Tensor):
-        """Each region's slot in the packed ``buffer`` and its place in the local tensor."""
-        for (at, nbytes), (tensor, piece, dtype) in zip(self.spans(), self.parts):
-            slot = buffer[at : at + nbytes].view(dtype).view(piece.shape)
-            yield slot, tensor[piece.local]
-
-    def spans(self) -> List[Tuple[int, int]]:
-        """Each region's ``(start, length)`` in the packed buffer."""
-        out = []
-        at = 0
-        for _, piece, _ in self.parts:
-            at = _aligned(at)
-            out.append((at, piece.nbytes))
-            at += piece.nbytes
-        return out
+    def regions(self, buffer: torch.Tensor, tensors: List[Optional[torch.Tensor]]):
+        """Each region's slot in the packed ``buffer`` and its place in its tensor."""
+        slots, places = [], []
+        for (at, nbytes), (slot, piece, dtype) in zip(self.spans, self.parts):
+            slots.append(buffer[at : at + nbytes].view(dtype).view(piece.shape))
+            places.append(_given(tensors[slot])[piece.local])
+        return slots, places
 
     def checked_nbytes(self) -> int:
         """The size of the message with its checksums: the packed regions, then one
@@ -273,7 +272,7 @@ class _Message:
         data = buffer[: self.nbytes]
         if data.device.type != "cpu":
             data = data.cpu()
-        return crc32c(data, self.spans())
+        return crc32c(data, self.spans)
 
     def seal(self, buffer: torch.Tensor) -> None:
         """Writes the sums of the packed regions after them."""
@@ -297,9 +296,17 @@ class _Message:
                     f"arrived as {got:#010x}"
                 )
 
+    def program(self) -> Tuple[int, List[Tuple[int, List[int], List[int], int]]]:
+        """The message as :class:`reshard._core.Packing` takes it."""
+        pieces = [
+            (slot, [s.start for s in piece.local], list(piece.shape), at)
+            for (at, _), (slot, piece, _) in zip(self.spans, self.parts)
+        ]
+        return self.nbytes, pieces
+
 
 def _given(tensor: Optional[torch.Tensor]) -> torch.Tensor:
-    assert tensor is not None, "checked by _prepare"
+    assert tensor is not None, "checked by _check_entry"
     return tensor
 
 
@@ -307,57 +314,148 @@ def _peer(group, r: int) -> int:
     return r if group is None else dist.get_global_rank(group, r)
 
 
-def _exchange(entries: List[_Entry], group, device: torch.device, checksum: bool = False) -> None:
-    """One batch: pack, post every send and receive, copy locally, wait, unpack. With
-    ``checksum``, every message is packed with its sums, and checked before any unpacking."""
-    sends: Dict[int, _Message] = {}
-    recvs: Dict[int, _Message] = {}
-    for e in entries:
-        # _prepare saw to it that a rank with sends (receives) has a source (destination)
-        for peer, pieces in e.plan.sends.items():
-            for p in pieces:
-                sends.setdefault(peer, _Message()).add(_given(e.src), p, e.dtype)
-        for peer, pieces in e.plan.recvs.items():
-            for p in pieces:
-                recvs.setdefault(peer, _Message()).add(_given(e.dst), p, e.dtype)
+class _Bucket:
+    """The copying program of one bucket of tensors on this rank, computed once per model and
+    layouts: its tensors are slots ``2 j`` (source) and ``2 j + 1`` (destination) of its
+    ``j``-th tensor; a message per peer and direction; the local copies; and the same as a
+    :class:`reshard._core.Packing`, which copies CPU tensors in Rust."""
 
-    ops = []
-    for peer in sorted(sends):
-        m = sends[peer]
-        buffer = None if checksum else m.direct()
-        if buffer is None:
-            size = m.checked_nbytes() if checksum else m.nbytes
-            buffer = torch.empty(size, dtype=torch.uint8, device=device)
-            for slot, region in m.regions(buffer):
-                slot.copy_(region)
-            if checksum:
-                m.seal(buffer)
-        ops.append(dist.P2POp(dist.isend, buffer, _peer(group, peer), group))
-    unpack = []
-    for peer in sorted(recvs):
-        m = recvs[peer]
-        buffer = None if checksum else m.direct()
-        if buffer is None:
-            size = m.checked_nbytes() if checksum else m.nbytes
-            buffer = torch.empty(size, dtype=torch.uint8, device=device)
-            unpack.append((m, buffer))
-        ops.append(dist.P2POp(dist.irecv, buffer, _peer(group, peer), group))
-    requests = dist.batch_isend_irecv(ops) if ops else []
+    def __init__(self, members: List[int], plans: List[_LocalPlan], layouts) -> None:
+        self.members = members
+        sends: Dict[int, _Message] = {}
+        recvs: Dict[int, _Message] = {}
+        self.locals: List[Tuple[int, Tuple[slice, ...], int, Tuple[slice, ...]]] = []
+        slots = []
+        for j, (plan, (src_layout, dst_layout)) in enumerate(zip(plans, layouts)):
+            dtype = torch_dtype(src_layout)
+            slots.append(None if plan.src_shape is None else (list(plan.src_shape), src_layout.elem_bytes))
+            slots.append(None if plan.dst_shape is None else (list(plan.dst_shape), dst_layout.elem_bytes))
+            # a rank with sends (receives) has a source (destination): _check_entry sees to it
+            for peer, pieces in plan.sends.items():
+                for p in pieces:
+                    sends.setdefault(peer, _Message()).add(2 * j, p, dtype)
+            for peer, pieces in plan.recvs.items():
+                for p in pieces:
+                    recvs.setdefault(peer, _Message()).add(2 * j + 1, p, dtype)
+            for src_slices, dst_slices in plan.locals:
+                self.locals.append((2 * j, src_slices, 2 * j + 1, dst_slices))
+        self.sends = [(peer, sends[peer]) for peer in sorted(sends)]
+        self.recvs = [(peer, recvs[peer]) for peer in sorted(recvs)]
+        self.packing = Packing(
+            slots,
+            [m.program() for _, m in self.sends],
+            [m.program() for _, m in self.recvs],
+            [
+                (s, [x.start for x in ss], d, [x.start for x in ds], [x.stop - x.start for x in ss])
+                for s, ss, d, ds in self.locals
+            ],
+        )
 
-    # local copies need no communication: they run while the messages travel
-    for e in entries:
-        for src_slices, dst_slices in e.plan.locals:
-            _given(e.dst)[dst_slices].copy_(_given(e.src)[src_slices])
+    def exchange(self, tensors: List[Optional[torch.Tensor]], group, device, checksum: bool) -> None:
+        """Pack, post every send and receive, copy locally, wait, unpack. With ``checksum``,
+        every message is packed with its sums, and checked before any unpacking. CPU tensors
+        are copied by the Rust program, all messages in one call; others by one batched
+        torch copy per message."""
+        native = _NATIVE and device.type == "cpu"
+        ops = []
+        staged = _buffers(self.sends, tensors, device, checksum, "send")
+        for (peer, m), buffer in zip(self.sends, staged):
+            buffer = _given(m.direct(tensors) if buffer is None else buffer)
+            ops.append(dist.P2POp(dist.isend, buffer, _peer(group, peer), group))
+        if native:
+            self.packing.pack(tensors, staged)
+        else:
+            for (_, m), buffer in zip(self.sends, staged):
+                if buffer is not None:
+                    _copies(*m.regions(buffer, tensors))
+        if checksum:
+            for (_, m), buffer in zip(self.sends, staged):
+                m.seal(_given(buffer))
+        landing = _buffers(self.recvs, tensors, device, checksum, "recv")
+        for (peer, m), buffer in zip(self.recvs, landing):
+            buffer = _given(m.direct(tensors) if buffer is None else buffer)
+            ops.append(dist.P2POp(dist.irecv, buffer, _peer(group, peer), group))
+        requests = dist.batch_isend_irecv(ops) if ops else []
 
-    for request in requests:
-        request.wait()
-    if checksum:
-        me = dist.get_rank(group)
-        for m, buffer in unpack:
-            m.check(buffer, me)
-    for m, buffer in unpack:
-        for slot, region in m.regions(buffer):
-            region.copy_(slot)
+        # local copies need no communication: they run while the messages travel
+        if native:
+            self.packing.copy_locals(tensors)
+        elif self.locals:
+            _copies(
+                [_given(tensors[d])[ds] for _, _, d, ds in self.locals],
+                [_given(tensors[s])[ss] for s, ss, _, _ in self.locals],
+            )
+
+        for request in requests:
+            request.wait()
+        if checksum:
+            me = dist.get_rank(group)
+            for (_, m), buffer in zip(self.recvs, landing):
+                m.check(_given(buffer), me)
+        if native:
+            self.packing.unpack(landing, tensors)
+        else:
+            for (_, m), buffer in zip(self.recvs, landing):
+                if buffer is not None:
+                    slots, places = m.regions(buffer, tensors)
+                    _copies(places, slots)
+
+
+def _buffers(messages, tensors, device, checksum: bool, way: str) -> List[Optional[torch.Tensor]]:
+    """A staging buffer for every message that cannot go in place (None for those that can).
+    In CPU memory they are cut from one arena per direction and thread, kept between calls
+    (see :func:`free_staging`): a fresh buffer of a few hundred MiB costs as much in page
+    faults and unmapping as packing it. Elsewhere each is a fresh tensor (torch's CUDA
+    allocator keeps its blocks anyway)."""
+    sizes: List[Optional[int]] = []
+    for _, m in messages:
+        inplace = not checksum and m.direct(tensors) is not None
+        sizes.append(None if inplace else (m.checked_nbytes() if checksum else m.nbytes))
+    if device.type != "cpu":
+        return [None if n is None else torch.empty(n, dtype=torch.uint8, device=device) for n in sizes]
+    total = sum(_aligned(n) for n in sizes if n is not None)
+    arena = getattr(_STAGING, way, None)
+    if arena is None or arena.numel() < total:
+        arena = None
+        setattr(_STAGING, way, None)  # the old arena goes before the new one is allocated
+        arena = torch.empty(total, dtype=torch.uint8)
+        setattr(_STAGING, way, arena)
+    out: List[Optional[torch.Tensor]] = []
+    at = 0
+    for n in sizes:
+        if n is None:
+            out.append(None)
+        else:
+            out.append(arena[at : at + n])
+            at += _aligned(n)
+    return out
+
+
+# This thread's staging arenas in CPU memory, by direction ("send", "recv").
+_STAGING = threading.local()
+
+
+def free_staging() -> None:
+    """Releases this thread's staging buffers in CPU memory, which :func:`reshard_many_` keeps
+    between calls (as large as the largest bucket's messages of this rank)."""
+    _STAGING.__dict__.clear()
+
+
+#: Whether CPU tensors are packed by the Rust program (:class:`reshard._core.Packing`);
+#: otherwise by batched torch copies, as tensors on other devices always are.
+_NATIVE = True
+
+
+def _copies(dst: List[torch.Tensor], src: List[torch.Tensor]) -> None:
+    """``d.copy_(s)`` for every pair, in one batched torch call where torch has it."""
+    if not dst:
+        return
+    foreach = getattr(torch, "_foreach_copy_", None)
+    if foreach is not None:
+        foreach(dst, src)
+    else:
+        for d, s in zip(dst, src):
+            d.copy_(s)
 
 
 def _fingerprint(command: str, pairs, names: List[str], **options) -> List[Tuple[str, str]]:
@@ -474,7 +572,7 @@ def _views(refit: Refit, tensors: Mapping[str, torch.Tensor], rank: int, side: s
     """The parameters' local tensors by name from a rank's own tensors by name, where a
     fused buffer (vLLM's ``qkv_proj``, ``gate_up_proj``, ``w13``) stands for its members:
     each member is the view of its slice of the buffer."""
-    fused = refit.fused(rank, side)
+    fused = _refit_fused(refit, rank, side)
     views: Dict[str, torch.Tensor] = {}
     for name, tensor in tensors.items():
         if name in fused:
@@ -492,13 +590,24 @@ def _views(refit: Refit, tensors: Mapping[str, torch.Tensor], rank: int, side: s
     return views
 
 
+@functools.lru_cache(maxsize=16)
+def _refit_layouts(refit: Refit) -> Tuple[Tuple[str, Layout, Layout], ...]:
+    """Every parameter of ``refit`` with its layouts, read once per refit: the same layout
+    objects at every call hash and compare fast as the key of the cached program."""
+    return tuple((name, *refit.layouts(name)) for name in refit.names)
+
+
+@functools.lru_cache(maxsize=64)
+def _refit_fused(refit: Refit, rank: int, side: str):
+    return refit.fused(rank, side)
+
+
 def _refit_pairs(refit: Refit, src, dst, rank: int):
     """Every parameter of ``refit`` as ``reshard_many_``'s pairs, with this rank's tensors."""
     srcs = _views(refit, src or {}, rank, "train", "src")
     dsts = _views(refit, dst or {}, rank, "infer", "dst")
     pairs = {}
-    for name in refit.names:
-        src_layout, dst_layout = refit.layouts(name)
+    for name, src_layout, dst_layout in _refit_layouts(refit):
         pairs[name] = (srcs.pop(name, None), dsts.pop(name, None), src_layout, dst_layout)
     for what, left in (("src", srcs), ("dst", dsts)):
         if left:
@@ -555,35 +664,83 @@ def reshard_many_(
                 label = f"{name}: " if name else ""
                 raise ReshardError(f"{label}{what}: expected a reshard.Layout, got {type(layout).__name__}")
 
-    def prepare() -> List[Tuple[int, _Entry]]:
-        entries = []
-        for name in names:
-            item = pairs[name]
-            entry = _prepare(name, *item, rank=rank, world=world)
-            src_layout = item[2]
-            size = 1
+    key = (
+        group,
+        rank,
+        world,
+        bucket_bytes,
+        bool(checksum),
+        tuple((name, pairs[name][2], pairs[name][3]) for name in names),
+    )
+    program = _PROGRAMS.get(key)
+    if program is None:
+
+        def prepare() -> _Program:
+            plans = []
+            for name in names:
+                _, _, src_layout, dst_layout = pairs[name]
+                plan = _plan_of(name, src_layout, dst_layout, rank, world)
+                _check_entry(name, *pairs[name], plan, rank)
+                plans.append(plan)
+            return _Program(names, pairs, plans, bucket_bytes)
+
+        fingerprint = _fingerprint(
+            "reshard_many_", pairs, names, bucket_bytes=bucket_bytes, checksum=bool(checksum)
+        )
+        program = _agree(fingerprint, prepare, group, rank)
+        _PROGRAMS[key] = program
+        if len(_PROGRAMS) > _PROGRAMS_MAX:
+            _PROGRAMS.popitem(last=False)
+    else:
+        _PROGRAMS.move_to_end(key)
+        program.check(pairs, rank)
+    program.run(pairs, group, checksum)
+
+
+class _Program:
+    """A reshard of many tensors on this rank, computed once per (group, names, layouts,
+    options): the plans, cut into buckets, each with its copying program. A later call with
+    the same ones (a refit every step) only checks the tensors and runs it."""
+
+    def __init__(self, names: List[str], pairs, plans: List[_LocalPlan], bucket_bytes: int) -> None:
+        self.names = names
+        self.layouts = [(pairs[n][2], pairs[n][3]) for n in names]
+        self.plans = plans
+        self.buckets: List[_Bucket] = []
+        # buckets are cut from global sizes, which every rank knows alike
+        members: List[int] = []
+        filled = 0
+        for i, (src_layout, _) in enumerate(self.layouts):
+            size = src_layout.elem_bytes
             for n in src_layout.shape:
                 size *= n
-            entries.append((size * src_layout.elem_bytes, entry))
-        return entries
+            if members and filled + size > bucket_bytes:
+                self.buckets.append(self._bucket(members))
+                members, filled = [], 0
+            members.append(i)
+            filled += size
+        if members:
+            self.buckets.append(self._bucket(members))
 
-    fingerprint = _fingerprint(
-        "reshard_many_", pairs, names, bucket_bytes=bucket_bytes, checksum=bool(checksum)
-    )
-    entries = _agree(fingerprint, prepare, group, rank)
+    def _bucket(self, members: List[int]) -> _Bucket:
+        return _Bucket(members, [self.plans[i] for i in members], [self.layouts[i] for i in members])
 
-    device = next(
-        (t.device for _, e in entries for t in (e.src, e.dst) if t is not None),
-        torch.device("cpu"),
-    )
-    # buckets are cut from global sizes, which every rank knows alike
-    bucket: List[_Entry] = []
-    filled = 0
-    for size, entry in entries:
-        if bucket and filled + size > bucket_bytes:
-            _exchange(bucket, group, device, checksum)
-            bucket, filled = [], 0
-        bucket.append(entry)
-        filled += size
-    if bucket:
-        _exchange(bucket, group, device, checksum)
+    def check(self, pairs, rank: int) -> None:
+        """The tensors of this call fit the shards, as on the first call."""
+        for name, plan in zip(self.names, self.plans):
+            _check_entry(name, *pairs[name], plan, rank)
+
+    def run(self, pairs, group, checksum: bool) -> None:
+        items = [pairs[n] for n in self.names]
+        device = next(
+            (t.device for item in items for t in item[:2] if t is not None),
+            torch.device("cpu"),
+        )
+        for bucket in self.buckets:
+            tensors = [t for i in bucket.members for t in items[i][:2]]
+            bucket.exchange(tensors, group, device, checksum)
+
+
+# The programs of the latest calls, oldest first (a job refits the same model every step).
+_PROGRAMS: "collections.OrderedDict[tuple, _Program]" = collections.OrderedDict()
+_PROGRAMS_MAX = 16

@@ -2,7 +2,10 @@
 //!
 //! This module holds no logic of its own: it converts Python values (sequences, strings,
 //! torch's placement and dtype objects) into the core's types and back. The torch executor
-//! that moves the data is plain Python (`reshard/torch.py`) on top of these answers.
+//! that moves the data is Python (`reshard/torch.py`) on top of these answers, with the copies
+//! of CPU tensors in Rust (`pack.rs`).
+
+mod pack;
 
 use std::collections::hash_map::DefaultHasher;
 use std::fmt::Display;
@@ -991,6 +994,8 @@ fn crc32c(tensor: &Bound<'_, PyAny>, pieces: Vec<(usize, usize)>) -> PyResult<Ve
 /// Layouts, plans and errors of `reshard`, from its Rust core.
 #[pymodule]
 mod _core {
+    #[pymodule_export]
+    use super::pack::Packing;
     #[pymodule_export]
     use super::{
         PyLayout, PyPlan, PyRankPlan, PyRefit, PyReplicate, PyShard, PyTransfer, ReshardError,
