@@ -16,7 +16,8 @@ use reshard::transport::Job;
 use reshard::transport::segment::SharedBuffer;
 use reshard::{Error, Plan, Rank, RankPlan};
 
-use super::processes::{ExecArgs, Measured, Method, MethodJson, check_memory, conclude, with_plan};
+use super::exec_args::{ExecArgs, check_memory, with_plan};
+use super::measure::{Measured, Method, MethodJson, conclude};
 use super::units::{bytes, parse_bytes};
 use super::{Failure, TensorArgs};
 
