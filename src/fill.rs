@@ -324,7 +324,7 @@ impl Fill {
         layout: &Layout,
         shards: &BTreeMap<Rank, Vec<u8>>,
     ) -> Result<()> {
-        crate::exec::check_buffers(layout, crate::error::Side::Dst, shards)?;
+        layout.check_buffers(crate::error::Side::Dst, shards)?;
         let mut first = None;
         let mut mismatches = 0;
         for (p, &rank) in layout.mesh().ranks().iter().enumerate() {

@@ -4,6 +4,7 @@
 //! tensor dim `d` with `torch.chunk` (trailing shards short or empty), axes sharding the same
 //! dim apply in mesh-axis order (nested chunking), `Replicate()` copies.
 
+mod buffers;
 mod spec;
 
 use std::fmt;
