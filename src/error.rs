@@ -6,7 +6,11 @@ use std::time::Duration;
 
 use thiserror::Error;
 
-use crate::layout::Rank;
+use crate::rank::Rank;
+
+mod model;
+
+pub use model::ModelError;
 
 /// Which side of a reshard a layout or buffer belongs to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -226,7 +230,7 @@ pub enum Error {
 
     /// A model, parallelism config or layout rule that cannot be refit.
     #[error(transparent)]
-    Model(Box<crate::model::ModelError>),
+    Model(Box<ModelError>),
 }
 
 /// `bytes` in binary units with one decimal, e.g. `128.0 MiB`.

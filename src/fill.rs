@@ -233,7 +233,7 @@ impl Fill {
 
     /// [`Fill::check_region`] for a destination converted from a source of `from` elements
     /// (`--dst-dtype`): each expected element is the fill's value in `from`, cast to `layout`'s
-    /// dtype as [`crate::convert::cast`] does (exactly torch's `.to()`). Pairs the cast refuses
+    /// dtype as [`crate::convert::cast()`] does (exactly torch's `.to()`). Pairs the cast refuses
     /// are never planned; for them the fill's own value in `layout`'s dtype is expected.
     pub fn check_converted(
         self,
@@ -324,7 +324,7 @@ impl Fill {
         layout: &Layout,
         shards: &BTreeMap<Rank, Vec<u8>>,
     ) -> Result<()> {
-        crate::exec::check_buffers(layout, crate::error::Side::Dst, shards)?;
+        layout.check_buffers(crate::error::Side::Dst, shards)?;
         let mut first = None;
         let mut mismatches = 0;
         for (p, &rank) in layout.mesh().ranks().iter().enumerate() {

@@ -39,6 +39,7 @@ pub mod limits;
 pub mod memory;
 pub mod model;
 pub mod plan;
+mod rank;
 pub mod region;
 pub mod runtime;
 pub mod sim;

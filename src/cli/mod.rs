@@ -2,10 +2,11 @@
 
 mod bench;
 mod demo;
+mod exec_args;
 mod launch;
+mod measure;
 mod picture;
 mod plan;
-mod processes;
 mod refit;
 mod refit_run;
 mod run;

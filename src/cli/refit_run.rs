@@ -17,9 +17,8 @@ use reshard::runtime::{Links, World};
 use reshard::{Error, PlanOptions, Side};
 
 use super::Failure;
-use super::processes::{
-    ExecArgs, Measured, Method, MethodJson, TransportKind, check_memory, conclude,
-};
+use super::exec_args::{ExecArgs, TransportKind, check_memory};
+use super::measure::{Measured, Method, MethodJson, conclude};
 use super::units::{bytes, parse_bytes};
 
 #[derive(Args, Debug)]

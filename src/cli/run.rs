@@ -13,7 +13,8 @@ use reshard::fill::Fill;
 use reshard::runtime::World;
 use reshard::{Error, Plan, Rank};
 
-use super::processes::{ExecArgs, check_memory, conclude, run_options, with_plan};
+use super::exec_args::{ExecArgs, check_memory, run_options, with_plan};
+use super::measure::conclude;
 use super::units::bytes;
 use super::{Failure, TensorArgs};
 

@@ -4,6 +4,7 @@
 //! tensor dim `d` with `torch.chunk` (trailing shards short or empty), axes sharding the same
 //! dim apply in mesh-axis order (nested chunking), `Replicate()` copies.
 
+mod buffers;
 mod spec;
 
 use std::fmt;
@@ -15,8 +16,7 @@ use crate::dtype::DType;
 use crate::error::{Dims, LayoutError};
 use crate::region::Region;
 
-/// A global rank: the process (or GPU) number in the whole job.
-pub type Rank = usize;
+pub use crate::rank::Rank;
 
 /// Ranks are below 2^31, so that rank arithmetic never overflows (see [`crate::limits`]).
 pub const MAX_RANK: Rank = crate::limits::MAX_RANK;

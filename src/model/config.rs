@@ -9,7 +9,7 @@ use serde::Deserialize;
 
 use crate::dtype::DType;
 
-use super::error::ModelError;
+use crate::error::ModelError;
 
 /// The model families whose parameter lists this module knows how to derive.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

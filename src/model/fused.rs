@@ -12,7 +12,7 @@ use std::collections::HashMap;
 
 use crate::layout::{Layout, Rank};
 
-use super::error::ModelError;
+use crate::error::ModelError;
 
 /// A buffer made of several tensors (indices into a refit's tensor list) concatenated along
 /// `dim`, on every rank that holds them.

@@ -3,9 +3,9 @@
 use std::path::Path;
 
 use super::config::{ModelConfig, SHIPPED, shipped};
-use super::error::ModelError;
 use super::params::{Heads, Model};
 use super::safetensors::{read_checkpoint, stack_experts};
+use crate::error::ModelError;
 
 impl Model {
     /// Loads a model from what a user passes to `--model`:

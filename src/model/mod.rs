@@ -18,7 +18,6 @@
 //! ```
 
 mod config;
-mod error;
 mod fused;
 mod load;
 mod parallel;
@@ -27,8 +26,8 @@ mod refit;
 pub mod rules;
 mod safetensors;
 
+pub use crate::error::ModelError;
 pub use config::{Architecture, ModelConfig, SHIPPED, shipped};
-pub use error::ModelError;
 pub use fused::{Fused, megatron_fused, vllm_fused};
 pub use parallel::{Inference, Training};
 pub use params::{Heads, Model, Param, layer_of};

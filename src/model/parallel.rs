@@ -5,7 +5,7 @@
 
 use std::collections::BTreeMap;
 
-use super::error::ModelError;
+use crate::error::ModelError;
 use crate::limits::MAX_MESH_RANKS;
 
 /// Megatron-style training parallelism.

@@ -11,7 +11,7 @@ use crate::dtype::DType;
 use crate::limits::MAX_LAYERS;
 
 use super::config::{Architecture, ModelConfig};
-use super::error::ModelError;
+use crate::error::ModelError;
 
 /// One named parameter tensor.
 #[derive(Clone, Debug, PartialEq, Eq)]

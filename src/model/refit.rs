@@ -9,11 +9,11 @@ use serde::Serialize;
 use crate::layout::{Layout, Rank};
 use crate::plan::{self, Plan, PlanOptions, RankPlan};
 
-use super::error::ModelError;
 use super::fused::{Fused, megatron_fused, vllm_fused};
 use super::parallel::{Inference, Training};
 use super::params::Model;
 use super::rules::{ModelFacts, Rules, Which, infer_layout, train_layout};
+use crate::error::ModelError;
 
 /// One parameter of a refit: where it is now and where it must go.
 #[derive(Clone, Debug)]

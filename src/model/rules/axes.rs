@@ -3,10 +3,10 @@
 
 use crate::layout::{Layout, Mesh, Placement, Rank};
 
-use super::super::error::ModelError;
 use super::super::params::Param;
 use super::stages::ModelFacts;
 use super::{Kind, Which};
+use crate::error::ModelError;
 
 /// One mesh axis: its size, the rank distance between neighbours along it, its placement.
 /// An axis may also run over two strides (`inner` ranks at `stride`, then the next block of

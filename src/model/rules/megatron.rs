@@ -2,12 +2,12 @@
 
 use crate::layout::{Layout, Placement};
 
-use super::super::error::ModelError;
 use super::super::parallel::Training;
 use super::super::params::Param;
 use super::axes::{Axis, build, expert_dim, stage_axis, tp_axes};
 use super::stages::{ModelFacts, check_stages, stages_of};
 use super::{Kind, Which};
+use crate::error::ModelError;
 
 /// The training layout of `param` (Megatron-LM; see the module docs).
 pub fn train_layout(

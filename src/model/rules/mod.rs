@@ -76,7 +76,7 @@ use std::str::FromStr;
 
 use globset::{Glob, GlobMatcher};
 
-use super::error::ModelError;
+use crate::error::ModelError;
 
 mod axes;
 mod megatron;

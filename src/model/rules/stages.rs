@@ -1,8 +1,8 @@
 //! Pipeline stages: which stages hold a parameter, vLLM's split of the decoder layers.
 
-use super::super::error::ModelError;
 use super::super::params::{Heads, Param};
 use super::Which;
+use crate::error::ModelError;
 
 /// What the layout rules need to know about the model besides a parameter.
 #[derive(Clone, Copy, Debug)]

@@ -18,8 +18,8 @@ use serde::de::{Deserializer, MapAccess, Visitor};
 
 use crate::dtype::DType;
 
-use super::error::ModelError;
 use super::params::Param;
+use crate::error::ModelError;
 
 /// Headers larger than this are refused (the format's reference reader uses the same bound).
 const MAX_HEADER: u64 = 100 << 20;

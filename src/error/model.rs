@@ -1,12 +1,15 @@
 //! What can go wrong between a model description and a refit plan. Every variant names the
 //! field (a config key, a parallelism key, a tensor) and the value that caused it.
+//!
+//! Defined with the crate's errors rather than in `model`: a model error wraps the plan's
+//! [`Error`] and [`Error::Model`] wraps a model error, so keeping both here lets `model` depend
+//! on the errors without the errors depending on `model`. [`crate::model::ModelError`] names
+//! the same type.
 
-use thiserror::Error;
-
-use crate::error::{Error, LayoutError};
+use super::{Error, LayoutError};
 
 /// An error of the `model` module.
-#[derive(Debug, Error)]
+#[derive(Debug, thiserror::Error)]
 pub enum ModelError {
     #[error("{path}: {source}")]
     Io {

@@ -1,5 +1,6 @@
-//! What `run`, `bench` and `refit --run` share: the transport and executor options as typed,
-//! the memory check, the measurements of repeated runs and the end of a job's report.
+//! The transport and executor options `run`, `bench` and `refit --run` share, as typed: which
+//! transport, its timeouts, chunking and staging, joining the job with them, what the ranks
+//! must agree on, and the memory check before any buffer is allocated.
 
 use std::time::Duration;
 
@@ -8,10 +9,8 @@ use clap::{Args, ValueEnum};
 use reshard::agreement::Fingerprint;
 use reshard::exec::ExecOptions;
 use reshard::runtime::{self, JoinOptions, RunOptions, World};
-use reshard::transport::Job;
 use reshard::{Error, Plan};
 
-use super::Failure;
 use super::units::{bytes, parse_bytes};
 
 /// Which transport moves the bytes.
@@ -167,157 +166,4 @@ pub fn check_memory(needed: u64, shape: &[u64]) -> Result<(), Error> {
         }),
         _ => Ok(()),
     }
-}
-
-/// Seconds of `times`: (median, min, max).
-pub fn spread(times: &[f64]) -> (f64, f64, f64) {
-    let mut sorted = times.to_vec();
-    sorted.sort_by(f64::total_cmp);
-    (
-        sorted.get(sorted.len() / 2).copied().unwrap_or(0.0),
-        sorted.first().copied().unwrap_or(0.0),
-        sorted.last().copied().unwrap_or(0.0),
-    )
-}
-
-/// Timings and counts of one method over the repetitions: one rank's, or the job's.
-#[derive(Clone, Debug, Default)]
-pub struct Measured {
-    pub times: Vec<f64>,
-    pub wire_bytes: u64,
-    pub peak_extra: u64,
-}
-
-impl Measured {
-    /// Runs one repetition of a method from a barrier, so that every rank starts together,
-    /// and keeps its time and counts when `timed`; `extra` is memory the method holds besides
-    /// its transport's staging.
-    pub fn repeat<J: Job + ?Sized>(
-        &mut self,
-        job: &J,
-        timed: bool,
-        extra: u64,
-        run: impl FnOnce() -> Result<reshard::exec::RankStats, Error>,
-    ) -> Result<(), Error> {
-        job.barrier()?;
-        let started = std::time::Instant::now();
-        let stats = run()?;
-        if timed {
-            self.times.push(started.elapsed().as_secs_f64());
-            self.wire_bytes = stats.bytes_received;
-            self.peak_extra = stats.peak_staging_bytes.saturating_add(extra);
-        }
-        Ok(())
-    }
-
-    /// This rank's measurements, for rank 0.
-    pub fn report(&self) -> serde_json::Value {
-        serde_json::json!({
-            "times": self.times,
-            "wire_bytes": self.wire_bytes,
-            "peak_extra": self.peak_extra,
-        })
-    }
-
-    /// The job's measurements from every rank's [`Measured::report`]: per repetition the
-    /// slowest rank's time, the bytes every rank received, the largest extra memory.
-    pub fn combine(per_rank: &[&serde_json::Value]) -> Measured {
-        let repetitions = per_rank
-            .first()
-            .and_then(|v| v["times"].as_array())
-            .map_or(0, Vec::len);
-        let u = |v: &serde_json::Value, k: &str| v[k].as_u64().unwrap_or(0);
-        Measured {
-            times: (0..repetitions)
-                .map(|i| {
-                    per_rank
-                        .iter()
-                        .map(|v| v["times"][i].as_f64().unwrap_or(0.0))
-                        .fold(0.0, f64::max)
-                })
-                .collect(),
-            wire_bytes: per_rank.iter().map(|v| u(v, "wire_bytes")).sum(),
-            peak_extra: per_rank
-                .iter()
-                .map(|v| u(v, "peak_extra"))
-                .max()
-                .unwrap_or(0),
-        }
-    }
-}
-
-/// The two methods `bench` and `refit --run` compare.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Method {
-    Reshard,
-    GatherBroadcast,
-}
-
-impl Method {
-    /// The order of the two in repetition `i`: each goes first every other time, so that
-    /// neither always inherits the machine from the other.
-    pub fn order(i: u32) -> [Method; 2] {
-        if i.is_multiple_of(2) {
-            [Method::Reshard, Method::GatherBroadcast]
-        } else {
-            [Method::GatherBroadcast, Method::Reshard]
-        }
-    }
-}
-
-/// One method's line of a bench or refit report.
-#[derive(Debug, serde::Serialize)]
-pub struct MethodJson {
-    pub median_s: f64,
-    pub min_s: f64,
-    pub max_s: f64,
-    pub wire_bytes: u64,
-    pub gbps: f64,
-    pub peak_extra_bytes_per_rank: u64,
-}
-
-impl MethodJson {
-    /// The summary of `m`, with GB/s of `dst_bytes` of destination data.
-    pub fn of(m: &Measured, dst_bytes: u64) -> MethodJson {
-        let (median_s, min_s, max_s) = spread(&m.times);
-        MethodJson {
-            median_s,
-            min_s,
-            max_s,
-            wire_bytes: m.wire_bytes,
-            gbps: dst_bytes as f64 / median_s.max(1e-12) / 1e9,
-            peak_extra_bytes_per_rank: m.peak_extra,
-        }
-    }
-}
-
-/// What rank 0 hears from every rank at the end of a job.
-pub struct Reports {
-    /// Every rank's report, indexed by rank.
-    pub ranks: Vec<serde_json::Value>,
-}
-
-impl Reports {
-    /// The transport the ranks name in their reports' `transport` field.
-    pub fn transport(&self) -> String {
-        self.ranks
-            .first()
-            .and_then(|r| r["transport"].as_str())
-            .unwrap_or("?")
-            .to_string()
-    }
-}
-
-/// Ends this rank's part of a job: prints its own failure, hands its report (or the failure)
-/// to rank 0's verdict ([`World::finish`]), and returns every rank's report on rank 0, `None`
-/// on the others.
-pub fn conclude(
-    world: &World,
-    outcome: Result<serde_json::Value, Error>,
-) -> Result<Option<Reports>, Failure> {
-    if let Err(e) = &outcome {
-        eprintln!("error: {e}");
-    }
-    let ranks = world.finish(outcome)?;
-    Ok(ranks.map(|ranks| Reports { ranks }))
 }

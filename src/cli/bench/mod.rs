@@ -1,0 +1,158 @@
+//! `reshard bench`: reshard against gather+broadcast on the same transport, the same data and
+//! the same buffers, repetition after repetition in turn, every repetition's result verified.
+//!
+//! The command in three parts: [`suite`] builds the cases (one layout pair, or a named suite),
+//! [`driver`] runs both methods on them (ranks as threads or as processes) and collects what
+//! every rank measured, and [`report`] prints the comparison as text or JSON.
+
+mod driver;
+mod report;
+mod suite;
+
+use clap::{Args, ValueEnum};
+
+use reshard::Error;
+use reshard::agreement::Fingerprint;
+use reshard::exec::ExecOptions;
+use reshard::fill::Fill;
+
+use super::exec_args::{ExecArgs, with_plan};
+use super::units::parse_bytes;
+use super::{Failure, TensorArgs};
+use driver::{bench_processes, bench_threads};
+use report::report;
+use suite::{Case, refit_suite};
+
+/// A named set of layouts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Suite {
+    /// Refit-like layouts of training and inference parallelism, on at most 8 ranks.
+    Refit,
+}
+
+#[derive(Args, Debug)]
+pub struct BenchArgs {
+    /// Global tensor shape (not with --suite).
+    #[arg(long, value_name = "D0,D1,...", required_unless_present = "suite")]
+    shape: Option<String>,
+    /// Element type.
+    #[arg(long, default_value = "bf16")]
+    dtype: String,
+    /// Destination element type (default: --dtype), converted by the senders as they pack.
+    #[arg(long, value_name = "DTYPE")]
+    dst_dtype: Option<String>,
+    /// Source layout, e.g. "mesh=4 place=S(0)" (not with --suite).
+    #[arg(long, value_name = "SPEC", required_unless_present = "suite")]
+    src: Option<String>,
+    /// Destination layout, e.g. "mesh=2 place=S(1)" (not with --suite).
+    #[arg(long, value_name = "SPEC", required_unless_present = "suite")]
+    dst: Option<String>,
+    /// Run a named suite of layouts instead of one.
+    #[arg(long, value_enum, conflicts_with_all = ["shape", "src", "dst"])]
+    suite: Option<Suite>,
+    /// Size of each tensor of the suite (its shapes scale to it).
+    #[arg(
+        long,
+        value_name = "BYTES",
+        default_value = "128MiB",
+        requires = "suite"
+    )]
+    suite_bytes: String,
+    /// Split a piece among the replicas that hold it only into parts of at least this size.
+    #[arg(long, value_name = "BYTES", default_value = "64KiB")]
+    min_split_bytes: String,
+    #[command(flatten)]
+    exec: ExecArgs,
+    /// Contents of the global tensor: hash or hash:SEED (location-sensitive for every dtype),
+    /// index (element i holds i mod 2^bits, which repeats every 2^bits elements), or normal
+    /// or normal:SEED (float dtypes only: finite values of varied magnitude).
+    #[arg(long, default_value = "hash")]
+    fill: String,
+    /// Timed repetitions of each method (the report gives their median, min and max).
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..))]
+    iters: u32,
+    /// Untimed repetitions of each method first.
+    #[arg(long, default_value_t = 1)]
+    warmup: u32,
+    /// Print a JSON report instead of text.
+    #[arg(long)]
+    json: bool,
+}
+
+impl BenchArgs {
+    fn cases(&self) -> Result<Vec<Case>, Error> {
+        if self.suite.is_some() {
+            let bytes = parse_bytes("--suite-bytes", &self.suite_bytes)?;
+            return refit_suite(
+                bytes,
+                &self.suite_bytes,
+                (&self.dtype, self.dst_dtype.as_deref()),
+                &self.min_split_bytes,
+            );
+        }
+        let tensor = TensorArgs {
+            shape: self.shape.clone().unwrap_or_default(),
+            dtype: self.dtype.clone(),
+            dst_dtype: self.dst_dtype.clone(),
+            src: self.src.clone().unwrap_or_default(),
+            dst: self.dst.clone().unwrap_or_default(),
+            min_split_bytes: self.min_split_bytes.clone(),
+        };
+        Ok(vec![Case::new("", tensor)?])
+    }
+
+    fn repetitions(&self) -> u32 {
+        self.warmup + self.iters
+    }
+}
+
+/// What every rank of the job must run alike: every case's tensor and layouts (a suite's
+/// named by case), the fill, the repetitions and the executor's options.
+fn fingerprint(args: &BenchArgs, cases: &[Case], fill: Fill, options: &ExecOptions) -> Fingerprint {
+    let fingerprint = Fingerprint::new("bench").with(
+        "--suite",
+        args.suite.map_or("(none)", |s| match s {
+            Suite::Refit => "refit",
+        }),
+    );
+    let fingerprint = cases.iter().fold(fingerprint, |fp, case| {
+        let prefix = match case.name.as_str() {
+            "" => String::new(),
+            name => format!("case {name}: "),
+        };
+        with_plan(fp, &prefix, &case.plan)
+    });
+    let fingerprint = fingerprint
+        .with("--fill", fill)
+        .with("--iters", args.iters)
+        .with("--warmup", args.warmup);
+    args.exec.agreed(options, fingerprint)
+}
+
+pub fn main(args: &BenchArgs) -> Result<(), Failure> {
+    // Everything the user typed is checked before a buffer is allocated or a byte moves.
+    let cases = args.cases()?;
+    let fill: Fill = args.fill.parse()?;
+    for case in &cases {
+        fill.check_dtype(case.plan.src().dtype())?;
+    }
+    let options = args.exec.options()?;
+    let world = args.exec.join(&options)?;
+    let results = match world.rank() {
+        None => bench_threads(args, &cases, fill, &options)?,
+        Some(rank) => {
+            let highest = cases.iter().map(Case::highest_rank).max().unwrap_or(0);
+            let ready = world.check_size(highest).and_then(|()| {
+                cases
+                    .iter()
+                    .try_for_each(|case| case.check_memory(Some(rank)))
+            });
+            world.agree("bench", ready, || fingerprint(args, &cases, fill, &options))?;
+            bench_processes(args, &cases, fill, &options, &world)?
+        }
+    };
+    if let Some((name, results)) = results {
+        report(args, &cases, &name, &results);
+    }
+    Ok(())
+}

@@ -1,0 +1,142 @@
+//! What `reshard bench` prints: a table of both methods per case, or the JSON report.
+
+use serde::Serialize;
+
+use super::BenchArgs;
+use super::driver::CaseResult;
+use super::suite::Case;
+use crate::cli::measure::MethodJson;
+use crate::cli::units::bytes;
+
+#[derive(Serialize)]
+struct CaseJson {
+    #[serde(skip_serializing_if = "String::is_empty")]
+    name: String,
+    shape: Vec<u64>,
+    dtype: String,
+    /// The destination's dtype (`--dst-dtype`): `dst_bytes` and the reshard's `wire_bytes`
+    /// count it; gather+broadcast moves the source's dtype and converts as ranks keep boxes.
+    dst_dtype: String,
+    src: String,
+    dst: String,
+    transport: String,
+    iters: u32,
+    verified: bool,
+    /// Whether both methods ran with `--checksum`; left out when not.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    checksummed: bool,
+    dst_bytes: u64,
+    reshard: MethodJson,
+    gather_broadcast: MethodJson,
+    speedup: f64,
+    /// Wire bytes of gather+broadcast over those of the reshard: the speedup a machine whose
+    /// time follows bytes would show.
+    byte_ratio: f64,
+}
+
+#[derive(Serialize)]
+struct SuiteJson {
+    suite: String,
+    transport: String,
+    cases: Vec<CaseJson>,
+}
+pub(super) fn report(args: &BenchArgs, cases: &[Case], transport: &str, results: &[CaseResult]) {
+    let json_of = |case: &Case, r: &CaseResult| {
+        let dst_bytes = case.dst_bytes();
+        let reshard = MethodJson::of(&r.reshard, dst_bytes);
+        let gather_broadcast = MethodJson::of(&r.gather_broadcast, dst_bytes);
+        CaseJson {
+            name: case.name.clone(),
+            shape: case.plan.src().shape().to_vec(),
+            dtype: case.plan.src().dtype().to_string(),
+            dst_dtype: case.plan.dst().dtype().to_string(),
+            src: case.src_spec.clone(),
+            dst: case.dst_spec.clone(),
+            transport: transport.to_string(),
+            iters: args.iters,
+            verified: r.verified,
+            checksummed: args.exec.checksum,
+            dst_bytes,
+            speedup: gather_broadcast.median_s / reshard.median_s.max(1e-12),
+            byte_ratio: r.gather_broadcast.wire_bytes as f64 / r.reshard.wire_bytes.max(1) as f64,
+            reshard,
+            gather_broadcast,
+        }
+    };
+    let all: Vec<CaseJson> = cases
+        .iter()
+        .zip(results)
+        .map(|(c, r)| json_of(c, r))
+        .collect();
+    if args.json {
+        let text = match (args.suite, all.len()) {
+            (None, 1) => serde_json::to_string_pretty(&all[0]),
+            _ => serde_json::to_string_pretty(&SuiteJson {
+                suite: "refit".into(),
+                transport: transport.to_string(),
+                cases: all,
+            }),
+        };
+        println!("{}", text.expect("bench JSON serializes"));
+        return;
+    }
+    println!(
+        "reshard vs gather+broadcast over {transport}, median of {} (after {} warm-up), every destination byte verified{}",
+        args.iters,
+        args.warmup,
+        if args.exec.checksum {
+            ", every transfer checksummed"
+        } else {
+            ""
+        }
+    );
+    println!(
+        "{:<22} {:>10} {:>10} {:>10} {:>10} {:>9} {:>9} {:>8} {:>7} {:>11} {:>11}",
+        "case",
+        "dst",
+        "reshard",
+        "g+b",
+        "reshard",
+        "GB/s",
+        "g+b GB/s",
+        "speedup",
+        "bytes",
+        "extra mem",
+        "g+b extra"
+    );
+    println!(
+        "{:<22} {:>10} {:>10} {:>10} {:>10} {:>9} {:>9} {:>8} {:>7} {:>11} {:>11}",
+        "", "bytes", "ms", "ms", "wire", "", "", "", "ratio", "reshard", "per rank"
+    );
+    for (case, j) in cases.iter().zip(&all) {
+        let name = if case.name.is_empty() {
+            println!(
+                "{}: {} -> {}",
+                j.shape
+                    .iter()
+                    .map(u64::to_string)
+                    .collect::<Vec<_>>()
+                    .join("x"),
+                case.src_spec,
+                case.dst_spec
+            );
+            format!("{}-D {}", j.shape.len(), j.dtype)
+        } else {
+            case.name.clone()
+        };
+        println!(
+            "{:<22} {:>10} {:>10.2} {:>10.2} {:>10} {:>9.2} {:>9.2} {:>7.2}x {:>6.2}x {:>11} {:>11}",
+            name,
+            bytes(j.dst_bytes),
+            j.reshard.median_s * 1e3,
+            j.gather_broadcast.median_s * 1e3,
+            bytes(j.reshard.wire_bytes),
+            j.reshard.gbps,
+            j.gather_broadcast.gbps,
+            j.speedup,
+            j.byte_ratio,
+            bytes(j.reshard.peak_extra_bytes_per_rank),
+            bytes(j.gather_broadcast.peak_extra_bytes_per_rank),
+        );
+    }
+}
