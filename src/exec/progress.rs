@@ -2,9 +2,10 @@
 //!
 //! The executor feeds [`Progress`] what the transport reports (a chunk or a whole transfer
 //! landed, a transfer failed its checksum, the receiving side failed) and asks it what is
-//! still due and, at the end, for the rank's outcome: its counts, or every failure with the
-//! exact report of what did not arrive ([`Error::NotArrived`]). Holding no sockets, threads or
-//! clocks, it can replay any order of events deterministically in its tests.
+//! still due and, at the end, given what its sending side counted ([`Sent`]), for the rank's
+//! outcome: its counts, or every failure with the exact report of what did not arrive
+//! ([`Error::NotArrived`]). Holding no sockets, threads or clocks, it can replay any order of
+//! events deterministically in its tests.
 
 use std::collections::BTreeMap;
 
@@ -51,6 +52,25 @@ impl Missing {
             bytes: self.by_peer.values().map(|&(_, bytes)| bytes).sum(),
             from: self.by_peer.keys().copied().collect(),
         })
+    }
+}
+
+/// What a rank's sending side handed to its transport, counted as it goes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Sent {
+    pub bytes: u64,
+    pub chunks: u64,
+}
+
+impl Sent {
+    /// One more chunk went to the transport.
+    pub fn chunk_sent(&mut self) {
+        self.chunks += 1;
+    }
+
+    /// The last chunk of a transfer of `bytes` went to the transport.
+    pub fn transfer_sent(&mut self, bytes: u64) {
+        self.bytes += bytes;
     }
 }
 
@@ -207,20 +227,17 @@ impl Progress {
     /// The rank's outcome, given how its sending side ended (its bytes and chunks sent): the
     /// counts when nothing failed; otherwise every failure, the receiving side's first, then
     /// exactly what did not arrive (when the receiving side failed), then the sending side's.
-    pub fn outcome(self, sent: Result<(u64, u64)>) -> Result<Moved> {
+    pub fn outcome(self, sent: Result<Sent>) -> Result<Moved> {
         let rank = self.rank;
         let missing = self.missing();
         let mut failures = self.failures;
         if !failures.is_empty() {
             failures.extend(missing.into_error(rank));
         }
-        let (bytes_sent, chunks_sent) = match sent {
-            Ok(s) => s,
-            Err(e) => {
-                failures.push(e);
-                (0, 0)
-            }
-        };
+        let sent = sent.unwrap_or_else(|e| {
+            failures.push(e);
+            Sent::default()
+        });
         if !failures.is_empty() {
             return Err(if failures.len() == 1 {
                 failures.remove(0)
@@ -239,8 +256,8 @@ impl Progress {
         Ok(Moved {
             bytes_received: landed().map(|d| d.bytes).sum(),
             chunks_received: landed().map(|d| d.chunks).sum(),
-            bytes_sent,
-            chunks_sent,
+            bytes_sent: sent.bytes,
+            chunks_sent: sent.chunks,
         })
     }
 }
@@ -278,7 +295,14 @@ mod tests {
         assert!(p.is_complete());
         assert_eq!(p.next_from(1), None);
         assert_eq!(p.missing(), Missing::default());
-        let moved = p.outcome(Ok((7, 2))).unwrap();
+        let moved = {
+            let mut sent = Sent::default();
+            for _ in 0..2 {
+                sent.chunk_sent();
+            }
+            sent.transfer_sent(7);
+            p.outcome(Ok(sent)).unwrap()
+        };
         assert_eq!(
             moved,
             Moved {
@@ -343,7 +367,7 @@ mod tests {
         let missing = p.missing();
         assert_eq!(missing.transfers, vec![0, 2]);
         assert_eq!(missing.by_peer, BTreeMap::from([(1, (2, 164))]));
-        let Err(Error::Incomplete { failures }) = p.outcome(Ok((0, 0))) else {
+        let Err(Error::Incomplete { failures }) = p.outcome(Ok(Sent::default())) else {
             panic!("the failure and the report");
         };
         assert!(matches!(failures[0], Error::PeerGone { peer: 1, .. }));
@@ -388,7 +412,7 @@ mod tests {
             detail: "checksum".into(),
         });
         assert_eq!(p.missing().transfers, vec![1]);
-        let Err(Error::Incomplete { failures }) = p.outcome(Ok((0, 0))) else {
+        let Err(Error::Incomplete { failures }) = p.outcome(Ok(Sent::default())) else {
             panic!("the checksum failure and the report");
         };
         assert!(matches!(
@@ -418,6 +442,14 @@ mod tests {
         let p = Progress::new(0, Vec::new());
         assert!(p.is_complete());
         assert_eq!(p.next_from(1), None);
-        assert_eq!(p.outcome(Ok((3, 1))).unwrap().bytes_sent, 3);
+        assert_eq!(
+            p.outcome(Ok(Sent {
+                bytes: 3,
+                chunks: 1
+            }))
+            .unwrap()
+            .bytes_sent,
+            3
+        );
     }
 }

@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use super::checksum;
 use super::copy::{Cast, CopyGeometry, Place};
 use super::options::ExecOptions;
-use super::progress::{Due, Progress};
+use super::progress::{Due, Progress, Sent};
 use super::stats::RankStats;
 use super::steps::{Step, Steps, check_job, check_steps, cut_chunk};
 use crate::error::{Error, Result};
@@ -146,8 +146,8 @@ pub fn run_steps<'buf, T: Transport<'buf> + ?Sized>(
         &src_bufs[b][bytes]
     };
 
-    let send_all = || -> Result<(u64, u64)> {
-        let (mut bytes, mut chunks) = (0u64, 0u64);
+    let send_all = || -> Result<Sent> {
+        let mut sent = Sent::default();
         // with --checksum: every receiver's chunk sums, in the order they are sent
         let mut sums: BTreeMap<Rank, Vec<u32>> = BTreeMap::new();
         for s in &steps.sends {
@@ -171,15 +171,15 @@ pub fn run_steps<'buf, T: Transport<'buf> + ?Sized>(
                     Some(peer_sums) => peer_sums.push(transport.send_summed(out)?),
                     None => transport.send(out)?,
                 }
-                chunks += 1;
+                sent.chunk_sent();
             }
-            bytes += len as u64;
+            sent.transfer_sent(len as u64);
         }
         // the sums follow every chunk to their receiver
         for (peer, peer_sums) in sums {
             transport.send_sums(peer, peer_sums)?;
         }
-        Ok((bytes, chunks))
+        Ok(sent)
     };
 
     let receive_all = |stats: &mut RankStats,
