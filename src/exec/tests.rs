@@ -2,12 +2,19 @@ use std::time::Duration;
 
 use proptest::prelude::*;
 
+use std::collections::BTreeMap;
+
 use super::*;
 use crate::dtype::DType;
+use crate::error::{Error, Result};
 use crate::fill::Fill;
 use crate::layout::LayoutSpec;
+use crate::layout::{Layout, Rank};
+use crate::plan::Plan;
 use crate::plan::PlanOptions;
+use crate::region::Region;
 use crate::testing::{arb_layout_pair, reference_shards};
+use crate::transport::{Fault, Outgoing, Receive, Transport};
 
 fn layout(spec: &str, shape: &[u64], dtype: DType, first: Rank) -> Layout {
     LayoutSpec::parse(spec)
@@ -409,6 +416,67 @@ fn transfers_that_land_out_of_order_are_accounted_one_by_one() {
     let mut from = from.clone();
     from.sort_unstable();
     assert_eq!(from, missing);
+}
+
+/// A transport that reports its first transfer landed twice and the rest once, and returns
+/// as if all went well: the rank must refuse the duplicate rather than count its bytes twice.
+struct LandsFirstTwice;
+
+impl<'buf> Transport<'buf> for LandsFirstTwice {
+    fn name(&self) -> &'static str {
+        "first-twice"
+    }
+
+    fn sends_block(&self) -> bool {
+        false
+    }
+
+    fn send(&self, _: Outgoing<'buf>) -> Result<()> {
+        Ok(())
+    }
+
+    fn recv(&self, chunk: crate::transport::Incoming<'_>) -> Result<()> {
+        Err(Error::Internal {
+            rank: chunk.to,
+            detail: "not used".into(),
+        })
+    }
+
+    fn recv_all(
+        &self,
+        expected: &[Receive<'_>],
+        _: &mut [&mut [u8]],
+        _: usize,
+        landed: &mut dyn FnMut(usize),
+    ) -> Result<()> {
+        landed(0);
+        (0..expected.len()).for_each(landed);
+        Ok(())
+    }
+}
+
+#[test]
+fn a_transfer_reported_twice_fails_the_rank() {
+    let src = layout("mesh=4 place=S(1)", &[8, 8], DType::F32, 0);
+    let dst = layout("mesh=1 place=R", &[8, 8], DType::F32, 4);
+    let plan = Plan::new(src.clone(), dst.clone()).unwrap();
+    let mine = plan.for_rank(4);
+    let mut shard = vec![0u8; dst.local_bytes(4) as usize];
+    let dst_box = dst.local_region(4).unwrap();
+    let work = RankJob {
+        plan: &mine,
+        src_layout: &src,
+        src: None,
+        dst: Some((&dst_box, &mut shard)),
+        dst_dtype: dst.dtype(),
+    };
+    let err = run_rank(work, &LandsFirstTwice, &ExecOptions::default()).unwrap_err();
+    // every transfer landed once: the error is the duplicate alone, with no report missing
+    assert!(
+        matches!(&err, Error::Protocol { rank: 4, peer, detail }
+            if *peer == mine.recvs[0].src && detail.contains("landed twice")),
+        "{err}"
+    );
 }
 
 /// The byte ranges, in a 2-D destination shard whose box is `shard`, of the rows of `block`

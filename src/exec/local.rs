@@ -1,0 +1,158 @@
+//! Runs a whole plan with every rank as a thread of this process.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::Instant;
+
+use super::options::ExecOptions;
+use super::run::{RankJob, run_rank};
+use super::stats::{RankStats, RunStats};
+use super::steps::check_buffers;
+use crate::error::{Error, Result, Side};
+use crate::layout::{Layout, Rank};
+use crate::plan::Plan;
+use crate::region::Region;
+use crate::transport::{Fault, LocalFabric};
+
+/// Runs a whole plan with every rank as a thread of this process (the `local` transport).
+/// `src` holds every source rank's shard, `dst` every destination rank's shard (written in
+/// place). Buffers are checked before any byte moves; on failure the error lists every rank
+/// that did not complete.
+///
+/// ```
+/// use std::collections::BTreeMap;
+/// use reshard::{DType, Plan, exec, fill::Fill, layout::LayoutSpec};
+/// let shape = [8, 8];
+/// let src = LayoutSpec::parse("mesh=2 place=S(0)").unwrap().resolve(&shape, DType::Bf16, 0).unwrap();
+/// let dst = LayoutSpec::parse("mesh=4 place=S(1)").unwrap().resolve(&shape, DType::Bf16, 2).unwrap();
+/// let plan = Plan::new(src, dst).unwrap();
+/// let srcs = Fill::Index.shards(plan.src()).unwrap();
+/// let mut dsts = exec::zeroed_shards(plan.dst()).unwrap();
+/// exec::run_local(&plan, &srcs, &mut dsts, &exec::ExecOptions::default()).unwrap();
+/// assert!(Fill::Index.verify_shards(plan.dst(), &dsts).is_ok());
+/// ```
+pub fn run_local(
+    plan: &Plan,
+    src: &BTreeMap<Rank, Vec<u8>>,
+    dst: &mut BTreeMap<Rank, Vec<u8>>,
+    options: &ExecOptions,
+) -> Result<RunStats> {
+    run_local_with_faults(plan, src, dst, options, &[])
+}
+
+/// Most ranks [`run_local`] runs (two threads each); see [`crate::limits`].
+pub use crate::limits::MAX_LOCAL_RANKS;
+
+/// [`run_local`] with injected faults, for testing failure handling.
+pub fn run_local_with_faults(
+    plan: &Plan,
+    src: &BTreeMap<Rank, Vec<u8>>,
+    dst: &mut BTreeMap<Rank, Vec<u8>>,
+    options: &ExecOptions,
+    faults: &[Fault],
+) -> Result<RunStats> {
+    options.validate()?;
+    check_buffers(plan.src(), Side::Src, src)?;
+    check_buffers(plan.dst(), Side::Dst, dst)?;
+    let ranks = plan.ranks();
+    if ranks.len() > MAX_LOCAL_RANKS {
+        return Err(Error::InvalidOption {
+            field: "--transport",
+            value: "local".into(),
+            reason: format!(
+                "local runs every rank as threads of one process, and {} ranks is over its limit of {MAX_LOCAL_RANKS}",
+                ranks.len()
+            ),
+        });
+    }
+    let rank_plans = plan.rank_plans();
+    let src_boxes: BTreeMap<Rank, Region> = regions(plan.src());
+    let dst_boxes: BTreeMap<Rank, Region> = regions(plan.dst());
+    let pairs: BTreeSet<(Rank, Rank)> = plan
+        .transfers()
+        .iter()
+        .filter(|t| !t.is_local())
+        .map(|t| (t.src, t.dst))
+        .collect();
+    let fabric = LocalFabric {
+        timeout: options.timeout,
+        faults: faults.to_vec(),
+    };
+    let mut endpoints = fabric.endpoints(&ranks, pairs);
+    tracing::debug!(
+        ranks = ranks.len(),
+        transfers = plan.transfers().len(),
+        chunk_bytes = options.chunk_bytes,
+        "local run"
+    );
+
+    let started = Instant::now();
+    let mut dst_shards: BTreeMap<Rank, &mut Vec<u8>> =
+        dst.iter_mut().map(|(&r, b)| (r, b)).collect();
+    let results: Vec<Result<RankStats>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = ranks
+            .iter()
+            .map(|&rank| {
+                let job = RankJob {
+                    plan: &rank_plans[&rank],
+                    src_layout: plan.src(),
+                    src: src_boxes.get(&rank).zip(src.get(&rank).map(Vec::as_slice)),
+                    dst: dst_boxes
+                        .get(&rank)
+                        .zip(dst_shards.remove(&rank).map(Vec::as_mut_slice)),
+                    dst_dtype: plan.dst().dtype(),
+                };
+                let endpoint = endpoints.remove(&rank);
+                std::thread::Builder::new()
+                    .name(format!("rank {rank}"))
+                    .spawn_scoped(scope, move || match endpoint {
+                        // the endpoint lives as long as the thread: a rank that fails closes its links
+                        Some(endpoint) => run_rank(job, &endpoint, options),
+                        None => Ok(RankStats::default()),
+                    })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .zip(&ranks)
+            .map(|(h, &rank)| match h {
+                Ok(h) => h.join().unwrap_or_else(|_| {
+                    Err(Error::Internal {
+                        rank,
+                        detail: "the rank's thread panicked".into(),
+                    })
+                }),
+                Err(source) => Err(Error::ThreadStart {
+                    what: format!("rank {rank}"),
+                    source,
+                }),
+            })
+            .collect()
+    });
+    let elapsed = started.elapsed();
+    let stats = RunStats::gather(elapsed, results)?;
+    tracing::debug!(?elapsed, bytes = stats.bytes_remote(), "local run done");
+    Ok(stats)
+}
+
+fn regions(layout: &Layout) -> BTreeMap<Rank, Region> {
+    layout
+        .mesh()
+        .ranks()
+        .iter()
+        .enumerate()
+        .map(|(p, &r)| (r, layout.region_at(p)))
+        .collect()
+}
+
+/// A zero-filled local buffer for every rank of `layout`; [`Error::OutOfMemory`] when they do
+/// not fit in memory.
+pub fn zeroed_shards(layout: &Layout) -> Result<BTreeMap<Rank, Vec<u8>>> {
+    let mut out = BTreeMap::new();
+    for &r in layout.mesh().ranks() {
+        let buf = crate::memory::zeroed(layout.local_bytes(r), || {
+            format!("rank {r}'s destination shard")
+        })?;
+        out.insert(r, buf);
+    }
+    Ok(out)
+}

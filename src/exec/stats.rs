@@ -1,0 +1,78 @@
+//! What a rank and a whole run did: the counts the command line and the benchmarks report.
+
+use std::time::Duration;
+
+use crate::error::{Error, Result};
+use crate::layout::Rank;
+
+/// What one rank did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RankStats {
+    pub rank: Rank,
+    pub bytes_sent: u64,
+    pub bytes_received: u64,
+    pub bytes_local: u64,
+    pub chunks_sent: u64,
+    pub chunks_received: u64,
+    pub peak_staging_bytes: u64,
+}
+
+impl RankStats {
+    /// Adds `other`'s counts to these, as one rank's phases add up; the peak is the larger.
+    pub fn absorb(&mut self, other: &RankStats) {
+        self.bytes_sent += other.bytes_sent;
+        self.bytes_received += other.bytes_received;
+        self.bytes_local += other.bytes_local;
+        self.chunks_sent += other.chunks_sent;
+        self.chunks_received += other.chunks_received;
+        self.peak_staging_bytes = self.peak_staging_bytes.max(other.peak_staging_bytes);
+    }
+}
+
+/// What a whole run did.
+#[derive(Clone, Debug, Default)]
+pub struct RunStats {
+    pub elapsed: Duration,
+    pub ranks: Vec<RankStats>,
+}
+
+impl RunStats {
+    /// The run's stats from every rank's outcome, or every rank's failure.
+    pub fn gather(
+        elapsed: Duration,
+        results: impl IntoIterator<Item = Result<RankStats>>,
+    ) -> Result<RunStats> {
+        let mut stats = RunStats {
+            elapsed,
+            ranks: Vec::new(),
+        };
+        let mut failures = Vec::new();
+        for r in results {
+            match r {
+                Ok(s) => stats.ranks.push(s),
+                Err(e) => failures.push(e),
+            }
+        }
+        if failures.is_empty() {
+            Ok(stats)
+        } else {
+            Err(Error::Incomplete { failures })
+        }
+    }
+
+    pub fn bytes_remote(&self) -> u64 {
+        self.ranks.iter().map(|r| r.bytes_received).sum()
+    }
+
+    pub fn bytes_local(&self) -> u64 {
+        self.ranks.iter().map(|r| r.bytes_local).sum()
+    }
+
+    pub fn peak_staging_bytes(&self) -> u64 {
+        self.ranks
+            .iter()
+            .map(|r| r.peak_staging_bytes)
+            .max()
+            .unwrap_or(0)
+    }
+}
