@@ -1,10 +1,10 @@
-//! Runs a plan: cuts transfers into bounded chunks, hands them to a [`Transport`], copies the
+//! Runs a plan: cuts transfers into bounded chunks, hands them to a [`Transport`](crate::transport::Transport), copies the
 //! local parts straight from shard to shard, and reports what did not complete.
 //!
-//! Every rank runs [`run_rank`] with its own [`RankPlan`]: sends on one thread, local copies and
+//! Every rank runs [`run_rank`] with its own [`RankPlan`](crate::RankPlan): sends on one thread, local copies and
 //! receives on another, both in the plan's schedule order (one total order on rank pairs, so
 //! blocking transports cannot deadlock). The receives go to the transport as one batch
-//! ([`Transport::recv_all`]), which may take them as they come, each sender's in order.
+//! ([`Transport::recv_all`](crate::transport::Transport::recv_all)), which may take them as they come, each sender's in order.
 //! [`run_local`] runs all ranks as threads of this process.
 //!
 //! The files split by job: [`ExecOptions`] (`options`), a rank's [`Steps`] and their checks

@@ -195,27 +195,7 @@ pub(super) fn check_job(
 }
 
 /// Checks that every rank of `layout` has a buffer of exactly its shard's size, and no other
-/// rank has one.
+/// rank has one ([`Layout::check_buffers`]).
 pub fn check_buffers(layout: &Layout, side: Side, buffers: &BTreeMap<Rank, Vec<u8>>) -> Result<()> {
-    for (position, &rank) in layout.mesh().ranks().iter().enumerate() {
-        let region = layout.region_at(position);
-        let expected = region.volume() * layout.dtype().size() as u64;
-        let got = buffers
-            .get(&rank)
-            .ok_or(Error::MissingBuffer { side, rank })?
-            .len() as u64;
-        if got != expected {
-            return Err(Error::BufferSize {
-                side,
-                rank,
-                extent: Dims(region.extent),
-                expected,
-                got,
-            });
-        }
-    }
-    if let Some(&rank) = buffers.keys().find(|&&r| !layout.mesh().contains(r)) {
-        return Err(Error::UnexpectedBuffer { side, rank });
-    }
-    Ok(())
+    layout.check_buffers(side, buffers)
 }

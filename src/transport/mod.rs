@@ -255,7 +255,7 @@ pub trait Transport<'buf>: Sync {
     fn recv(&self, chunk: Incoming<'_>) -> Result<()>;
 
     /// Receives every transfer of `expected` into `dst_bufs`, each cut into chunks as
-    /// [`Transport::chunk_bytes`] says for `chunk`, and calls `landed(i)` once transfer `i`
+    /// [`Transport::chunking`] says for `chunk`, and calls `landed(i)` once transfer `i`
     /// is complete. Transfers from one peer complete in their order; the default takes all of
     /// them one after another through [`Transport::recv`], while a transport that can wait on
     /// several peers at once takes each peer's next chunk as it comes.
