@@ -50,6 +50,8 @@ impl RunStats {
         for r in results {
             match r {
                 Ok(s) => stats.ranks.push(s),
+                // a rank's own list of failures joins the run's, not nested inside it
+                Err(Error::Incomplete { failures: theirs }) => failures.extend(theirs),
                 Err(e) => failures.push(e),
             }
         }
@@ -74,5 +76,39 @@ impl RunStats {
             .map(|r| r.peak_staging_bytes)
             .max()
             .unwrap_or(0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn timeout(peer: usize) -> Error {
+        Error::Timeout {
+            rank: 4,
+            peer,
+            waited: Duration::from_secs(1),
+            detail: "chunk".into(),
+        }
+    }
+
+    #[test]
+    fn a_ranks_failures_join_the_runs_without_nesting() {
+        let results = vec![
+            Err(Error::Incomplete {
+                failures: vec![timeout(0), timeout(1)],
+            }),
+            Err(timeout(2)),
+        ];
+        let err = RunStats::gather(Duration::ZERO, results).unwrap_err();
+        let Error::Incomplete { failures } = &err else {
+            panic!("{err}");
+        };
+        assert_eq!(failures.len(), 3);
+        assert_eq!(
+            err.to_string().matches("did not complete").count(),
+            1,
+            "{err}"
+        );
     }
 }
