@@ -5,6 +5,7 @@ use std::time::Instant;
 
 use super::{Batch, RankBatch};
 use crate::error::{Error, Result, Side};
+use crate::exec::threads::{RankThread, joined};
 use crate::exec::{ExecOptions, RankStats, RunStats, run_steps};
 use crate::layout::Rank;
 use crate::transport::{LocalFabric, Transport};
@@ -187,18 +188,7 @@ pub fn run_local_batch(
         // a thread that could not start dropped its endpoint: its peers see it gone
         handles
             .into_iter()
-            .map(|(rank, h)| match h {
-                Ok(h) => h.join().unwrap_or_else(|_| {
-                    Err(Error::Internal {
-                        rank,
-                        detail: "the rank's thread panicked".into(),
-                    })
-                }),
-                Err(source) => Err(Error::ThreadStart {
-                    what: format!("rank {rank}"),
-                    source,
-                }),
-            })
+            .map(|(rank, h)| joined(h, rank, RankThread::Rank))
             .collect()
     });
     RunStats::gather(started.elapsed(), results)

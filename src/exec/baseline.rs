@@ -8,6 +8,7 @@ use std::time::Instant;
 use super::copy::{Cast, CopyGeometry, Place};
 use super::{ExecOptions, RankJob, RankStats, RunStats, check_buffers, run_local, run_rank};
 use crate::error::{Error, Result, Side};
+use crate::exec::threads::{RankThread, joined};
 use crate::layout::Rank;
 use crate::plan::{GatherBroadcast, RankPlan};
 use crate::region::Region;
@@ -249,21 +250,7 @@ pub fn run_local_gather_broadcast(
             .collect();
         handles
             .into_iter()
-            .map(|(rank, h)| {
-                let kept = match h {
-                    Ok(h) => h.join().unwrap_or_else(|_| {
-                        Err(Error::Internal {
-                            rank,
-                            detail: "the rank's thread panicked".into(),
-                        })
-                    }),
-                    Err(source) => Err(Error::ThreadStart {
-                        what: format!("rank {rank}"),
-                        source,
-                    }),
-                };
-                (rank, kept)
-            })
+            .map(|(rank, h)| (rank, joined(h, rank, RankThread::Rank)))
             .collect()
     });
     let mut kept_stats = RunStats::default();

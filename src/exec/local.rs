@@ -8,6 +8,7 @@ use super::run::{RankJob, run_rank};
 use super::stats::{RankStats, RunStats};
 use super::steps::check_buffers;
 use crate::error::{Error, Result, Side};
+use crate::exec::threads::{RankThread, joined};
 use crate::layout::{Layout, Rank};
 use crate::plan::Plan;
 use crate::region::Region;
@@ -114,18 +115,7 @@ pub fn run_local_with_faults(
         handles
             .into_iter()
             .zip(&ranks)
-            .map(|(h, &rank)| match h {
-                Ok(h) => h.join().unwrap_or_else(|_| {
-                    Err(Error::Internal {
-                        rank,
-                        detail: "the rank's thread panicked".into(),
-                    })
-                }),
-                Err(source) => Err(Error::ThreadStart {
-                    what: format!("rank {rank}"),
-                    source,
-                }),
-            })
+            .map(|(h, &rank)| joined(h, rank, RankThread::Rank))
             .collect()
     });
     let elapsed = started.elapsed();

@@ -21,6 +21,7 @@ pub mod progress;
 mod run;
 mod stats;
 mod steps;
+pub(crate) mod threads;
 
 pub use local::{MAX_LOCAL_RANKS, run_local, run_local_with_faults, zeroed_shards};
 pub use options::ExecOptions;

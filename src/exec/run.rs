@@ -10,6 +10,7 @@ use super::progress::{Due, Progress, Sent};
 use super::stats::RankStats;
 use super::steps::{Step, Steps, check_job, check_steps, cut_chunk};
 use crate::error::{Error, Result};
+use crate::exec::threads::{RankThread, joined};
 use crate::layout::{Layout, Rank};
 use crate::plan::{RankPlan, Transfer};
 use crate::region::Region;
@@ -275,18 +276,7 @@ pub fn run_steps<'buf, T: Transport<'buf> + ?Sized>(
                 transport.abort();
             }
             let received = receive_all(&mut stats, &mut progress, dst_bufs).inspect_err(give_up_on);
-            let sent = match sender {
-                Ok(sender) => sender.join().unwrap_or_else(|_| {
-                    Err(Error::Internal {
-                        rank,
-                        detail: "the send thread panicked".into(),
-                    })
-                }),
-                Err(source) => Err(Error::ThreadStart {
-                    what: format!("rank {rank}'s sender"),
-                    source,
-                }),
-            };
+            let sent = joined(sender, rank, RankThread::Sender);
             (sent, received)
         })
     };
