@@ -310,6 +310,39 @@ type PieceArg = (usize, Vec<u64>, Vec<u64>, usize);
 type LocalArg = (usize, Vec<u64>, usize, Vec<u64>, Vec<u64>);
 
 impl Packing {
+    /// Copies every message of `messages` between its buffer (None skips the message) and
+    /// the slots' tensors, `way` saying which way, with the GIL released.
+    fn copy_messages(
+        &self,
+        py: Python<'_>,
+        messages: &[(usize, Vec<Piece>)],
+        buffers: &Bound<'_, PyList>,
+        tensors: &Bound<'_, PyList>,
+        way: Way,
+    ) -> PyResult<()> {
+        let views = self.views(tensors)?;
+        let buffers = Self::buffers(buffers, messages.iter().map(|(size, _)| *size), "buffers")?;
+        py.detach(|| {
+            for ((_, pieces), buffer) in messages.iter().zip(&buffers) {
+                let Some((ptr, size)) = *buffer else { continue };
+                // SAFETY: the buffer is a live contiguous tensor of at least `size` bytes
+                // (checked above), held by the caller for this call, and no tensor of a slot
+                // shares it (the executor allocates it).
+                let message = unsafe { message(ptr, size) };
+                for piece in pieces {
+                    let view = views[piece.slot]
+                        .as_ref()
+                        .expect("a piece's slot holds a tensor");
+                    // SAFETY: the view is of a live tensor of the slot's shape (checked), the
+                    // piece lies inside that shape (checked at construction), and one tensor
+                    // slice is alive at a time.
+                    unsafe { copy_piece(piece, view, message, way) };
+                }
+            }
+        });
+        Ok(())
+    }
+
     /// Pieces and message sizes checked against the slots, so that no call can copy outside a
     /// message or a tensor whose shape matches its slot.
     fn messages(
@@ -484,26 +517,7 @@ impl Packing {
         tensors: &Bound<'_, PyList>,
         buffers: &Bound<'_, PyList>,
     ) -> PyResult<()> {
-        let views = self.views(tensors)?;
-        let buffers = Self::buffers(buffers, self.sends.iter().map(|(size, _)| *size), "buffers")?;
-        py.detach(|| {
-            for ((_, pieces), buffer) in self.sends.iter().zip(&buffers) {
-                let Some((ptr, size)) = *buffer else { continue };
-                // SAFETY: the buffer is a live contiguous tensor of at least `size` bytes
-                // (checked above), held by the caller for this call, and no tensor of a slot
-                // shares it (the executor allocates it).
-                let message = unsafe { message(ptr, size) };
-                for piece in pieces {
-                    let view = views[piece.slot]
-                        .as_ref()
-                        .expect("a piece's slot holds a tensor");
-                    // SAFETY: the view is of a live tensor of the slot's shape (checked), and
-                    // the piece lies inside that shape (checked at construction).
-                    unsafe { copy_piece(piece, view, message, Way::Pack) };
-                }
-            }
-        });
-        Ok(())
+        self.copy_messages(py, &self.sends, buffers, tensors, Way::Pack)
     }
 
     /// Unpacks every receive message from its buffer (None skips the message) into the slots'
@@ -514,23 +528,7 @@ impl Packing {
         buffers: &Bound<'_, PyList>,
         tensors: &Bound<'_, PyList>,
     ) -> PyResult<()> {
-        let views = self.views(tensors)?;
-        let buffers = Self::buffers(buffers, self.recvs.iter().map(|(size, _)| *size), "buffers")?;
-        py.detach(|| {
-            for ((_, pieces), buffer) in self.recvs.iter().zip(&buffers) {
-                let Some((ptr, size)) = *buffer else { continue };
-                // SAFETY: as in `pack`; here the message is only read.
-                let message = unsafe { message(ptr, size) };
-                for piece in pieces {
-                    let view = views[piece.slot]
-                        .as_ref()
-                        .expect("a piece's slot holds a tensor");
-                    // SAFETY: as in `pack`; one tensor slice is alive at a time.
-                    unsafe { copy_piece(piece, view, message, Way::Unpack) };
-                }
-            }
-        });
-        Ok(())
+        self.copy_messages(py, &self.recvs, buffers, tensors, Way::Unpack)
     }
 
     /// Runs the local copies between the slots' tensors, with the GIL released. A copy whose
