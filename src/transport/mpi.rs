@@ -364,6 +364,48 @@ struct Pending {
     _buffer: Option<Vec<u8>>,
 }
 
+impl MpiTransport<'_> {
+    /// Posts a send (`MPI_Isend`) of `count` items of `t` at `ptr` to `to`, and keeps it,
+    /// with the datatype and buffer it uses, in `pending` until `finish` completes it.
+    ///
+    /// # Safety
+    /// `ptr` must stay valid and unchanged until the request completes: inside `buffer`
+    /// (kept here), or in a shard borrowed for the transport's lifetime.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn post_send(
+        &self,
+        ptr: *const u8,
+        count: c_int,
+        t: ffi::MPI_Datatype,
+        to: Rank,
+        tag: i32,
+        datatype: Option<ffi::MPI_Datatype>,
+        buffer: Option<Vec<u8>>,
+    ) {
+        let mut request = std::mem::MaybeUninit::<ffi::MPI_Request>::uninit();
+        // SAFETY: the caller keeps `ptr` valid; MPI fills `request`.
+        unsafe {
+            ffi::MPI_Isend(
+                ptr.cast(),
+                count,
+                t,
+                to as c_int,
+                tag,
+                self.world.as_raw(),
+                request.as_mut_ptr(),
+            );
+            self.pending
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push(Pending {
+                    request: request.assume_init(),
+                    datatype,
+                    _buffer: buffer,
+                });
+        }
+    }
+}
+
 // SAFETY: MPI was initialized with MPI_THREAD_MULTIPLE (checked in `MpiJob::init`), so the
 // communicator may be used from the send and receive threads at once; the staging buffers are
 // behind locks.
@@ -452,33 +494,15 @@ impl<'buf> Transport<'buf> for MpiTransport<'_> {
             g.copy(chunk.src, &mut packed, chunk.range.clone());
             (None, Some(packed))
         };
-        let mut request = std::mem::MaybeUninit::<ffi::MPI_Request>::uninit();
+        let (ptr, count, t) = match (&datatype, &buffer) {
+            (Some(t), _) => (chunk.src.as_ptr(), 1, *t),
+            // SAFETY: reading MPI's predefined byte type, set once MPI is initialized
+            (None, Some(b)) => (b.as_ptr(), b.len() as c_int, unsafe { ffi::RSMPI_UINT8_T }),
+            (None, None) => unreachable!("one of the two is set above"),
+        };
         // SAFETY: the datatype describes `region` inside `src_box`, whose buffer `src` stays
         // valid and unchanged for 'buf; a packed buffer lives in `pending` until completion.
-        unsafe {
-            let (ptr, count, t) = match (&datatype, &buffer) {
-                (Some(t), _) => (chunk.src.as_ptr(), 1, *t),
-                (None, Some(b)) => (b.as_ptr(), b.len() as c_int, ffi::RSMPI_UINT8_T),
-                (None, None) => unreachable!("one of the two is set above"),
-            };
-            ffi::MPI_Isend(
-                ptr.cast(),
-                count,
-                t,
-                chunk.to as c_int,
-                DATA_TAG,
-                self.world.as_raw(),
-                request.as_mut_ptr(),
-            );
-            self.pending
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .push(Pending {
-                    request: request.assume_init(),
-                    datatype,
-                    _buffer: buffer,
-                });
-        }
+        unsafe { self.post_send(ptr, count, t, chunk.to, DATA_TAG, datatype, buffer) };
         Ok(())
     }
 
@@ -639,28 +663,20 @@ impl<'buf> Transport<'buf> for MpiTransport<'_> {
     fn send_sums(&self, to: Rank, sums: Vec<u32>) -> Result<()> {
         let bytes: Vec<u8> = sums.iter().flat_map(|s| s.to_le_bytes()).collect();
         self.check_len(bytes.len(), to)?;
-        let mut request = std::mem::MaybeUninit::<ffi::MPI_Request>::uninit();
-        // SAFETY: `bytes` moves into `pending` below, where it lives until the request is
-        // complete in `finish`; moving a Vec does not move its heap buffer.
+        let (ptr, count) = (bytes.as_ptr(), bytes.len() as c_int);
+        // SAFETY: `bytes` moves into `pending`, where it lives until the request is complete
+        // in `finish`; moving a Vec does not move its heap buffer.
         unsafe {
-            ffi::MPI_Isend(
-                bytes.as_ptr().cast(),
-                bytes.len() as c_int,
+            self.post_send(
+                ptr,
+                count,
                 ffi::RSMPI_UINT8_T,
-                to as c_int,
+                to,
                 SUMS_TAG,
-                self.world.as_raw(),
-                request.as_mut_ptr(),
-            );
-            self.pending
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .push(Pending {
-                    request: request.assume_init(),
-                    datatype: None,
-                    _buffer: Some(bytes),
-                });
-        }
+                None,
+                Some(bytes),
+            )
+        };
         Ok(())
     }
 
