@@ -106,17 +106,12 @@ fn the_example_alone_runs_its_ranks_as_threads() {
 fn the_example_reshards_under_mpirun() {
     let exe = std::env::current_exe().unwrap();
     for transport in ["mpi", "auto"] {
-        let child = Command::new("mpirun")
-            .args(["-n", "3", "--oversubscribe", "-x"])
+        let child = common::mpirun(3)
+            .arg("-x")
             .arg(format!("{TRANSPORT_VAR}={transport}"))
             .arg(&exe)
             .args(["--exact", "example_rank", "--nocapture", "--test-threads=1"])
-            .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
-            .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-            .env("OMPI_MCA_rmaps_base_oversubscribe", "1")
             .env_remove("MASTER_PORT")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
             .spawn()
             .unwrap();
         let out = wait_bounded(child, Duration::from_secs(120), "the example under mpirun");

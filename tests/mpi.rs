@@ -5,7 +5,7 @@
 
 mod common;
 
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::Duration;
 
 use common::{EXE, Lcg, RandomRun, text, wait_bounded};
@@ -17,15 +17,8 @@ fn mpirun(n: u64) -> Command {
 
 /// The same, with `mpirun` options (such as `-x VAR=value`) before the program.
 fn mpirun_with(n: u64, options: &[&str]) -> Command {
-    let mut c = Command::new("mpirun");
-    c.args(["-n", &n.to_string(), "--oversubscribe"])
-        .args(options)
-        .arg(EXE)
-        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
-        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-        .env("OMPI_MCA_rmaps_base_oversubscribe", "1")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
+    let mut c = common::mpirun(n);
+    c.args(options).arg(EXE);
     c
 }
 

@@ -240,3 +240,27 @@ pub fn tiny_moe_config(dir: &Path) -> PathBuf {
     .unwrap();
     path
 }
+
+/// `mpirun -n N --oversubscribe`, allowed as root, with a session folder of its own: OpenMPI
+/// keeps one per user under `TMPDIR`, and mpiruns that start or end at once race to create
+/// and remove it ("mkdir /tmp/ompi.HOST.UID: File exists"). The folders lie under Cargo's
+/// scratch folder for tests (`target/tmp`), not in the system's temp folder.
+pub fn mpirun(n: u64) -> std::process::Command {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let session = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!(
+        "mpirun-{}-{}",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    ));
+    std::fs::create_dir_all(&session).unwrap();
+    let mut c = std::process::Command::new("mpirun");
+    c.args(["-n", &n.to_string(), "--oversubscribe"])
+        .env("TMPDIR", &session)
+        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        .env("OMPI_MCA_rmaps_base_oversubscribe", "1")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+    c
+}
