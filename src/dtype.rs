@@ -156,7 +156,7 @@ mod tests {
         let err = "bf17".parse::<DType>().unwrap_err();
         assert_eq!(
             err.to_string(),
-            "--dtype: unknown dtype `bf17` (expected one of bool, u8, i8, fp8e4m3, fp8e5m2, bf16, f16, i16, u16, f32, i32, u32, f64, i64, u64)"
+            "dtype: unknown dtype `bf17` (expected one of bool, u8, i8, fp8e4m3, fp8e5m2, bf16, f16, i16, u16, f32, i32, u32, f64, i64, u64)"
         );
     }
 }

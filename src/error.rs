@@ -8,8 +8,10 @@ use thiserror::Error;
 
 use crate::rank::Rank;
 
+mod field;
 mod model;
 
+pub use field::{Field, Vocabulary};
 pub use model::ModelError;
 
 /// Which side of a reshard a layout or buffer belongs to.
@@ -21,12 +23,19 @@ pub enum Side {
     Dst,
 }
 
+impl Side {
+    /// The input that holds this side's layout.
+    pub fn field(self) -> Field {
+        match self {
+            Side::Src => Field::Src,
+            Side::Dst => Field::Dst,
+        }
+    }
+}
+
 impl fmt::Display for Side {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Side::Src => "--src",
-            Side::Dst => "--dst",
-        })
+        self.field().fmt(f)
     }
 }
 
@@ -48,7 +57,8 @@ impl fmt::Display for Dims {
 #[derive(Debug, Error)]
 pub enum Error {
     #[error(
-        "--dtype: unknown dtype `{value}` (expected one of bool, u8, i8, fp8e4m3, fp8e5m2, bf16, f16, i16, u16, f32, i32, u32, f64, i64, u64)"
+        "{}: unknown dtype `{value}` (expected one of bool, u8, i8, fp8e4m3, fp8e5m2, bf16, f16, i16, u16, f32, i32, u32, f64, i64, u64)",
+        Field::DType
     )]
     UnknownDType { value: String },
 
@@ -59,10 +69,15 @@ pub enum Error {
         source: LayoutError,
     },
 
-    #[error("--shape: malformed shape `{value}`: {reason}")]
+    #[error("{}: malformed shape `{value}`: {reason}", Field::Shape)]
     MalformedShape { value: String, reason: String },
 
-    #[error("--shape: the sides disagree: --src has shape {src}, --dst has shape {dst}")]
+    #[error(
+        "{}: the sides disagree: {} has shape {src}, {} has shape {dst}",
+        Field::Shape,
+        Field::Src,
+        Field::Dst
+    )]
     ShapeMismatch { src: Dims, dst: Dims },
 
     #[error("{side}: no local buffer given for rank {rank}")]
@@ -84,7 +99,7 @@ pub enum Error {
 
     #[error("{field}: {value} is invalid: {reason}")]
     InvalidOption {
-        field: &'static str,
+        field: Field,
         value: String,
         reason: String,
     },

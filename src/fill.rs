@@ -1,6 +1,7 @@
 //! Deterministic tensor contents, a pure function of an element's global index, so that any
 //! rank can fill its source shard and check its destination shard without seeing the rest.
 
+use crate::error::Field;
 use std::collections::BTreeMap;
 use std::fmt;
 use std::str::FromStr;
@@ -58,7 +59,7 @@ impl FromStr for Fill {
     /// `index`, `hash`, `hash:SEED`, `normal` or `normal:SEED`.
     fn from_str(s: &str) -> Result<Fill> {
         let bad = || Error::InvalidOption {
-            field: "--fill",
+            field: Field::Fill,
             value: s.to_string(),
             reason: "expected `index`, `hash`, `hash:SEED`, `normal` or `normal:SEED`".into(),
         };
@@ -126,7 +127,7 @@ impl Fill {
         );
         match self {
             Fill::Normal { .. } if !float => Err(Error::InvalidOption {
-                field: "--fill",
+                field: Field::Fill,
                 value: self.to_string(),
                 reason: format!(
                     "fills float dtypes only (f64, f32, bf16, f16, fp8e4m3, fp8e5m2), and the dtype is {dtype}"
@@ -430,7 +431,7 @@ mod tests {
                 .parse::<Fill>()
                 .unwrap_err()
                 .to_string()
-                .contains("--fill: normal:x")
+                .contains("fill: normal:x")
         );
         for d in DType::ALL {
             let float = matches!(
@@ -454,7 +455,7 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(
-            err.starts_with("--fill: normal:3 is invalid") && err.ends_with("the dtype is i32"),
+            err.starts_with("fill: normal:3 is invalid") && err.ends_with("the dtype is i32"),
             "{err}"
         );
     }
@@ -531,7 +532,7 @@ mod tests {
                 .parse::<Fill>()
                 .unwrap_err()
                 .to_string()
-                .contains("--fill: zeros")
+                .contains("fill: zeros")
         );
     }
 }

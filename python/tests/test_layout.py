@@ -62,7 +62,7 @@ def test_local_region_and_from_spec():
         (((8, 8), "bf16", 2, [0, 0], ["S(0)"]), "rank 0 appears more than once in ranks"),
         (((8, 8), "bf16", 2, [0, 1, 2], ["S(0)"]), "mesh 2 has 2 positions but ranks lists 3"),
         (((8, 8), "bf16", (2, 0), None, ["S(0)", "R"]), "mesh axis 1 has size 0 (mesh 2x0)"),
-        (((8, 8), "complex32", 2, None, ["S(0)"]), "--dtype: unknown dtype `complex32`"),
+        (((8, 8), "complex32", 2, None, ["S(0)"]), "dtype: unknown dtype `complex32`"),
         (((8, -1), "bf16", 2, None, ["S(0)"]), "shape: `-1` is not a non-negative integer"),
         (((8, 8), "bf16", 2, None, ["X(0)"]), "placements: unknown placement `X(0)`"),
         (((8, 8), "bf16", 2, None, [1.5]), "placements: 1.5 is not a placement"),

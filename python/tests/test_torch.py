@@ -165,7 +165,7 @@ def train_to_infer(rank, world):
         f"{side}_local: rank {rank} holds a shard of shape {expected_shape} (f32)"
     ), str(e.value)
     assert "the tensor given has shape (3, 3) and dtype float32" in str(e.value)
-    with pytest.raises(reshard.ReshardError, match="--shape: the sides disagree"):
+    with pytest.raises(reshard.ReshardError, match="shape: the sides disagree"):
         rt.reshard_(None, None, src, reshard.Layout((8, 4), "f32", 2, [4, 5], ["S(1)"]))
     with pytest.raises(
         reshard.ReshardError,

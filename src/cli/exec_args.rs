@@ -7,6 +7,7 @@ use std::time::Duration;
 use clap::{Args, ValueEnum};
 
 use reshard::agreement::Fingerprint;
+use reshard::error::Field;
 use reshard::exec::ExecOptions;
 use reshard::runtime::{self, JoinOptions, RunOptions, World};
 use reshard::{Error, Plan};
@@ -86,11 +87,11 @@ impl ExecArgs {
     }
 
     pub fn options(&self) -> Result<ExecOptions, Error> {
-        let chunk = parse_bytes("--chunk-bytes", &self.chunk_bytes)?;
-        let staging = parse_bytes("--staging-bytes", &self.staging_bytes)?;
+        let chunk = parse_bytes(Field::ChunkBytes, &self.chunk_bytes)?;
+        let staging = parse_bytes(Field::Flag("--staging-bytes"), &self.staging_bytes)?;
         if !(self.timeout.is_finite() && self.timeout >= 1e-3 && self.timeout < 1e9) {
             return Err(Error::InvalidOption {
-                field: "--timeout",
+                field: Field::Timeout,
                 value: self.timeout.to_string(),
                 reason: "expected a number of seconds between 0.001 and 1e9".into(),
             });
@@ -152,7 +153,7 @@ pub fn check_memory(needed: u64, shape: &[u64]) -> Result<(), Error> {
     });
     match available {
         Some(available) if needed > available => Err(Error::InvalidOption {
-            field: "--shape",
+            field: Field::Shape,
             value: shape
                 .iter()
                 .map(u64::to_string)

@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use clap::Args;
 use reshard::Error;
+use reshard::error::Field;
 use reshard::limits::MAX_LOCAL_PROCESSES;
 use reshard::transport::group::check_token;
 
@@ -101,14 +102,14 @@ fn code(status: ExitStatus) -> u8 {
 pub fn main(args: &LaunchArgs) -> Result<std::process::ExitCode, Failure> {
     if args.nproc == 0 {
         return Err(Failure::Input(Error::InvalidOption {
-            field: "--nproc",
+            field: Field::Flag("--nproc"),
             value: "0".into(),
             reason: "at least one process is needed".into(),
         }));
     }
     if args.nproc > MAX_LOCAL_PROCESSES {
         return Err(Failure::Input(Error::InvalidOption {
-            field: "--nproc",
+            field: Field::Flag("--nproc"),
             value: args.nproc.to_string(),
             reason: format!(
                 "more than the {MAX_LOCAL_PROCESSES} processes launch starts on one host (for larger jobs, start the ranks with mpirun or a cluster launcher)"
@@ -118,14 +119,14 @@ pub fn main(args: &LaunchArgs) -> Result<std::process::ExitCode, Failure> {
     if args.master_port == Some(0) {
         // port 0 would make the rendezvous listen on a random port that no rank knows
         return Err(Failure::Input(Error::InvalidOption {
-            field: "--master-port",
+            field: Field::Flag("--master-port"),
             value: "0".into(),
             reason: "the ranks need a fixed port to meet at; give one from 1 to 65535, or leave --master-port out to get a free one".into(),
         }));
     }
     if !(args.grace.is_finite() && args.grace >= 0.0) {
         return Err(Failure::Input(Error::InvalidOption {
-            field: "--grace",
+            field: Field::Flag("--grace"),
             value: args.grace.to_string(),
             reason: "expected a non-negative number of seconds".into(),
         }));

@@ -15,6 +15,7 @@ mod units;
 use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand};
+use reshard::error::Field;
 use reshard::layout::{LayoutSpec, parse_shape};
 use reshard::{DType, Error, Plan, PlanOptions, Side};
 
@@ -94,7 +95,7 @@ impl TensorArgs {
         let dst_dtype: DType = match &self.dst_dtype {
             Some(text) => text.parse().map_err(|e| match e {
                 Error::UnknownDType { value } => Error::InvalidOption {
-                    field: "--dst-dtype",
+                    field: Field::DstDType,
                     value,
                     reason: "unknown dtype (bool u8 i8 fp8e4m3 fp8e5m2 bf16 f16 i16 u16 f32 i32 u32 f64 i64 u64)".into(),
                 },
@@ -121,7 +122,10 @@ impl TensorArgs {
                 source,
             })?;
         let options = PlanOptions {
-            min_split_bytes: units::parse_bytes("--min-split-bytes", &self.min_split_bytes)?,
+            min_split_bytes: units::parse_bytes(
+                Field::Flag("--min-split-bytes"),
+                &self.min_split_bytes,
+            )?,
         };
         Plan::with_options(src, dst, options)
     }
@@ -166,6 +170,8 @@ impl From<Error> for Failure {
 }
 
 pub fn main() -> ExitCode {
+    // every message names the inputs by the flags this program takes
+    reshard::error::Vocabulary::Flags.speak();
     let cli = Cli::parse();
     tracing_subscriber::fmt()
         .with_env_filter(

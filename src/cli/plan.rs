@@ -3,6 +3,7 @@
 use std::fmt::Write;
 
 use clap::Args;
+use reshard::error::Field;
 use reshard::plan::PlanJson;
 use reshard::sim::{Cluster, Pricing, SimOptions, Simulation};
 use reshard::{Error, Plan};
@@ -64,7 +65,7 @@ pub fn main(args: &PlanArgs) -> Result<(), Failure> {
 /// Prices the plan on the cluster `arg` names; errors name `--simulate`.
 fn simulate(plan: &Plan, arg: &str) -> Result<(Cluster, Pricing), Error> {
     let invalid = |e: reshard::sim::SimError| Error::InvalidOption {
-        field: "--simulate",
+        field: Field::Flag("--simulate"),
         value: arg.to_string(),
         reason: e.to_string(),
     };

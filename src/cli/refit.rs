@@ -6,6 +6,7 @@ use std::time::Instant;
 
 use clap::Args;
 use reshard::agreement::Fingerprint;
+use reshard::error::Field;
 use reshard::model::{
     Inference, Model, Ranks, Refit, RefitJson, RefitTotals, Rules, Training, Which,
 };
@@ -95,7 +96,7 @@ impl RefitArgs {
     /// The model and its refit, everything parsed and checked before any planning.
     pub fn refit(&self) -> Result<(Model, Refit, PlanOptions), Error> {
         let options = PlanOptions {
-            min_split_bytes: parse_bytes("--min-split-bytes", &self.min_split_bytes)?,
+            min_split_bytes: parse_bytes(Field::Flag("--min-split-bytes"), &self.min_split_bytes)?,
         };
         let train = Training::parse(&self.train)?;
         let infer = Inference::parse(&self.infer)?;
@@ -131,7 +132,7 @@ pub fn main(args: &RefitArgs) -> Result<(), Failure> {
         None => (refit.summary(&options).map_err(Error::from)?, None),
         Some(arg) => {
             let invalid = |e: reshard::sim::SimError| Error::InvalidOption {
-                field: "--simulate",
+                field: Field::Flag("--simulate"),
                 value: arg.to_string(),
                 reason: e.to_string(),
             };

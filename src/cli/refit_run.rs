@@ -10,6 +10,7 @@ use reshard::batch::baseline::{BatchBaseline, run_rank_batch_baseline};
 use reshard::batch::{
     Batch, BatchOptions, DEFAULT_PACK_BELOW, Fusion, RankBatch, Tensor, run_rank_batch,
 };
+use reshard::error::Field;
 use reshard::exec::ExecOptions;
 use reshard::fill::Fill;
 use reshard::model::Refit;
@@ -92,7 +93,7 @@ pub fn main(
     plan: PlanOptions,
     fingerprint: Fingerprint,
 ) -> Result<Option<RunJson>, Failure> {
-    let pack_below = parse_bytes("--pack-below", &args.pack_below)?;
+    let pack_below = parse_bytes(Field::Flag("--pack-below"), &args.pack_below)?;
     let options = args.exec.options()?;
     let fingerprint = fingerprint.with("--min-split-bytes", plan.min_split_bytes);
     let batch = batch_of(refit, plan, pack_below)?;
@@ -101,7 +102,7 @@ pub fn main(
     let kind = args.exec.transport;
     let threads = || {
         Failure::Input(Error::InvalidOption {
-            field: "--run",
+            field: Field::Flag("--run"),
             value: kind.name().into(),
             reason: format!(
                 "a refit runs one rank per process: start it with `reshard launch --nproc {} -- refit ... --run` (or under mpirun)",
@@ -238,7 +239,7 @@ fn run_rank(
 ) -> Result<serde_json::Value, Error> {
     let Some(job) = world.job() else {
         return Err(Error::InvalidOption {
-            field: "--run",
+            field: Field::Flag("--run"),
             value: world.options().transport.name().into(),
             reason: "a refit runs one rank per process".into(),
         });

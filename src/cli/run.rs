@@ -8,6 +8,7 @@ use clap::Args;
 use serde::Serialize;
 
 use reshard::agreement::Fingerprint;
+use reshard::error::Field;
 use reshard::exec::{self, ExecOptions};
 use reshard::fill::Fill;
 use reshard::runtime::World;
@@ -289,7 +290,7 @@ fn poison(buf: &mut [u8]) {
 /// (checked by creating one: permission bits alone miss read-only mounts and root).
 pub(super) fn check_dump_dir(dir: &Path) -> Result<(), Error> {
     let refuse = |reason: String| Error::InvalidOption {
-        field: "--dump",
+        field: Field::Flag("--dump"),
         value: dir.display().to_string(),
         reason,
     };

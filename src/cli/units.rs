@@ -1,12 +1,13 @@
 //! Byte sizes and rates, as people read and write them.
 
 use reshard::Error;
+use reshard::error::Field;
 
 /// `4194304`, `4MiB`, `4M`, `64KiB`, `1GiB`, `2TiB`: a number and a unit, any case, with or
 /// without a space between them. `K`/`M`/`G`/`T` and `KiB`/`MiB`/`GiB`/`TiB` are binary
 /// (powers of 1024, as memory sizes are read); `KB`/`MB`/`GB`/`TB` are decimal (powers of
 /// 1000, as disk and network vendors write them).
-pub fn parse_bytes(field: &'static str, text: &str) -> Result<u64, Error> {
+pub fn parse_bytes(field: Field, text: &str) -> Result<u64, Error> {
     let t = text.trim();
     let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
@@ -60,11 +61,11 @@ mod tests {
 
     #[test]
     fn sizes() {
-        assert_eq!(parse_bytes("x", "64KiB").unwrap(), 65536);
-        assert_eq!(parse_bytes("x", "4M").unwrap(), 4 << 20);
-        assert_eq!(parse_bytes("x", "12").unwrap(), 12);
+        assert_eq!(parse_bytes(Field::Flag("x"), "64KiB").unwrap(), 65536);
+        assert_eq!(parse_bytes(Field::Flag("x"), "4M").unwrap(), 4 << 20);
+        assert_eq!(parse_bytes(Field::Flag("x"), "12").unwrap(), 12);
         assert!(
-            parse_bytes("--chunk-bytes", "lots")
+            parse_bytes(Field::Flag("--chunk-bytes"), "lots")
                 .unwrap_err()
                 .to_string()
                 .starts_with("--chunk-bytes: lots")
@@ -75,16 +76,22 @@ mod tests {
 
     #[test]
     fn terabytes() {
-        assert_eq!(parse_bytes("x", "2TiB").unwrap(), 2 << 40);
-        assert_eq!(parse_bytes("x", "2 T").unwrap(), 2 << 40);
-        assert_eq!(parse_bytes("x", "3tb").unwrap(), 3_000_000_000_000);
-        assert_eq!(parse_bytes("x", "1 GB").unwrap(), 1_000_000_000);
-        let err = parse_bytes("--suite-bytes", "16777216TiB").unwrap_err();
+        assert_eq!(parse_bytes(Field::Flag("x"), "2TiB").unwrap(), 2 << 40);
+        assert_eq!(parse_bytes(Field::Flag("x"), "2 T").unwrap(), 2 << 40);
+        assert_eq!(
+            parse_bytes(Field::Flag("x"), "3tb").unwrap(),
+            3_000_000_000_000
+        );
+        assert_eq!(
+            parse_bytes(Field::Flag("x"), "1 GB").unwrap(),
+            1_000_000_000
+        );
+        let err = parse_bytes(Field::Flag("--suite-bytes"), "16777216TiB").unwrap_err();
         assert_eq!(
             err.to_string(),
             "--suite-bytes: 16777216TiB is invalid: more than 2^64-1 bytes"
         );
-        let err = parse_bytes("--chunk-bytes", "4PiB")
+        let err = parse_bytes(Field::Flag("--chunk-bytes"), "4PiB")
             .unwrap_err()
             .to_string();
         assert!(err.contains("units B, K/KiB"), "{err}");

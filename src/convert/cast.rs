@@ -140,7 +140,7 @@ pub fn cast_supported(src: DType, dst: DType) -> Result<(), ConvertError> {
     let float = |d: DType| matches!(d, DType::F64 | DType::F32 | DType::Bf16 | DType::F16);
     let fp8 = |d: DType| matches!(d, DType::Fp8E4M3 | DType::Fp8E5M2);
     if fp8(dst) {
-        return refuse("an fp8 destination needs scales: give --quant SCHEME");
+        return refuse("an fp8 destination needs scales: give a quantization scheme (quant)");
     }
     if fp8(src) {
         return refuse("an fp8 source carries scales: its destination must be the same fp8 dtype");
@@ -499,11 +499,11 @@ mod tests {
             }
         }
         let err = cast_supported(DType::Bf16, DType::Fp8E4M3).unwrap_err();
-        assert!(err.to_string().contains("--quant"), "{err}");
+        assert!(err.to_string().contains("quant"), "{err}");
         let err = cast_supported(DType::F32, DType::I32).unwrap_err();
         assert_eq!(
             err.to_string(),
-            "--dst-dtype: cannot convert f32 to i32: only float casts among f64, f32, bf16 and f16 are supported"
+            "dst_dtype: cannot convert f32 to i32: only float casts among f64, f32, bf16 and f16 are supported"
         );
     }
 

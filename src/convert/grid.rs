@@ -625,7 +625,7 @@ mod tests {
             .unwrap_err();
         assert_eq!(
             err.to_string(),
-            "--dst: a shard boundary at 96 along dim 1 cuts a quantization block of 128x128 (boundaries must be multiples of the block size)"
+            "dst: a shard boundary at 96 along dim 1 cuts a quantization block of 128x128 (boundaries must be multiples of the block size)"
         );
         // an uneven last shard ends at the tensor's end, which is fine
         let g = BlockGrid::new(block(128, 128), &[300, 128]).unwrap();

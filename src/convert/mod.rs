@@ -50,7 +50,7 @@ mod tests;
 use thiserror::Error;
 
 use crate::dtype::DType;
-use crate::error::{Dims, Side};
+use crate::error::{Dims, Field, Side};
 
 pub use cast::{CastFn, cast, cast_fn, cast_supported};
 pub use fp8::Fp8;
@@ -61,7 +61,7 @@ pub use quant::{Quant, QuantScheme, ScaleDType};
 /// it.
 #[derive(Debug, Error, Clone, PartialEq)]
 pub enum ConvertError {
-    #[error("--dst-dtype: cannot convert {src} to {dst}: {reason}")]
+    #[error("{}: cannot convert {src} to {dst}: {reason}", Field::DstDType)]
     UnsupportedCast {
         src: DType,
         dst: DType,
@@ -69,27 +69,37 @@ pub enum ConvertError {
     },
 
     #[error(
-        "--quant {scheme}: the destination dtype is {dst}, but quantization writes fp8 (fp8e4m3 or fp8e5m2)"
+        "{} {scheme}: the destination dtype is {dst}, but quantization writes fp8 (fp8e4m3 or fp8e5m2)",
+        Field::Quant
     )]
     QuantDestination { scheme: String, dst: DType },
 
     #[error(
-        "--quant {scheme}: the source dtype is {src}, but only f64, f32, bf16 and f16 sources are quantized"
+        "{} {scheme}: the source dtype is {src}, but only f64, f32, bf16 and f16 sources are quantized",
+        Field::Quant
     )]
     QuantSource { scheme: String, src: DType },
 
     #[error(
-        "--scale-dtype {scale_dtype}: --quant {scheme} has scales that are not powers of two (e8m0 needs `block:RxC:ue8m0` or `mx:32`)"
+        "{} {scale_dtype}: {} {scheme} has scales that are not powers of two (e8m0 needs `block:RxC:ue8m0` or `mx:32`)",
+        Field::ScaleDType,
+        Field::Quant
     )]
     ScaleDType {
         scheme: String,
         scale_dtype: quant::ScaleDType,
     },
 
-    #[error("--quant {scheme}: a block needs at least one row and one column")]
+    #[error(
+        "{} {scheme}: a block needs at least one row and one column",
+        Field::Quant
+    )]
     EmptyBlock { scheme: String },
 
-    #[error("--quant {scheme}: needs a tensor of at least {needs} dims, this one has {ndim}")]
+    #[error(
+        "{} {scheme}: needs a tensor of at least {needs} dims, this one has {ndim}",
+        Field::Quant
+    )]
     SchemeNeedsDims {
         scheme: String,
         needs: usize,

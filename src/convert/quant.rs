@@ -17,6 +17,7 @@
 //! so `[..., ceil(R/r), ceil(C/c)]` for `block`, `[..., ceil(C/32)]` for `mx`, `[..., 1]` for
 //! `channel` and `[1, ..., 1]` for `tensor`.
 
+use crate::error::Field;
 use std::fmt;
 use std::str::FromStr;
 
@@ -91,7 +92,7 @@ impl FromStr for ScaleDType {
             "f32" | "float32" => Ok(ScaleDType::F32),
             "e8m0" | "ue8m0" => Ok(ScaleDType::E8M0),
             _ => Err(Error::InvalidOption {
-                field: "--scale-dtype",
+                field: Field::ScaleDType,
                 value: s.to_string(),
                 reason: "expected `f32` or `e8m0`".into(),
             }),
@@ -129,7 +130,7 @@ impl QuantScheme {
     /// `--quant` and the value.
     pub fn parse(s: &str) -> Result<QuantScheme, Error> {
         let bad = |reason: String| Error::InvalidOption {
-            field: "--quant",
+            field: Field::Quant,
             value: s.to_string(),
             reason,
         };
@@ -414,7 +415,7 @@ mod tests {
         ] {
             let err = QuantScheme::parse(bad).unwrap_err().to_string();
             assert!(
-                err.starts_with(&format!("--quant: {bad} is invalid")),
+                err.starts_with(&format!("quant: {bad} is invalid")),
                 "{err}"
             );
         }
@@ -426,10 +427,7 @@ mod tests {
         );
         assert_eq!("e8m0".parse::<ScaleDType>().unwrap(), ScaleDType::E8M0);
         let err = "f16".parse::<ScaleDType>().unwrap_err().to_string();
-        assert_eq!(
-            err,
-            "--scale-dtype: f16 is invalid: expected `f32` or `e8m0`"
-        );
+        assert_eq!(err, "scale_dtype: f16 is invalid: expected `f32` or `e8m0`");
     }
 
     #[test]
@@ -451,7 +449,7 @@ mod tests {
             Quant::new(block, DType::F32, DType::Fp8E4M3, Some(ScaleDType::E8M0)).unwrap_err();
         assert!(
             err.to_string()
-                .starts_with("--scale-dtype e8m0: --quant block:128x128"),
+                .starts_with("scale_dtype e8m0: quant block:128x128"),
             "{err}"
         );
         let ue = QuantScheme::parse("block:128x128:ue8m0").unwrap();
@@ -477,7 +475,7 @@ mod tests {
         };
         assert_eq!(
             empty.block_shape(&[4, 4]).unwrap_err().to_string(),
-            "--quant block:0x4: a block needs at least one row and one column"
+            "quant block:0x4: a block needs at least one row and one column"
         );
         assert_eq!(QuantScheme::Mx.block_shape(&[4, 100]).unwrap(), [1, 32]);
         assert_eq!(

@@ -6,7 +6,7 @@
 //! on the errors without the errors depending on `model`. [`crate::model::ModelError`] names
 //! the same type.
 
-use super::{Error, LayoutError};
+use super::{Error, Field, LayoutError};
 
 /// An error of the `model` module.
 #[derive(Debug, thiserror::Error)]
@@ -26,7 +26,8 @@ pub enum ModelError {
     },
 
     #[error(
-        "--model: `{value}` is neither a file, a folder nor a shipped model (known: {})",
+        "{}: `{value}` is neither a file, a folder nor a shipped model (known: {})",
+        Field::Model,
         .known.join(", ")
     )]
     UnknownModel { value: String, known: Vec<String> },
@@ -53,7 +54,8 @@ pub enum ModelError {
     Checkpoint { path: String, reason: String },
 
     #[error(
-        "--model {model}: the refit's {field} would be {value}, more than 2^64-1: too large to report"
+        "{} {model}: the refit's {field} would be {value}, more than 2^64-1: too large to report",
+        Field::Model
     )]
     TotalOverflow {
         model: String,
@@ -63,19 +65,19 @@ pub enum ModelError {
 
     #[error("{side}: `{key}={value}`: {reason}")]
     Parallel {
-        side: &'static str,
+        side: Field,
         key: String,
         value: String,
         reason: String,
     },
 
-    #[error("--override: `{value}`: {reason}")]
+    #[error("{}: `{value}`: {reason}", Field::Override)]
     Override { value: String, reason: String },
 
     #[error("tensor {tensor}: {side} layout: {source}")]
     Layout {
         tensor: String,
-        side: &'static str,
+        side: Field,
         #[source]
         source: LayoutError,
     },
@@ -85,7 +87,7 @@ pub enum ModelError {
     )]
     KindShape {
         tensor: String,
-        side: &'static str,
+        side: Field,
         kind: &'static str,
         ndim: usize,
     },

@@ -1,5 +1,6 @@
 //! Runs a whole plan with every rank as a thread of this process.
 
+use crate::error::Field;
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Instant;
 
@@ -57,7 +58,7 @@ pub fn run_local_with_faults(
     let ranks = plan.ranks();
     if ranks.len() > MAX_LOCAL_RANKS {
         return Err(Error::InvalidOption {
-            field: "--transport",
+            field: Field::Transport,
             value: "local".into(),
             reason: format!(
                 "local runs every rank as threads of one process, and {} ranks is over its limit of {MAX_LOCAL_RANKS}",

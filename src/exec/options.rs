@@ -1,5 +1,6 @@
 //! The executor's knobs, checked before a run starts.
 
+use crate::error::Field;
 use std::time::Duration;
 
 use crate::error::{Error, Result};
@@ -34,14 +35,14 @@ impl ExecOptions {
     pub fn validate(&self) -> Result<()> {
         if self.chunk_bytes == 0 {
             return Err(Error::InvalidOption {
-                field: "--chunk-bytes",
+                field: Field::ChunkBytes,
                 value: "0".into(),
                 reason: "a chunk must hold at least one byte".into(),
             });
         }
         if self.chunk_bytes.saturating_mul(2) > self.staging_bytes {
             return Err(Error::InvalidOption {
-                field: "--chunk-bytes",
+                field: Field::ChunkBytes,
                 value: self.chunk_bytes.to_string(),
                 reason: format!(
                     "two chunks must fit in the staging bound of {} bytes",
@@ -51,7 +52,7 @@ impl ExecOptions {
         }
         if self.timeout.is_zero() {
             return Err(Error::InvalidOption {
-                field: "--timeout",
+                field: Field::Timeout,
                 value: "0".into(),
                 reason: "must be positive".into(),
             });

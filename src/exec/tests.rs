@@ -70,7 +70,7 @@ fn bad_buffers_are_rejected_before_any_byte_moves() {
     let err = run_local(&plan, &sources, &mut shards, &ExecOptions::default()).unwrap_err();
     assert_eq!(
         err.to_string(),
-        "--dst: rank 5's buffer has 33 bytes, but its shard 8x2 needs 32"
+        "dst: rank 5's buffer has 33 bytes, but its shard 8x2 needs 32"
     );
     assert!(
         shards.values().all(|b| b.iter().all(|&x| x == 0)),
@@ -79,7 +79,7 @@ fn bad_buffers_are_rejected_before_any_byte_moves() {
     shards.get_mut(&5).unwrap().pop();
     sources.remove(&1);
     let err = run_local(&plan, &sources, &mut shards, &ExecOptions::default()).unwrap_err();
-    assert_eq!(err.to_string(), "--src: no local buffer given for rank 1");
+    assert_eq!(err.to_string(), "src: no local buffer given for rank 1");
     let options = ExecOptions {
         chunk_bytes: 64 << 20,
         ..ExecOptions::default()
@@ -93,7 +93,7 @@ fn bad_buffers_are_rejected_before_any_byte_moves() {
     .unwrap_err();
     assert!(
         err.to_string()
-            .starts_with("--chunk-bytes: 67108864 is invalid"),
+            .starts_with("chunk_bytes: 67108864 is invalid"),
         "{err}"
     );
 }
@@ -663,7 +663,7 @@ fn integer_and_unscaled_fp8_destinations_are_refused_by_the_plan() {
         assert!(matches!(err, Error::Convert { .. }), "{err}");
         let text = err.to_string();
         assert!(
-            text.contains("--dst-dtype") && text.contains(&to.to_string()),
+            text.contains("dst_dtype") && text.contains(&to.to_string()),
             "{text}"
         );
     }

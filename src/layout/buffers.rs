@@ -60,7 +60,7 @@ mod tests {
     fn a_missing_buffer_names_side_and_rank() {
         let buffers = BTreeMap::from([(3, vec![0; 16])]);
         let err = layout().check_buffers(Side::Src, &buffers).unwrap_err();
-        assert_eq!(err.to_string(), "--src: no local buffer given for rank 4");
+        assert_eq!(err.to_string(), "src: no local buffer given for rank 4");
     }
 
     #[test]
@@ -69,7 +69,7 @@ mod tests {
         let err = layout().check_buffers(Side::Dst, &buffers).unwrap_err();
         assert_eq!(
             err.to_string(),
-            "--dst: rank 4's buffer has 15 bytes, but its shard 2x4 needs 16"
+            "dst: rank 4's buffer has 15 bytes, but its shard 2x4 needs 16"
         );
     }
 
@@ -79,7 +79,7 @@ mod tests {
         let err = layout().check_buffers(Side::Dst, &buffers).unwrap_err();
         assert_eq!(
             err.to_string(),
-            "--dst: rank 7 is not part of this layout, yet a buffer was given for it"
+            "dst: rank 7 is not part of this layout, yet a buffer was given for it"
         );
     }
 }

@@ -352,15 +352,15 @@ mod tests {
         let err = |s: &str| parse_shape(s).unwrap_err().to_string();
         assert_eq!(
             err("8,x"),
-            "--shape: malformed shape `8,x`: `x` is not a valid dimension size"
+            "shape: malformed shape `8,x`: `x` is not a valid dimension size"
         );
         assert_eq!(
             err("8,,8"),
-            "--shape: malformed shape `8,,8`: dimension 1 is empty"
+            "shape: malformed shape `8,,8`: dimension 1 is empty"
         );
         assert_eq!(
             err("8x"),
-            "--shape: malformed shape `8x`: dimension 1 is empty"
+            "shape: malformed shape `8x`: dimension 1 is empty"
         );
         assert!(err("8,8x8").contains("`8x8` is not a valid dimension size"));
     }

@@ -155,7 +155,7 @@ mod tests {
     #[test]
     fn unknown_models_list_the_shipped_ones() {
         let err = Model::load("gpt-9").unwrap_err().to_string();
-        assert!(err.starts_with("--model: `gpt-9` is neither a file, a folder nor a shipped model (known: deepseek-v3, kimi-k2,"), "{err}");
+        assert!(err.starts_with("model: `gpt-9` is neither a file, a folder nor a shipped model (known: deepseek-v3, kimi-k2,"), "{err}");
         let scratch_empty = temp_dir("nothing");
         let empty = scratch_empty.path();
         let err = Model::load(empty.to_str().unwrap())

@@ -3,6 +3,7 @@
 //! Sizes are counted the way Megatron-LM (training) and vLLM (inference) count them; how they
 //! turn into layouts is [`super::rules`]'s job.
 
+use crate::error::Field;
 use std::collections::BTreeMap;
 
 use crate::error::ModelError;
@@ -42,12 +43,12 @@ pub struct Inference {
     pub ep: bool,
 }
 
-const TRAIN: &str = "--train";
-const INFER: &str = "--infer";
+const TRAIN: Field = Field::Train;
+const INFER: Field = Field::Infer;
 
 /// `key=value` pairs, values parsed as positive integers; a bare key has no value.
 fn pairs(
-    side: &'static str,
+    side: Field,
     text: &str,
     allowed: &[&str],
 ) -> Result<BTreeMap<String, Option<usize>>, ModelError> {
@@ -92,7 +93,7 @@ fn pairs(
 
 /// The value of `key`, `None` when absent; a bare key (no value) is an error.
 fn size(
-    side: &'static str,
+    side: Field,
     map: &BTreeMap<String, Option<usize>>,
     key: &str,
 ) -> Result<Option<usize>, ModelError> {
@@ -110,7 +111,7 @@ fn size(
 
 /// The product of `sizes`, if the ranks it counts fit in one side ([`MAX_MESH_RANKS`]):
 /// checked here, before every tensor's layout lists that many ranks.
-fn world_of(side: &'static str, sizes: &[(&str, usize)]) -> Result<usize, ModelError> {
+fn world_of(side: Field, sizes: &[(&str, usize)]) -> Result<usize, ModelError> {
     sizes
         .iter()
         .try_fold(1usize, |acc, (_, n)| acc.checked_mul(*n))
@@ -128,7 +129,7 @@ fn world_of(side: &'static str, sizes: &[(&str, usize)]) -> Result<usize, ModelE
 
 /// `dp` from `world=` when `dp` is not given; both given must agree.
 fn data_parallel(
-    side: &'static str,
+    side: Field,
     dp: Option<usize>,
     world: Option<usize>,
     model: usize,
@@ -164,7 +165,7 @@ impl Training {
     /// let t = Training::parse("tp=2,cp=2,ep=16,pp=4,world=64").unwrap();
     /// assert_eq!((t.dp, t.world(), t.edp()), (4, 64, 1));
     /// let err = Training::parse("tp=2,dp=4,ep=3").unwrap_err();
-    /// assert_eq!(err.to_string(), "--train: `ep=3`: ep x etp = 3 must divide tp x cp x dp = 8");
+    /// assert_eq!(err.to_string(), "train: `ep=3`: ep x etp = 3 must divide tp x cp x dp = 8");
     /// ```
     pub fn parse(text: &str) -> Result<Training, ModelError> {
         let map = pairs(
@@ -337,56 +338,56 @@ mod tests {
         let cases = [
             (
                 Training::parse("tp=2,sp=2").unwrap_err(),
-                "--train: `sp=2`: unknown key (expected tp, cp, ep, etp, dp, pp, fsdp, world)",
+                "train: `sp=2`: unknown key (expected tp, cp, ep, etp, dp, pp, fsdp, world)",
             ),
             (
                 Training::parse("tp=0").unwrap_err(),
-                "--train: `tp=0`: must be at least 1",
+                "train: `tp=0`: must be at least 1",
             ),
             (
                 Training::parse("tp=two").unwrap_err(),
-                "--train: `tp=two`: not a positive integer",
+                "train: `tp=two`: not a positive integer",
             ),
             (
                 Training::parse("tp=2,tp=4").unwrap_err(),
-                "--train: `tp=4`: given twice",
+                "train: `tp=4`: given twice",
             ),
             (
                 Training::parse("tp=2,pp").unwrap_err(),
-                "--train: `pp=`: needs a value",
+                "train: `pp=`: needs a value",
             ),
             (
                 Training::parse("tp=4,world=10").unwrap_err(),
-                "--train: `world=10`: not a multiple of tp x cp x pp = 4",
+                "train: `world=10`: not a multiple of tp x cp x pp = 4",
             ),
             (
                 Training::parse("tp=4,dp=2,world=16").unwrap_err(),
-                "--train: `world=16`: tp x cp x pp x dp = 8 (dp=2), not 16",
+                "train: `world=16`: tp x cp x pp x dp = 8 (dp=2), not 16",
             ),
             (
                 Training::parse("dp=4,etp=8").unwrap_err(),
-                "--train: `etp=8`: ep x etp = 8 must divide tp x cp x dp = 4",
+                "train: `etp=8`: ep x etp = 8 must divide tp x cp x dp = 4",
             ),
             (
                 Training::parse("dp=6,fsdp=4").unwrap_err(),
-                "--train: `fsdp=4`: must divide dp = 6",
+                "train: `fsdp=4`: must divide dp = 6",
             ),
             (
                 Training::parse("tp=65536,dp=65536").unwrap_err(),
-                "--train: `world=tp=65536,cp=1,dp=65536,pp=1`: more than the 16777216 ranks a side may have",
+                "train: `world=tp=65536,cp=1,dp=65536,pp=1`: more than the 16777216 ranks a side may have",
             ),
             (
                 // refused before each of a model's tensors lists twenty million ranks
                 Inference::parse("dp=20000000").unwrap_err(),
-                "--infer: `world=tp=1,pp=1,dp=20000000`: more than the 16777216 ranks a side may have",
+                "infer: `world=tp=1,pp=1,dp=20000000`: more than the 16777216 ranks a side may have",
             ),
             (
                 Inference::parse("tp=8,cp=2").unwrap_err(),
-                "--infer: `cp=2`: unknown key (expected tp, dp, pp, ep, world)",
+                "infer: `cp=2`: unknown key (expected tp, dp, pp, ep, world)",
             ),
             (
                 Inference::parse("tp=8,dp=2,ep=8").unwrap_err(),
-                "--infer: `ep=8`: vLLM's expert parallelism spans tp x dp = 16 ranks (write `ep` or ep=16)",
+                "infer: `ep=8`: vLLM's expert parallelism spans tp x dp = 16 ranks (write `ep` or ep=16)",
             ),
         ];
         for (err, text) in cases {

@@ -1,6 +1,7 @@
 //! A whole-model refit: every parameter with its training and inference layouts, the fused
 //! buffers of both sides, and its plan and totals.
 
+use crate::error::Field;
 use std::time::Instant;
 
 use rayon::prelude::*;
@@ -68,7 +69,7 @@ impl Refit {
         ranks: Ranks,
     ) -> Result<Refit, ModelError> {
         if let Some(heads) = model.heads {
-            for (side, tp) in [("--train", train.tp), ("--infer", infer.tp)] {
+            for (side, tp) in [(Field::Train, train.tp), (Field::Infer, infer.tp)] {
                 if !heads.attention.is_multiple_of(tp as u64) {
                     return Err(ModelError::Parallel {
                         side,
@@ -425,7 +426,7 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(
-            err.starts_with("--model wide: the refit's reshard.bytes_remote would be "),
+            err.starts_with("model wide: the refit's reshard.bytes_remote would be "),
             "{err}"
         );
         assert!(

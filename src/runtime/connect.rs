@@ -1,6 +1,7 @@
 //! Opening a rank's links: which transport carries each peer (the `auto` policy), moved here
 //! from the command line so that every program joining a job chooses alike.
 
+use crate::error::Field;
 use std::collections::BTreeSet;
 
 use crate::error::{Error, Result};
@@ -71,7 +72,7 @@ pub(super) fn connect_mpi<'j, 'l>(
     // what every rank decides alike, so that none waits on a rank that stopped here
     if kind == TransportKind::Shm && neighbours.len() + 1 < job.world() {
         return Err(Error::InvalidOption {
-            field: "--transport",
+            field: Field::Transport,
             value: "shm".into(),
             reason: "the ranks of this job run on more than one host; use mpi or auto".into(),
         });
@@ -105,7 +106,7 @@ fn over_shm<C: Carrier>(
         peers.iter().find(|&&p| near(p).is_none()),
     ) {
         return Err(Error::InvalidOption {
-            field: "--transport",
+            field: Field::Transport,
             value: "shm".into(),
             reason: format!("rank {far} runs on another host; use {other} or auto"),
         });

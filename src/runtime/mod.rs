@@ -28,6 +28,7 @@
 mod connect;
 mod run;
 
+use crate::error::Field;
 use std::str::FromStr;
 use std::time::Duration;
 
@@ -89,7 +90,7 @@ impl FromStr for TransportKind {
             .into_iter()
             .find(|k| k.name() == s)
             .ok_or_else(|| Error::InvalidOption {
-                field: "--transport",
+                field: Field::Transport,
                 value: s.into(),
                 reason: "expected local, tcp, shm, mpi or auto".into(),
             })
@@ -175,7 +176,7 @@ impl World {
             }
             Some(env) if kind == TransportKind::Local => {
                 return Err(Error::InvalidOption {
-                    field: "--transport",
+                    field: Field::Transport,
                     value: "local".into(),
                     reason: format!(
                         "local runs every rank as a thread of one process, but this is rank {} \
@@ -294,7 +295,7 @@ impl World {
     ) -> Result<AnyTransport<'_>> {
         match &self.membership {
             Membership::Threads => Err(Error::InvalidOption {
-                field: "--transport",
+                field: Field::Transport,
                 value: self.options.transport.name().into(),
                 reason: "the ranks are threads of this process: they share its memory and open \
                          no links"
@@ -372,7 +373,7 @@ fn mpi_membership() -> Result<Membership> {
 #[cfg(not(feature = "mpi"))]
 fn mpi_membership() -> Result<Membership> {
     Err(Error::InvalidOption {
-        field: "--transport",
+        field: Field::Transport,
         value: "mpi".into(),
         reason: "this reshard was built without MPI; build it with `cargo build --release --features mpi` \
                  (needs an MPI library such as Debian's libopenmpi-dev, and libclang-dev)"
@@ -383,7 +384,7 @@ fn mpi_membership() -> Result<Membership> {
 /// The error for a multi-process transport started as a lone process.
 fn not_in_a_job(kind: TransportKind) -> Error {
     Error::InvalidOption {
-        field: "--transport",
+        field: Field::Transport,
         value: kind.name().into(),
         reason: "it runs one rank per process: start it with `reshard launch --nproc N -- \
                  run ...`, or set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT (also \

@@ -38,7 +38,7 @@ fn transport_names_parse_back_and_others_are_refused_by_name() {
         assert_eq!(kind.name().parse::<TransportKind>().unwrap(), kind);
     }
     let err = "udp".parse::<TransportKind>().unwrap_err();
-    assert!(err.to_string().starts_with("--transport: udp"), "{err}");
+    assert!(err.to_string().starts_with("transport: udp"), "{err}");
 }
 
 /// A lone process with no rendezvous runs every rank as a thread: the one call moves the
@@ -73,7 +73,7 @@ fn transports_that_need_processes_are_refused_in_a_lone_process() {
         let err = World::join_env(None, with(kind)).err().unwrap();
         let text = err.to_string();
         assert!(
-            text.starts_with(&format!("--transport: {}", kind.name())),
+            text.starts_with(&format!("transport: {}", kind.name())),
             "{text}"
         );
         assert!(text.contains("RANK, WORLD_SIZE"), "{text}");

@@ -19,6 +19,7 @@ pub mod segment;
 pub mod shm;
 pub mod tcp;
 
+use crate::error::Field;
 use std::ops::Range;
 
 pub use local::{Fault, LocalEndpoint, LocalFabric};
@@ -327,7 +328,7 @@ impl Chunking {
 /// The refusal of a transport that cannot carry checksums.
 fn no_sums(transport: &'static str) -> crate::Error {
     crate::Error::InvalidOption {
-        field: "--checksum",
+        field: Field::Checksum,
         value: transport.into(),
         reason: format!("the {transport} transport cannot carry checksums"),
     }

@@ -117,13 +117,13 @@ impl MpiJob {
     pub fn init() -> Result<MpiJob> {
         let (universe, threading) = mpi::initialize_with_threading(Threading::Multiple)
             .ok_or_else(|| Error::InvalidOption {
-                field: "--transport",
+                field: Field::Transport,
                 value: "mpi".into(),
                 reason: "MPI is already initialized in this process".into(),
             })?;
         if threading != Threading::Multiple {
             return Err(Error::InvalidOption {
-                field: "--transport",
+                field: Field::Transport,
                 value: "mpi".into(),
                 reason: format!(
                     "this MPI library provides {threading:?} threading, and reshard needs MPI_THREAD_MULTIPLE"

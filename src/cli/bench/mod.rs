@@ -13,6 +13,7 @@ use clap::{Args, ValueEnum};
 
 use reshard::Error;
 use reshard::agreement::Fingerprint;
+use reshard::error::Field;
 use reshard::exec::ExecOptions;
 use reshard::fill::Fill;
 
@@ -82,7 +83,7 @@ pub struct BenchArgs {
 impl BenchArgs {
     fn cases(&self) -> Result<Vec<Case>, Error> {
         if self.suite.is_some() {
-            let bytes = parse_bytes("--suite-bytes", &self.suite_bytes)?;
+            let bytes = parse_bytes(Field::Flag("--suite-bytes"), &self.suite_bytes)?;
             return refit_suite(
                 bytes,
                 &self.suite_bytes,

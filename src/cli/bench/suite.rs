@@ -2,6 +2,7 @@
 //! them scaled to a tensor size.
 
 use reshard::error::Dims;
+use reshard::error::Field;
 use reshard::plan::GatherBroadcast;
 use reshard::{Error, Plan, Rank};
 
@@ -40,7 +41,7 @@ impl Case {
         let shape = self.plan.src().shape();
         check_memory(self.memory(rank), shape).map_err(|e| match (e, &self.sized_by) {
             (Error::InvalidOption { reason, .. }, Some(text)) => Error::InvalidOption {
-                field: "--suite-bytes",
+                field: Field::Flag("--suite-bytes"),
                 value: text.clone(),
                 reason: format!(
                     "case {} (shape {}): {reason}",

@@ -100,7 +100,7 @@ pub(super) fn build(
     }
     let err = |source| ModelError::Layout {
         tensor: param.name.clone(),
-        side: which.flag(),
+        side: which.field(),
         source,
     };
     let mesh = Mesh::new(dims, ranks).map_err(err)?;
@@ -137,7 +137,7 @@ pub(super) fn tp_axes(
                 ]
             } else {
                 return Err(ModelError::Parallel {
-                    side: which.flag(),
+                    side: which.field(),
                     key: "tp".into(),
                     value: tp.to_string(),
                     reason: format!(
@@ -154,7 +154,7 @@ pub(super) fn expert_dim(param: &Param, kind: Kind, which: Which) -> Result<usiz
     if param.shape.len() != 3 {
         return Err(ModelError::KindShape {
             tensor: param.name.clone(),
-            side: which.flag(),
+            side: which.field(),
             kind: kind.name(),
             ndim: param.shape.len(),
         });

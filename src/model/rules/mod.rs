@@ -71,6 +71,7 @@
 //! the mesh axes every layout is built from, `megatron.rs` the training side and `vllm.rs`
 //! the inference side.
 
+use crate::error::Field;
 use std::fmt;
 use std::str::FromStr;
 
@@ -155,10 +156,10 @@ pub enum Which {
 }
 
 impl Which {
-    fn flag(self) -> &'static str {
+    fn field(self) -> Field {
         match self {
-            Which::Train => "--train",
-            Which::Infer => "--infer",
+            Which::Train => Field::Train,
+            Which::Infer => Field::Infer,
         }
     }
 }

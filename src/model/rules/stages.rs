@@ -48,7 +48,7 @@ pub fn stage_of_layer(layer: u64, layers: u64, pp: usize) -> usize {
 pub(super) fn check_stages(pp: usize, facts: &ModelFacts, which: Which) -> Result<(), ModelError> {
     if pp as u64 > facts.num_layers {
         return Err(ModelError::Parallel {
-            side: which.flag(),
+            side: which.field(),
             key: "pp".into(),
             value: pp.to_string(),
             reason: format!("more stages than the model's {} layers", facts.num_layers),

@@ -226,7 +226,7 @@ fn vllm_layouts() {
     .unwrap_err();
     assert_eq!(
         err.to_string(),
-        "--infer: `tp=3`: model.layers.0.self_attn.k_proj.weight: tp must divide or be a multiple of the 4 key/value heads"
+        "infer: `tp=3`: model.layers.0.self_attn.k_proj.weight: tp must divide or be a multiple of the 4 key/value heads"
     );
 }
 
@@ -259,7 +259,7 @@ fn vllm_experts() {
     let err = infer_layout(&p("x.weight", &[4, 4]), Kind::ExpertRow, &i, &FACTS, 0).unwrap_err();
     assert_eq!(
         err.to_string(),
-        "tensor x.weight: --infer: kind expert-row needs a stacked [E, out, in] tensor, this one is 2-D"
+        "tensor x.weight: infer: kind expert-row needs a stacked [E, out, in] tensor, this one is 2-D"
     );
 }
 
@@ -292,7 +292,7 @@ fn tied_embeddings_live_on_the_first_and_last_stage() {
     .unwrap_err();
     assert_eq!(
         err.to_string(),
-        "--infer: `pp=9`: more stages than the model's 8 layers"
+        "infer: `pp=9`: more stages than the model's 8 layers"
     );
 }
 
@@ -317,14 +317,14 @@ fn overrides_come_first() {
         .with_override_text("a[=row")
         .unwrap_err()
         .to_string();
-    assert!(err.starts_with("--override: `a[=row`: "), "{err}");
+    assert!(err.starts_with("overrides: `a[=row`: "), "{err}");
     let err = Rules::default()
         .with_override_text("*.weight")
         .unwrap_err()
         .to_string();
     assert_eq!(
         err,
-        "--override: `*.weight`: expected [train:|infer:]GLOB=KIND"
+        "overrides: `*.weight`: expected [train:|infer:]GLOB=KIND"
     );
     let err = Rules::default()
         .with_override_text("*=sideways")
@@ -332,7 +332,7 @@ fn overrides_come_first() {
         .to_string();
     assert_eq!(
         err,
-        "--override: `*=sideways`: unknown kind `sideways` (expected replicate, column, row, kv-column, expert-column, expert-row)"
+        "overrides: `*=sideways`: unknown kind `sideways` (expected replicate, column, row, kv-column, expert-column, expert-row)"
     );
 }
 
