@@ -15,7 +15,7 @@ use std::hint::black_box;
 use divan::Bencher;
 use divan::counter::BytesCount;
 use reshard::Region;
-use reshard::exec::copy::{CopyGeometry, Place};
+use reshard::copy::{CopyGeometry, Place};
 
 fn main() {
     divan::main();
@@ -153,7 +153,7 @@ fn direct(bencher: Bencher, case: Case) {
 fn sum(bencher: Bencher, case: Case) {
     let src = filled(bytes_of(&case.src_box));
     let sum = || {
-        reshard::exec::checksum::region_sum(
+        reshard::checksum::region_sum(
             black_box(&src),
             &case.src_box,
             &case.region,

@@ -3,6 +3,9 @@
 //! overlap its own, point to point, instead of all-gathering the tensor and broadcasting it.
 //!
 //! The crate is a pure core with thin edges:
+//! - [`region`], [`copy`] and [`checksum`], the bottom layer: boxes of a tensor, the strided
+//!   copy kernels that move a box between buffers and messages (converting on the way), and
+//!   the CRC-32C of a box's bytes;
 //! - [`layout`]: meshes, placements and the `torch.chunk` rule: which box each rank holds;
 //! - [`plan`]: the transfers between two layouts, computed without communication;
 //! - [`exec`]: runs a plan over a [`transport::Transport`], in bounded chunks;
@@ -29,7 +32,9 @@
 
 pub mod agreement;
 pub mod batch;
+pub mod checksum;
 pub mod convert;
+pub mod copy;
 pub mod dtype;
 pub mod error;
 pub mod exec;

@@ -43,6 +43,21 @@ pub fn reserve(buf: &mut Vec<u8>, additional: usize, what: impl FnOnce() -> Stri
         })
 }
 
+/// Sets every byte of `buf` to `value` with stores that bypass the caches where the CPU has
+/// them, so that the buffer ends up in memory and not in the caches: benchmarks poison
+/// destinations this way between repetitions, leaving them as a destination that was last
+/// written long ago is (a poison left dirty in the caches would be written back during the
+/// next, timed, repetition).
+pub fn fill_around_caches(buf: &mut [u8], value: u8) {
+    const PIECE: usize = 64 << 10;
+    let pattern = [value; PIECE];
+    for piece in buf.chunks_mut(PIECE) {
+        let len = piece.len();
+        crate::copy::lines::copy(piece, &pattern[..len], &[], true);
+    }
+    crate::copy::lines::fence();
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -68,5 +83,13 @@ mod tests {
         let e = reserve(&mut buf, usize::MAX / 2, || "a staging area".into()).unwrap_err();
         assert!(e.to_string().contains("a staging area"));
         assert_eq!(buf, [1]);
+    }
+
+    #[test]
+    fn fills_around_the_caches_set_every_byte() {
+        let mut buf = vec![1u8; (200 << 10) + 77];
+        fill_around_caches(&mut buf[3..], 0xA5);
+        assert_eq!(buf[..3], [1, 1, 1]);
+        assert!(buf[3..].iter().all(|&b| b == 0xA5));
     }
 }

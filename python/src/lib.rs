@@ -987,7 +987,7 @@ fn crc32c(tensor: &Bound<'_, PyAny>, pieces: Vec<(usize, usize)>) -> PyResult<Ve
     let bytes = unsafe { std::slice::from_raw_parts(ptr as *const u8, len) };
     Ok(pieces
         .iter()
-        .map(|&(start, n)| reshard::exec::checksum::bytes_sum(&bytes[start..start + n]))
+        .map(|&(start, n)| reshard::checksum::bytes_sum(&bytes[start..start + n]))
         .collect())
 }
 

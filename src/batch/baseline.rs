@@ -4,9 +4,9 @@
 //! buffers. One full-tensor buffer per rank, as large as the largest tensor, is reused.
 
 use super::{Batch, RankBatch};
+use crate::copy::{CopyGeometry, Place};
 use crate::error::{Error, Result};
 use crate::exec::baseline::{BaselineJob, run_rank_gather_broadcast};
-use crate::exec::copy::{CopyGeometry, Place};
 use crate::exec::{ExecOptions, RankStats};
 use crate::layout::Rank;
 use crate::plan::{GatherBroadcast, RankPlan, rank_plan};

@@ -26,8 +26,8 @@ pub use run::{run_local_batch, run_rank_batch};
 use std::collections::{BTreeMap, BTreeSet};
 use std::ops::Range;
 
+use crate::copy::{CopyGeometry, Place};
 use crate::error::{Error, Result, Side};
-use crate::exec::copy::{CopyGeometry, Place};
 use crate::exec::{Step, Steps};
 use crate::layout::{Layout, Rank};
 // most pieces one fused buffer may be cut into on one rank

@@ -170,7 +170,7 @@ fn fill_of(tensor: usize) -> Fill {
 /// left behind from verifying as the next one's.
 fn poison<'b>(bufs: impl IntoIterator<Item = &'b mut Vec<u8>>) {
     bufs.into_iter()
-        .for_each(|b| reshard::exec::copy::fill_around_caches(b, 0xA5));
+        .for_each(|b| reshard::memory::fill_around_caches(b, 0xA5));
 }
 
 /// Checks every piece of this rank's destination buffers against its tensor's fill.

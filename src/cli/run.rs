@@ -282,7 +282,7 @@ fn rank_part(
 /// A pattern written over a destination shard before each verified repetition, so that only
 /// the bytes this repetition moved can make it verify, not those of the one before.
 fn poison(buf: &mut [u8]) {
-    exec::copy::fill_around_caches(buf, 0xA5);
+    reshard::memory::fill_around_caches(buf, 0xA5);
 }
 
 /// Makes sure `--dump DIR` can take the files before any byte moves: creates DIR when it is

@@ -5,8 +5,8 @@
 use std::collections::BTreeMap;
 use std::time::Instant;
 
-use super::copy::{Cast, CopyGeometry, Place};
 use super::{ExecOptions, RankJob, RankStats, RunStats, check_buffers, run_local, run_rank};
+use crate::copy::{Cast, CopyGeometry, Place};
 use crate::error::{Error, Result, Side};
 use crate::exec::threads::{RankThread, joined};
 use crate::layout::Rank;

@@ -13,8 +13,6 @@
 //! all-ranks-as-threads run (`local`).
 
 pub mod baseline;
-pub mod checksum;
-pub mod copy;
 mod local;
 mod options;
 pub mod progress;

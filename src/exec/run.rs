@@ -3,12 +3,12 @@
 
 use std::collections::BTreeMap;
 
-use super::checksum;
-use super::copy::{Cast, CopyGeometry, Place};
 use super::options::ExecOptions;
 use super::progress::{Due, Progress, Sent};
 use super::stats::RankStats;
 use super::steps::{Step, Steps, check_job, check_steps, cut_chunk};
+use crate::checksum;
+use crate::copy::{Cast, CopyGeometry, Place};
 use crate::error::{Error, Result};
 use crate::exec::threads::{RankThread, joined};
 use crate::layout::{Layout, Rank};

@@ -4,7 +4,7 @@
 
 use std::collections::BTreeMap;
 
-use super::copy::Cast;
+use crate::copy::Cast;
 use crate::error::{Dims, Error, Result, Side};
 use crate::layout::{Layout, Rank};
 use crate::plan::{RankPlan, Transfer};

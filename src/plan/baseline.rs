@@ -156,8 +156,8 @@ impl GatherBroadcast {
 
     /// The conversion each destination rank applies as it keeps its box, if the dtypes
     /// differ (checked when the baseline was planned).
-    pub fn cast(&self) -> Option<crate::exec::copy::Cast> {
-        crate::exec::copy::Cast::between(self.src_dtype, self.dst.dtype())
+    pub fn cast(&self) -> Option<crate::copy::Cast> {
+        crate::copy::Cast::between(self.src_dtype, self.dst.dtype())
             .ok()
             .flatten()
     }

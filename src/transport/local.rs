@@ -10,8 +10,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::time::Duration;
 
+use crate::copy::{CopyGeometry, Place};
 use crate::error::{Error, Result};
-use crate::exec::copy::{CopyGeometry, Place};
 use crate::layout::Rank;
 
 use super::{Incoming, Outgoing, Transport};

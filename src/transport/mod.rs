@@ -25,8 +25,8 @@ use std::ops::Range;
 pub use local::{Fault, LocalEndpoint, LocalFabric};
 
 use crate::agreement::Fingerprint;
+use crate::copy::{Cast, CopyGeometry, Place};
 use crate::error::Result;
-use crate::exec::copy::{Cast, CopyGeometry, Place};
 use crate::layout::Rank;
 use crate::region::Region;
 
@@ -221,7 +221,7 @@ pub trait Transport<'buf>: Sync {
     fn send(&self, chunk: Outgoing<'buf>) -> Result<()>;
 
     /// [`Transport::send`] for `--checksum`: also returns the chunk's sum, the CRC-32C of its
-    /// bytes in stream order ([`crate::exec::checksum::region_sum`]). The default sums the
+    /// bytes in stream order ([`crate::checksum::region_sum`]). The default sums the
     /// chunk first, in a pass of its own; a transport that reads the bytes anyway, to pack or
     /// copy them, sums them as it goes ([`CopyGeometry::copy_summing`]).
     fn send_summed(&self, chunk: Outgoing<'buf>) -> Result<u32> {
@@ -240,7 +240,7 @@ pub trait Transport<'buf>: Sync {
             self.send(chunk)?;
             return Ok(sum);
         }
-        let sum = crate::exec::checksum::region_sum(
+        let sum = crate::checksum::region_sum(
             chunk.src,
             chunk.src_box,
             chunk.region,

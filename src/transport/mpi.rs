@@ -24,8 +24,8 @@ use mpi::topology::SimpleCommunicator;
 use mpi::traits::*;
 
 use crate::agreement::Fingerprint;
+use crate::copy::{CopyGeometry, Place};
 use crate::error::{Error, Result};
-use crate::exec::copy::{CopyGeometry, Place};
 use crate::layout::{Layout, Rank};
 use crate::region::Region;
 

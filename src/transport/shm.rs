@@ -16,8 +16,8 @@ use std::time::{Duration, Instant};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
+use crate::copy::{CopyGeometry, Place};
 use crate::error::{Error, Result};
-use crate::exec::copy::{CopyGeometry, Place};
 use crate::layout::Rank;
 use crate::region::Region;
 

@@ -10,8 +10,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
+use crate::copy::{CopyGeometry, Place};
 use crate::error::{Error, Result};
-use crate::exec::copy::{CopyGeometry, Place};
 use crate::layout::Rank;
 use crate::region::Region;
 
@@ -404,7 +404,7 @@ impl TcpTransport {
         // a converted chunk is packed: the wire carries destination bytes, not the shard's
         if g.run_bytes() >= VECTORED_MIN_RUN && chunk.cast.is_none() {
             if let Some(sum) = sum {
-                *sum = crate::exec::checksum::region_sum(
+                *sum = crate::checksum::region_sum(
                     chunk.src,
                     chunk.src_box,
                     chunk.region,

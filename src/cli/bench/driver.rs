@@ -44,7 +44,7 @@ fn progress(args: &BenchArgs, cases: usize) -> ProgressBar {
 /// bytes of the one before. Written around the caches, so that no repetition starts with the
 /// poison dirty in them.
 fn poison(buf: &mut [u8]) {
-    reshard::exec::copy::fill_around_caches(buf, 0xA5);
+    reshard::memory::fill_around_caches(buf, 0xA5);
 }
 
 /// Every rank a thread of this process.

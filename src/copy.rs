@@ -239,7 +239,7 @@ impl CopyGeometry {
                     let out = &mut dst[d + at..d + at + n];
                     (cast.kernel)(&src[from..from + self.src_bytes(n)], out);
                     if let Some(sum) = sum.as_deref_mut() {
-                        *sum = crate::exec::checksum::append(*sum, out);
+                        *sum = crate::checksum::append(*sum, out);
                     }
                     at += n;
                 }
@@ -261,7 +261,7 @@ impl CopyGeometry {
         };
         let mut add = |bytes: &[u8]| {
             if let Some(sum) = sum.as_deref_mut() {
-                *sum = crate::exec::checksum::append(*sum, bytes);
+                *sum = crate::checksum::append(*sum, bytes);
             }
         };
         if self.run < PREFETCH_MIN_RUN {
@@ -405,21 +405,6 @@ fn dot(a: &[usize], b: &[usize]) -> usize {
 /// the transport reads it.
 const STREAMING_BYTES: usize = 8 << 20;
 
-/// Sets every byte of `buf` to `value` with stores that bypass the caches where the CPU has
-/// them, so that the buffer ends up in memory and not in the caches: benchmarks poison
-/// destinations this way between repetitions, leaving them as a destination that was last
-/// written long ago is (a poison left dirty in the caches would be written back during the
-/// next, timed, repetition).
-pub fn fill_around_caches(buf: &mut [u8], value: u8) {
-    const PIECE: usize = 64 << 10;
-    let pattern = [value; PIECE];
-    for piece in buf.chunks_mut(PIECE) {
-        let len = piece.len();
-        lines::copy(piece, &pattern[..len], &[], true);
-    }
-    lines::fence();
-}
-
 /// The largest piece of a run that is summed and then copied at once by
 /// [`CopyGeometry::copy_summing`]: well inside the first-level caches of a core.
 pub const SUMMED_PIECE: usize = 16 << 10;
@@ -435,7 +420,7 @@ const PREFETCH_AHEAD: usize = 2048;
 
 /// Copies of one contiguous run, line by line, prefetching another run's source alongside.
 #[cfg(target_arch = "x86_64")]
-mod lines {
+pub(crate) mod lines {
     use std::arch::x86_64::{
         __m128i, _MM_HINT_T0, _mm_loadu_si128, _mm_prefetch, _mm_sfence, _mm_storeu_si128,
         _mm_stream_si128,
@@ -448,7 +433,7 @@ mod lines {
     /// up to the copy's length), one line per line copied. With `streaming`, whole destination
     /// cache lines are written with non-temporal stores and the unaligned ends with ordinary
     /// ones; call [`fence`] before the bytes may be read by another thread.
-    pub(super) fn copy(dst: &mut [u8], src: &[u8], ahead: &[u8], streaming: bool) {
+    pub(crate) fn copy(dst: &mut [u8], src: &[u8], ahead: &[u8], streaming: bool) {
         assert_eq!(dst.len(), src.len(), "copy between unequal lengths");
         let len = dst.len();
         let head = dst.as_ptr().align_offset(LINE).min(len);
@@ -495,7 +480,7 @@ mod lines {
 
     /// Orders the streaming stores before every later store, so that a flag or a ring index
     /// written after a copy cannot be seen before the bytes.
-    pub(super) fn fence() {
+    pub(crate) fn fence() {
         // SAFETY: SSE is part of every x86_64 CPU.
         unsafe { _mm_sfence() }
     }
@@ -503,12 +488,12 @@ mod lines {
 
 /// Elsewhere, ordinary copies.
 #[cfg(not(target_arch = "x86_64"))]
-mod lines {
-    pub(super) fn copy(dst: &mut [u8], src: &[u8], _ahead: &[u8], _streaming: bool) {
+pub(crate) mod lines {
+    pub(crate) fn copy(dst: &mut [u8], src: &[u8], _ahead: &[u8], _streaming: bool) {
         dst.copy_from_slice(src);
     }
 
-    pub(super) fn fence() {}
+    pub(crate) fn fence() {}
 }
 
 #[cfg(test)]
@@ -641,7 +626,7 @@ mod tests {
                     let mut msg = vec![0u8; end - start];
                     let mut sum = 0;
                     pack.copy_summing(&src, &mut msg, start..end, &mut sum);
-                    assert_eq!(sum, crate::exec::checksum::append(0, &msg));
+                    assert_eq!(sum, crate::checksum::append(0, &msg));
                     unpack.copy(&msg, &mut got, start..end);
                     start = end;
                 }
@@ -672,7 +657,7 @@ mod tests {
             let mut sum = 0;
             g.copy_summing(&src, &mut got, range.clone(), &mut sum);
             assert!(got == want[range.clone()], "{range:?}");
-            assert_eq!(sum, crate::exec::checksum::append(0, &want[range]));
+            assert_eq!(sum, crate::checksum::append(0, &want[range]));
         }
     }
 
@@ -695,14 +680,6 @@ mod tests {
                 }
             }
         }
-    }
-
-    #[test]
-    fn fills_around_the_caches_set_every_byte() {
-        let mut buf = vec![1u8; (200 << 10) + 77];
-        fill_around_caches(&mut buf[3..], 0xA5);
-        assert_eq!(buf[..3], [1, 1, 1]);
-        assert!(buf[3..].iter().all(|&b| b == 0xA5));
     }
 
     #[test]

@@ -14,7 +14,7 @@
 
 use std::ops::Range;
 
-use super::copy::{CopyGeometry, Place};
+use crate::copy::{CopyGeometry, Place};
 use crate::error::{Dims, Error, Result};
 use crate::layout::Rank;
 use crate::region::Region;
