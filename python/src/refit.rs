@@ -1,0 +1,212 @@
+//! `Refit`: a whole model's parameters with their training and inference layouts.
+
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+use reshard::PlanOptions;
+
+use crate::layout::*;
+use crate::{ReshardError, error, plan_options};
+
+/// A whole-model refit: every parameter of a model with its training (Megatron-LM) and
+/// inference (vLLM) layouts, and the fused buffers of both sides, from the core's model rules.
+#[pyclass(frozen, module = "reshard", name = "Refit")]
+pub(crate) struct PyRefit {
+    pub(crate) inner: reshard::model::Refit,
+    /// Tensor index by name.
+    pub(crate) index: std::collections::HashMap<String, usize>,
+    pub(crate) options: PlanOptions,
+}
+
+impl PyRefit {
+    fn tensor(&self, name: &str) -> PyResult<&reshard::model::RefitTensor> {
+        self.index
+            .get(name)
+            .map(|&i| &self.inner.tensors[i])
+            .ok_or_else(|| {
+                ReshardError::new_err(format!(
+                    "name: `{name}` is not a parameter of {} (see Refit.names)",
+                    self.inner.model
+                ))
+            })
+    }
+
+    /// `fused`'s members on `rank` of one side: (member name, dim, offset, extent).
+    fn members(
+        &self,
+        fused: &reshard::model::Fused,
+        side: reshard::Side,
+        rank: usize,
+    ) -> Option<Vec<(String, usize, u64, u64)>> {
+        let layouts = self.inner.member_layouts(fused, |t| match side {
+            reshard::Side::Src => &t.src,
+            reshard::Side::Dst => &t.dst,
+        });
+        let offsets = fused.local_offsets(&layouts, rank)?;
+        Some(
+            fused
+                .members
+                .iter()
+                .zip(layouts.iter().zip(offsets))
+                .map(|(&m, (l, offset))| {
+                    let extent = l.local_region(rank).map_or(0, |r| r.extent[fused.dim]);
+                    (
+                        self.inner.tensors[m].name.clone(),
+                        fused.dim,
+                        offset,
+                        extent,
+                    )
+                })
+                .collect(),
+        )
+    }
+}
+
+#[pymethods]
+impl PyRefit {
+    /// `model`: a shipped model's name (`qwen3-0.6b`, `deepseek-v3`, ...), an HF
+    /// `config.json` or a checkpoint folder; `train` and `infer`: the parallelism as on the
+    /// command line (`"tp=2,pp=2"`, `"tp=4"`); `overrides`: `[train:|infer:]GLOB=KIND` rules
+    /// applied before the defaults. Raises `ReshardError` with the command line's message.
+    #[new]
+    #[pyo3(signature = (model, train, infer, colocated = false, overrides = Vec::new(), min_split_bytes = None))]
+    fn new(
+        model: &Bound<'_, PyAny>,
+        train: &str,
+        infer: &str,
+        colocated: bool,
+        overrides: Vec<String>,
+        min_split_bytes: Option<u64>,
+    ) -> PyResult<PyRefit> {
+        use reshard::model::{Inference, Model, Ranks, Refit, Rules, Training};
+        // a str or an os.PathLike
+        let model = model.str()?.to_string();
+        let rules = overrides
+            .iter()
+            .try_fold(Rules::default(), |r, o| r.with_override_text(o))
+            .map_err(error)?;
+        let train = Training::parse(train).map_err(error)?;
+        let infer = Inference::parse(infer).map_err(error)?;
+        let loaded = Model::load(&model).map_err(error)?;
+        let ranks = if colocated {
+            Ranks::Colocated
+        } else {
+            Ranks::Disjoint
+        };
+        let inner = Refit::new(&loaded, &train, &infer, &rules, ranks).map_err(error)?;
+        let index = inner
+            .tensors
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (t.name.clone(), i))
+            .collect();
+        Ok(PyRefit {
+            inner,
+            index,
+            options: plan_options(min_split_bytes),
+        })
+    }
+
+    /// The model's name.
+    #[getter]
+    fn model(&self) -> &str {
+        &self.inner.model
+    }
+
+    /// Every parameter's name (HF names; routed experts stacked per projection).
+    #[getter]
+    fn names(&self) -> Vec<String> {
+        self.inner.tensors.iter().map(|t| t.name.clone()).collect()
+    }
+
+    /// The number of training ranks and of inference ranks, and the first inference rank.
+    #[getter]
+    fn train_ranks(&self) -> usize {
+        self.inner.train_ranks
+    }
+
+    #[getter]
+    fn infer_ranks(&self) -> usize {
+        self.inner.infer_ranks
+    }
+
+    #[getter]
+    fn infer_base(&self) -> usize {
+        self.inner.infer_base
+    }
+
+    /// Every rank of either side, counted once.
+    #[getter]
+    fn world(&self) -> usize {
+        self.inner.world()
+    }
+
+    /// `(src, dst)`: the parameter's training and inference layouts.
+    fn layouts(&self, name: &str) -> PyResult<(PyLayout, PyLayout)> {
+        let t = self.tensor(name)?;
+        Ok((
+            PyLayout {
+                inner: t.src.clone(),
+            },
+            PyLayout {
+                inner: t.dst.clone(),
+            },
+        ))
+    }
+
+    /// The parameters `rank` takes part in: those it holds a training or an inference shard
+    /// of (what it sends, receives or copies), in model order.
+    fn rank_names(&self, rank: usize) -> Vec<String> {
+        self.inner
+            .tensors
+            .iter()
+            .filter(|t| t.src.mesh().contains(rank) || t.dst.mesh().contains(rank))
+            .map(|t| t.name.clone())
+            .collect()
+    }
+
+    /// vLLM's fused buffers that `rank` holds (`qkv_proj`, `gate_up_proj`, the experts'
+    /// `w13`): buffer name -> `[(member name, dim, offset, extent)]`, each member's local
+    /// shard lying at `offset` along `dim` of the rank's buffer, `extent` long.
+    #[pyo3(signature = (rank, side = "infer"))]
+    fn fused<'py>(&self, py: Python<'py>, rank: usize, side: &str) -> PyResult<Bound<'py, PyDict>> {
+        let (side, all) = match side {
+            "infer" => (reshard::Side::Dst, &self.inner.dst_fused),
+            "train" => (reshard::Side::Src, &self.inner.src_fused),
+            other => {
+                return Err(ReshardError::new_err(format!(
+                    "side: `{other}` is invalid: expected `train` or `infer`"
+                )));
+            }
+        };
+        let out = PyDict::new(py);
+        for f in all {
+            if let Some(members) = self.members(f, side, rank) {
+                out.set_item(&f.name, members)?;
+            }
+        }
+        Ok(out)
+    }
+
+    /// The numbers of `reshard refit --json` (bytes, messages, both methods, planning time).
+    fn totals<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let totals = self.inner.summary(&self.options).map_err(error)?;
+        let json = serde_json::to_string(&reshard::model::RefitJson::of(&self.inner, &totals))
+            .map_err(error)?;
+        py.import("json")?.call_method1("loads", (json,))
+    }
+
+    fn __len__(&self) -> usize {
+        self.inner.tensors.len()
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "Refit(model={:?}, tensors={}, train_ranks={}, infer_ranks={}, infer_base={})",
+            self.inner.model,
+            self.inner.tensors.len(),
+            self.inner.train_ranks,
+            self.inner.infer_ranks,
+            self.inner.infer_base
+        )
+    }
+}
