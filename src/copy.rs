@@ -28,22 +28,40 @@ struct Strides {
     stream: bool,
 }
 
-/// A conversion applied while copying (`--dst-dtype`): the source's element size and the
-/// kernel that casts a run of source elements into destination ones. The region's stream,
-/// and so every byte range and length of a converting copy, counts destination bytes: what
-/// the wire carries.
-#[derive(Clone, Copy, Debug)]
+/// A conversion applied while copying (`--dst-dtype`, `--quant`): the source's element size
+/// and the kernel that casts a run of source elements into destination ones, or, when
+/// quantizing, the sender's scales. The region's stream, and so every byte range and length
+/// of a converting copy, counts destination bytes: what the wire carries.
+#[derive(Clone, Debug)]
 pub struct Cast {
     pub src: crate::DType,
     pub dst: crate::DType,
     pub src_elem: usize,
     pub kernel: crate::convert::CastFn,
+    /// Quantizing into fp8: the scales of the sending rank's shard, whose multipliers the
+    /// runs get block by block. `None` for a float cast, and on a rank that only receives
+    /// fp8 (its casts only tell it how the senders cut their transfers: it never converts).
+    pub quant: Option<std::sync::Arc<Quantizer>>,
 }
 
-/// Two casts are the same when they convert the same dtypes (the kernel follows from them).
+/// A source rank's quantizing copy: its scales and the box of its shard, whose dense buffer
+/// every quantized run is read from.
+#[derive(Debug)]
+pub struct Quantizer {
+    pub scales: crate::convert::Scales,
+    pub shard: Region,
+}
+
+/// Two casts are the same when they convert the same dtypes (the kernel follows from them)
+/// with the same scales, if any.
 impl PartialEq for Cast {
     fn eq(&self, other: &Cast) -> bool {
         (self.src, self.dst) == (other.src, other.dst)
+            && match (&self.quant, &other.quant) {
+                (None, None) => true,
+                (Some(a), Some(b)) => std::sync::Arc::ptr_eq(a, b),
+                _ => false,
+            }
     }
 }
 
@@ -62,8 +80,32 @@ impl Cast {
             dst,
             src_elem: src.size(),
             kernel,
+            quant: None,
         }))
     }
+
+    /// The quantizing conversion of a source rank into `dst` (fp8) with `quantizer`'s
+    /// scales; or, without one, the marker a receiving rank's steps carry so that it cuts its
+    /// transfers as the senders do (it never converts anything itself).
+    pub fn quantizing(
+        src: crate::DType,
+        dst: crate::DType,
+        quantizer: Option<std::sync::Arc<Quantizer>>,
+    ) -> Cast {
+        Cast {
+            src,
+            dst,
+            src_elem: src.size(),
+            kernel: unreachable_kernel,
+            quant: quantizer,
+        }
+    }
+}
+
+/// The kernel of a receiver's quantizing marker ([`Cast::quantizing`] without scales):
+/// receivers unpack wire bytes as they are and never call it.
+fn unreachable_kernel(_: &[u8], _: &mut [u8]) {
+    unreachable!("a rank without scales never quantizes")
 }
 
 /// The folded loop nest that copies one region between two places.
@@ -123,7 +165,7 @@ impl CopyGeometry {
         elem: usize,
         cast: Option<Cast>,
     ) -> CopyGeometry {
-        let src_elem = cast.map_or(elem, |c| c.src_elem);
+        let src_elem = cast.as_ref().map_or(elem, |c| c.src_elem);
         let (src_base, src_strides) = place_strides(region, src, src_elem);
         let (dst_base, dst_strides) = place_strides(region, dst, elem);
         let len = region.volume() as usize * elem;
@@ -221,7 +263,7 @@ impl CopyGeometry {
         range: Range<usize>,
         mut sum: Option<&mut u32>,
     ) {
-        if let Some(cast) = self.cast {
+        if let Some(cast) = &self.cast {
             // Converting: each run is cast straight from the source into its place, and
             // summed (`--checksum`) as the destination bytes it became, piece by piece
             // while they are cached (a piece holds whole elements: SUMMED_PIECE is a
@@ -237,7 +279,19 @@ impl CopyGeometry {
                     let n = (len - at).min(piece);
                     let from = s + self.src_bytes(at);
                     let out = &mut dst[d + at..d + at + n];
-                    (cast.kernel)(&src[from..from + self.src_bytes(n)], out);
+                    let input = &src[from..from + self.src_bytes(n)];
+                    match &cast.quant {
+                        // the source side is the rank's shard (Place::Within): `from` counts
+                        // its elements from the buffer's start
+                        Some(q) => q.scales.quantize_run(
+                            &q.shard,
+                            cast.src,
+                            (from / cast.src_elem) as u64,
+                            input,
+                            out,
+                        ),
+                        None => (cast.kernel)(input, out),
+                    }
                     if let Some(sum) = sum.as_deref_mut() {
                         *sum = crate::checksum::append(*sum, out);
                     }
@@ -297,7 +351,7 @@ impl CopyGeometry {
     /// The source bytes of `bytes` of the stream: as many when copying, scaled by the ratio
     /// of the element sizes (on whole elements) when converting.
     fn src_bytes(&self, bytes: usize) -> usize {
-        match self.cast {
+        match &self.cast {
             None => bytes,
             Some(cast) => bytes / self.elem * cast.src_elem,
         }
@@ -604,7 +658,7 @@ mod tests {
                 Place::Within(&src_box),
                 Place::Within(&dst_box),
                 de,
-                cast,
+                cast.clone(),
             );
             assert_eq!(direct.len(), region.volume() as usize * de);
             let mut got = vec![0u8; want.len()];
@@ -616,7 +670,7 @@ mod tests {
                     Place::Within(&src_box),
                     Place::Stream,
                     de,
-                    cast,
+                    cast.clone(),
                 );
                 let unpack = CopyGeometry::new(&region, Place::Stream, Place::Within(&dst_box), de);
                 let mut got = vec![0u8; want.len()];

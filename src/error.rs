@@ -214,6 +214,17 @@ pub enum Error {
         mismatches: u64,
     },
 
+    #[error(
+        "verification of the scales failed: {mismatches} wrong bytes; first at rank {rank}, byte {offset} of its scale shard (expected {expected:#04x}, found {found:#04x})"
+    )]
+    ScalesVerifyFailed {
+        rank: Rank,
+        offset: u64,
+        expected: u8,
+        found: u8,
+        mismatches: u64,
+    },
+
     #[error("{path}: {source}")]
     Io {
         path: String,

@@ -59,7 +59,10 @@ fn the_bottom_modules_import_nothing_above_them() {
         ("memory.rs", &above),
         ("convert", &above),
         // the executor drives the transports, never the other way around
-        ("transport", &["crate::exec", "crate::runtime", "crate::model"]),
+        (
+            "transport",
+            &["crate::exec", "crate::runtime", "crate::model"],
+        ),
         ("layout", &above),
         ("fill.rs", &above),
         // errors sit below layouts and models: both return them

@@ -12,6 +12,8 @@ pub fn main() -> Result<(), Failure> {
         shape: "8,8".into(),
         dtype: "bf16".into(),
         dst_dtype: None,
+        quant: None,
+        scale_dtype: None,
         src: "mesh=2 place=S(0)".into(),
         dst: "mesh=4 place=S(1)".into(),
         min_split_bytes: "64KiB".into(),

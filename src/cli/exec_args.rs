@@ -140,6 +140,16 @@ pub fn with_plan(fingerprint: Fingerprint, prefix: &str, plan: &Plan) -> Fingerp
             format!("{prefix}--min-split-bytes"),
             plan.options().min_split_bytes,
         )
+        .with(
+            format!("{prefix}--quant"),
+            plan.quant()
+                .map_or("none".to_string(), |q| q.quant.scheme.to_string()),
+        )
+        .with(
+            format!("{prefix}--scale-dtype"),
+            plan.quant()
+                .map_or("none".to_string(), |q| q.quant.scale_dtype.to_string()),
+        )
 }
 
 /// Refuses a run whose buffers (`needed` bytes) cannot fit in this machine's available memory,

@@ -7,6 +7,7 @@ mod launch;
 mod measure;
 mod picture;
 mod plan;
+mod quant_check;
 mod refit;
 mod refit_run;
 mod run;
@@ -15,8 +16,10 @@ mod units;
 use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand};
+use reshard::convert::{QuantScheme, ScaleDType};
 use reshard::error::Field;
 use reshard::layout::{LayoutSpec, parse_shape};
+use reshard::plan::QuantRequest;
 use reshard::{DType, Error, Plan, PlanOptions, Side};
 
 /// Move a distributed tensor from M ranks in one layout to N ranks in another, sending each
@@ -75,6 +78,16 @@ pub struct TensorArgs {
     /// nearest even exactly as torch's `.to()`; other pairs are refused before any byte moves.
     #[arg(long, value_name = "DTYPE")]
     dst_dtype: Option<String>,
+    /// Quantize into an fp8 --dst-dtype (fp8e4m3, fp8e5m2) while the bytes move, with scales:
+    /// block:RxC (f32 amax/FMAX per RxC block of the last two dims), block:RxC:ue8m0
+    /// (power-of-two scales), mx:32 (OCP MXFP8, e8m0 scales per 32 elements), channel (one
+    /// f32 scale per row) or tensor (one f32 scale).
+    #[arg(long, value_name = "SCHEME")]
+    quant: Option<String>,
+    /// The scales' dtype with --quant: f32, or e8m0 (a biased exponent byte) for the
+    /// power-of-two schemes (block:RxC:ue8m0, mx:32). Default: e8m0 for mx:32, f32 otherwise.
+    #[arg(long, value_name = "DTYPE")]
+    scale_dtype: Option<String>,
     /// Source layout, e.g. "mesh=2 place=S(0)".
     #[arg(long, value_name = "SPEC")]
     src: String,
@@ -127,7 +140,25 @@ impl TensorArgs {
                 &self.min_split_bytes,
             )?,
         };
-        Plan::with_options(src, dst, options)
+        Plan::with_quant(src, dst, options, self.quant_request()?)
+    }
+
+    /// `--quant` and `--scale-dtype`, parsed; a scale dtype without a scheme is refused.
+    pub fn quant_request(&self) -> Result<Option<QuantRequest>, Error> {
+        let scale_dtype: Option<ScaleDType> =
+            self.scale_dtype.as_deref().map(str::parse).transpose()?;
+        match (&self.quant, scale_dtype) {
+            (None, None) => Ok(None),
+            (None, Some(d)) => Err(Error::InvalidOption {
+                field: Field::ScaleDType,
+                value: d.to_string(),
+                reason: "scales come with quantization: give --quant SCHEME too".into(),
+            }),
+            (Some(text), scale_dtype) => Ok(Some(QuantRequest {
+                scheme: QuantScheme::parse(text)?,
+                scale_dtype,
+            })),
+        }
     }
 }
 
@@ -156,6 +187,7 @@ impl From<Error> for Failure {
         match e {
             Error::Incomplete { .. }
             | Error::VerifyFailed { .. }
+            | Error::ScalesVerifyFailed { .. }
             | Error::PeerGone { .. }
             | Error::Timeout { .. }
             | Error::Protocol { .. }

@@ -17,7 +17,7 @@ use reshard::{Error, Plan, Rank};
 use super::exec_args::{ExecArgs, check_memory, run_options, with_plan};
 use super::measure::conclude;
 use super::units::bytes;
-use super::{Failure, TensorArgs};
+use super::{Failure, TensorArgs, quant_check};
 
 #[derive(Args, Debug)]
 pub struct RunArgs {
@@ -111,26 +111,46 @@ fn run_threads(
         dump_named(dir, "src", sources.iter().map(|(&r, b)| (r, b.as_slice())))?;
     }
     let mut shards = exec::zeroed_shards(plan.dst())?;
+    let mut scales = exec::zeroed_scale_shards(plan)?;
+    let reference = match args.verify {
+        true => quant_check::reference(plan, fill)?,
+        false => None,
+    };
     let mut times = Vec::new();
     let mut last = None;
     let mut verified = false;
     for i in 0..args.warmup + args.iters {
         if args.verify {
             shards.values_mut().for_each(|s| poison(s));
+            scales.values_mut().for_each(|s| poison(s));
         }
-        let stats = exec::run_local(plan, &sources, &mut shards, options)?;
+        let stats = match plan.quant() {
+            Some(_) => {
+                exec::run_local_quantized(plan, &sources, &mut shards, &mut scales, options)?
+            }
+            None => exec::run_local(plan, &sources, &mut shards, options)?,
+        };
         if i >= args.warmup {
             times.push(stats.elapsed.as_secs_f64());
         }
         last = Some(stats);
         if args.verify {
-            fill.verify_shards_converted(plan.src().dtype(), plan.dst(), &shards)?;
+            match &reference {
+                Some(reference) => {
+                    for (&r, values) in &shards {
+                        let scale = scales.get(&r).map_or(&[][..], Vec::as_slice);
+                        quant_check::verify(plan, reference, r, values, scale)?;
+                    }
+                }
+                None => fill.verify_shards_converted(plan.src().dtype(), plan.dst(), &shards)?,
+            }
             verified = true;
         }
     }
     let stats = last.expect("at least one iteration");
     if let Some(dir) = &args.dump {
         dump(dir, shards.iter().map(|(&r, b)| (r, b.as_slice())))?;
+        dump_scales(dir, scales.iter().map(|(&r, b)| (r, b.as_slice())))?;
     }
     let summary = Summary {
         times,
@@ -237,6 +257,10 @@ fn rank_part(
     // its destination shard in shared memory, so that senders on this host write into it
     let mut mine = world.prepare(plan)?;
     let rank = mine.rank();
+    let reference = match args.verify && mine.destination().is_some() {
+        true => quant_check::reference(plan, fill)?,
+        false => None,
+    };
     let source = fill.shard(plan.src(), rank)?;
     let run = run_options(options);
     if let (Some(dir), Some(buf)) = (&args.dump_src, &source) {
@@ -252,6 +276,9 @@ fn rank_part(
         if let (true, Some(s)) = (args.verify, mine.destination_mut()) {
             poison(s);
         }
+        if let (true, Some(s)) = (args.verify, mine.scales_mut()) {
+            poison(s);
+        }
         world.barrier()?;
         let started = Instant::now();
         stats = Some(mine.run(source.as_deref(), &run)?);
@@ -261,13 +288,22 @@ fn rank_part(
         if let (true, Some(b), Some(buf)) =
             (args.verify, mine.destination_box(), mine.destination())
         {
-            fill.verify_converted(plan.src().dtype(), plan.dst(), b, buf, (rank, 0))?;
+            match &reference {
+                Some(reference) => {
+                    let scales = mine.scales().unwrap_or_default();
+                    quant_check::verify(plan, reference, rank, buf, scales)?;
+                }
+                None => fill.verify_converted(plan.src().dtype(), plan.dst(), b, buf, (rank, 0))?,
+            }
             verified = true;
         }
     }
     let stats = stats.expect("at least one iteration");
     if let (Some(dir), Some(buf)) = (&args.dump, mine.destination()) {
         dump(dir, [(rank, buf)])?;
+    }
+    if let (Some(dir), Some(buf)) = (&args.dump, mine.scales()) {
+        dump_scales(dir, [(rank, buf)])?;
     }
     Ok(serde_json::json!({
         "transport": mine.transport_name(),
@@ -317,6 +353,19 @@ pub(super) fn dump<'a>(
     shards: impl IntoIterator<Item = (Rank, &'a [u8])>,
 ) -> Result<(), Error> {
     dump_named(dir, "rank", shards)
+}
+
+/// Writes `DIR/rank<R>.scale.bin` for every scale shard (row-major, in the scale dtype).
+pub(super) fn dump_scales<'a>(
+    dir: &Path,
+    shards: impl IntoIterator<Item = (Rank, &'a [u8])>,
+) -> Result<(), Error> {
+    for (rank, buf) in shards {
+        write_whole(dir, &format!("rank{rank}.scale.bin"), |file| {
+            file.write_all(buf)
+        })?;
+    }
+    Ok(())
 }
 
 /// Writes `DIR/<prefix><R>.bin` for every shard: `rank` for destinations, `src` for sources.

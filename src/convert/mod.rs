@@ -43,6 +43,7 @@ pub mod cast;
 pub mod fp8;
 pub mod grid;
 pub mod quant;
+pub mod reference;
 
 #[cfg(test)]
 mod tests;

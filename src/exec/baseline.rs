@@ -63,6 +63,7 @@ where
     let mut add = |s: RankStats| stats.absorb(&s);
     if let (Some(plan), Some(gather)) = (gather, &baseline.gather) {
         let work = RankJob {
+            quant: None,
             plan,
             src_layout: gather.src(),
             src,
@@ -81,6 +82,7 @@ where
             (None, full.as_deref_mut())
         };
         let work = RankJob {
+            quant: None,
             plan,
             src_layout: broadcast.src(),
             src: send_from.map(|s| (&whole, s)),
@@ -232,6 +234,7 @@ pub fn run_local_gather_broadcast(
                     .map(Vec::as_slice);
                 let dst_box = layout.local_region(rank);
                 let whole = &whole;
+                let cast = cast.clone();
                 (
                     rank,
                     std::thread::Builder::new().spawn_scoped(scope, move || {

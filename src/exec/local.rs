@@ -5,13 +5,14 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::Instant;
 
 use super::options::ExecOptions;
+use super::quant::QuantJob;
 use super::run::{RankJob, run_rank};
 use super::stats::{RankStats, RunStats};
 use super::steps::check_buffers;
 use crate::error::{Error, Result, Side};
 use crate::exec::threads::{RankThread, joined};
 use crate::layout::{Layout, Rank};
-use crate::plan::Plan;
+use crate::plan::{Plan, QuantRankPlan};
 use crate::region::Region;
 use crate::transport::{Fault, LocalFabric};
 
@@ -41,6 +42,19 @@ pub fn run_local(
     run_local_with_faults(plan, src, dst, options, &[])
 }
 
+/// [`run_local`] of a quantizing plan ([`Plan::quantized`]): `dst` receives the fp8 values
+/// and `scales` every destination rank's scale shard ([`zeroed_scale_shards`]), row-major in
+/// the scale dtype.
+pub fn run_local_quantized(
+    plan: &Plan,
+    src: &BTreeMap<Rank, Vec<u8>>,
+    dst: &mut BTreeMap<Rank, Vec<u8>>,
+    scales: &mut BTreeMap<Rank, Vec<u8>>,
+    options: &ExecOptions,
+) -> Result<RunStats> {
+    run_local_all(plan, src, dst, Some(scales), options, &[])
+}
+
 /// Most ranks [`run_local`] runs (two threads each); see [`crate::limits`].
 pub use crate::limits::MAX_LOCAL_RANKS;
 
@@ -52,9 +66,41 @@ pub fn run_local_with_faults(
     options: &ExecOptions,
     faults: &[Fault],
 ) -> Result<RunStats> {
+    run_local_all(plan, src, dst, None, options, faults)
+}
+
+fn run_local_all(
+    plan: &Plan,
+    src: &BTreeMap<Rank, Vec<u8>>,
+    dst: &mut BTreeMap<Rank, Vec<u8>>,
+    scales: Option<&mut BTreeMap<Rank, Vec<u8>>>,
+    options: &ExecOptions,
+    faults: &[Fault],
+) -> Result<RunStats> {
     options.validate()?;
     check_buffers(plan.src(), Side::Src, src)?;
     check_buffers(plan.dst(), Side::Dst, dst)?;
+    let scales = match (plan.quant(), scales) {
+        (None, None) => None,
+        (Some(q), Some(scales)) => {
+            check_scale_buffers(plan, q, scales)?;
+            Some(scales)
+        }
+        (Some(q), None) => {
+            return Err(Error::InvalidOption {
+                field: Field::Quant,
+                value: q.quant.scheme.to_string(),
+                reason: "a quantizing plan writes scales too: give it their buffers".into(),
+            });
+        }
+        (None, Some(_)) => {
+            return Err(Error::InvalidOption {
+                field: Field::Quant,
+                value: "none".into(),
+                reason: "scale buffers were given for a plan that does not quantize".into(),
+            });
+        }
+    };
     let ranks = plan.ranks();
     if ranks.len() > MAX_LOCAL_RANKS {
         return Err(Error::InvalidOption {
@@ -69,12 +115,30 @@ pub fn run_local_with_faults(
     let rank_plans = plan.rank_plans();
     let src_boxes: BTreeMap<Rank, Region> = regions(plan.src());
     let dst_boxes: BTreeMap<Rank, Region> = regions(plan.dst());
-    let pairs: BTreeSet<(Rank, Rank)> = plan
+    let mut pairs: BTreeSet<(Rank, Rank)> = plan
         .transfers()
         .iter()
         .filter(|t| !t.is_local())
         .map(|t| (t.src, t.dst))
         .collect();
+    // quantizing: every rank's part, its staging, and the links of the amax exchange
+    let quant_parts: BTreeMap<Rank, QuantRankPlan> = match plan.quant() {
+        Some(q) => rank_plans
+            .values()
+            .map(|rp| (rp.rank, q.for_rank(plan.src(), plan.dst(), rp)))
+            .collect(),
+        None => BTreeMap::new(),
+    };
+    let mut stages: BTreeMap<Rank, Vec<u8>> = match plan.quant() {
+        Some(q) => quant_parts
+            .iter()
+            .map(|(&r, p)| (r, vec![0u8; p.stage_bytes(q.scale_bytes())]))
+            .collect(),
+        None => BTreeMap::new(),
+    };
+    for (&r, p) in &quant_parts {
+        pairs.extend(p.amax_peers().map(|peer| (r, peer)));
+    }
     let fabric = LocalFabric {
         timeout: options.timeout,
         faults: faults.to_vec(),
@@ -90,11 +154,26 @@ pub fn run_local_with_faults(
     let started = Instant::now();
     let mut dst_shards: BTreeMap<Rank, &mut Vec<u8>> =
         dst.iter_mut().map(|(&r, b)| (r, b)).collect();
+    let mut stage_slices: BTreeMap<Rank, &mut [u8]> = stages
+        .iter_mut()
+        .map(|(&r, b)| (r, b.as_mut_slice()))
+        .collect();
+    let mut scale_shards: BTreeMap<Rank, &mut [u8]> = scales
+        .map(|m| m.iter_mut().map(|(&r, b)| (r, b.as_mut_slice())).collect())
+        .unwrap_or_default();
     let results: Vec<Result<RankStats>> = std::thread::scope(|scope| {
         let handles: Vec<_> = ranks
             .iter()
             .map(|&rank| {
+                let quant = plan.quant().map(|q| QuantJob {
+                    tensor: "tensor",
+                    plan: q,
+                    rank: &quant_parts[&rank],
+                    stage: stage_slices.remove(&rank).unwrap_or_default(),
+                    scales: scale_shards.remove(&rank),
+                });
                 let job = RankJob {
+                    quant,
                     plan: &rank_plans[&rank],
                     src_layout: plan.src(),
                     src: src_boxes.get(&rank).zip(src.get(&rank).map(Vec::as_slice)),
@@ -133,6 +212,60 @@ fn regions(layout: &Layout) -> BTreeMap<Rank, Region> {
         .enumerate()
         .map(|(p, &r)| (r, layout.region_at(p)))
         .collect()
+}
+
+/// Checks that `scales` holds exactly every destination rank's scale shard of `q`.
+fn check_scale_buffers(
+    plan: &Plan,
+    q: &crate::plan::QuantPlan,
+    scales: &BTreeMap<Rank, Vec<u8>>,
+) -> Result<()> {
+    let dst = plan.dst();
+    if let Some(&r) = scales.keys().find(|r| dst.local_region(**r).is_none()) {
+        return Err(Error::UnexpectedBuffer {
+            side: Side::Dst,
+            rank: r,
+        });
+    }
+    for &r in dst.mesh().ranks() {
+        let blocks = q.dst_scale_box(dst, r).expect("a destination rank");
+        let expected = q.dst_scale_bytes(dst, r);
+        match scales.get(&r) {
+            None => {
+                return Err(Error::MissingBuffer {
+                    side: Side::Dst,
+                    rank: r,
+                });
+            }
+            Some(b) if b.len() as u64 != expected => {
+                return Err(Error::BufferSize {
+                    side: Side::Dst,
+                    rank: r,
+                    extent: crate::error::Dims(blocks.extent),
+                    expected,
+                    got: b.len() as u64,
+                });
+            }
+            Some(_) => {}
+        }
+    }
+    Ok(())
+}
+
+/// A zero-filled scale shard for every destination rank of a quantizing plan (none for a
+/// plan that does not quantize).
+pub fn zeroed_scale_shards(plan: &Plan) -> Result<BTreeMap<Rank, Vec<u8>>> {
+    let Some(q) = plan.quant() else {
+        return Ok(BTreeMap::new());
+    };
+    let mut out = BTreeMap::new();
+    for &r in plan.dst().mesh().ranks() {
+        let buf = crate::memory::zeroed(q.dst_scale_bytes(plan.dst(), r), || {
+            format!("rank {r}'s scale shard")
+        })?;
+        out.insert(r, buf);
+    }
+    Ok(out)
 }
 
 /// A zero-filled local buffer for every rank of `layout`; [`Error::OutOfMemory`] when they do

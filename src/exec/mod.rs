@@ -16,13 +16,18 @@ pub mod baseline;
 mod local;
 mod options;
 pub mod progress;
+mod quant;
 mod run;
 mod stats;
 mod steps;
 pub(crate) mod threads;
 
-pub use local::{MAX_LOCAL_RANKS, run_local, run_local_with_faults, zeroed_shards};
+pub use local::{
+    MAX_LOCAL_RANKS, run_local, run_local_quantized, run_local_with_faults, zeroed_scale_shards,
+    zeroed_shards,
+};
 pub use options::ExecOptions;
+pub use quant::QuantJob;
 pub use run::{RankJob, run_rank, run_steps};
 pub use stats::{RankStats, RunStats};
 pub use steps::{Step, Steps, check_buffers, cut_chunk};

@@ -5,6 +5,7 @@ use std::collections::BTreeMap;
 
 use super::options::ExecOptions;
 use super::progress::{Due, Progress, Sent};
+use super::quant::{self, QuantJob};
 use super::stats::RankStats;
 use super::steps::{Step, Steps, check_job, check_steps, cut_chunk};
 use crate::checksum;
@@ -29,6 +30,8 @@ pub struct RankJob<'buf, 'dst> {
     /// this rank converts what it sends and copies locally, and its destination shard holds
     /// elements of this dtype.
     pub dst_dtype: crate::DType,
+    /// With `--quant`: the amax exchange before the values, the scales beside them.
+    pub quant: Option<QuantJob<'buf, 'dst>>,
 }
 
 /// Runs one rank's part of a plan over `transport`.
@@ -43,14 +46,19 @@ pub fn run_rank<'buf, T: Transport<'buf> + ?Sized>(
         src,
         dst,
         dst_dtype,
+        quant,
     } = job;
     let rank = plan.rank;
     // transfers move destination elements; the sender converts while it packs
     let elem_bytes = dst_dtype.size();
-    let cast = Cast::between(src_layout.dtype(), dst_dtype).map_err(|source| Error::Convert {
-        tensor: "tensor".into(),
-        source,
-    })?;
+    let quant_plan = quant.as_ref().map(|q| (q.plan, q.rank));
+    let cast = match &quant {
+        Some(_) => None,
+        None => Cast::between(src_layout.dtype(), dst_dtype).map_err(|source| Error::Convert {
+            tensor: "tensor".into(),
+            source,
+        })?,
+    };
     check_job(
         plan,
         src_layout.dtype().size(),
@@ -58,6 +66,9 @@ pub fn run_rank<'buf, T: Transport<'buf> + ?Sized>(
         src,
         dst.as_ref().map(|(b, d)| (*b, d.len())),
     )?;
+    if let Some(q) = &quant {
+        quant::check(q, rank, src.is_some())?;
+    }
     // every sender's box, for the receives
     let senders: BTreeMap<Rank, Region> = plan
         .recvs
@@ -73,6 +84,15 @@ pub fn run_rank<'buf, T: Transport<'buf> + ?Sized>(
             Ok((t.src, b))
         })
         .collect::<Result<_>>()?;
+    // quantizing: the amax first (exchanged where a block straddles source shards), then
+    // the scales this rank stages for its scale transfers, and the cast of its values
+    let (cast, staged, scale_shard) = match quant {
+        None => (cast, None, None),
+        Some(q) => {
+            let (prepared, scales) = quant::prepare(q, rank, src_layout, src, transport, options)?;
+            (Some(prepared.cast), Some(prepared.staged), scales)
+        }
+    };
     let src_len = src.map_or(0, |s| s.1.len());
     let dst_len = dst.as_ref().map_or(0, |d| d.1.len());
     let step = |t: &'buf Transfer, src_box: &'buf Region, dst_box: &'buf Region| Step {
@@ -84,7 +104,7 @@ pub fn run_rank<'buf, T: Transport<'buf> + ?Sized>(
         dst_box,
         src_at: Some((0, 0..src_len)),
         dst_at: Some((0, 0..dst_len)),
-        cast,
+        cast: cast.clone(),
     };
     let (src_box, dst_box) = (src.map(|s| s.0), dst.as_ref().map(|d| d.0));
     let mut steps = Steps {
@@ -116,8 +136,30 @@ pub fn run_rank<'buf, T: Transport<'buf> + ?Sized>(
             })
             .collect();
     }
-    let src_bufs: Vec<&'buf [u8]> = src.map(|s| s.1).into_iter().collect();
+    let mut src_bufs: Vec<&'buf [u8]> = src.map(|s| s.1).into_iter().collect();
     let mut dst_bufs: Vec<&mut [u8]> = dst.map(|d| d.1).into_iter().collect();
+    // the scales ride after the values, in the same order on both ends of every pair
+    let sender_blocks: BTreeMap<Rank, Region> = match quant_plan {
+        Some((qp, _)) => senders
+            .iter()
+            .map(|(&r, b)| (r, qp.grid.blocks_touching(b)))
+            .collect(),
+        None => BTreeMap::new(),
+    };
+    if let Some((qp, part)) = quant_plan {
+        let src_buf = staged.filter(|_| src.is_some()).map(|s| {
+            src_bufs.push(s);
+            src_bufs.len() - 1
+        });
+        let dst_buf = scale_shard.map(|s| {
+            dst_bufs.push(s);
+            dst_bufs.len() - 1
+        });
+        let extra = quant::scale_steps(qp, part, &sender_blocks, src_buf, dst_buf);
+        steps.sends.extend(extra.sends);
+        steps.recvs.extend(extra.recvs);
+        steps.locals.extend(extra.locals);
+    }
     run_steps(&steps, &src_bufs, &mut dst_bufs, transport, options)
 }
 
@@ -165,7 +207,7 @@ pub fn run_steps<'buf, T: Transport<'buf> + ?Sized>(
                     region: s.region,
                     elem_bytes: s.elem_bytes,
                     range,
-                    cast: s.cast,
+                    cast: s.cast.clone(),
                 };
                 match peer_sums.as_deref_mut() {
                     // summed by the transport as it reads the bytes, where it can
@@ -194,7 +236,7 @@ pub fn run_steps<'buf, T: Transport<'buf> + ?Sized>(
                 Place::Within(s.src_box),
                 Place::Within(s.dst_box),
                 s.elem_bytes,
-                s.cast,
+                s.cast.clone(),
             );
             g.copy(source(s), &mut dst_bufs[b][bytes], 0..g.len());
             stats.bytes_local += g.len() as u64;

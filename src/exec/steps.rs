@@ -80,7 +80,7 @@ pub(super) fn check_steps(
             let Some((b, bytes)) = at else {
                 return Err(Error::MissingBuffer { side, rank });
             };
-            let elem = match (side, s.cast) {
+            let elem = match (side, &s.cast) {
                 (Side::Src, Some(cast)) => cast.src_elem,
                 _ => s.elem_bytes,
             };

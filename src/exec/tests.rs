@@ -394,6 +394,7 @@ fn transfers_that_land_out_of_order_are_accounted_one_by_one() {
         src: None,
         dst: Some((&dst_box, &mut shard)),
         dst_dtype: dst.dtype(),
+        quant: None,
     };
     let err = run_rank(work, &LandsEveryOther, &ExecOptions::default()).unwrap_err();
     // the even places of the schedule never landed
@@ -469,6 +470,7 @@ fn a_transfer_reported_twice_fails_the_rank() {
         src: None,
         dst: Some((&dst_box, &mut shard)),
         dst_dtype: dst.dtype(),
+        quant: None,
     };
     let err = run_rank(work, &LandsFirstTwice, &ExecOptions::default()).unwrap_err();
     // every transfer landed once: the error is the duplicate alone, with no report missing

@@ -17,12 +17,14 @@
 //! make about `h + r` transfers, not `h x r`.
 
 pub mod baseline;
+pub mod quant;
 pub mod report;
 pub mod schedule;
 
 use std::ops::Range;
 
 pub use baseline::GatherBroadcast;
+pub use quant::{QuantPlan, QuantRankPlan, QuantRequest};
 pub use report::{Overflow, PlanJson, Totals, TransferJson, gather_broadcast_bytes};
 pub use schedule::Schedule;
 
@@ -123,6 +125,8 @@ pub struct Plan {
     dst: Layout,
     options: PlanOptions,
     transfers: Vec<Transfer>,
+    /// With `--quant`: the scheme, its block grid, and so the amax and scale traffic.
+    quant: Option<QuantPlan>,
 }
 
 impl Plan {
@@ -143,18 +147,78 @@ impl Plan {
 
     pub fn with_options(src: Layout, dst: Layout, options: PlanOptions) -> Result<Plan> {
         check_compatible(&src, &dst)?;
+        Ok(Plan::planned(src, dst, options, None))
+    }
+
+    /// Plans a reshard into an fp8 destination quantized as `quant` says (checked against
+    /// the layouts by [`QuantPlan::new`]): the transfers carry fp8 values, and the plan also
+    /// holds the partial amax exchanges and scale transfers ([`QuantPlan`]).
+    pub fn quantized(
+        src: Layout,
+        dst: Layout,
+        options: PlanOptions,
+        quant: QuantPlan,
+    ) -> Result<Plan> {
+        if src.shape() != dst.shape() {
+            return Err(Error::ShapeMismatch {
+                src: Dims(src.shape().to_vec()),
+                dst: Dims(dst.shape().to_vec()),
+            });
+        }
+        // the quantization was checked against both dtypes and the destination's boundaries
+        let checked = QuantPlan::new(
+            QuantRequest {
+                scheme: quant.quant.scheme,
+                scale_dtype: Some(quant.quant.scale_dtype),
+            },
+            &src,
+            &dst,
+        )?;
+        Ok(Plan::planned(src, dst, options, Some(checked)))
+    }
+
+    /// [`Plan::new`] or [`Plan::quantized`] as `request` says: `None` plans a plain (or
+    /// cast) reshard.
+    pub fn with_quant(
+        src: Layout,
+        dst: Layout,
+        options: PlanOptions,
+        request: Option<QuantRequest>,
+    ) -> Result<Plan> {
+        match request {
+            None => Plan::with_options(src, dst, options),
+            Some(r) => {
+                let q = QuantPlan::new(r, &src, &dst)?;
+                Plan::quantized(src, dst, options, q)
+            }
+        }
+    }
+
+    fn planned(src: Layout, dst: Layout, options: PlanOptions, quant: Option<QuantPlan>) -> Plan {
         let holders = Holders::table(&src);
         let mut transfers = Vec::new();
         for &r in dst.mesh().ranks() {
             receives(&src, &dst, &holders, r, &options, &mut transfers);
         }
         transfers.sort_unstable();
-        Ok(Plan {
+        Plan {
             src,
             dst,
             options,
             transfers,
-        })
+            quant,
+        }
+    }
+
+    /// `rank`'s part of this plan computed for it alone, as [`rank_plan`] does, for the
+    /// layouts this plan checked (a quantizing plan's fp8 destination among them).
+    pub fn rank_part(&self, rank: Rank) -> RankPlan {
+        rank_part(&self.src, &self.dst, rank, &self.options)
+    }
+
+    /// The quantization, for a plan into fp8 with scales.
+    pub fn quant(&self) -> Option<&QuantPlan> {
+        self.quant.as_ref()
     }
 
     pub fn src(&self) -> &Layout {
@@ -261,6 +325,11 @@ pub fn rank_plan(
     options: &PlanOptions,
 ) -> Result<RankPlan> {
     check_compatible(src, dst)?;
+    Ok(rank_part(src, dst, rank, options))
+}
+
+/// [`rank_plan`] of layouts already checked (by a [`Plan`]'s constructor).
+fn rank_part(src: &Layout, dst: &Layout, rank: Rank, options: &PlanOptions) -> RankPlan {
     let mut rp = RankPlan::new(rank);
     // local copies are among the receives; the sends repeat them
     let mut received = Vec::new();
@@ -280,7 +349,7 @@ pub fn rank_plan(
         .for_each(|t| rp.take(t));
     rp.locals.sort_unstable();
     order_for_schedule(&mut rp, &Schedule::of(src, dst));
-    Ok(rp)
+    rp
 }
 
 fn order_for_schedule(rp: &mut RankPlan, schedule: &Schedule) {

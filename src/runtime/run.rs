@@ -59,11 +59,12 @@ impl World {
         let rank = job.rank();
         check_own(plan.src(), Side::Src, rank, sources)?;
         check_own(plan.dst(), Side::Dst, rank, destinations)?;
-        let mine = crate::plan::rank_plan(plan.src(), plan.dst(), rank, &plan.options())?;
+        let mine = plan.rank_part(rank);
         let transport = self.connect(&Links::of_plan(&mine), [plan.src()], None)?;
         let (src_box, dst_box) = (plan.src().local_region(rank), plan.dst().local_region(rank));
         let started = Instant::now();
         let work = RankJob {
+            quant: None,
             plan: &mine,
             src_layout: plan.src(),
             dst_dtype: plan.dst().dtype(),
@@ -194,17 +195,36 @@ impl World {
     pub fn prepare(&self, plan: &Plan) -> Result<PlanRank<'_>> {
         let job = self.job();
         let rank = job.map_or(0, Job::rank);
-        let mine = crate::plan::rank_plan(plan.src(), plan.dst(), rank, &plan.options())?;
+        let mine = plan.rank_part(rank);
         let src_box = plan.src().local_region(rank);
         let dst_box = plan.dst().local_region(rank);
         let shard = match &dst_box {
             Some(_) => Some(SharedBuffer::new(plan.dst().local_bytes(rank) as usize)?),
             None => None,
         };
+        let quant = plan.quant().map(|q| {
+            let part = q.for_rank(plan.src(), plan.dst(), &mine);
+            RankQuant {
+                stage: vec![0u8; part.stage_bytes(q.scale_bytes())],
+                scales: dst_box
+                    .as_ref()
+                    .map(|_| vec![0u8; q.dst_scale_bytes(plan.dst(), rank) as usize]),
+                plan: q.clone(),
+                part,
+            }
+        });
+        let mut links = Links::of_plan(&mine);
+        if let Some(q) = &quant {
+            links.senders.extend(q.part.amax_peers());
+            links.receivers.extend(q.part.amax_peers());
+        }
+        // quantizing: the scales and partial amax travel as transfers of their own, which
+        // senders cannot write into the value shard, so same-host senders use rings
         let destination = dst_box
             .as_ref()
-            .and_then(|b| shard.as_ref().map(|s| (s, b)));
-        let transport = self.connect(&Links::of_plan(&mine), [plan.src()], destination)?;
+            .and_then(|b| shard.as_ref().map(|s| (s, b)))
+            .filter(|_| quant.is_none());
+        let transport = self.connect(&links, [plan.src()], destination)?;
         Ok(PlanRank {
             world: self,
             rank,
@@ -215,8 +235,17 @@ impl World {
             dst_box,
             shard,
             transport,
+            quant,
         })
     }
+}
+
+/// A prepared rank's quantization: its part of the plan, its staging, its scale shard.
+struct RankQuant {
+    plan: crate::plan::QuantPlan,
+    part: crate::plan::QuantRankPlan,
+    stage: Vec<u8>,
+    scales: Option<Vec<u8>>,
 }
 
 /// One rank's part of a plan with its links open and its destination shard in shared memory
@@ -233,6 +262,7 @@ pub struct PlanRank<'w> {
     dst_box: Option<Region>,
     shard: Option<SharedBuffer>,
     transport: AnyTransport<'w>,
+    quant: Option<RankQuant>,
 }
 
 impl PlanRank<'_> {
@@ -253,6 +283,16 @@ impl PlanRank<'_> {
     /// This rank's destination shard, if it is a destination.
     pub fn destination(&self) -> Option<&[u8]> {
         self.shard.as_deref()
+    }
+
+    /// This rank's scale shard, if the plan quantizes and it is a destination.
+    pub fn scales(&self) -> Option<&[u8]> {
+        self.quant.as_ref().and_then(|q| q.scales.as_deref())
+    }
+
+    /// This rank's scale shard, to write before a run.
+    pub fn scales_mut(&mut self) -> Option<&mut [u8]> {
+        self.quant.as_mut().and_then(|q| q.scales.as_deref_mut())
     }
 
     /// This rank's destination shard, to write before a run (a pattern, to see what the run
@@ -294,6 +334,13 @@ impl PlanRank<'_> {
             _ => {}
         }
         let work = RankJob {
+            quant: self.quant.as_mut().map(|q| crate::exec::QuantJob {
+                tensor: "tensor",
+                plan: &q.plan,
+                rank: &q.part,
+                stage: &mut q.stage,
+                scales: q.scales.as_deref_mut(),
+            }),
             plan: &self.plan,
             src_layout: &self.src_layout,
             dst_dtype: self.dst_dtype,

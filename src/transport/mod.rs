@@ -58,7 +58,7 @@ impl Outgoing<'_> {
             Place::Within(self.src_box),
             dst,
             self.elem_bytes,
-            self.cast,
+            self.cast.clone(),
         )
     }
 

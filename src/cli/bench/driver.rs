@@ -248,6 +248,7 @@ fn bench_rank<'j, J: Job + ?Sized>(
                         src: src_box.as_ref().zip(source.as_deref()),
                         dst: dst_box.as_ref().zip(shard.as_deref_mut()),
                         dst_dtype: dst.dtype(),
+                        quant: None,
                     };
                     exec::run_rank(work, &*reshard_transport, options)
                 })?,

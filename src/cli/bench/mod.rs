@@ -95,6 +95,8 @@ impl BenchArgs {
             shape: self.shape.clone().unwrap_or_default(),
             dtype: self.dtype.clone(),
             dst_dtype: self.dst_dtype.clone(),
+            quant: None,
+            scale_dtype: None,
             src: self.src.clone().unwrap_or_default(),
             dst: self.dst.clone().unwrap_or_default(),
             min_split_bytes: self.min_split_bytes.clone(),

@@ -163,6 +163,8 @@ pub(super) fn refit_suite(
                 shape: shape.to_string(),
                 dtype: dtype.to_string(),
                 dst_dtype: dst_dtype.map(str::to_string),
+                quant: None,
+                scale_dtype: None,
                 src: src.to_string(),
                 dst: dst.to_string(),
                 min_split_bytes: min_split_bytes.to_string(),

@@ -1,0 +1,66 @@
+//! `--verify` and `--dump` of a quantizing run: the naive reference (the whole source
+//! materialized from the fill and quantized block by block) and each destination's values
+//! and scales compared with their boxes of it.
+
+use reshard::convert::reference::{QuantizedTensor, first_difference, quantize_tensor};
+use reshard::fill::Fill;
+use reshard::layout::LayoutSpec;
+use reshard::{Error, Plan, Rank};
+
+/// The reference of a quantizing plan's destination, or `None` for a plan that does not
+/// quantize.
+pub fn reference(plan: &Plan, fill: Fill) -> Result<Option<QuantizedTensor>, Error> {
+    let Some(q) = plan.quant() else {
+        return Ok(None);
+    };
+    let whole = LayoutSpec::parse("mesh=1 place=R")
+        .and_then(|s| s.resolve(plan.src().shape(), plan.src().dtype(), 0))
+        .map_err(|source| Error::Layout {
+            side: reshard::Side::Src,
+            source,
+        })?;
+    let tensor = fill.shard(&whole, 0)?.unwrap_or_default();
+    quantize_tensor(q.quant, &q.grid, plan.src().dtype(), &tensor)
+        .map(Some)
+        .map_err(|source| Error::Convert {
+            tensor: "tensor".into(),
+            source,
+        })
+}
+
+/// Compares `rank`'s fp8 values and scales with their boxes of the reference.
+pub fn verify(
+    plan: &Plan,
+    reference: &QuantizedTensor,
+    rank: Rank,
+    values: &[u8],
+    scales: &[u8],
+) -> Result<(), Error> {
+    let (Some(q), Some(shard)) = (plan.quant(), plan.dst().local_region(rank)) else {
+        return Ok(());
+    };
+    if let Some((offset, expected, found, mismatches)) =
+        first_difference(&reference.values_of(&shard), values)
+    {
+        return Err(Error::VerifyFailed {
+            rank,
+            offset,
+            expected,
+            found,
+            mismatches,
+        });
+    }
+    let blocks = q.grid.scale_region(&shard);
+    if let Some((offset, expected, found, mismatches)) =
+        first_difference(&reference.scales_of(&blocks), scales)
+    {
+        return Err(Error::ScalesVerifyFailed {
+            rank,
+            offset,
+            expected,
+            found,
+            mismatches,
+        });
+    }
+    Ok(())
+}
