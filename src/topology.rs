@@ -129,6 +129,24 @@ impl HostMap {
         Self::from_hosts(hosts).map_err(|reason| invalid("(host names)", reason))
     }
 
+    /// The host of each rank, in rank order, as numbers (dense from 0).
+    pub fn from_indices(hosts: &[usize]) -> Result<HostMap> {
+        let shown = || {
+            let list: Vec<String> = hosts.iter().take(16).map(usize::to_string).collect();
+            list.join(",")
+        };
+        if hosts.len() > MAX_HOST_MAP_RANKS {
+            return Err(too_many(&shown(), hosts.len()));
+        }
+        let hosts = hosts
+            .iter()
+            .map(|&h| {
+                u32::try_from(h).map_err(|_| invalid(&shown(), format!("host {h} is too large")))
+            })
+            .collect::<Result<Vec<u32>>>()?;
+        Self::from_hosts(hosts).map_err(|reason| invalid(&shown(), reason))
+    }
+
     /// Checks that the host numbers are dense (every host from 0 to the highest has a rank).
     fn from_hosts(hosts: Vec<u32>) -> std::result::Result<HostMap, String> {
         if hosts.is_empty() {
