@@ -77,7 +77,7 @@ fn environ_var(pid: u32, var: &str) -> Option<String> {
     let env = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
     let prefix = format!("{var}=");
     env.split(|&b| b == 0)
-        .map(|v| text(v))
+        .map(text)
         .find_map(|v| v.strip_prefix(&prefix).map(str::to_string))
 }
 
