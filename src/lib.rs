@@ -18,6 +18,7 @@
 //! - [`model`]: whole models (HF configs, checkpoint headers), training and inference
 //!   parallelism, the per-parameter layout rules, and the plan of a whole-model refit;
 //! - [`sim`]: a cluster cost model that prices plans at scales this machine cannot run;
+//! - [`topology`]: which host each rank runs on ([`topology::HostMap`]);
 //! - [`limits`]: every bound on the size of the input, and why.
 //!
 //! ```
@@ -48,6 +49,7 @@ mod rank;
 pub mod region;
 pub mod runtime;
 pub mod sim;
+pub mod topology;
 pub mod transport;
 
 #[cfg(test)]

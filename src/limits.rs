@@ -39,6 +39,10 @@ pub const MAX_FUSED_PIECES: usize = 1 << 20;
 /// anything could be checked.
 pub const MAX_LAYERS: u64 = 1 << 14;
 
+/// Ranks a host map (`--hosts`, or the one learned at rendezvous) covers: a job's global ranks,
+/// both sides of a reshard at most, so twice [`MAX_MESH_RANKS`]. A map holds 4 bytes a rank.
+pub const MAX_HOST_MAP_RANKS: usize = 2 * MAX_MESH_RANKS;
+
 // a side's ranks, offset by another side's, stay below 2^31; a launch fits in one side
 const _: () = assert!(MAX_MESH_RANKS * 2 < MAX_RANK);
 const _: () = assert!(MAX_LOCAL_PROCESSES <= MAX_MESH_RANKS);

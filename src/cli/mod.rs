@@ -62,6 +62,9 @@ enum Command {
     /// A whole model (HF config or checkpoint) from a training to an inference parallelism:
     /// planned, with what reshard moves against gather+broadcast.
     Refit(refit::RefitArgs),
+    /// Holds the namespaces of an emulated host for `launch --hosts` until its input closes.
+    #[command(name = launch::HOLDER_COMMAND, hide = true)]
+    NetnsHolder,
 }
 
 /// The tensor and the two layouts, shared by the commands.
@@ -219,6 +222,10 @@ pub fn main() -> ExitCode {
         Command::Demo => demo::main().map(|()| ExitCode::SUCCESS),
         Command::Launch(args) => launch::main(&args),
         Command::Refit(args) => refit::main(&args).map(|()| ExitCode::SUCCESS),
+        Command::NetnsHolder => {
+            launch::hold();
+            Ok(ExitCode::SUCCESS)
+        }
     };
     match result {
         Ok(code) => code,

@@ -49,7 +49,13 @@ pub(super) fn connect<'g>(
     if options.transport == TransportKind::Tcp {
         return Ok(Box::new(tcp));
     }
+    // the host map that every rank learned at rendezvous decides, so both ends of a link
+    // choose alike
     let near = |p: Rank| group.same_host(p).then(|| group.pid(p));
+    let alone = peers.iter().all(|&p| near(p).is_none());
+    if options.transport == TransportKind::Auto && alone {
+        return Ok(Box::new(tcp));
+    }
     let shm = over_shm(tcp, links, near, destination, options, "tcp")?;
     Ok(Box::new(shm))
 }

@@ -36,6 +36,7 @@ use crate::agreement::Fingerprint;
 use crate::error::{Error, Result};
 use crate::exec::ExecOptions;
 use crate::layout::{Layout, Rank};
+use crate::topology::HostMap;
 use crate::transport::Job;
 use crate::transport::group::{Group, GroupEnv};
 
@@ -213,6 +214,18 @@ impl World {
             Membership::Group(g) => Some(&**g),
             #[cfg(feature = "mpi")]
             Membership::Mpi(j) => Some(j),
+        }
+    }
+
+    /// Which host every rank of the job runs on, as the ranks told each other when they
+    /// joined (`launch --hosts` places them on emulated hosts; otherwise the host names
+    /// decide); `None` when the ranks are threads of this process (one host).
+    pub fn hosts(&self) -> Option<&HostMap> {
+        match &self.membership {
+            Membership::Threads => None,
+            Membership::Group(g) => Some(g.hosts()),
+            #[cfg(feature = "mpi")]
+            Membership::Mpi(j) => Some(j.hosts()),
         }
     }
 

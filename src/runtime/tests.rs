@@ -22,6 +22,7 @@ fn env(rank: Rank, world: usize) -> GroupEnv {
         master_addr: "127.0.0.1".into(),
         master_port: 1,
         token: "t".into(),
+        host: "here".into(),
     }
 }
 
@@ -185,6 +186,17 @@ fn the_baseline_moves_the_same_tensor_between_threads() {
 /// `ranks` ranks of a job over tcp, each a thread of this process joined through the
 /// rendezvous as a process would be; returns what `part` returned on each, by rank.
 fn job_of_threads<T: Send>(ranks: usize, part: impl Fn(World) -> T + Sync) -> Vec<T> {
+    let hosts = vec!["here"; ranks];
+    job_on_hosts(&hosts, TransportKind::Tcp, part)
+}
+
+/// [`job_of_threads`] with each rank naming its host (`hosts[rank]`), over `transport`.
+fn job_on_hosts<T: Send>(
+    hosts: &[&str],
+    transport: TransportKind,
+    part: impl Fn(World) -> T + Sync,
+) -> Vec<T> {
+    let ranks = hosts.len();
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
@@ -197,9 +209,10 @@ fn job_of_threads<T: Send>(ranks: usize, part: impl Fn(World) -> T + Sync) -> Ve
                 s.spawn(move || {
                     let env = GroupEnv {
                         master_port: port,
+                        host: hosts[rank].into(),
                         ..env(rank, ranks)
                     };
-                    part(World::join_env(Some(env), with(TransportKind::Tcp)).unwrap())
+                    part(World::join_env(Some(env), with(transport)).unwrap())
                 })
             })
             .collect();
@@ -286,5 +299,66 @@ fn one_rank_per_member_runs_a_plan_its_baseline_and_a_batch() {
             .run_batch(&batch, &all_src, &mut all_dst, &RunOptions::default())
             .unwrap();
         assert_eq!(dst[&rank], all_dst[&rank], "rank {rank}'s batch");
+    }
+}
+
+/// Ranks on two named hosts (all on loopback here): the world knows the host map, `shm` is
+/// refused for a peer on the other host, and `auto` moves the tensor, shared memory inside a
+/// host and tcp across.
+#[test]
+fn the_host_map_decides_which_peers_share_memory() {
+    let plan = plan(
+        "mesh=2 ranks=0,2 place=S(0)",
+        "mesh=2x2 ranks=0..4 place=S(1),R",
+    );
+    let fill = Fill::Hash { seed: 5 };
+    let hosts = ["a", "a", "b", "b"];
+    for kind in [TransportKind::Shm, TransportKind::Auto] {
+        let outcomes = job_on_hosts(&hosts, kind, |world| {
+            let rank = world.rank().unwrap();
+            assert_eq!(
+                world.hosts().unwrap(),
+                &crate::topology::HostMap::parse("2x2").unwrap()
+            );
+            let sources: BTreeMap<_, _> = fill
+                .shard(plan.src(), rank)
+                .unwrap()
+                .map(|s| (rank, s))
+                .into_iter()
+                .collect();
+            let mut dests: BTreeMap<_, _> = plan
+                .dst()
+                .local_region(rank)
+                .map(|_| (rank, vec![0u8; plan.dst().local_bytes(rank) as usize]))
+                .into_iter()
+                .collect();
+            let outcome = world.run(&plan, &sources, &mut dests, &RunOptions::default());
+            let verdict = outcome
+                .as_ref()
+                .map(|_| serde_json::json!(rank))
+                .map_err(|e| Error::InvalidOption {
+                    field: "--transport",
+                    value: kind.name().into(),
+                    reason: e.to_string(),
+                });
+            let _ = world.finish(verdict);
+            outcome.map(|_| dests)
+        });
+        for (rank, outcome) in outcomes.into_iter().enumerate() {
+            match (kind, outcome) {
+                (TransportKind::Auto, Ok(dests)) => {
+                    let region = plan.dst().local_region(rank).unwrap();
+                    fill.verify_region(plan.dst(), &region, &dests[&rank], (rank, 0))
+                        .unwrap();
+                }
+                (TransportKind::Shm, Err(e)) => {
+                    assert!(
+                        e.to_string().contains("runs on another host"),
+                        "rank {rank}: {e}"
+                    )
+                }
+                (kind, other) => panic!("{kind:?}, rank {rank}: {:?}", other.map(|_| ())),
+            }
+        }
     }
 }

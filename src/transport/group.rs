@@ -5,8 +5,10 @@
 //!
 //! Every process reads `RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT` and `RESHARD_TOKEN`.
 //! Rank 0 listens on `MASTER_ADDR:MASTER_PORT`; every other rank connects to it, says who it
-//! is, and learns every rank's address. A connection whose token, world size or rank does not
-//! fit the job is refused and the job goes on. Every wait is bounded by the job's timeout.
+//! is and names its host (`RESHARD_HOST`, or the host name), and learns every rank's address
+//! and the host map: which ranks share a host, and so may share memory. A connection whose
+//! token, world size or rank does not fit the job is refused and the job goes on. Every wait
+//! is bounded by the job's timeout.
 //!
 //! The ports that accept connections (rank 0's rendezvous port, every rank's data-link port)
 //! screen all newcomers at once ([`super::screen`]): strangers that stay silent, trickle,
@@ -14,7 +16,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::ErrorKind;
-use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
@@ -22,186 +24,15 @@ use serde::{Deserialize, Serialize};
 use crate::agreement::Fingerprint;
 use crate::error::{Error, Result};
 use crate::layout::Rank;
+use crate::topology::HostMap;
 
 use super::control::Call;
 use super::control::driver::ControlLinks;
 use super::frame;
 use super::screen::Screen;
 
-/// Where a process stands in the job, from its environment.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct GroupEnv {
-    pub rank: Rank,
-    pub world: usize,
-    pub master_addr: String,
-    pub master_port: u16,
-    pub token: String,
-}
-
-/// The token used when `RESHARD_TOKEN` is not set: it still keeps apart jobs of different
-/// world sizes, but only a real token keeps out strangers.
-pub const DEFAULT_TOKEN: &str = "reshard";
-
-/// Largest `RESHARD_TOKEN`, so that a hello stays within [`super::screen::MAX_HELLO_BYTES`].
-pub const MAX_TOKEN_BYTES: usize = 512;
-
-/// Largest `WORLD_SIZE`: rank 0 holds a connection, so a file descriptor, to every other
-/// rank, and 2^20 is Linux's default cap on a process's open files (`fs.nr_open`). Every rank
-/// keeps a table of the job's ranks (an address and a process id each), some 40 bytes a rank.
-pub const MAX_WORLD: usize = 1 << 20;
-
-/// The variables that place a process in a job; they must be valid UTF-8 when set.
-const JOB_VARS: [&str; 5] = [
-    "RANK",
-    "WORLD_SIZE",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "RESHARD_TOKEN",
-];
-
-impl GroupEnv {
-    /// Reads the torchrun variables; `None` when `RANK` and `WORLD_SIZE` are both unset (a
-    /// single process).
-    pub fn from_env() -> Result<Option<GroupEnv>> {
-        for name in JOB_VARS {
-            if let Some(value) = std::env::var_os(name).filter(|v| v.to_str().is_none()) {
-                // taken as unset, a garbled RESHARD_TOKEN would quietly mean no token at all
-                return Err(Error::Env {
-                    var: name,
-                    value: value.to_string_lossy().into_owned(),
-                    reason: "is not valid UTF-8".into(),
-                });
-            }
-        }
-        let var = |name: &'static str| std::env::var(name).ok();
-        if var("RANK").is_none() && var("WORLD_SIZE").is_none() {
-            // under mpirun, with MASTER_ADDR and MASTER_PORT passed along (-x), MPI's numbering
-            // serves the tcp and shm transports too
-            if let (Some(rank), Some(world), Some(_)) = (
-                var("OMPI_COMM_WORLD_RANK"),
-                var("OMPI_COMM_WORLD_SIZE"),
-                var("MASTER_PORT"),
-            ) {
-                return Self::from_vars(|name| match name {
-                    "RANK" => Some(rank.clone()),
-                    "WORLD_SIZE" => Some(world.clone()),
-                    other => std::env::var(other).ok(),
-                });
-            }
-            return Ok(None);
-        }
-        Self::from_vars(var)
-    }
-
-    fn from_vars(var: impl Fn(&'static str) -> Option<String>) -> Result<Option<GroupEnv>> {
-        let need = |name: &'static str| {
-            var(name).ok_or(Error::Env {
-                var: name,
-                value: String::new(),
-                reason: "must be set for a multi-process run (reshard launch sets it)".into(),
-            })
-        };
-        let number = |name: &'static str| -> Result<usize> {
-            let v = need(name)?;
-            v.trim().parse().map_err(|_| Error::Env {
-                var: name,
-                value: v.clone(),
-                reason: "expected a non-negative integer".into(),
-            })
-        };
-        let rank = number("RANK")?;
-        let world = number("WORLD_SIZE")?;
-        if world == 0 || world > MAX_WORLD {
-            return Err(Error::Env {
-                var: "WORLD_SIZE",
-                value: world.to_string(),
-                reason: format!(
-                    "must be from 1 to {MAX_WORLD} (2^20): rank 0 holds a connection to every rank"
-                ),
-            });
-        }
-        if rank >= world {
-            return Err(Error::Env {
-                var: "RANK",
-                value: rank.to_string(),
-                reason: format!("must be below WORLD_SIZE={world}"),
-            });
-        }
-        let master_addr = var("MASTER_ADDR").unwrap_or_else(|| "127.0.0.1".into());
-        let port = need("MASTER_PORT")?;
-        let master_port = match port.trim().parse::<u16>() {
-            Ok(p) if p > 0 => p,
-            // port 0 would have rank 0 listen on a port of the system's choosing that no
-            // other rank knows: every rank would wait out its timeout
-            Ok(_) => {
-                return Err(Error::Env {
-                    var: "MASTER_PORT",
-                    value: port.clone(),
-                    reason: "must be a port from 1 to 65535 that every rank can reach".into(),
-                });
-            }
-            Err(_) => {
-                return Err(Error::Env {
-                    var: "MASTER_PORT",
-                    value: port.clone(),
-                    reason: "expected a port number from 1 to 65535".into(),
-                });
-            }
-        };
-        let token = match var("RESHARD_TOKEN") {
-            Some(t) => {
-                check_token(&t)?;
-                t
-            }
-            None => DEFAULT_TOKEN.into(),
-        };
-        Ok(Some(GroupEnv {
-            rank,
-            world,
-            master_addr,
-            master_port,
-            token,
-        }))
-    }
-
-    fn master(&self) -> Result<SocketAddr> {
-        (self.master_addr.as_str(), self.master_port)
-            .to_socket_addrs()
-            .ok()
-            .and_then(|mut a| a.next())
-            .ok_or_else(|| Error::Env {
-                var: "MASTER_ADDR",
-                value: self.master_addr.clone(),
-                reason: "does not resolve to an address".into(),
-            })
-    }
-}
-
-/// Refuses a `RESHARD_TOKEN` that is set but cannot keep strangers out: empty or blank (most
-/// likely an unset variable expanded into it, and no authentication at all), or too long for a
-/// hello.
-pub fn check_token(token: &str) -> Result<()> {
-    let reason = if token.trim().is_empty() {
-        "is set but empty; set a secret shared by the job's ranks, or unset it".to_string()
-    } else if token.len() > MAX_TOKEN_BYTES {
-        format!(
-            "is {} bytes long; at most {MAX_TOKEN_BYTES} fit in a hello",
-            token.len()
-        )
-    } else {
-        return Ok(());
-    };
-    let shown = if token.len() > MAX_TOKEN_BYTES {
-        "(not shown)".into()
-    } else {
-        token.to_string()
-    };
-    Err(Error::Env {
-        var: "RESHARD_TOKEN",
-        value: shown,
-        reason,
-    })
-}
+mod env;
+pub use env::{DEFAULT_TOKEN, GroupEnv, MAX_HOST_BYTES, MAX_TOKEN_BYTES, MAX_WORLD, check_token};
 
 /// What a connecting process says first.
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -216,6 +47,9 @@ struct Hello {
     /// The process id, for same-host transports to watch the peer.
     #[serde(default)]
     pid: u32,
+    /// The name of the rank's host (see [`GroupEnv::host`]).
+    #[serde(default)]
+    host: String,
 }
 
 /// The answer to a hello.
@@ -224,6 +58,8 @@ enum Reply {
     Welcome {
         addrs: Vec<SocketAddr>,
         pids: Vec<u32>,
+        /// The host of every rank, numbered by first rank.
+        hosts: Vec<usize>,
     },
     Accepted,
     Refused {
@@ -240,6 +76,8 @@ pub struct Group {
     addrs: Vec<SocketAddr>,
     /// Every rank's process id (meaningful between ranks of one host).
     pids: Vec<u32>,
+    /// Which host every rank runs on, from the names the ranks gave at rendezvous.
+    hosts: HostMap,
     /// The control protocol's thread, over rank 0's link to every other rank or a member's
     /// link to rank 0.
     control: ControlLinks,
@@ -293,8 +131,10 @@ impl Group {
             })?;
             let mut addrs = vec![master; env.world];
             let mut pids = vec![std::process::id(); env.world];
-            let streams =
-                Group::gather_members(&env, &listener, timeout, deadline, &mut addrs, &mut pids)?;
+            let mut names = vec![env.host.clone(); env.world];
+            let (streams, hosts) = Group::gather_members(
+                &env, &listener, timeout, deadline, &mut addrs, &mut pids, &mut names,
+            )?;
             let control = ControlLinks::start(0, env.world, timeout, streams)?;
             Ok(Group {
                 env,
@@ -302,6 +142,7 @@ impl Group {
                 listener,
                 addrs,
                 pids,
+                hosts,
                 control,
             })
         } else {
@@ -326,6 +167,7 @@ impl Group {
                 purpose: "control".into(),
                 port,
                 pid: std::process::id(),
+                host: env.host.clone(),
             };
             // rank 0 was listening, so it waits for the last rank until at most one timeout
             // from now, then answers: the reply may take that long, and a little more
@@ -335,11 +177,18 @@ impl Group {
                 .map_err(|e| e.into_error(rank, 0, "rendezvous", timeout))?;
             let reply: Reply = frame::read_control(&mut stream)
                 .map_err(|e| e.into_error(rank, 0, "rendezvous", wait))?;
-            let (addrs, pids) = match reply {
-                Reply::Welcome { addrs, pids }
-                    if addrs.len() == env.world && pids.len() == env.world =>
+            let (addrs, pids, hosts) = match reply {
+                Reply::Welcome { addrs, pids, hosts }
+                    if addrs.len() == env.world
+                        && pids.len() == env.world
+                        && hosts.len() == env.world =>
                 {
-                    (addrs, pids)
+                    let hosts = HostMap::from_indices(&hosts).map_err(|e| Error::Protocol {
+                        rank,
+                        peer: 0,
+                        detail: format!("the host map of the rendezvous: {e}"),
+                    })?;
+                    (addrs, pids, hosts)
                 }
                 Reply::Refused { reason } => {
                     return Err(Error::Refused {
@@ -365,6 +214,7 @@ impl Group {
                 listener,
                 addrs,
                 pids,
+                hosts,
                 control,
             })
         }
@@ -420,7 +270,8 @@ impl Group {
         }
     }
 
-    /// Rank 0: waits for every other rank's hello, then sends everyone the address table.
+    /// Rank 0: waits for every other rank's hello, then sends everyone the address table
+    /// and the host map (hosts numbered in the order of their first rank).
     fn gather_members(
         env: &GroupEnv,
         listener: &TcpListener,
@@ -428,7 +279,8 @@ impl Group {
         deadline: Instant,
         addrs: &mut [SocketAddr],
         pids: &mut [u32],
-    ) -> Result<Vec<Option<TcpStream>>> {
+        names: &mut [String],
+    ) -> Result<(Vec<Option<TcpStream>>, HostMap)> {
         let mut control: Vec<Option<TcpStream>> = (0..env.world).map(|_| None).collect();
         // one flag per rank rather than a set: the memory a rank needs stays small and linear
         // in the world size
@@ -465,21 +317,24 @@ impl Group {
             let _ = stream.set_write_timeout(Some(timeout));
             addrs[hello.rank] = SocketAddr::new(from.ip(), hello.port);
             pids[hello.rank] = hello.pid;
+            names[hello.rank] = hello.host;
             joined[hello.rank] = true;
             to_join -= 1;
             control[hello.rank] = Some(stream);
         }
         drop(screen);
+        let hosts = HostMap::from_names(names)?;
         let welcome = frame::encode_control(&Reply::Welcome {
             addrs: addrs.to_vec(),
             pids: pids.to_vec(),
+            hosts: hosts.hosts().collect(),
         })
         .map_err(|e| e.into_error(0, 0, "the rendezvous", timeout))?;
         // a rank that died since its hello shows up at the barrier, where all ranks hear of it
         for s in control.iter_mut().flatten() {
             let _ = frame::write_encoded(s, &welcome);
         }
-        Ok(control)
+        Ok((control, hosts))
     }
 
     pub fn timeout(&self) -> Duration {
@@ -491,11 +346,15 @@ impl Group {
         self.pids[peer]
     }
 
-    /// Whether `peer` runs on this host (same address as this rank, or both loopback), so
-    /// that its memory can be read directly.
+    /// Which host every rank runs on, as the ranks named their hosts at rendezvous.
+    pub fn hosts(&self) -> &HostMap {
+        &self.hosts
+    }
+
+    /// Whether `peer` runs on this host (the host map puts it there), so that its memory can
+    /// be read directly.
     pub fn same_host(&self, peer: Rank) -> bool {
-        let (mine, theirs) = (self.addrs[self.env.rank].ip(), self.addrs[peer].ip());
-        mine == theirs || (mine.is_loopback() && theirs.is_loopback())
+        self.hosts.same_host(self.env.rank, peer)
     }
 
     /// Opens an authenticated link to every rank in `peers` (both sides must name each other):
@@ -523,6 +382,7 @@ impl Group {
                 purpose: "peer".into(),
                 port: 0,
                 pid: std::process::id(),
+                host: self.env.host.clone(),
             };
             let _ = s.set_read_timeout(Some(self.timeout));
             frame::write_control(&mut s, &hello)

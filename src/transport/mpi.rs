@@ -107,6 +107,8 @@ pub struct MpiJob {
     world: SimpleCommunicator,
     /// The other ranks on this host, with their process ids.
     neighbours: std::collections::BTreeMap<Rank, u32>,
+    /// Which host every rank runs on.
+    hosts: crate::topology::HostMap,
     // dropped last: finalizes MPI
     _universe: Universe,
 }
@@ -131,10 +133,11 @@ impl MpiJob {
             });
         }
         let world = universe.world();
-        let neighbours = same_host_peers(&world);
+        let (neighbours, hosts) = same_host_peers(&world)?;
         Ok(MpiJob {
             world,
             neighbours,
+            hosts,
             _universe: universe,
         })
     }
@@ -143,6 +146,11 @@ impl MpiJob {
     /// whose memory this process can map.
     pub fn same_host_peers(&self) -> &std::collections::BTreeMap<Rank, u32> {
         &self.neighbours
+    }
+
+    /// Which host every rank of the job runs on.
+    pub fn hosts(&self) -> &crate::topology::HostMap {
+        &self.hosts
     }
 
     /// Ends the whole job after `error` on this rank, for failures that the other ranks
@@ -284,20 +292,39 @@ impl Job for MpiJob {
     }
 }
 
-/// Every rank's [`HostId`], gathered (collective: every rank calls it once, at start), and
-/// those of the other ranks that share this rank's host.
-fn same_host_peers(world: &SimpleCommunicator) -> std::collections::BTreeMap<Rank, u32> {
+/// Every rank's [`HostId`], gathered (collective: every rank calls it once, at start): the
+/// other ranks that share this rank's host, and the host map of the job.
+fn same_host_peers(
+    world: &SimpleCommunicator,
+) -> Result<(
+    std::collections::BTreeMap<Rank, u32>,
+    crate::topology::HostMap,
+)> {
     let me = HostId::here();
     let mut all = vec![0u8; HostId::BYTES * world.size() as usize];
     world.all_gather_into(&me.bytes[..], &mut all[..]);
-    all.chunks(HostId::BYTES)
+    let neighbours = all
+        .chunks(HostId::BYTES)
         .enumerate()
         .filter(|&(r, id)| r != world.rank() as usize && id[..16] == me.bytes[..16])
         .map(|(r, id)| {
             let pid = u32::from_le_bytes(id[16..].try_into().expect("4 bytes"));
             (r, pid)
         })
-        .collect()
+        .collect();
+    let names: Vec<&[u8]> = all.chunks(HostId::BYTES).map(|id| &id[..16]).collect();
+    let mut seen: std::collections::HashMap<&[u8], usize> = Default::default();
+    let indices: Vec<usize> = names
+        .iter()
+        .map(|&n| {
+            let next = seen.len();
+            *seen.entry(n).or_insert(next)
+        })
+        .collect();
+    Ok((
+        neighbours,
+        crate::topology::HostMap::from_indices(&indices)?,
+    ))
 }
 
 /// Which host (kernel and process namespace) a process runs on, and its process id, as

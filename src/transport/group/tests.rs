@@ -94,6 +94,7 @@ fn the_largest_token_fits_in_a_hello() {
         purpose: "control".into(),
         port: u16::MAX,
         pid: u32::MAX,
+        host: "\u{1}".repeat(MAX_HOST_BYTES) + "@0123456789abcdef",
     };
     let frame = frame::encode_control(&hello).unwrap();
     assert!(
@@ -112,6 +113,7 @@ fn env(rank: Rank, world: usize, port: u16) -> GroupEnv {
         master_addr: "127.0.0.1".into(),
         master_port: port,
         token: "t0ken".into(),
+        host: "here".into(),
     }
 }
 
@@ -203,4 +205,63 @@ fn a_wrong_token_is_refused_and_the_job_goes_on() {
         let root = root.join().unwrap().unwrap();
         assert_eq!(root.addrs, member.addrs);
     });
+}
+
+/// Every rank learns the host of every rank from the names given at rendezvous, numbered
+/// by first rank, and only ranks of one name count as on one host (all on loopback here).
+#[test]
+fn the_ranks_learn_the_host_map_at_rendezvous() {
+    let port = TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let names = ["b", "b", "a", "a", "b"];
+    let groups: Vec<Group> = std::thread::scope(|s| {
+        let joining: Vec<_> = names
+            .iter()
+            .enumerate()
+            .map(|(rank, name)| {
+                s.spawn(move || {
+                    let env = GroupEnv {
+                        host: (*name).into(),
+                        ..env(rank, names.len(), port)
+                    };
+                    Group::join(env, WAIT).unwrap()
+                })
+            })
+            .collect();
+        joining.into_iter().map(|j| j.join().unwrap()).collect()
+    });
+    let expected = crate::topology::HostMap::parse("0,0,1,1,0").unwrap();
+    for g in &groups {
+        assert_eq!(g.hosts(), &expected, "rank {}", g.env.rank);
+    }
+    let near: Vec<Rank> = (0..5).filter(|&p| groups[2].same_host(p)).collect();
+    assert_eq!(near, [2, 3]);
+    assert!(groups[0].same_host(4) && !groups[0].same_host(3));
+}
+
+#[test]
+fn reshard_host_names_the_host_and_must_be_sensible() {
+    let env = parse(&job_vars(&[("RESHARD_HOST", "node-7")]))
+        .unwrap()
+        .unwrap();
+    assert_eq!(env.host, "node-7");
+    // unset: the host name, and a hash that tells machines apart
+    let env = parse(&job_vars(&[])).unwrap().unwrap();
+    assert!(
+        env.host.starts_with(&format!("{}@", env::host_name())),
+        "{}",
+        env.host
+    );
+    assert_eq!(env.host, parse(&job_vars(&[])).unwrap().unwrap().host);
+    for bad in ["", "  "] {
+        assert_eq!(
+            env_error(&[("RESHARD_HOST", bad)]),
+            ("RESHARD_HOST", bad.into())
+        );
+    }
+    let long = "h".repeat(MAX_HOST_BYTES + 1);
+    assert_eq!(env_error(&[("RESHARD_HOST", &long)]).0, "RESHARD_HOST");
 }

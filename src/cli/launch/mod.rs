@@ -1,4 +1,10 @@
-//! `reshard launch`: start N local processes with torchrun's rendezvous environment.
+//! `reshard launch`: start N local processes with torchrun's rendezvous environment, on this
+//! host or (`--hosts H`) on H emulated hosts with shaped links between them.
+
+mod link;
+mod netns;
+
+pub use netns::{HOLDER_COMMAND, hold};
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpListener;
@@ -19,6 +25,19 @@ pub struct LaunchArgs {
     /// Number of processes (ranks 0..N).
     #[arg(long)]
     nproc: usize,
+    /// Run the ranks on H emulated hosts (consecutive ranks per host; N must be a multiple of
+    /// H): each host its own network namespace and host name, joined through an emulated
+    /// switch. Needs root (CAP_SYS_ADMIN and CAP_NET_ADMIN) and iproute2.
+    #[arg(long, value_name = "H")]
+    hosts: Option<usize>,
+    /// With --hosts: shape each host's link to RATE each way, as tc writes rates (e.g.
+    /// 2gbit, 100mbit).
+    #[arg(long, value_name = "RATE", requires = "hosts")]
+    link: Option<String>,
+    /// With --hosts: delay each host's link by MS milliseconds each way (needs the kernel's
+    /// netem queueing discipline).
+    #[arg(long, value_name = "MS", requires = "hosts")]
+    link_latency: Option<String>,
     /// Rendezvous port on 127.0.0.1 (default: a free one).
     #[arg(long)]
     master_port: Option<u16>,
@@ -131,6 +150,17 @@ pub fn main(args: &LaunchArgs) -> Result<std::process::ExitCode, Failure> {
             reason: "expected a non-negative number of seconds".into(),
         }));
     }
+    let hosts = args
+        .hosts
+        .map(|h| {
+            link::Hosts::new(
+                h,
+                args.nproc,
+                args.link.as_deref(),
+                args.link_latency.as_deref(),
+            )
+        })
+        .transpose()?;
     let port = match args.master_port {
         Some(p) => p,
         None => TcpListener::bind("127.0.0.1:0")
@@ -161,6 +191,16 @@ pub fn main(args: &LaunchArgs) -> Result<std::process::ExitCode, Failure> {
         path: "the reshard executable".into(),
         source,
     })?;
+    // the emulated hosts, when asked for: built before any rank starts, and gone with the
+    // launcher (dropped at the end, or killed with it)
+    let network = match hosts {
+        Some(plan) => Some(netns::Network::start(&exe, plan).map_err(|e| match e {
+            e @ Error::InvalidOption { .. } => Failure::Input(e),
+            e => Failure::Run(e),
+        })?),
+        None => None,
+    };
+    let parent = netns::launcher_pid();
     let mut children: Vec<Child> = Vec::new();
     children
         .try_reserve_exact(args.nproc)
@@ -171,21 +211,36 @@ pub fn main(args: &LaunchArgs) -> Result<std::process::ExitCode, Failure> {
     let mut forwarders = Vec::new();
     for rank in 0..args.nproc {
         let mut command = Command::new(&exe);
-        // SAFETY: prctl is async-signal-safe; it only asks the kernel to kill this child when
-        // the launcher dies, so that no rank outlives it.
+        // SAFETY: system calls only; the kernel kills this child when the launcher dies, so
+        // that no rank outlives it.
         unsafe {
-            command.pre_exec(|| {
-                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+            command.pre_exec(move || {
+                netns::die_with_parent(parent);
                 Ok(())
             });
         }
+        let (local_rank, local_world, master) = match (&network, hosts) {
+            (Some(network), Some(plan)) => {
+                let host = plan.host_of(rank);
+                network.enter(host, &mut command);
+                command
+                    .env("RESHARD_HOST", link::host_name(host))
+                    .env("GROUP_RANK", host.to_string());
+                (
+                    rank % plan.per_host,
+                    plan.per_host,
+                    link::address(0).to_string(),
+                )
+            }
+            _ => (rank, args.nproc, "127.0.0.1".to_string()),
+        };
         let spawned = command
             .args(&args.command)
             .env("RANK", rank.to_string())
-            .env("LOCAL_RANK", rank.to_string())
+            .env("LOCAL_RANK", local_rank.to_string())
             .env("WORLD_SIZE", args.nproc.to_string())
-            .env("LOCAL_WORLD_SIZE", args.nproc.to_string())
-            .env("MASTER_ADDR", "127.0.0.1")
+            .env("LOCAL_WORLD_SIZE", local_world.to_string())
+            .env("MASTER_ADDR", master)
             .env("MASTER_PORT", port.to_string())
             .env("RESHARD_TOKEN", &token)
             .stdin(Stdio::null())
@@ -253,6 +308,7 @@ pub fn main(args: &LaunchArgs) -> Result<std::process::ExitCode, Failure> {
     for f in forwarders {
         let _ = f.join();
     }
+    drop(network);
     match first_failure {
         None => Ok(std::process::ExitCode::SUCCESS),
         Some((rank, _)) => {
