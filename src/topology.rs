@@ -17,12 +17,13 @@
 
 use std::fmt;
 
+use crate::error::Field;
 use crate::error::{Error, Result};
 use crate::layout::Rank;
 use crate::limits::MAX_HOST_MAP_RANKS;
 
 /// The field errors name: the option the map is written in.
-const FIELD: &str = "--hosts";
+const FIELD: Field = Field::Hosts;
 
 /// The host of every global rank of a job (`hosts()[rank]`), hosts numbered densely from 0.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -290,7 +291,7 @@ mod tests {
         assert_eq!(map.to_string(), "1,0,1,0");
         assert!(map.check_ranks(3).is_ok());
         let err = map.check_ranks(4).unwrap_err().to_string();
-        assert!(err.contains("--hosts") && err.contains("rank 4"), "{err}");
+        assert!(err.contains("hosts") && err.contains("rank 4"), "{err}");
     }
 
     #[test]
@@ -316,7 +317,7 @@ mod tests {
             let err = HostMap::parse(text).unwrap_err();
             let shown = err.to_string();
             assert!(
-                matches!(&err, Error::InvalidOption { field: "--hosts", value, .. } if value == text
+                matches!(&err, Error::InvalidOption { field: Field::Hosts, value, .. } if value == text
                     || text.len() > 10),
                 "{text}: {shown}"
             );

@@ -35,6 +35,8 @@ pub enum Field {
     Train,
     Infer,
     Override,
+    Hosts,
+    Relay,
     /// An option only the command line has (`--nproc`, `--dump`): named by its flag everywhere.
     Flag(&'static str),
 }
@@ -59,6 +61,8 @@ impl Field {
             Field::Train => "train",
             Field::Infer => "infer",
             Field::Override => "overrides",
+            Field::Hosts => "hosts",
+            Field::Relay => "relay",
             Field::Flag(flag) => flag,
         }
     }
@@ -82,6 +86,8 @@ impl Field {
             Field::Train => "--train",
             Field::Infer => "--infer",
             Field::Override => "--override",
+            Field::Hosts => "--hosts",
+            Field::Relay => "--relay",
             Field::Flag(flag) => flag,
         }
     }

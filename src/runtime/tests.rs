@@ -1,3 +1,4 @@
+use crate::error::Field;
 use std::collections::BTreeMap;
 
 use super::*;
@@ -337,7 +338,7 @@ fn the_host_map_decides_which_peers_share_memory() {
                 .as_ref()
                 .map(|_| serde_json::json!(rank))
                 .map_err(|e| Error::InvalidOption {
-                    field: "--transport",
+                    field: Field::Transport,
                     value: kind.name().into(),
                     reason: e.to_string(),
                 });

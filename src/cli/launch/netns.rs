@@ -20,6 +20,7 @@ use std::path::Path;
 use std::process::{Child, Command, Stdio};
 
 use reshard::Error;
+use reshard::error::Field;
 
 use super::link::{self, Hosts};
 
@@ -106,7 +107,7 @@ impl Holder {
         let mut child =
             spawn_holder(exe, flags, host_name).map_err(|source| match source.kind() {
                 ErrorKind::PermissionDenied => Error::InvalidOption {
-                    field: "--hosts",
+                    field: Field::Flag("--hosts"),
                     value: "(namespaces)".into(),
                     reason: format!("{NEEDS} (creating a network namespace: {source})"),
                 },
@@ -160,7 +161,7 @@ fn run_batch(ns: &File, program: &str, lines: &[String], what: &str) -> Result<(
     }
     let mut child = command.spawn().map_err(|source| match source.kind() {
         ErrorKind::NotFound => Error::InvalidOption {
-            field: "--hosts",
+            field: Field::Flag("--hosts"),
             value: program.into(),
             reason: format!(
                 "emulated hosts need iproute2's `ip` and `tc` on the PATH (Debian and Ubuntu: \
@@ -168,7 +169,7 @@ fn run_batch(ns: &File, program: &str, lines: &[String], what: &str) -> Result<(
             ),
         },
         ErrorKind::PermissionDenied => Error::InvalidOption {
-            field: "--hosts",
+            field: Field::Flag("--hosts"),
             value: "(namespaces)".into(),
             reason: format!("{NEEDS} (entering a network namespace: {source})"),
         },
@@ -228,7 +229,7 @@ fn run_batch(ns: &File, program: &str, lines: &[String], what: &str) -> Result<(
         )
     };
     Err(Error::InvalidOption {
-        field,
+        field: Field::Flag(field),
         value: failed,
         reason,
     })
