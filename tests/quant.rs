@@ -826,3 +826,14 @@ fn the_plan_json_lists_amax_and_scales() {
     }
     assert_eq!(j["totals"]["scale_bytes"], 24);
 }
+
+/// Over mpi under `mpirun` (built with `--features mpi`): the same cases, checked alike.
+#[cfg(feature = "mpi")]
+#[test]
+fn quantized_runs_over_mpi_match_the_reference() {
+    cli_cases_over("mpi", |n| {
+        let mut c = common::mpirun(n);
+        c.arg(EXE);
+        c
+    });
+}
