@@ -755,3 +755,85 @@ fn bad_quantization_options_are_refused_up_front() {
         assert!(err.contains(says), "{extra:?}: {err}");
     }
 }
+
+/// The plan JSON counts fp8 wire bytes, lists the amax and scale traffic in scale grid
+/// coordinates, and totals them: every destination's scale transfers tile its scale shard.
+#[test]
+fn the_plan_json_lists_amax_and_scales() {
+    let out = Command::new(EXE)
+        .args([
+            "plan",
+            "--json",
+            "--shape",
+            "256,384",
+            "--dtype",
+            "bf16",
+            "--dst-dtype",
+            "fp8e4m3",
+            "--quant",
+            "block:128x128",
+            "--src",
+            "mesh=3 place=S(0)",
+            "--dst",
+            "mesh=3 place=S(1)",
+        ])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let volume = |t: &serde_json::Value| -> u64 {
+        t["extent"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|e| e.as_u64().unwrap())
+            .product()
+    };
+    for t in j["transfers"].as_array().unwrap() {
+        assert_eq!(
+            t["bytes"].as_u64().unwrap(),
+            volume(t),
+            "one byte per fp8 value"
+        );
+    }
+    let q = &j["quant"];
+    assert_eq!(q["scale_shape"], serde_json::json!([2, 3]));
+    // 86-row source shards cut both block rows: 0<->1 (block row 0), 1<->2 (block row 1)
+    let amax: Vec<(u64, u64)> = q["amax"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| (t["src"].as_u64().unwrap(), t["dst"].as_u64().unwrap()))
+        .collect();
+    assert_eq!(amax, [(0, 1), (1, 0), (1, 2), (2, 1)]);
+    let amax_bytes: u64 = q["amax"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["bytes"].as_u64().unwrap())
+        .sum();
+    assert_eq!(j["totals"]["amax_bytes"].as_u64().unwrap(), amax_bytes);
+    // every destination (ranks 3..6) holds a 2x1 column of scales: 8 bytes
+    for r in 3..6u64 {
+        let got: u64 = q["scales"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|t| t["dst"] == r)
+            .map(|t| t["bytes"].as_u64().unwrap())
+            .sum();
+        assert_eq!(got, 8, "rank {r}");
+    }
+    assert_eq!(j["totals"]["scale_bytes"], 24);
+}
+
+/// Over mpi under `mpirun` (built with `--features mpi`): the same cases, checked alike.
+#[cfg(feature = "mpi")]
+#[test]
+fn quantized_runs_over_mpi_match_the_reference() {
+    cli_cases_over("mpi", |n| {
+        let mut c = common::mpirun(n);
+        c.arg(EXE);
+        c
+    });
+}

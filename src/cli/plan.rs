@@ -131,7 +131,22 @@ pub fn describe(plan: &Plan, max_rows: usize) -> String {
         src.dtype(),
         bytes(src.total_bytes())
     );
-    if dst.dtype() != src.dtype() {
+    if let Some(q) = plan.quant() {
+        let _ = writeln!(
+            out,
+            "quant   {} -> {} by {} (scales {}, grid {}): the senders quantize as they pack",
+            src.dtype(),
+            dst.dtype(),
+            q.quant.scheme,
+            q.quant.scale_dtype,
+            q.grid
+                .grid_shape()
+                .iter()
+                .map(u64::to_string)
+                .collect::<Vec<_>>()
+                .join("x")
+        );
+    } else if dst.dtype() != src.dtype() {
         let _ = writeln!(
             out,
             "convert {} -> {} by the senders as they pack: byte counts are {}'s",
@@ -205,6 +220,21 @@ pub fn describe(plan: &Plan, max_rows: usize) -> String {
         "gather+broadcast would move {} ({ratio})",
         size("gather_broadcast_bytes", t.gather_broadcast_bytes)
     );
+    if let Some(q) = t.quant {
+        let _ = writeln!(
+            out,
+            "amax    {} in {} messages between source ranks whose shards cut a block",
+            bytes(q.amax_bytes),
+            q.amax_messages
+        );
+        let _ = writeln!(
+            out,
+            "scales  {} in {} messages beside the values; local copies {}",
+            bytes(q.scale_bytes),
+            q.scale_messages,
+            bytes(q.scale_bytes_local)
+        );
+    }
     if let Some(picture) = picture::draw(plan) {
         let _ = writeln!(out);
         out.push_str(&picture);

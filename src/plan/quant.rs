@@ -133,6 +133,40 @@ impl QuantPlan {
     }
 }
 
+/// The amax and scale traffic of a quantizing plan, beside the values' [`super::Totals`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct QuantTotals {
+    /// Bytes of partial amax between source ranks (4 per block piece, each way).
+    pub amax_bytes: u64,
+    pub amax_messages: u64,
+    /// Bytes of scales sent to other ranks, and copied inside a rank.
+    pub scale_bytes: u64,
+    pub scale_bytes_local: u64,
+    /// Scale transfers between ranks.
+    pub scale_messages: u64,
+}
+
+impl QuantPlan {
+    /// The amax and scale traffic of `plan` (whose quantization this is).
+    pub fn totals(&self, plan: &super::Plan) -> QuantTotals {
+        let mut t = QuantTotals::default();
+        for m in self.amax_messages(plan.src()) {
+            t.amax_bytes += m.region.volume() * AMAX_BYTES as u64;
+            t.amax_messages += 1;
+        }
+        for s in self.scale_transfers(plan.dst(), plan.transfers()) {
+            let bytes = s.region.volume() * self.scale_bytes() as u64;
+            if s.is_local() {
+                t.scale_bytes_local += bytes;
+            } else {
+                t.scale_bytes += bytes;
+                t.scale_messages += 1;
+            }
+        }
+        t
+    }
+}
+
 /// One rank's part of a quantizing plan (see [`QuantPlan::for_rank`]). Regions are in scale
 /// grid coordinates.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]

@@ -29,6 +29,8 @@ pub struct Totals {
     pub gather_broadcast_bytes: u64,
     /// The counts above that overflowed.
     pub overflow: Overflow,
+    /// With `--quant`: the partial amax and the scales, which move beside the values.
+    pub quant: Option<super::quant::QuantTotals>,
 }
 
 /// A set of [`Totals`] fields whose true value does not fit in 64 bits.
@@ -118,6 +120,7 @@ impl Totals {
             max_rank_recv_bytes: fit(max(&received), "max_rank_recv_bytes", &mut overflow),
             gather_broadcast_bytes: gather_broadcast,
             overflow,
+            quant: plan.quant().map(|q| q.totals(plan)),
         }
     }
 
@@ -138,10 +141,17 @@ impl Serialize for Totals {
             self.max_rank_recv_bytes,
             self.gather_broadcast_bytes,
         ];
-        let extra = usize::from(!self.overflow.is_empty());
+        let extra = usize::from(!self.overflow.is_empty()) + 5 * usize::from(self.quant.is_some());
         let mut st = s.serialize_struct("Totals", values.len() + extra)?;
         for (field, value) in Overflow::FIELDS.into_iter().zip(values) {
             st.serialize_field(field, &self.shown(field, value))?;
+        }
+        if let Some(q) = &self.quant {
+            st.serialize_field("amax_bytes", &q.amax_bytes)?;
+            st.serialize_field("amax_messages", &q.amax_messages)?;
+            st.serialize_field("scale_bytes", &q.scale_bytes)?;
+            st.serialize_field("scale_bytes_local", &q.scale_bytes_local)?;
+            st.serialize_field("scale_messages", &q.scale_messages)?;
         }
         if self.overflow.is_empty() {
             st.skip_field("overflow")?;
@@ -198,6 +208,56 @@ pub struct PlanJson {
     pub dst_elem_bytes: usize,
     pub transfers: Vec<TransferJson>,
     pub totals: Totals,
+    /// With `--quant`: the scheme, the scale grid, and the amax and scale traffic.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub quant: Option<QuantJson>,
+}
+
+/// The `quant` object of the plan JSON. `amax` and `scales` list transfers whose `offset` and
+/// `extent` are in scale grid coordinates (one element per block): an amax message carries
+/// 4 bytes per block, a scale transfer `scale_elem_bytes` per block.
+#[derive(Clone, Debug, Serialize)]
+pub struct QuantJson {
+    pub scheme: String,
+    pub scale_dtype: String,
+    pub scale_elem_bytes: usize,
+    /// The block's extent along every dim of the tensor.
+    pub block: Vec<u64>,
+    /// The scale tensor's shape.
+    pub scale_shape: Vec<u64>,
+    pub amax: Vec<TransferJson>,
+    pub scales: Vec<TransferJson>,
+}
+
+impl QuantJson {
+    fn of(plan: &Plan, q: &super::QuantPlan) -> QuantJson {
+        let json = |elem: usize| {
+            move |t: super::Transfer| TransferJson {
+                src: t.src,
+                dst: t.dst,
+                bytes: t.bytes(elem),
+                offset: t.region.offset,
+                extent: t.region.extent,
+            }
+        };
+        QuantJson {
+            scheme: q.quant.scheme.to_string(),
+            scale_dtype: q.quant.scale_dtype.to_string(),
+            scale_elem_bytes: q.scale_bytes(),
+            block: q.grid.block().to_vec(),
+            scale_shape: q.grid.grid_shape(),
+            amax: q
+                .amax_messages(plan.src())
+                .into_iter()
+                .map(json(super::quant::AMAX_BYTES))
+                .collect(),
+            scales: q
+                .scale_transfers(plan.dst(), plan.transfers())
+                .into_iter()
+                .map(json(q.scale_bytes()))
+                .collect(),
+        }
+    }
 }
 
 impl PlanJson {
@@ -221,6 +281,7 @@ impl PlanJson {
                 })
                 .collect(),
             totals: plan.totals(),
+            quant: plan.quant().map(|q| QuantJson::of(plan, q)),
         }
     }
 }
