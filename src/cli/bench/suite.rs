@@ -91,6 +91,7 @@ pub(super) fn refit_suite(
     bytes_text: &str,
     (dtype, dst_dtype): (&str, Option<&str>),
     min_split_bytes: &str,
+    hosts: &crate::cli::HostArgs,
 ) -> Result<Vec<Case>, Error> {
     let elem = dtype.parse::<reshard::DType>()?.size() as u64;
     let elements = (bytes / elem).max(64 * 64);
@@ -165,6 +166,7 @@ pub(super) fn refit_suite(
                 src: src.to_string(),
                 dst: dst.to_string(),
                 min_split_bytes: min_split_bytes.to_string(),
+                hosts: hosts.clone(),
             };
             Case::new(name, tensor).map(|case| Case {
                 sized_by: Some(bytes_text.to_string()),
