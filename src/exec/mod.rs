@@ -18,6 +18,7 @@ pub mod copy;
 mod local;
 mod options;
 pub mod progress;
+pub mod relay;
 mod run;
 mod stats;
 mod steps;
@@ -25,6 +26,7 @@ pub(crate) mod threads;
 
 pub use local::{MAX_LOCAL_RANKS, run_local, run_local_with_faults, zeroed_shards};
 pub use options::ExecOptions;
+pub use relay::{run_rank_any, run_rank_relayed};
 pub use run::{RankJob, run_rank, run_steps};
 pub use stats::{RankStats, RunStats};
 pub use steps::{Step, Steps, check_buffers, cut_chunk};

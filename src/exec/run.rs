@@ -45,6 +45,12 @@ pub fn run_rank<'buf, T: Transport<'buf> + ?Sized>(
         dst_dtype,
     } = job;
     let rank = plan.rank;
+    if plan.relays() {
+        return Err(Error::Internal {
+            rank,
+            detail: "a relay plan runs round by round (exec::run_rank_relayed)".into(),
+        });
+    }
     // transfers move destination elements; the sender converts while it packs
     let elem_bytes = dst_dtype.size();
     let cast = Cast::between(src_layout.dtype(), dst_dtype).map_err(|source| Error::Convert {

@@ -91,15 +91,14 @@ impl Default for PlanOptions {
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct RankPlan {
     pub rank: Rank,
-    /// Remote transfers this rank sends, in schedule order.
+    /// Remote transfers this rank sends, in schedule order: its own, and the relayed ones it
+    /// forwards (whose `via` is this rank; it receives their region from their `src` in a
+    /// transfer of its own, a hop, and passes it on to `dst`).
     pub sends: Vec<Transfer>,
     /// Remote transfers this rank receives, in schedule order (a relayed one from its `via`).
     pub recvs: Vec<Transfer>,
     /// Copies from this rank's source buffer into its own destination buffer.
     pub locals: Vec<Transfer>,
-    /// Relayed transfers this rank forwards (`via` is this rank), sorted: it receives their
-    /// region from their `src` in a transfer of its own (a hop) and passes it on to `dst`.
-    pub forwards: Vec<Transfer>,
     /// The hops among `sends` and `recvs`: transfers to a relaying rank whose region it
     /// forwards, sorted. Empty without relay.
     pub hops: Vec<Transfer>,
@@ -123,7 +122,7 @@ impl RankPlan {
             }
         } else if let Some(via) = t.via {
             if via == self.rank {
-                self.forwards.push(t.clone());
+                self.sends.push(t.clone());
             }
             if t.dst == self.rank {
                 self.recvs.push(t.clone());
@@ -144,7 +143,7 @@ impl RankPlan {
     fn mark_hops(&mut self, relayed: &[Transfer]) {
         let forwarded: std::collections::BTreeSet<(Rank, Rank, &Region)> = relayed
             .iter()
-            .chain(&self.forwards)
+            .chain(self.forwards())
             .filter_map(|t| t.via.map(|v| (t.src, v, &t.region)))
             .collect();
         let mut hops: Vec<Transfer> = self
@@ -157,7 +156,11 @@ impl RankPlan {
         hops.sort_unstable();
         hops.dedup();
         self.hops = hops;
-        self.forwards.sort_unstable();
+    }
+
+    /// The relayed transfers this rank forwards, among its sends.
+    pub fn forwards(&self) -> impl Iterator<Item = &Transfer> {
+        self.sends.iter().filter(|t| t.via == Some(self.rank))
     }
 
     /// Whether `t`, one of this rank's sends or receives, is a hop ([`RankPlan::hops`]).
@@ -169,8 +172,11 @@ impl RankPlan {
     /// receives a forwarded transfer.
     pub fn relays(&self) -> bool {
         !self.hops.is_empty()
-            || !self.forwards.is_empty()
-            || self.recvs.iter().any(|t| t.via.is_some())
+            || self
+                .sends
+                .iter()
+                .chain(&self.recvs)
+                .any(|t| t.via.is_some())
     }
 
     /// The ranks this rank receives from (local copies aside).
@@ -180,11 +186,7 @@ impl RankPlan {
 
     /// The ranks this rank sends to (local copies aside), forwards included.
     pub fn receivers(&self) -> std::collections::BTreeSet<Rank> {
-        self.sends
-            .iter()
-            .chain(&self.forwards)
-            .map(|t| t.dst)
-            .collect()
+        self.sends.iter().map(|t| t.dst).collect()
     }
 
     /// Every rank this rank exchanges data with.
@@ -717,7 +719,7 @@ fn assign(
 
 /// Where to split `piece` into `wanted` parts: the outermost dim long enough, else the
 /// longest dim (into as many parts as it is long); `None` when one part it is.
-fn split_dim(piece: &Region, wanted: u64) -> Option<(usize, u64)> {
+pub(crate) fn split_dim(piece: &Region, wanted: u64) -> Option<(usize, u64)> {
     if wanted <= 1 {
         return None;
     }
@@ -731,7 +733,7 @@ fn split_dim(piece: &Region, wanted: u64) -> Option<(usize, u64)> {
 }
 
 /// Part `p` of `parts` of `piece` cut along `dim`.
-fn split_part(piece: &Region, dim: usize, parts: u64, p: u64) -> Region {
+pub(crate) fn split_part(piece: &Region, dim: usize, parts: u64, p: u64) -> Region {
     let lo = piece.offset[dim];
     let len = piece.extent[dim];
     // in u128: p * len overflows u64 for pieces near 2^64 bytes

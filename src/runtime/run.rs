@@ -59,7 +59,7 @@ impl World {
         let rank = job.rank();
         check_own(plan.src(), Side::Src, rank, sources)?;
         check_own(plan.dst(), Side::Dst, rank, destinations)?;
-        let mine = crate::plan::rank_plan(plan.src(), plan.dst(), rank, &plan.options())?;
+        let mine = plan.own_part(rank)?;
         let transport = self.connect(&Links::of_plan(&mine), [plan.src()], None)?;
         let (src_box, dst_box) = (plan.src().local_region(rank), plan.dst().local_region(rank));
         let started = Instant::now();
@@ -72,7 +72,7 @@ impl World {
                 .as_ref()
                 .zip(destinations.get_mut(&rank).map(Vec::as_mut_slice)),
         };
-        let stats = exec::run_rank(work, &*transport, &exec_options)?;
+        let stats = exec::run_rank_any(work, &*transport, &exec_options)?;
         Ok(RunStats {
             elapsed: started.elapsed(),
             ranks: vec![stats],
@@ -152,7 +152,7 @@ impl World {
         let part = |p: &Option<Plan>| {
             p.as_ref()
                 .filter(|p| p.ranks().contains(&rank))
-                .map(|p| crate::plan::rank_plan(p.src(), p.dst(), rank, &p.options()))
+                .map(|p| p.own_part(rank))
                 .transpose()
         };
         let (gather, broadcast) = (part(&gb.gather)?, part(&gb.broadcast)?);
@@ -194,16 +194,19 @@ impl World {
     pub fn prepare(&self, plan: &Plan) -> Result<PlanRank<'_>> {
         let job = self.job();
         let rank = job.map_or(0, Job::rank);
-        let mine = crate::plan::rank_plan(plan.src(), plan.dst(), rank, &plan.options())?;
+        let mine = plan.own_part(rank)?;
         let src_box = plan.src().local_region(rank);
         let dst_box = plan.dst().local_region(rank);
         let shard = match &dst_box {
             Some(_) => Some(SharedBuffer::new(plan.dst().local_bytes(rank) as usize)?),
             None => None,
         };
+        // a relaying rank receives hops into its staging, which same-host senders writing
+        // straight into its shard would bypass
         let destination = dst_box
             .as_ref()
-            .and_then(|b| shard.as_ref().map(|s| (s, b)));
+            .and_then(|b| shard.as_ref().map(|s| (s, b)))
+            .filter(|_| !mine.relays());
         let transport = self.connect(&Links::of_plan(&mine), [plan.src()], destination)?;
         Ok(PlanRank {
             world: self,
@@ -300,7 +303,7 @@ impl PlanRank<'_> {
             src: self.src_box.as_ref().zip(source),
             dst: self.dst_box.as_ref().zip(self.shard.as_deref_mut()),
         };
-        exec::run_rank(work, &*self.transport, &exec_options)
+        exec::run_rank_any(work, &*self.transport, &exec_options)
     }
 }
 

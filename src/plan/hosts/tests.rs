@@ -1,50 +1,13 @@
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 
 use proptest::prelude::*;
 
 use super::*;
 use crate::dtype::DType;
 use crate::layout::LayoutSpec;
-use crate::plan::tests::{arb_options, check_invariants};
+use crate::plan::tests::check_invariants;
 use crate::plan::{Plan, rank_plan_on};
-use crate::testing::arb_layout_pair;
-
-/// A host map over ranks `0..=max` of the pair: each rank's host drawn from `draws`, the
-/// hosts renumbered in order of first use so that none is empty.
-fn host_map(src: &Layout, dst: &Layout, draws: &[usize]) -> HostMap {
-    let max = src
-        .mesh()
-        .ranks()
-        .iter()
-        .chain(dst.mesh().ranks())
-        .max()
-        .copied()
-        .unwrap_or(0);
-    let mut renumber = BTreeMap::new();
-    let hosts = (0..=max)
-        .map(|r| {
-            let next = renumber.len();
-            *renumber.entry(draws[r % draws.len()]).or_insert(next)
-        })
-        .collect();
-    HostMap::from_hosts(hosts).unwrap()
-}
-
-fn arb_case() -> impl Strategy<Value = (Layout, Layout, HostMap, PlanOptions)> {
-    (
-        arb_layout_pair(),
-        prop_oneof![
-            // consecutive hosts of k ranks
-            (1usize..=4).prop_map(|k| (0..16).map(|r| r / k).collect::<Vec<_>>()),
-            prop::collection::vec(0usize..4, 1..=16),
-        ],
-        arb_options(),
-    )
-        .prop_map(|((src, dst), draws, options)| {
-            let hosts = host_map(&src, &dst, &draws);
-            (src, dst, hosts, options)
-        })
-}
+use crate::testing::arb_hosts_case;
 
 /// What a relay plan keeps besides the invariants of every plan: every forwarded transfer
 /// has its hop, to a rank of the destination's host that holds the same box.
@@ -99,7 +62,7 @@ proptest! {
     /// Relay plans deliver every destination byte exactly once, hop by hop, and never load a
     /// host link more than the same plan without relay.
     #[test]
-    fn relay_plans_tile_and_never_load_a_link_more((src, dst, hosts, options) in arb_case()) {
+    fn relay_plans_tile_and_never_load_a_link_more((src, dst, hosts, options) in arb_hosts_case()) {
         let with = Plan::with_topology(
             src.clone(), dst.clone(), options, Some(Topology::new(hosts.clone(), true)),
         ).unwrap();
@@ -127,7 +90,7 @@ proptest! {
     /// Every rank planning alone gets exactly its part of the full plan, relays included.
     #[test]
     fn rank_local_planning_matches_the_full_plan_on_hosts(
-        (src, dst, hosts, options) in arb_case(),
+        (src, dst, hosts, options) in arb_hosts_case(),
         relay in any::<bool>(),
     ) {
         let topology = Topology::new(hosts, relay);
@@ -138,7 +101,7 @@ proptest! {
             prop_assert_eq!(&alone, &plan.for_rank(r));
             prop_assert_eq!(&alone, &all[&r]);
             // a relaying rank forwards exactly the hops it receives, to its host's replicas
-            for f in &alone.forwards {
+            for f in alone.forwards() {
                 let hop = Transfer::direct(f.src, r, f.region.clone());
                 prop_assert!(alone.recvs.contains(&hop) && alone.is_hop(&hop), "{f:?}");
             }
