@@ -134,7 +134,7 @@ impl World {
         options: &RunOptions,
     ) -> Result<RunStats> {
         let exec_options = self.exec_options(options);
-        let gb = GatherBroadcast::new(plan.src(), plan.dst())?;
+        let gb = GatherBroadcast::on_hosts(plan.src(), plan.dst(), plan.topology())?;
         let Some(job) = self.job() else {
             let mut full = baseline::full_buffers(&gb)?;
             return baseline::run_local_gather_broadcast(

@@ -228,7 +228,15 @@ fn bench_rank<'j, J: Job + ?Sized>(
     let tensor = full
         .as_ref()
         .or(shard.as_ref().filter(|_| gb.gets_tensor(rank)));
-    let baseline_transport = connect(&baseline_links, tensor.map(|f| (f, &whole)))?;
+    // (not where a phase relays: its hops land in staging, past the shared buffer)
+    let relays = [&gather, &broadcast]
+        .into_iter()
+        .flatten()
+        .any(RankPlan::relays);
+    let baseline_transport = connect(
+        &baseline_links,
+        tensor.map(|f| (f, &whole)).filter(|_| !relays),
+    )?;
 
     let mut reshard = Measured::default();
     let mut gather_broadcast = Measured::default();

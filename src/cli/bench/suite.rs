@@ -23,7 +23,7 @@ pub(super) struct Case {
 impl Case {
     pub(super) fn new(name: &str, tensor: TensorArgs) -> Result<Case, Error> {
         let plan = tensor.plan()?;
-        let baseline = GatherBroadcast::new(plan.src(), plan.dst())?;
+        let baseline = GatherBroadcast::on_hosts(plan.src(), plan.dst(), plan.topology())?;
         Ok(Case {
             name: name.to_string(),
             src_spec: tensor.src,
