@@ -116,6 +116,9 @@ pub struct MethodJson {
     /// Across hosts (`--hosts`): the most bytes into or out of one host.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub busiest_link_bytes: Option<u64>,
+    /// With `--simulate FILE`: the seconds the testbed's cost model predicts.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub predicted_s: Option<f64>,
 }
 
 impl MethodJson {
@@ -130,6 +133,7 @@ impl MethodJson {
             gbps: dst_bytes as f64 / median_s.max(1e-12) / 1e9,
             peak_extra_bytes_per_rank: m.peak_extra,
             busiest_link_bytes: None,
+            predicted_s: None,
         }
     }
 }

@@ -5,7 +5,7 @@ use std::fmt::Write;
 use clap::Args;
 use reshard::error::Field;
 use reshard::plan::PlanJson;
-use reshard::sim::{Cluster, Pricing, SimOptions, Simulation};
+use reshard::sim::{Cluster, Pricing, SimError, SimOptions, Simulation, Testbed};
 use reshard::{Error, Plan};
 use serde::Serialize;
 
@@ -49,30 +49,73 @@ pub fn main(args: &PlanArgs) -> Result<(), Failure> {
     if args.json {
         let json = PlanWithSimulation {
             plan: PlanJson::of(&plan),
-            simulation: pricing.as_ref().map(|(_, p)| p.simulation()),
+            simulation: pricing.as_ref().map(|(_, s)| s.clone()),
         };
         let json = serde_json::to_string_pretty(&json).expect("plan JSON serializes");
         println!("{json}");
     } else {
         print!("{}", describe(&plan, args.max_rows));
-        if let Some((cluster, p)) = &pricing {
-            print!("{}", describe_pricing(cluster, p));
+        if let Some((text, _)) = &pricing {
+            print!("{text}");
         }
     }
     Ok(())
 }
 
-/// Prices the plan on the cluster `arg` names; errors name `--simulate`.
-fn simulate(plan: &Plan, arg: &str) -> Result<(Cluster, Pricing), Error> {
-    let invalid = |e: reshard::sim::SimError| Error::InvalidOption {
+/// The plan and its gather+broadcast priced on a testbed of hosts (`"kind": "hosts"`); the
+/// baseline runs on the testbed's hosts, hierarchically.
+fn simulate_testbed(plan: &Plan, bed: &Testbed) -> Result<(String, Simulation), SimError> {
+    let mine = reshard::sim::price_on_testbed(plan, bed)?;
+    let topology = reshard::plan::Topology::new(bed.host_map(), true);
+    let gb = reshard::plan::GatherBroadcast::on_hosts(plan.src(), plan.dst(), Some(&topology))
+        .map_err(|e| SimError::InvalidField {
+            field: "hosts",
+            value: bed.hosts.to_string(),
+            reason: e.to_string(),
+        })?;
+    let theirs = reshard::sim::price_baseline_on(&gb, bed)?;
+    let sim = Simulation {
+        cluster: bed.name.clone(),
+        reshard_s: mine.seconds,
+        gather_broadcast_s: theirs.seconds,
+        lower_bound_s: mine.busiest_link_bytes as f64 / bed.link_bytes_s(),
+        speedup: theirs.seconds / mine.seconds.max(1e-12),
+    };
+    let mut out = String::new();
+    let _ = writeln!(out);
+    let _ = writeln!(out, "simulated on {}", bed.summary());
+    for (name, c) in [("reshard", &mine), ("gather+broadcast", &theirs)] {
+        let _ = writeln!(
+            out,
+            "  {name:<17} {} (busiest link {}, busiest rank's core {}, shared cores {}; {} on the busiest link)",
+            seconds(c.seconds),
+            seconds(c.link_s),
+            seconds(c.rank_cpu_s),
+            seconds(c.cores_s),
+            bytes(c.busiest_link_bytes)
+        );
+    }
+    let _ = writeln!(out, "  speedup           {:.2}x", sim.speedup);
+    Ok((out, sim))
+}
+
+/// Prices the plan on the cluster or testbed `arg` names: the report's text and the JSON
+/// `simulation` object. Errors name `--simulate`.
+fn simulate(plan: &Plan, arg: &str) -> Result<(String, Simulation), Error> {
+    let invalid = |e: SimError| Error::InvalidOption {
         field: Field::Flag("--simulate"),
         value: arg.to_string(),
         reason: e.to_string(),
     };
+    let testbed = std::fs::read_to_string(arg).is_ok_and(|t| reshard::sim::is_testbed(&t));
+    if testbed {
+        let bed = Testbed::load(arg).map_err(invalid)?;
+        return simulate_testbed(plan, &bed).map_err(invalid);
+    }
     let cluster = Cluster::load(arg).map_err(invalid)?;
     let pricing = reshard::sim::price(std::slice::from_ref(plan), &cluster, &SimOptions::default())
         .map_err(invalid)?;
-    Ok((cluster, pricing))
+    Ok((describe_pricing(&cluster, &pricing), pricing.simulation()))
 }
 
 /// Seconds as people read them: `12.3 us`, `4.56 ms`, `1.23 s`.

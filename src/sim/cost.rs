@@ -225,10 +225,12 @@ fn plan_pairs(plans: &[Plan], span: usize) -> Pairs {
     let mut pairs = Pairs::new(span);
     for plan in plans {
         let elem = plan.elem_bytes();
-        // transfers come sorted by (src, dst): add each run of one pair at once
+        // transfers come sorted by (src, dst): add each run of one pair at once. A relayed
+        // transfer's bytes reach its destination from the relaying rank (`via`); the hop that
+        // brings them to that rank is a transfer of its own.
         let mut run: Option<((Rank, Rank), Load)> = None;
         for t in plan.transfers() {
-            let key = (t.src, t.dst);
+            let key = (t.sender(), t.dst);
             match &mut run {
                 Some((k, load)) if *k == key => load.add(t.bytes(elem), 1),
                 _ => {

@@ -99,6 +99,7 @@
 mod bound;
 mod cluster;
 mod cost;
+mod testbed;
 
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
@@ -109,6 +110,7 @@ pub use cost::{
     BaselineCost, Busiest, LinkBytes, Load, Messages, Port, ReshardCost, price_gather_broadcast,
     price_gather_broadcast_layouts, price_pairs, price_reshard,
 };
+pub use testbed::{Testbed, TestbedCost, is_testbed, price_baseline_on, price_on_testbed};
 
 use rayon::prelude::*;
 
@@ -146,6 +148,9 @@ pub enum SimError {
 
     #[error("rank {rank} has no GPU: the cluster's `ranks` places only ranks 0..{placed}")]
     RankNotPlaced { rank: Rank, placed: usize },
+
+    #[error("rank {rank} is on no host: the testbed has ranks 0..{placed}")]
+    RankOffTestbed { rank: Rank, placed: usize },
 
     #[error(
         "the plans and their gather+broadcast move {bytes} bytes, more than 2^64-1: too many to price"

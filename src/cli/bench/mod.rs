@@ -80,6 +80,10 @@ pub struct BenchArgs {
     /// Print a JSON report instead of text.
     #[arg(long)]
     json: bool,
+    /// Predict each method's time on a testbed file (`"kind": "hosts"`, see the `sim`
+    /// module docs) and report it beside the measured one.
+    #[arg(long, value_name = "FILE")]
+    simulate: Option<String>,
 }
 
 impl BenchArgs {
@@ -136,9 +140,32 @@ fn fingerprint(args: &BenchArgs, cases: &[Case], fill: Fill, options: &ExecOptio
     args.exec.agreed(options, fingerprint)
 }
 
+/// Each case's predicted seconds (reshard, gather+broadcast) on the testbed file `path`;
+/// errors name `--simulate`.
+fn predict(path: &str, cases: &[Case]) -> Result<Vec<(f64, f64)>, Error> {
+    let invalid = |e: reshard::sim::SimError| Error::InvalidOption {
+        field: Field::Flag("--simulate"),
+        value: path.to_string(),
+        reason: e.to_string(),
+    };
+    let bed = reshard::sim::Testbed::load(path).map_err(invalid)?;
+    cases
+        .iter()
+        .map(|c| {
+            let mine = reshard::sim::price_on_testbed(&c.plan, &bed).map_err(invalid)?;
+            let theirs = reshard::sim::price_baseline_on(&c.baseline, &bed).map_err(invalid)?;
+            Ok((mine.seconds, theirs.seconds))
+        })
+        .collect()
+}
+
 pub fn main(args: &BenchArgs) -> Result<(), Failure> {
     // Everything the user typed is checked before a buffer is allocated or a byte moves.
     let cases = args.cases()?;
+    let predicted = match &args.simulate {
+        None => None,
+        Some(path) => Some(predict(path, &cases)?),
+    };
     let fill: Fill = args.fill.parse()?;
     for case in &cases {
         fill.check_dtype(case.plan.src().dtype())?;
@@ -159,7 +186,7 @@ pub fn main(args: &BenchArgs) -> Result<(), Failure> {
         }
     };
     if let Some((name, results)) = results {
-        report(args, &cases, &name, &results);
+        report(args, &cases, &name, &results, predicted.as_deref());
     }
     Ok(())
 }

@@ -44,15 +44,24 @@ struct SuiteJson {
     transport: String,
     cases: Vec<CaseJson>,
 }
-pub(super) fn report(args: &BenchArgs, cases: &[Case], transport: &str, results: &[CaseResult]) {
-    let json_of = |case: &Case, r: &CaseResult| {
+pub(super) fn report(
+    args: &BenchArgs,
+    cases: &[Case],
+    transport: &str,
+    results: &[CaseResult],
+    predicted: Option<&[(f64, f64)]>,
+) {
+    let json_of = |(i, (case, r)): (usize, (&Case, &CaseResult))| {
         let dst_bytes = case.dst_bytes();
+        let predicted = predicted.map(|p| p[i]);
         let reshard = MethodJson {
             busiest_link_bytes: case.plan.host_links().map(|l| l.busiest()),
+            predicted_s: predicted.map(|p| p.0),
             ..MethodJson::of(&r.reshard, dst_bytes)
         };
         let gather_broadcast = MethodJson {
             busiest_link_bytes: case.baseline.host_links().map(|l| l.busiest()),
+            predicted_s: predicted.map(|p| p.1),
             ..MethodJson::of(&r.gather_broadcast, dst_bytes)
         };
         let link_ratio = reshard
@@ -78,11 +87,7 @@ pub(super) fn report(args: &BenchArgs, cases: &[Case], transport: &str, results:
             gather_broadcast,
         }
     };
-    let all: Vec<CaseJson> = cases
-        .iter()
-        .zip(results)
-        .map(|(c, r)| json_of(c, r))
-        .collect();
+    let all: Vec<CaseJson> = cases.iter().zip(results).enumerate().map(json_of).collect();
     if args.json {
         let text = match (args.suite, all.len()) {
             (None, 1) => serde_json::to_string_pretty(&all[0]),
@@ -153,5 +158,31 @@ pub(super) fn report(args: &BenchArgs, cases: &[Case], transport: &str, results:
             bytes(j.reshard.peak_extra_bytes_per_rank),
             bytes(j.gather_broadcast.peak_extra_bytes_per_rank),
         );
+    }
+    if let Some(path) = &args.simulate {
+        println!(
+            "predicted by the cost model of {path} against measured (error: predicted over measured, less 1)"
+        );
+        for (case, j) in cases.iter().zip(&all) {
+            let name = if case.name.is_empty() {
+                "-"
+            } else {
+                case.name.as_str()
+            };
+            let line = |m: &MethodJson| {
+                let p = m.predicted_s.unwrap_or(0.0);
+                format!(
+                    "{:>9.2} ms predicted {:>9.2} ms measured {:>+6.1}%",
+                    p * 1e3,
+                    m.median_s * 1e3,
+                    (p / m.median_s.max(1e-12) - 1.0) * 100.0
+                )
+            };
+            println!(
+                "{name:<22} reshard {}   g+b {}",
+                line(&j.reshard),
+                line(&j.gather_broadcast)
+            );
+        }
     }
 }
