@@ -140,8 +140,25 @@ pub fn main(args: &RefitArgs) -> Result<(), Failure> {
                 reason: e.to_string(),
             };
             let cluster = Cluster::load(arg).map_err(invalid)?;
+            // planned on the hosts given; else, relaying, on the cluster's NVLink domains as
+            // hosts; else (--relay off) knowing no hosts
+            let topology = match args.hosts.topology()? {
+                Some(t) => Some(t),
+                None if args.hosts.relay == "on" => Some(reshard::plan::Topology::new(
+                    cluster.domain_map(refit.world()).map_err(invalid)?,
+                    true,
+                )),
+                None => None,
+            };
             let started = std::time::Instant::now();
-            let plans = refit.plans(&options).map_err(Error::from)?;
+            let plans = refit
+                .plans_on(&options, topology.as_ref())
+                .map_err(Error::from)?;
+            tracing::info!(
+                "{} plans in {:.3} s",
+                plans.len(),
+                started.elapsed().as_secs_f64()
+            );
             let totals = refit
                 .totals_of(&plans, started.elapsed().as_secs_f64())
                 .map_err(Error::from)?;

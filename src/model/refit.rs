@@ -176,9 +176,30 @@ impl Refit {
 
     /// The plan of every tensor, in tensor order (planned in parallel).
     pub fn plans(&self, options: &PlanOptions) -> Result<Vec<Plan>, ModelError> {
+        self.plans_on(options, None)
+    }
+
+    /// [`Refit::plans`] knowing the hosts (relaying if the topology says so).
+    pub fn plans_on(
+        &self,
+        options: &PlanOptions,
+        topology: Option<&crate::plan::Topology>,
+    ) -> Result<Vec<Plan>, ModelError> {
         self.tensors
             .par_iter()
-            .map(|t| plan_tensor(t, options))
+            .map(|t| match topology {
+                None => plan_tensor(t, options),
+                Some(topology) => Plan::with_topology(
+                    t.src.clone(),
+                    t.dst.clone(),
+                    *options,
+                    Some(topology.clone()),
+                )
+                .map_err(|source| ModelError::Plan {
+                    tensor: t.name.clone(),
+                    source,
+                }),
+            })
             .collect()
     }
 

@@ -270,6 +270,32 @@ impl Cluster {
             })
     }
 
+    /// The NVLink domain of each of ranks `0..ranks` as a host map (domains numbered in the
+    /// order of their first rank): what a topology-aware plan relays by on this cluster.
+    ///
+    /// ```
+    /// let map = reshard::sim::Cluster::h100().domain_map(20).unwrap();
+    /// assert_eq!((map.num_hosts(), map.host_of(7), map.host_of(8)), (3, 0, 1));
+    /// ```
+    pub fn domain_map(&self, ranks: usize) -> Result<crate::topology::HostMap, SimError> {
+        let domains = (0..ranks)
+            .map(|r| self.gpu(r).map(|g| self.domain(g)))
+            .collect::<Result<Vec<usize>, SimError>>()?;
+        let mut dense: rustc_hash::FxHashMap<usize, usize> = Default::default();
+        let hosts: Vec<usize> = domains
+            .iter()
+            .map(|d| {
+                let next = dense.len();
+                *dense.entry(*d).or_insert(next)
+            })
+            .collect();
+        crate::topology::HostMap::from_indices(&hosts).map_err(|e| SimError::InvalidField {
+            field: "ranks",
+            value: format!("{ranks} ranks"),
+            reason: e.to_string(),
+        })
+    }
+
     /// The NVLink domain of a GPU.
     pub fn domain(&self, gpu: usize) -> usize {
         gpu / self.nvlink_domain

@@ -530,3 +530,40 @@ fn plans_past_64_bits_are_not_priced() {
     let fits = plan(&[1 << 62], "mesh=1 place=R", "mesh=2 place=R");
     assert!(price(&[fits], &Cluster::h100(), &SimOptions::default()).is_ok());
 }
+
+#[test]
+fn a_relayed_transfer_crosses_the_network_once_and_fans_out_over_nvlink() {
+    // domains of 2 GPUs: rank 0 (domain 0) holds the tensor, ranks 2 and 3 (domain 1) need it
+    let cluster = Cluster {
+        gpus_per_node: 2,
+        nvlink_domain: 2,
+        ..Cluster::h100()
+    };
+    let layout = |spec: &str| {
+        LayoutSpec::parse(spec)
+            .unwrap()
+            .resolve(&[1024, 1024], DType::F32, 0)
+            .unwrap()
+    };
+    let hosts = cluster.domain_map(4).unwrap();
+    assert_eq!(hosts, crate::topology::HostMap::parse("2x2").unwrap());
+    let priced = |relay: bool| {
+        let topology = crate::plan::Topology::new(hosts.clone(), relay);
+        let p = Plan::with_topology(
+            layout("mesh=1 place=R"),
+            layout("mesh=2 ranks=2..4 place=R"),
+            PlanOptions::default(),
+            Some(topology),
+        )
+        .unwrap();
+        price_reshard(&[p], &cluster, Messages::PerTransfer).unwrap()
+    };
+    let t = 4u64 << 20;
+    let (on, off) = (priced(true), priced(false));
+    assert_eq!((off.bytes.network, off.bytes.nvlink), (2 * t, 0));
+    assert_eq!((on.bytes.network, on.bytes.nvlink), (t, t));
+    // off: GPU 0's NIC sends the tensor twice; on: once
+    let nic = t as f64 / (cluster.nic_gb_s * 1e9);
+    assert!((off.lower_bound_s - 2.0 * nic).abs() < 1e-12, "{off:?}");
+    assert!((on.lower_bound_s - nic).abs() < 1e-12, "{on:?}");
+}
