@@ -17,6 +17,7 @@
 //! - [`fill`]: deterministic contents for running and verifying reshards;
 //! - [`model`]: whole models (HF configs, checkpoint headers), training and inference
 //!   parallelism, the per-parameter layout rules, and the plan of a whole-model refit;
+//! - [`topology`]: which host each rank runs on, for plans that mind the links between hosts;
 //! - [`sim`]: a cluster cost model that prices plans at scales this machine cannot run;
 //! - [`topology`]: which host each rank runs on ([`topology::HostMap`]);
 //! - [`limits`]: every bound on the size of the input, and why.

@@ -155,3 +155,53 @@ pub fn arb_layout_pair() -> impl Strategy<Value = (Layout, Layout)> {
                 })
         })
 }
+
+/// A host map over ranks `0..=max` of the pair: each rank's host drawn from `draws`, the
+/// hosts renumbered in order of first use so that none is empty.
+pub fn host_map(src: &Layout, dst: &Layout, draws: &[usize]) -> crate::topology::HostMap {
+    let max = src
+        .mesh()
+        .ranks()
+        .iter()
+        .chain(dst.mesh().ranks())
+        .max()
+        .copied()
+        .unwrap_or(0);
+    let mut renumber = std::collections::BTreeMap::new();
+    let hosts = (0..=max)
+        .map(|r| {
+            let next = renumber.len();
+            *renumber.entry(draws[r % draws.len()]).or_insert(next)
+        })
+        .collect::<Vec<usize>>();
+    crate::topology::HostMap::from_indices(&hosts).unwrap()
+}
+
+/// Layouts ([`arb_layout_pair`]), a host map over their ranks (consecutive hosts of a few
+/// ranks, or ranks scattered over up to 4 hosts), and planner options.
+pub fn arb_hosts_case() -> impl Strategy<
+    Value = (
+        Layout,
+        Layout,
+        crate::topology::HostMap,
+        crate::plan::PlanOptions,
+    ),
+> {
+    use crate::plan::PlanOptions;
+    (
+        arb_layout_pair(),
+        prop_oneof![
+            (1usize..=4).prop_map(|k| (0..16).map(|r| r / k).collect::<Vec<_>>()),
+            prop::collection::vec(0usize..4, 1..=16),
+        ],
+        prop_oneof![
+            Just(PlanOptions::default()),
+            Just(PlanOptions { min_split_bytes: 0 }),
+            (1u64..64).prop_map(|min_split_bytes| PlanOptions { min_split_bytes }),
+        ],
+    )
+        .prop_map(|((src, dst), draws, options)| {
+            let hosts = host_map(&src, &dst, &draws);
+            (src, dst, hosts, options)
+        })
+}

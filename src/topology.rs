@@ -174,13 +174,12 @@ impl HostMap {
         self.hosts.iter().map(|&h| h as usize)
     }
 
-    /// The host of `rank`.
-    ///
-    /// # Panics
-    /// If `rank >= self.len()`: check the ranks a plan uses with [`HostMap::check_ranks`]
-    /// first (or use [`HostMap::get`]).
+    /// The host of `rank`. Ranks beyond the map count as hosts of their own, after the
+    /// mapped ones (a rank the map does not name shares memory with no one); check the ranks
+    /// a plan uses with [`HostMap::check_ranks`] or [`HostMap::check_covers`] first.
     pub fn host_of(&self, rank: Rank) -> usize {
-        self.hosts[rank] as usize
+        self.get(rank)
+            .unwrap_or_else(|| self.count + (rank - self.hosts.len()))
     }
 
     /// The host of `rank`, if the map covers it.
@@ -228,6 +227,16 @@ impl HostMap {
             ));
         }
         Ok(())
+    }
+}
+
+impl HostMap {
+    /// Checks that the map names every rank in `ranks` (those of a job's layouts).
+    pub fn check_covers(&self, ranks: impl IntoIterator<Item = Rank>) -> Result<()> {
+        match ranks.into_iter().max() {
+            Some(highest) => self.check_ranks(highest),
+            None => Ok(()),
+        }
     }
 }
 

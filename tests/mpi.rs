@@ -211,3 +211,45 @@ fn conversions_under_mpirun_match_local_runs() {
         );
     }
 }
+
+/// A relay plan under mpirun, over MPI and over shared memory riding on MPI: 2 hand-set
+/// hosts of 2 ranks, every byte verified and checksummed.
+#[test]
+fn relay_runs_under_mpirun() {
+    for transport in ["mpi", "auto"] {
+        let child = mpirun(4)
+            .args([
+                "run",
+                "--shape",
+                "96,64",
+                "--src",
+                "mesh=2 place=S(1)",
+                "--dst",
+                "mesh=2 ranks=2,3 place=R",
+                "--hosts",
+                "2x2",
+                "--relay",
+                "on",
+                "--verify",
+                "--checksum",
+                "--chunk-bytes",
+                "512",
+                "--staging-bytes",
+                "4KiB",
+                "--transport",
+                transport,
+            ])
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let out = wait_bounded(child, Duration::from_secs(120), "an mpirun");
+        assert!(out.status.success(), "{transport}: {}", text(&out.stderr));
+        assert!(
+            text(&out.stdout).contains("every destination byte matches"),
+            "{}",
+            text(&out.stdout)
+        );
+    }
+}

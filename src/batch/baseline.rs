@@ -9,7 +9,7 @@ use crate::error::{Error, Result};
 use crate::exec::baseline::{BaselineJob, run_rank_gather_broadcast};
 use crate::exec::{ExecOptions, RankStats};
 use crate::layout::Rank;
-use crate::plan::{GatherBroadcast, RankPlan, rank_plan};
+use crate::plan::{GatherBroadcast, RankPlan};
 use crate::region::Region;
 use crate::transport::Transport;
 
@@ -62,7 +62,7 @@ impl BatchBaseline {
         let part = |p: &Option<crate::plan::Plan>| {
             p.as_ref()
                 .filter(|p| p.ranks().contains(&rank))
-                .map(|p| rank_plan(p.src(), p.dst(), rank, &p.options()))
+                .map(|p| p.own_part(rank))
                 .transpose()
         };
         let parts = self

@@ -17,6 +17,10 @@ pub fn main() -> Result<(), Failure> {
         src: "mesh=2 place=S(0)".into(),
         dst: "mesh=4 place=S(1)".into(),
         min_split_bytes: "64KiB".into(),
+        hosts: super::HostArgs {
+            hosts: None,
+            relay: "on".into(),
+        },
     };
     let plan = seed.plan()?;
     println!("reshard demo: the reshard collective on its seed example\n");

@@ -150,6 +150,16 @@ pub fn with_plan(fingerprint: Fingerprint, prefix: &str, plan: &Plan) -> Fingerp
             plan.quant()
                 .map_or("none".to_string(), |q| q.quant.scale_dtype.to_string()),
         )
+        .with(
+            format!("{prefix}--hosts"),
+            plan.topology()
+                .map_or("(none)".to_string(), |t| t.hosts.to_string()),
+        )
+        .with(
+            format!("{prefix}--relay"),
+            plan.topology()
+                .map_or("(none)", |t| if t.relay { "on" } else { "off" }),
+        )
 }
 
 /// Refuses a run whose buffers (`needed` bytes) cannot fit in this machine's available memory,

@@ -113,6 +113,9 @@ pub struct MethodJson {
     pub wire_bytes: u64,
     pub gbps: f64,
     pub peak_extra_bytes_per_rank: u64,
+    /// Across hosts (`--hosts`): the most bytes into or out of one host.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub busiest_link_bytes: Option<u64>,
 }
 
 impl MethodJson {
@@ -126,6 +129,7 @@ impl MethodJson {
             wire_bytes: m.wire_bytes,
             gbps: dst_bytes as f64 / median_s.max(1e-12) / 1e9,
             peak_extra_bytes_per_rank: m.peak_extra,
+            busiest_link_bytes: None,
         }
     }
 }

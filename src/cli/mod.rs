@@ -19,7 +19,8 @@ use clap::{Args, Parser, Subcommand};
 use reshard::convert::{QuantScheme, ScaleDType};
 use reshard::error::Field;
 use reshard::layout::{LayoutSpec, parse_shape};
-use reshard::plan::QuantRequest;
+use reshard::plan::{QuantRequest, Topology};
+use reshard::topology::HostMap;
 use reshard::{DType, Error, Plan, PlanOptions, Side};
 
 /// Move a distributed tensor from M ranks in one layout to N ranks in another, sending each
@@ -101,6 +102,33 @@ pub struct TensorArgs {
     /// (e.g. 64KiB; 0 splits every piece).
     #[arg(long, value_name = "BYTES", default_value = "64KiB")]
     min_split_bytes: String,
+    #[command(flatten)]
+    hosts: HostArgs,
+}
+
+/// Which host each rank runs on, for a plan that minds the links between hosts.
+#[derive(Args, Debug, Clone, Default)]
+pub struct HostArgs {
+    /// The host of every global rank, `0,0,1,1`, or `HxK`: H hosts of K consecutive ranks.
+    /// The plan then serves destinations from their own host where it can, spreads the
+    /// bytes that cross over the hosts' links, and relays (see --relay).
+    #[arg(long, value_name = "MAP")]
+    pub hosts: Option<String>,
+    /// With --hosts: bytes that several ranks of one host need cross into it once, to one of
+    /// them, which forwards them to the others over shared memory.
+    #[arg(long, value_name = "on|off", default_value = "on", value_parser = ["on", "off"])]
+    pub relay: String,
+}
+
+impl HostArgs {
+    /// The topology the plan is made for, if hosts are given; errors name `--hosts`.
+    pub fn topology(&self) -> Result<Option<Topology>, Error> {
+        let Some(text) = &self.hosts else {
+            return Ok(None);
+        };
+        let hosts = HostMap::parse(text)?;
+        Ok(Some(Topology::new(hosts, self.relay == "on")))
+    }
 }
 
 impl TensorArgs {
@@ -143,7 +171,16 @@ impl TensorArgs {
                 &self.min_split_bytes,
             )?,
         };
-        Plan::with_quant(src, dst, options, self.quant_request()?)
+        let topology = self.hosts.topology()?;
+        match (self.quant_request()?, topology) {
+            (None, topology) => Plan::with_topology(src, dst, options, topology),
+            (quant @ Some(_), None) => Plan::with_quant(src, dst, options, quant),
+            (Some(q), Some(_)) => Err(Error::InvalidOption {
+                field: Field::Quant,
+                value: q.scheme.to_string(),
+                reason: "a quantizing plan does not take a host map: leave out --hosts".into(),
+            }),
+        }
     }
 
     /// `--quant` and `--scale-dtype`, parsed; a scale dtype without a scheme is refused.

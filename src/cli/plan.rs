@@ -165,7 +165,11 @@ pub fn describe(plan: &Plan, max_rows: usize) -> String {
         "src", "dst", "region", "bytes"
     );
     for t in plan.transfers().iter().take(max_rows) {
-        let kind = if t.is_local() { "  (local)" } else { "" };
+        let kind = match t.via {
+            _ if t.is_local() => "  (local)".to_string(),
+            Some(v) => format!("  (via {v})"),
+            None => String::new(),
+        };
         let _ = writeln!(
             out,
             "  {:>6} {:>6}  {:<28} {:>12}{kind}",
@@ -234,6 +238,25 @@ pub fn describe(plan: &Plan, max_rows: usize) -> String {
             q.scale_messages,
             bytes(q.scale_bytes_local)
         );
+    }
+    if let Some(links) = plan.host_links() {
+        let relay = plan.topology().is_some_and(|t| t.relay);
+        let _ = writeln!(
+            out,
+            "host links ({} hosts{}): busiest carries {}",
+            links.links.len(),
+            if relay { ", relay on" } else { ", relay off" },
+            bytes(links.busiest())
+        );
+        for l in &links.links {
+            let _ = writeln!(
+                out,
+                "  host {:>3}  out {:>12}  in {:>12}",
+                l.host,
+                bytes(l.out_bytes),
+                bytes(l.in_bytes)
+            );
+        }
     }
     if let Some(picture) = picture::draw(plan) {
         let _ = writeln!(out);

@@ -44,6 +44,9 @@ pub struct RefitArgs {
     /// size (0 splits every piece).
     #[arg(long, value_name = "BYTES", default_value = "64KiB")]
     pub min_split_bytes: String,
+    /// Which host each rank runs on, for the bytes on every host's link (see `plan --help`).
+    #[command(flatten)]
+    pub hosts: super::HostArgs,
     /// Price the refit on a cluster: h100, gb200 or a cluster JSON file (see README,
     /// "Pricing on a cluster"), as the batched executor runs it (one stream per peer pair).
     #[arg(long, value_name = "CLUSTER")]
@@ -149,6 +152,20 @@ pub fn main(args: &RefitArgs) -> Result<(), Failure> {
             (totals, Some((cluster, pricing)))
         }
     };
+    let topology = args.hosts.topology()?;
+    if let (Some(_), true) = (&topology, args.execute.run) {
+        return Err(Failure::Input(Error::InvalidOption {
+            field: reshard::error::Field::Flag("--hosts"),
+            value: args.hosts.hosts.clone().unwrap_or_default(),
+            reason: "refit --run does not run plans across hosts yet; plan the refit with \
+                     --hosts, or run it without"
+                .into(),
+        }));
+    }
+    let links = match &topology {
+        Some(t) => Some(refit.host_links(&options, t).map_err(Error::from)?),
+        None => None,
+    };
     // with --run every process runs its rank, and rank 0 reports
     let run = if args.execute.run {
         match super::refit_run::main(&args.execute, &refit, options, args.fingerprint(&refit))? {
@@ -168,6 +185,16 @@ pub fn main(args: &RefitArgs) -> Result<(), Failure> {
         if let Some(run) = &run {
             json["run"] = serde_json::to_value(run).expect("run JSON serializes");
         }
+        if let Some((mine, theirs)) = &links {
+            let links_json = |l: &reshard::plan::HostLinks| {
+                serde_json::to_value(&l.links).expect("host links serialize")
+            };
+            json["reshard"]["host_links"] = links_json(mine);
+            json["reshard"]["busiest_link_bytes"] = mine.busiest().into();
+            json["gather_broadcast"]["host_links"] = links_json(theirs);
+            json["gather_broadcast"]["busiest_link_bytes"] = theirs.busiest().into();
+            json["link_ratio"] = (theirs.busiest() as f64 / mine.busiest().max(1) as f64).into();
+        }
         println!(
             "{}",
             serde_json::to_string_pretty(&json).expect("refit JSON serializes")
@@ -177,6 +204,14 @@ pub fn main(args: &RefitArgs) -> Result<(), Failure> {
             print!("{}", list_layouts(&refit, &args.rules()?));
         }
         print!("{}", describe(args, &refit, &totals));
+        if let Some((mine, theirs)) = &links {
+            println!(
+                "busiest host link: reshard {}, hierarchical gather+broadcast {} ({:.2}x)",
+                super::units::bytes(mine.busiest()),
+                super::units::bytes(theirs.busiest()),
+                theirs.busiest() as f64 / mine.busiest().max(1) as f64
+            );
+        }
         if let Some((cluster, p)) = &pricing {
             print!("{}", super::plan::describe_pricing(cluster, p));
         }

@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 use std::time::Instant;
 
-use super::{ExecOptions, RankJob, RankStats, RunStats, check_buffers, run_local, run_rank};
+use super::{ExecOptions, RankJob, RankStats, RunStats, check_buffers, run_local, run_rank_any};
 use crate::copy::{Cast, CopyGeometry, Place};
 use crate::error::{Error, Result, Side};
 use crate::exec::threads::{RankThread, joined};
@@ -70,7 +70,7 @@ where
             dst: full.as_deref_mut().map(|f| (&whole, f)),
             dst_dtype: gather.dst().dtype(),
         };
-        add(run_rank(work, transport, options)?);
+        add(run_rank_any(work, transport, options)?);
     }
     // The tensor a holder broadcasts and keeps from: its gathered copy, or its source shard
     // when the source is fully replicated.
@@ -89,7 +89,7 @@ where
             dst: receive_into.map(|f| (&whole, f)),
             dst_dtype: broadcast.dst().dtype(),
         };
-        add(run_rank(work, transport, options)?);
+        add(run_rank_any(work, transport, options)?);
     }
     if let Some((dst_box, dst)) = dst {
         let tensor = full.as_deref().or(src.filter(|_| holds_all).map(|s| s.1));

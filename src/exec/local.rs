@@ -6,13 +6,14 @@ use std::time::Instant;
 
 use super::options::ExecOptions;
 use super::quant::QuantJob;
+use super::relay::{self, Rounds};
 use super::run::{RankJob, run_rank};
 use super::stats::{RankStats, RunStats};
 use super::steps::check_buffers;
 use crate::error::{Error, Result, Side};
 use crate::exec::threads::{RankThread, joined};
 use crate::layout::{Layout, Rank};
-use crate::plan::{Plan, QuantRankPlan};
+use crate::plan::{Plan, QuantRankPlan, RankPlan};
 use crate::region::Region;
 use crate::transport::{Fault, LocalFabric};
 
@@ -115,6 +116,10 @@ fn run_local_all(
     let rank_plans = plan.rank_plans();
     let src_boxes: BTreeMap<Rank, Region> = regions(plan.src());
     let dst_boxes: BTreeMap<Rank, Region> = regions(plan.dst());
+    if rank_plans.values().any(RankPlan::relays) {
+        let boxes = (&src_boxes, &dst_boxes);
+        return run_local_relayed(plan, &rank_plans, boxes, src, dst, options, faults);
+    }
     let mut pairs: BTreeSet<(Rank, Rank)> = plan
         .transfers()
         .iter()
@@ -202,6 +207,108 @@ fn run_local_all(
     let stats = RunStats::gather(elapsed, results)?;
     tracing::debug!(?elapsed, bytes = stats.bytes_remote(), "local run done");
     Ok(stats)
+}
+
+/// [`run_local`] of a relay plan: round after round ([`super::relay`]), every rank a thread
+/// of each round, each round on links of its own.
+fn run_local_relayed(
+    plan: &Plan,
+    rank_plans: &BTreeMap<Rank, RankPlan>,
+    (src_boxes, dst_boxes): (&BTreeMap<Rank, Region>, &BTreeMap<Rank, Region>),
+    src: &BTreeMap<Rank, Vec<u8>>,
+    dst: &mut BTreeMap<Rank, Vec<u8>>,
+    options: &ExecOptions,
+    faults: &[Fault],
+) -> Result<RunStats> {
+    let elem_bytes = plan.dst().dtype().size();
+    let slab = relay::slab_bytes(options);
+    let rounds: BTreeMap<Rank, Rounds> = rank_plans
+        .iter()
+        .map(|(&r, p)| Ok((r, Rounds::of(p, elem_bytes, slab)?)))
+        .collect::<Result<_>>()?;
+    let mut staging: BTreeMap<Rank, relay::Staging> = rounds
+        .iter()
+        .map(|(&r, rs)| Ok((r, relay::staging_for(rs, r)?)))
+        .collect::<Result<_>>()?;
+    let count = rounds.values().map(|r| r.rounds.len()).max().unwrap_or(0);
+    let started = Instant::now();
+    let mut totals: BTreeMap<Rank, RankStats> = BTreeMap::new();
+    for j in 0..count {
+        let pairs: BTreeSet<(Rank, Rank)> = rounds
+            .values()
+            .filter_map(|rs| rs.rounds.get(j))
+            .flat_map(|round| round.sends.iter().map(|l| (l.from, l.to)))
+            .collect();
+        let fabric = LocalFabric {
+            timeout: options.timeout,
+            faults: faults.to_vec(),
+        };
+        let ranks: Vec<Rank> = rounds
+            .iter()
+            .filter(|(_, rs)| rs.rounds.len() > j)
+            .map(|(&r, _)| r)
+            .collect();
+        let mut endpoints = fabric.endpoints(&ranks, pairs);
+        let mut dst_shards: BTreeMap<Rank, &mut Vec<u8>> =
+            dst.iter_mut().map(|(&r, b)| (r, b)).collect();
+        let mut stagings: BTreeMap<Rank, &mut relay::Staging> =
+            staging.iter_mut().map(|(&r, b)| (r, b)).collect();
+        let results: Vec<Result<RankStats>> = std::thread::scope(|scope| {
+            let handles: Vec<_> = ranks
+                .iter()
+                .map(|&rank| {
+                    let job = RankJob {
+                        plan: &rank_plans[&rank],
+                        src_layout: plan.src(),
+                        src: src_boxes.get(&rank).zip(src.get(&rank).map(Vec::as_slice)),
+                        dst: dst_boxes
+                            .get(&rank)
+                            .zip(dst_shards.remove(&rank).map(Vec::as_mut_slice)),
+                        dst_dtype: plan.dst().dtype(),
+                        quant: None,
+                    };
+                    let endpoint = endpoints.remove(&rank);
+                    let staging = stagings.remove(&rank);
+                    let rounds = &rounds[&rank];
+                    std::thread::Builder::new()
+                        .name(format!("rank {rank}"))
+                        .spawn_scoped(scope, move || match (endpoint, staging) {
+                            (Some(endpoint), Some(staging)) => {
+                                let (recv_into, send_from) = relay::halves(staging, j);
+                                relay::run_round(
+                                    job, rounds, j, send_from, recv_into, &endpoint, options,
+                                )
+                            }
+                            _ => Ok(RankStats::default()),
+                        })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .zip(&ranks)
+                .map(|(h, &rank)| joined(h, rank, RankThread::Rank))
+                .collect()
+        });
+        let stats = RunStats::gather(started.elapsed(), results)?;
+        for s in stats.ranks {
+            totals
+                .entry(s.rank)
+                .or_insert(RankStats {
+                    rank: s.rank,
+                    ..RankStats::default()
+                })
+                .absorb(&s);
+        }
+    }
+    for (r, rs) in &rounds {
+        if let Some(t) = totals.get_mut(r) {
+            t.peak_staging_bytes += 2 * rs.staging_bytes() as u64;
+        }
+    }
+    Ok(RunStats {
+        elapsed: started.elapsed(),
+        ranks: totals.into_values().collect(),
+    })
 }
 
 fn regions(layout: &Layout) -> BTreeMap<Rank, Region> {

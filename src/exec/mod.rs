@@ -17,6 +17,7 @@ mod local;
 mod options;
 pub mod progress;
 mod quant;
+pub mod relay;
 mod run;
 mod stats;
 mod steps;
@@ -28,6 +29,7 @@ pub use local::{
 };
 pub use options::ExecOptions;
 pub use quant::QuantJob;
+pub use relay::{run_rank_any, run_rank_relayed};
 pub use run::{RankJob, run_rank, run_steps};
 pub use stats::{RankStats, RunStats};
 pub use steps::{Step, Steps, check_buffers, cut_chunk};

@@ -49,6 +49,12 @@ pub fn run_rank<'buf, T: Transport<'buf> + ?Sized>(
         quant,
     } = job;
     let rank = plan.rank;
+    if plan.relays() {
+        return Err(Error::Internal {
+            rank,
+            detail: "a relay plan runs round by round (exec::run_rank_relayed)".into(),
+        });
+    }
     // transfers move destination elements; the sender converts while it packs
     let elem_bytes = dst_dtype.size();
     let quant_plan = quant.as_ref().map(|q| (q.plan, q.rank));

@@ -201,6 +201,52 @@ impl Refit {
         self.totals(sum, start.elapsed().as_secs_f64())
     }
 
+    /// The bytes on every host's link, over every tensor planned on `topology` (with relay
+    /// if it says so), and over the hierarchical gather+broadcast of every tensor.
+    pub fn host_links(
+        &self,
+        options: &PlanOptions,
+        topology: &crate::plan::Topology,
+    ) -> Result<(crate::plan::HostLinks, crate::plan::HostLinks), ModelError> {
+        let none = || {
+            (
+                crate::plan::HostLinks::default(),
+                crate::plan::HostLinks::default(),
+            )
+        };
+        self.tensors
+            .par_iter()
+            .try_fold(none, |(mut mine, mut theirs), t| {
+                let plan = Plan::with_topology(
+                    t.src.clone(),
+                    t.dst.clone(),
+                    *options,
+                    Some(topology.clone()),
+                )
+                .and_then(|p| {
+                    let gb =
+                        crate::plan::GatherBroadcast::on_hosts(&t.src, &t.dst, Some(topology))?;
+                    Ok((p, gb))
+                })
+                .map_err(|source| ModelError::Plan {
+                    tensor: t.name.clone(),
+                    source,
+                })?;
+                if let Some(l) = plan.0.host_links() {
+                    mine.add(&l);
+                }
+                if let Some(l) = plan.1.host_links() {
+                    theirs.add(&l);
+                }
+                Ok::<_, ModelError>((mine, theirs))
+            })
+            .try_reduce(none, |(mut a, mut b), (c, d)| {
+                a.add(&c);
+                b.add(&d);
+                Ok((a, b))
+            })
+    }
+
     /// The totals of plans already made by [`Refit::plans`] (`plan_seconds` as given).
     pub fn totals_of(&self, plans: &[Plan], plan_seconds: f64) -> Result<RefitTotals, ModelError> {
         let mut sum = Sums::new(self.world());

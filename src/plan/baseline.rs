@@ -82,14 +82,32 @@ impl GatherBroadcast {
     /// assert_eq!(gb.wire_bytes(), report::gather_broadcast_bytes(&src, &dst));
     /// ```
     pub fn new(src: &Layout, dst: &Layout) -> Result<GatherBroadcast> {
+        GatherBroadcast::on_hosts(src, dst, None)
+    }
+
+    /// The baseline as NCCL runs it across hosts, when the hosts are known: both phases are
+    /// planned on them with relay, so a byte crosses into each host once (in the all-gather
+    /// and in the broadcast) and fans out inside over shared memory; a receiver on a host
+    /// that holds the tensor takes it from there. Without hosts, [`GatherBroadcast::new`].
+    pub fn on_hosts(
+        src: &Layout,
+        dst: &Layout,
+        hosts: Option<&super::Topology>,
+    ) -> Result<GatherBroadcast> {
+        let topology = hosts.map(|t| super::Topology {
+            hosts: t.hosts.clone(),
+            relay: true,
+        });
+        let plan = |a: Layout, b: Layout| {
+            Plan::with_topology(a, b, PlanOptions::default(), topology.clone())
+        };
         check_compatible(src, dst)?;
         let members = gather_replica(src, dst);
         let gathered = src.mesh().size() / src.replication().max(1) > 1;
-        let options = PlanOptions::default();
         let gather = if gathered {
             let replica = replica_layout(src, &members)?;
             let full = replicated(src, &members, Side::Src)?;
-            Some(Plan::with_options(replica, full, options)?)
+            Some(plan(replica, full)?)
         } else {
             None
         };
@@ -104,10 +122,9 @@ impl GatherBroadcast {
         let broadcast = if receivers.is_empty() {
             None
         } else {
-            Some(Plan::with_options(
+            Some(plan(
                 replicated(src, &members, Side::Src)?,
                 replicated(src, &receivers, Side::Dst)?,
-                options,
             )?)
         };
         Ok(GatherBroadcast {
@@ -120,6 +137,17 @@ impl GatherBroadcast {
     }
 
     /// Bytes that cross between ranks, both phases together.
+    /// The bytes on every host's link over both phases, when the hosts are known.
+    pub fn host_links(&self) -> Option<super::HostLinks> {
+        let mut total: Option<super::HostLinks> = None;
+        for p in [&self.gather, &self.broadcast].into_iter().flatten() {
+            if let Some(links) = p.host_links() {
+                total.get_or_insert_with(Default::default).add(&links);
+            }
+        }
+        total
+    }
+
     pub fn wire_bytes(&self) -> u64 {
         [&self.gather, &self.broadcast]
             .into_iter()

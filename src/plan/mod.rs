@@ -17,6 +17,7 @@
 //! make about `h + r` transfers, not `h x r`.
 
 pub mod baseline;
+pub mod hosts;
 pub mod quant;
 pub mod report;
 pub mod schedule;
@@ -24,6 +25,7 @@ pub mod schedule;
 use std::ops::Range;
 
 pub use baseline::GatherBroadcast;
+pub use hosts::{HostLinks, Topology};
 pub use quant::{QuantPlan, QuantRankPlan, QuantRequest};
 pub use report::{Overflow, PlanJson, Totals, TransferJson, gather_broadcast_bytes};
 pub use schedule::Schedule;
@@ -39,11 +41,30 @@ pub struct Transfer {
     pub dst: Rank,
     /// In global tensor coordinates.
     pub region: Region,
+    /// A relayed transfer: the bytes cross to `via` (a rank on `dst`'s host that receives
+    /// the same region from `src` in a transfer of its own), which forwards them to `dst`.
+    /// `None`: straight from `src` to `dst`.
+    pub via: Option<Rank>,
 }
 
 impl Transfer {
+    /// A transfer straight from `src` to `dst`.
+    pub fn direct(src: Rank, dst: Rank, region: Region) -> Transfer {
+        Transfer {
+            src,
+            dst,
+            region,
+            via: None,
+        }
+    }
+
     pub fn is_local(&self) -> bool {
         self.src == self.dst
+    }
+
+    /// The rank that hands the bytes to `dst`: `via` for a relayed transfer, `src` otherwise.
+    pub fn sender(&self) -> Rank {
+        self.via.unwrap_or(self.src)
     }
 
     /// Bytes of the region for elements of `elem_bytes`.
@@ -72,12 +93,17 @@ impl Default for PlanOptions {
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct RankPlan {
     pub rank: Rank,
-    /// Remote transfers this rank sends, in schedule order.
+    /// Remote transfers this rank sends, in schedule order: its own, and the relayed ones it
+    /// forwards (whose `via` is this rank; it receives their region from their `src` in a
+    /// transfer of its own, a hop, and passes it on to `dst`).
     pub sends: Vec<Transfer>,
-    /// Remote transfers this rank receives, in schedule order.
+    /// Remote transfers this rank receives, in schedule order (a relayed one from its `via`).
     pub recvs: Vec<Transfer>,
     /// Copies from this rank's source buffer into its own destination buffer.
     pub locals: Vec<Transfer>,
+    /// The hops among `sends` and `recvs`: transfers to a relaying rank whose region it
+    /// forwards, sorted. Empty without relay.
+    pub hops: Vec<Transfer>,
 }
 
 impl RankPlan {
@@ -88,12 +114,23 @@ impl RankPlan {
         }
     }
 
-    /// Files `t` among this rank's sends, receives or local copies, if it concerns this rank
-    /// (a local copy belongs to the rank that makes it).
-    fn take(&mut self, t: &Transfer) {
+    /// Files `t` among this rank's sends, receives, local copies or forwards, if it concerns
+    /// this rank (a local copy belongs to the rank that makes it). A relayed transfer from this
+    /// rank goes to `relayed`: it marks the hop this rank sends.
+    fn take(&mut self, t: &Transfer, relayed: &mut Vec<Transfer>) {
         if t.is_local() {
             if t.src == self.rank {
                 self.locals.push(t.clone());
+            }
+        } else if let Some(via) = t.via {
+            if via == self.rank {
+                self.sends.push(t.clone());
+            }
+            if t.dst == self.rank {
+                self.recvs.push(t.clone());
+            }
+            if t.src == self.rank {
+                relayed.push(t.clone());
             }
         } else if t.src == self.rank {
             self.sends.push(t.clone());
@@ -102,12 +139,54 @@ impl RankPlan {
         }
     }
 
-    /// The ranks this rank receives from (local copies aside).
-    pub fn senders(&self) -> std::collections::BTreeSet<Rank> {
-        self.recvs.iter().map(|t| t.src).collect()
+    /// Marks the hops among the sends and receives: a transfer from `s` to `v` of a region
+    /// that `v` forwards (known from `relayed`, the relayed transfers from this rank, and from
+    /// this rank's own forwards).
+    fn mark_hops(&mut self, relayed: &[Transfer]) {
+        let forwarded: std::collections::BTreeSet<(Rank, Rank, &Region)> = relayed
+            .iter()
+            .chain(self.forwards())
+            .filter_map(|t| t.via.map(|v| (t.src, v, &t.region)))
+            .collect();
+        let mut hops: Vec<Transfer> = self
+            .sends
+            .iter()
+            .chain(&self.recvs)
+            .filter(|t| t.via.is_none() && forwarded.contains(&(t.src, t.dst, &t.region)))
+            .cloned()
+            .collect();
+        hops.sort_unstable();
+        hops.dedup();
+        self.hops = hops;
     }
 
-    /// The ranks this rank sends to (local copies aside).
+    /// The relayed transfers this rank forwards, among its sends.
+    pub fn forwards(&self) -> impl Iterator<Item = &Transfer> {
+        self.sends.iter().filter(|t| t.via == Some(self.rank))
+    }
+
+    /// Whether `t`, one of this rank's sends or receives, is a hop ([`RankPlan::hops`]).
+    pub fn is_hop(&self, t: &Transfer) -> bool {
+        self.hops.binary_search(t).is_ok()
+    }
+
+    /// Whether this rank takes part in a relay: it sends or receives a hop, forwards, or
+    /// receives a forwarded transfer.
+    pub fn relays(&self) -> bool {
+        !self.hops.is_empty()
+            || self
+                .sends
+                .iter()
+                .chain(&self.recvs)
+                .any(|t| t.via.is_some())
+    }
+
+    /// The ranks this rank receives from (local copies aside).
+    pub fn senders(&self) -> std::collections::BTreeSet<Rank> {
+        self.recvs.iter().map(Transfer::sender).collect()
+    }
+
+    /// The ranks this rank sends to (local copies aside), forwards included.
     pub fn receivers(&self) -> std::collections::BTreeSet<Rank> {
         self.sends.iter().map(|t| t.dst).collect()
     }
@@ -124,6 +203,7 @@ pub struct Plan {
     src: Layout,
     dst: Layout,
     options: PlanOptions,
+    topology: Option<Topology>,
     transfers: Vec<Transfer>,
     /// With `--quant`: the scheme, its block grid, and so the amax and scale traffic.
     quant: Option<QuantPlan>,
@@ -146,8 +226,24 @@ impl Plan {
     }
 
     pub fn with_options(src: Layout, dst: Layout, options: PlanOptions) -> Result<Plan> {
+        Plan::with_topology(src, dst, options, None)
+    }
+
+    /// Plans a reshard knowing which host each rank runs on ([`Topology`]): destinations
+    /// are served from their own host where it holds the bytes, cross-host bytes are spread
+    /// over the hosts' links, and (with relay) bytes that several ranks of one host need
+    /// cross into it once. Without a topology, the plan of [`Plan::with_options`].
+    pub fn with_topology(
+        src: Layout,
+        dst: Layout,
+        options: PlanOptions,
+        topology: Option<Topology>,
+    ) -> Result<Plan> {
         check_compatible(&src, &dst)?;
-        Ok(Plan::planned(src, dst, options, None))
+        if let Some(t) = &topology {
+            t.check(&src, &dst)?;
+        }
+        Ok(Plan::planned(src, dst, options, None, topology))
     }
 
     /// Plans a reshard into an fp8 destination quantized as `quant` says (checked against
@@ -174,7 +270,7 @@ impl Plan {
             &src,
             &dst,
         )?;
-        Ok(Plan::planned(src, dst, options, Some(checked)))
+        Ok(Plan::planned(src, dst, options, Some(checked), None))
     }
 
     /// [`Plan::new`] or [`Plan::quantized`] as `request` says: `None` plans a plain (or
@@ -194,17 +290,29 @@ impl Plan {
         }
     }
 
-    fn planned(src: Layout, dst: Layout, options: PlanOptions, quant: Option<QuantPlan>) -> Plan {
+    fn planned(
+        src: Layout,
+        dst: Layout,
+        options: PlanOptions,
+        quant: Option<QuantPlan>,
+        topology: Option<Topology>,
+    ) -> Plan {
         let holders = Holders::table(&src);
         let mut transfers = Vec::new();
+        let chooser = Chooser {
+            options: &options,
+            topology: topology.as_ref(),
+            forwards: false,
+        };
         for &r in dst.mesh().ranks() {
-            receives(&src, &dst, &holders, r, &options, &mut transfers);
+            receives(&src, &dst, &holders, r, &chooser, &mut transfers);
         }
         transfers.sort_unstable();
         Plan {
             src,
             dst,
             options,
+            topology,
             transfers,
             quant,
         }
@@ -213,7 +321,13 @@ impl Plan {
     /// `rank`'s part of this plan computed for it alone, as [`rank_plan`] does, for the
     /// layouts this plan checked (a quantizing plan's fp8 destination among them).
     pub fn rank_part(&self, rank: Rank) -> RankPlan {
-        rank_part(&self.src, &self.dst, rank, &self.options)
+        rank_part(
+            &self.src,
+            &self.dst,
+            rank,
+            &self.options,
+            self.topology.as_ref(),
+        )
     }
 
     /// The quantization, for a plan into fp8 with scales.
@@ -231,6 +345,17 @@ impl Plan {
 
     pub fn options(&self) -> PlanOptions {
         self.options
+    }
+
+    /// The hosts the plan was made for, if any.
+    pub fn topology(&self) -> Option<&Topology> {
+        self.topology.as_ref()
+    }
+
+    /// `rank`'s part of this plan computed alone ([`rank_plan_on`]), with the plan's options
+    /// and topology: what a rank of a job runs.
+    pub fn own_part(&self, rank: Rank) -> Result<RankPlan> {
+        Ok(self.rank_part(rank))
     }
 
     /// Every transfer, sorted by (src, dst, region).
@@ -262,7 +387,9 @@ impl Plan {
     /// `rank`'s part of this plan, taken from the full plan.
     pub fn for_rank(&self, rank: Rank) -> RankPlan {
         let mut rp = RankPlan::new(rank);
-        self.transfers.iter().for_each(|t| rp.take(t));
+        let mut relayed = Vec::new();
+        self.transfers.iter().for_each(|t| rp.take(t, &mut relayed));
+        rp.mark_hops(&relayed);
         order_for_schedule(&mut rp, &Schedule::of(&self.src, &self.dst));
         rp
     }
@@ -274,23 +401,35 @@ impl Plan {
             .into_iter()
             .map(|rank| (rank, RankPlan::new(rank)))
             .collect();
+        let mut relayed: std::collections::BTreeMap<Rank, Vec<Transfer>> = Default::default();
         for t in &self.transfers {
-            let concerned = if t.is_local() {
-                &[t.src][..]
-            } else {
-                &[t.src, t.dst][..]
+            let concerned = match (t.is_local(), t.via) {
+                (true, _) => &[t.src][..],
+                (false, None) => &[t.src, t.dst][..],
+                (false, Some(v)) => &[t.src, t.dst, v][..],
             };
             for rank in concerned {
                 if let Some(p) = plans.get_mut(rank) {
-                    p.take(t);
+                    p.take(t, relayed.entry(*rank).or_default());
                 }
             }
         }
         let schedule = Schedule::of(&self.src, &self.dst);
         for p in plans.values_mut() {
+            p.mark_hops(relayed.get(&p.rank).map_or(&[][..], Vec::as_slice));
             order_for_schedule(p, &schedule);
         }
         plans
+    }
+
+    /// The bytes into and out of every host, when the plan knows the hosts.
+    pub fn host_links(&self) -> Option<HostLinks> {
+        let topology = self.topology.as_ref()?;
+        Some(HostLinks::of(
+            &topology.hosts,
+            &self.transfers,
+            self.elem_bytes(),
+        ))
     }
 
     /// Byte and message counts, and what gather+broadcast would move instead.
@@ -324,30 +463,59 @@ pub fn rank_plan(
     rank: Rank,
     options: &PlanOptions,
 ) -> Result<RankPlan> {
-    check_compatible(src, dst)?;
-    Ok(rank_part(src, dst, rank, options))
+    rank_plan_on(src, dst, rank, options, None)
 }
 
-/// [`rank_plan`] of layouts already checked (by a [`Plan`]'s constructor).
-fn rank_part(src: &Layout, dst: &Layout, rank: Rank, options: &PlanOptions) -> RankPlan {
+/// [`rank_plan`] knowing the hosts: the same result as
+/// `Plan::with_topology(src, dst, options, topology).for_rank(rank)`, from this rank's pieces
+/// and those of the ranks that share them on one host.
+pub fn rank_plan_on(
+    src: &Layout,
+    dst: &Layout,
+    rank: Rank,
+    options: &PlanOptions,
+    topology: Option<&Topology>,
+) -> Result<RankPlan> {
+    check_compatible(src, dst)?;
+    if let Some(t) = topology {
+        t.check(src, dst)?;
+    }
+    Ok(rank_part(src, dst, rank, options, topology))
+}
+
+/// [`rank_plan_on`] of layouts already checked (by a [`Plan`]'s constructor).
+fn rank_part(
+    src: &Layout,
+    dst: &Layout,
+    rank: Rank,
+    options: &PlanOptions,
+    topology: Option<&Topology>,
+) -> RankPlan {
     let mut rp = RankPlan::new(rank);
     // local copies are among the receives; the sends repeat them
     let mut received = Vec::new();
+    let chooser = Chooser {
+        options,
+        topology,
+        forwards: true,
+    };
     receives(
         src,
         dst,
         &Holders::OnDemand(src),
         rank,
-        options,
+        &chooser,
         &mut received,
     );
-    received.iter().for_each(|t| rp.take(t));
-    let sends = sends(src, dst, rank, options);
+    let mut relayed = Vec::new();
+    received.iter().for_each(|t| rp.take(t, &mut relayed));
+    let sends = sends(src, dst, rank, &chooser);
     sends
         .iter()
         .filter(|t| !t.is_local())
-        .for_each(|t| rp.take(t));
+        .for_each(|t| rp.take(t, &mut relayed));
     rp.locals.sort_unstable();
+    rp.mark_hops(&relayed);
     order_for_schedule(&mut rp, &Schedule::of(src, dst));
     rp
 }
@@ -442,13 +610,59 @@ impl Holders<'_> {
     }
 }
 
-/// Every transfer into `rank`'s destination shard (local copies included), appended to `out`.
+/// How sources are chosen: the planner's options, the hosts when known, and whether a
+/// relaying rank's receives come with the transfers it forwards (a rank's own part).
+struct Chooser<'a> {
+    options: &'a PlanOptions,
+    topology: Option<&'a Topology>,
+    forwards: bool,
+}
+
+impl Chooser<'_> {
+    /// Chooses who sends `piece` to `receiver` (`group`: its host's replicas of its box, when
+    /// the hosts are known).
+    fn assign(
+        &self,
+        piece: hosts::Piece<'_>,
+        receiver: &Receiver,
+        group: Option<&[Rank]>,
+        elem_bytes: usize,
+        forwards: bool,
+        out: &mut Vec<Transfer>,
+    ) {
+        match (self.topology, group) {
+            (Some(topology), Some(group)) => hosts::assign(
+                piece,
+                receiver,
+                group,
+                elem_bytes,
+                self.options,
+                topology,
+                forwards,
+                out,
+            ),
+            _ => assign(
+                piece.region,
+                piece.holders,
+                piece.holds,
+                receiver,
+                piece.box_id,
+                elem_bytes,
+                self.options,
+                out,
+            ),
+        }
+    }
+}
+
+/// Every transfer into `rank`'s destination shard (local copies included), appended to `out`;
+/// with `chooser.forwards`, also those it forwards.
 fn receives(
     src: &Layout,
     dst: &Layout,
     holders: &Holders<'_>,
     rank: Rank,
-    options: &PlanOptions,
+    chooser: &Chooser<'_>,
     out: &mut Vec<Transfer>,
 ) {
     let Some(position) = dst.mesh().position(rank) else {
@@ -456,24 +670,28 @@ fn receives(
     };
     let target = dst.region_at(position);
     let receiver = Receiver::at(dst, position);
-    for_each_overlap(src, &target, |index, piece| {
+    let group = chooser.topology.map(|t| t.group(dst, position));
+    for_each_overlap(src, &target, |index, region| {
         let box_id = src.box_id(index);
-        let holds = src.holds(rank, index);
-        assign(
-            piece,
-            &holders.of(index, box_id),
-            holds,
-            &receiver,
+        let piece = hosts::Piece {
+            region,
+            holders: &holders.of(index, box_id),
+            holds: src.holds(rank, index),
             box_id,
+        };
+        chooser.assign(
+            piece,
+            &receiver,
+            group.as_deref(),
             dst.dtype().size(),
-            options,
+            chooser.forwards,
             out,
         );
     });
 }
 
 /// Every transfer out of `rank`'s source shard (local copies included).
-fn sends(src: &Layout, dst: &Layout, rank: Rank, options: &PlanOptions) -> Vec<Transfer> {
+fn sends(src: &Layout, dst: &Layout, rank: Rank, chooser: &Chooser<'_>) -> Vec<Transfer> {
     let Some(position) = src.mesh().position(rank) else {
         return Vec::new();
     };
@@ -483,19 +701,28 @@ fn sends(src: &Layout, dst: &Layout, rank: Rank, options: &PlanOptions) -> Vec<T
     let box_id = src.box_id(&index);
     let mut all = Vec::new();
     for_each_overlap(dst, &held, |dst_index, piece| {
-        for rank in dst.holders(dst_index) {
+        let replicas = dst.holders(dst_index);
+        for &rank in &replicas {
             let dst_position = dst.mesh().position(rank).unwrap_or_default();
-            let elem = dst.dtype().size();
-            assign(
-                piece.clone(),
-                &holders,
-                src.holds(rank, &index),
-                &Receiver::at(dst, dst_position),
+            let group = chooser
+                .topology
+                .map(|t| t.on_host(replicas.iter().copied(), t.hosts.host_of(rank)));
+            let piece = hosts::Piece {
+                region: piece.clone(),
+                holders: &holders,
+                holds: src.holds(rank, &index),
                 box_id,
-                elem,
-                options,
+            };
+            let start = all.len();
+            chooser.assign(
+                piece,
+                &Receiver::at(dst, dst_position),
+                group.as_deref(),
+                dst.dtype().size(),
+                false,
                 &mut all,
             );
+            debug_assert!(all[start..].iter().all(|t| t.dst == rank));
         }
     });
     all.retain(|t| t.src == rank);
@@ -545,11 +772,7 @@ fn assign(
     out: &mut Vec<Transfer>,
 ) {
     if holds {
-        out.push(Transfer {
-            src: receiver.rank,
-            dst: receiver.rank,
-            region: piece,
-        });
+        out.push(Transfer::direct(receiver.rank, receiver.rank, piece));
         return;
     }
     let h = holders.len();
@@ -561,40 +784,46 @@ fn assign(
     // positions, box ids, replica numbers and `wanted` are at most 2^24 (a side's ranks, see
     // `limits`): no overflow
     let rotation = (receiver.shard_position + box_id + receiver.replica * wanted as usize) % h;
-    let split = if wanted > 1 {
-        match (0..piece.ndim()).find(|&d| piece.extent[d] >= wanted) {
-            Some(d) => Some((d, wanted)),
-            None => (0..piece.ndim())
-                .max_by_key(|&d| (piece.extent[d], std::cmp::Reverse(d)))
-                .filter(|&d| piece.extent[d] > 1)
-                .map(|d| (d, piece.extent[d])),
-        }
-    } else {
-        None
-    };
-    let Some((dim, parts)) = split else {
-        out.push(Transfer {
-            src: holders[rotation],
-            dst: receiver.rank,
-            region: piece,
-        });
+    let Some((dim, parts)) = split_dim(&piece, wanted) else {
+        out.push(Transfer::direct(holders[rotation], receiver.rank, piece));
         return;
     };
+    for p in 0..parts {
+        let part = split_part(&piece, dim, parts, p);
+        out.push(Transfer::direct(
+            holders[(rotation + p as usize) % h],
+            receiver.rank,
+            part,
+        ));
+    }
+}
+
+/// Where to split `piece` into `wanted` parts: the outermost dim long enough, else the
+/// longest dim (into as many parts as it is long); `None` when one part it is.
+pub(crate) fn split_dim(piece: &Region, wanted: u64) -> Option<(usize, u64)> {
+    if wanted <= 1 {
+        return None;
+    }
+    match (0..piece.ndim()).find(|&d| piece.extent[d] >= wanted) {
+        Some(d) => Some((d, wanted)),
+        None => (0..piece.ndim())
+            .max_by_key(|&d| (piece.extent[d], std::cmp::Reverse(d)))
+            .filter(|&d| piece.extent[d] > 1)
+            .map(|d| (d, piece.extent[d])),
+    }
+}
+
+/// Part `p` of `parts` of `piece` cut along `dim`.
+pub(crate) fn split_part(piece: &Region, dim: usize, parts: u64, p: u64) -> Region {
     let lo = piece.offset[dim];
     let len = piece.extent[dim];
-    for p in 0..parts {
-        // in u128: p * len overflows u64 for pieces near 2^64 bytes
-        let cut = |p: u64| lo + (p as u128 * len as u128 / parts as u128) as u64;
-        let (a, b) = (cut(p), cut(p + 1));
-        let mut part = piece.clone();
-        part.offset[dim] = a;
-        part.extent[dim] = b - a;
-        out.push(Transfer {
-            src: holders[(rotation + p as usize) % h],
-            dst: receiver.rank,
-            region: part,
-        });
-    }
+    // in u128: p * len overflows u64 for pieces near 2^64 bytes
+    let cut = |p: u64| lo + (p as u128 * len as u128 / parts as u128) as u64;
+    let (a, b) = (cut(p), cut(p + 1));
+    let mut part = piece.clone();
+    part.offset[dim] = a;
+    part.extent[dim] = b - a;
+    part
 }
 
 #[cfg(test)]

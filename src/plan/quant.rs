@@ -82,11 +82,7 @@ impl QuantPlan {
     pub fn scales_of(&self, dst: &Layout, t: &Transfer) -> Option<Transfer> {
         let shard = dst.local_region(t.dst)?;
         let region = self.grid.scales_carried(&shard, &t.region);
-        (!region.is_empty()).then_some(Transfer {
-            src: t.src,
-            dst: t.dst,
-            region,
-        })
+        (!region.is_empty()).then_some(Transfer::direct(t.src, t.dst, region))
     }
 
     /// Every scale transfer of the plan, in the order of `transfers`.
@@ -107,11 +103,7 @@ impl QuantPlan {
             .flat_map(|&r| {
                 amax_exchange(src, &self.grid, r)
                     .into_iter()
-                    .map(move |(peer, region)| Transfer {
-                        src: r,
-                        dst: peer,
-                        region,
-                    })
+                    .map(move |(peer, region)| Transfer::direct(r, peer, region))
             })
             .collect();
         out.sort_unstable();

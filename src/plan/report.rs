@@ -107,7 +107,7 @@ impl Totals {
             } else {
                 remote += bytes;
                 messages += 1;
-                *sent.entry(t.src).or_default() += bytes;
+                *sent.entry(t.sender()).or_default() += bytes;
                 *received.entry(t.dst).or_default() += bytes;
             }
         }
@@ -194,6 +194,24 @@ pub struct TransferJson {
     pub offset: Vec<u64>,
     pub extent: Vec<u64>,
     pub bytes: u64,
+    /// A relayed transfer: the rank on `dst`'s host that received the bytes from `src` and
+    /// forwards them to `dst`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub via: Option<Rank>,
+}
+
+/// The `totals` object of the plan JSON: the counts, and where the hosts are known, the
+/// bytes on every host's link.
+#[derive(Clone, Debug, Serialize)]
+pub struct TotalsJson {
+    #[serde(flatten)]
+    pub totals: Totals,
+    /// Bytes out of and into every host (`--hosts`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub host_links: Option<Vec<super::hosts::HostLink>>,
+    /// The most bytes into or out of one host.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub busiest_link_bytes: Option<u64>,
 }
 
 /// The plan JSON of `reshard plan --json` (the design notes fix its fields).
@@ -207,7 +225,7 @@ pub struct PlanJson {
     pub dst_dtype: String,
     pub dst_elem_bytes: usize,
     pub transfers: Vec<TransferJson>,
-    pub totals: Totals,
+    pub totals: TotalsJson,
     /// With `--quant`: the scheme, the scale grid, and the amax and scale traffic.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub quant: Option<QuantJson>,
@@ -238,6 +256,7 @@ impl QuantJson {
                 bytes: t.bytes(elem),
                 offset: t.region.offset,
                 extent: t.region.extent,
+                via: None,
             }
         };
         QuantJson {
@@ -278,9 +297,17 @@ impl PlanJson {
                     offset: t.region.offset.clone(),
                     extent: t.region.extent.clone(),
                     bytes: t.bytes(elem),
+                    via: t.via,
                 })
                 .collect(),
-            totals: plan.totals(),
+            totals: {
+                let links = plan.host_links();
+                TotalsJson {
+                    totals: plan.totals(),
+                    busiest_link_bytes: links.as_ref().map(super::HostLinks::busiest),
+                    host_links: links.map(|l| l.links),
+                }
+            },
             quant: plan.quant().map(|q| QuantJson::of(plan, q)),
         }
     }

@@ -74,9 +74,11 @@ impl Schedule {
         (at(&self.dst_pos, to) + self.n - at(&self.src_pos, from)) % self.n
     }
 
-    /// The sort key of a transfer: step, source, destination, region.
+    /// The sort key of a transfer: step, sender, destination, region (the sender of a
+    /// relayed transfer is the rank that forwards it, [`Transfer::sender`]).
     pub fn key<'t>(&self, t: &'t Transfer) -> (usize, Rank, Rank, &'t Region) {
-        (self.step(t.src, t.dst), t.src, t.dst, &t.region)
+        let from = t.sender();
+        (self.step(from, t.dst), from, t.dst, &t.region)
     }
 }
 

@@ -14,7 +14,7 @@ fn layout(spec: &str, shape: &[u64], dtype: DType, first: Rank) -> Layout {
         .unwrap()
 }
 
-fn arb_options() -> impl Strategy<Value = PlanOptions> {
+pub(in crate::plan) fn arb_options() -> impl Strategy<Value = PlanOptions> {
     prop_oneof![
         Just(PlanOptions::default()),
         Just(PlanOptions { min_split_bytes: 0 }),
@@ -23,7 +23,7 @@ fn arb_options() -> impl Strategy<Value = PlanOptions> {
 }
 
 /// The invariants every plan keeps, checked against the reference boxes.
-fn check_invariants(plan: &Plan) -> Result<(), TestCaseError> {
+pub(in crate::plan) fn check_invariants(plan: &Plan) -> Result<(), TestCaseError> {
     let (src, dst) = (plan.src(), plan.dst());
     let src_box = |r: Rank| src.local_region(r);
     let mut by_dst: BTreeMap<Rank, Vec<&Transfer>> = BTreeMap::new();

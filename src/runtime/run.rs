@@ -73,7 +73,7 @@ impl World {
                 .as_ref()
                 .zip(destinations.get_mut(&rank).map(Vec::as_mut_slice)),
         };
-        let stats = exec::run_rank(work, &*transport, &exec_options)?;
+        let stats = exec::run_rank_any(work, &*transport, &exec_options)?;
         Ok(RunStats {
             elapsed: started.elapsed(),
             ranks: vec![stats],
@@ -135,7 +135,7 @@ impl World {
         options: &RunOptions,
     ) -> Result<RunStats> {
         let exec_options = self.exec_options(options);
-        let gb = GatherBroadcast::new(plan.src(), plan.dst())?;
+        let gb = GatherBroadcast::on_hosts(plan.src(), plan.dst(), plan.topology())?;
         let Some(job) = self.job() else {
             let mut full = baseline::full_buffers(&gb)?;
             return baseline::run_local_gather_broadcast(
@@ -153,7 +153,7 @@ impl World {
         let part = |p: &Option<Plan>| {
             p.as_ref()
                 .filter(|p| p.ranks().contains(&rank))
-                .map(|p| crate::plan::rank_plan(p.src(), p.dst(), rank, &p.options()))
+                .map(|p| p.own_part(rank))
                 .transpose()
         };
         let (gather, broadcast) = (part(&gb.gather)?, part(&gb.broadcast)?);
@@ -219,11 +219,13 @@ impl World {
             links.receivers.extend(q.part.amax_peers());
         }
         // quantizing: the scales and partial amax travel as transfers of their own, which
-        // senders cannot write into the value shard, so same-host senders use rings
+        // senders cannot write into the value shard, so same-host senders use rings; a
+        // relaying rank receives hops into its staging, which same-host senders writing
+        // straight into its shard would bypass
         let destination = dst_box
             .as_ref()
             .and_then(|b| shard.as_ref().map(|s| (s, b)))
-            .filter(|_| quant.is_none());
+            .filter(|_| quant.is_none() && !mine.relays());
         let transport = self.connect(&links, [plan.src()], destination)?;
         Ok(PlanRank {
             world: self,
@@ -347,7 +349,7 @@ impl PlanRank<'_> {
             src: self.src_box.as_ref().zip(source),
             dst: self.dst_box.as_ref().zip(self.shard.as_deref_mut()),
         };
-        exec::run_rank(work, &*self.transport, &exec_options)
+        exec::run_rank_any(work, &*self.transport, &exec_options)
     }
 }
 

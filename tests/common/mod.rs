@@ -111,6 +111,8 @@ pub struct RandomRun {
     dirs: (PathBuf, PathBuf),
     /// What rank 0 printed in the last multi-process run.
     pub report: std::cell::RefCell<String>,
+    /// More arguments for both runs (such as `--hosts`).
+    pub extra: Vec<String>,
 }
 
 impl RandomRun {
@@ -136,7 +138,17 @@ impl RandomRun {
             _scratch: scratch,
             dirs,
             report: std::cell::RefCell::new(String::new()),
+            extra: Vec::new(),
         }
+    }
+
+    /// The ranks of the run, `0..world`, spread over `hosts` hosts in consecutive runs
+    /// (`--hosts` list form).
+    pub fn host_list(&self, hosts: u64) -> String {
+        (0..self.world)
+            .map(|r| (r * hosts / self.world).to_string())
+            .collect::<Vec<_>>()
+            .join(",")
     }
 
     fn args(&self) -> Vec<String> {
@@ -163,6 +175,7 @@ impl RandomRun {
         ]
         .iter()
         .map(|s| s.to_string())
+        .chain(self.extra.iter().cloned())
         .collect()
     }
 

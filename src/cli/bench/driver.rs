@@ -181,11 +181,11 @@ fn bench_rank<'j, J: Job + ?Sized>(
     let rank = job.rank();
     let (plan, gb) = (&case.plan, &case.baseline);
     let (src, dst) = (plan.src(), plan.dst());
-    let mine = reshard::plan::rank_plan(src, dst, rank, &plan.options())?;
+    let mine = plan.own_part(rank)?;
     let part = |p: &Option<Plan>| -> Result<Option<RankPlan>, Error> {
         p.as_ref()
             .filter(|p| p.ranks().contains(&rank))
-            .map(|p| reshard::plan::rank_plan(p.src(), p.dst(), rank, &p.options()))
+            .map(|p| p.own_part(rank))
             .transpose()
     };
     let (gather, broadcast) = (part(&gb.gather)?, part(&gb.broadcast)?);
@@ -210,11 +210,13 @@ fn bench_rank<'j, J: Job + ?Sized>(
         senders: mine.senders(),
         receivers: mine.receivers(),
     };
+    // a relaying rank receives hops into its staging: senders must not write into its shard
     let reshard_transport = connect(
         &reshard_links,
         dst_box
             .as_ref()
-            .and_then(|b| shard.as_ref().map(|s| (s, b))),
+            .and_then(|b| shard.as_ref().map(|s| (s, b)))
+            .filter(|_| !mine.relays()),
     )?;
     job.barrier()?;
     let mut baseline_links = Links::default();
@@ -226,7 +228,15 @@ fn bench_rank<'j, J: Job + ?Sized>(
     let tensor = full
         .as_ref()
         .or(shard.as_ref().filter(|_| gb.gets_tensor(rank)));
-    let baseline_transport = connect(&baseline_links, tensor.map(|f| (f, &whole)))?;
+    // (not where a phase relays: its hops land in staging, past the shared buffer)
+    let relays = [&gather, &broadcast]
+        .into_iter()
+        .flatten()
+        .any(RankPlan::relays);
+    let baseline_transport = connect(
+        &baseline_links,
+        tensor.map(|f| (f, &whole)).filter(|_| !relays),
+    )?;
 
     let mut reshard = Measured::default();
     let mut gather_broadcast = Measured::default();
@@ -250,7 +260,7 @@ fn bench_rank<'j, J: Job + ?Sized>(
                         dst_dtype: dst.dtype(),
                         quant: None,
                     };
-                    exec::run_rank(work, &*reshard_transport, options)
+                    exec::run_rank_any(work, &*reshard_transport, options)
                 })?,
                 Method::GatherBroadcast => {
                     let full_bytes = full.as_ref().map_or(0, |f| f.len() as u64);

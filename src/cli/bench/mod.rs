@@ -19,7 +19,7 @@ use reshard::fill::Fill;
 
 use super::exec_args::{ExecArgs, with_plan};
 use super::units::parse_bytes;
-use super::{Failure, TensorArgs};
+use super::{Failure, HostArgs, TensorArgs};
 use driver::{bench_processes, bench_threads};
 use report::report;
 use suite::{Case, refit_suite};
@@ -63,6 +63,8 @@ pub struct BenchArgs {
     #[arg(long, value_name = "BYTES", default_value = "64KiB")]
     min_split_bytes: String,
     #[command(flatten)]
+    hosts: HostArgs,
+    #[command(flatten)]
     exec: ExecArgs,
     /// Contents of the global tensor: hash or hash:SEED (location-sensitive for every dtype),
     /// index (element i holds i mod 2^bits, which repeats every 2^bits elements), or normal
@@ -89,6 +91,7 @@ impl BenchArgs {
                 &self.suite_bytes,
                 (&self.dtype, self.dst_dtype.as_deref()),
                 &self.min_split_bytes,
+                &self.hosts,
             );
         }
         let tensor = TensorArgs {
@@ -100,6 +103,7 @@ impl BenchArgs {
             src: self.src.clone().unwrap_or_default(),
             dst: self.dst.clone().unwrap_or_default(),
             min_split_bytes: self.min_split_bytes.clone(),
+            hosts: self.hosts.clone(),
         };
         Ok(vec![Case::new("", tensor)?])
     }

@@ -32,6 +32,10 @@ struct CaseJson {
     /// Wire bytes of gather+broadcast over those of the reshard: the speedup a machine whose
     /// time follows bytes would show.
     byte_ratio: f64,
+    /// Across hosts (`--hosts`): gather+broadcast's busiest link bytes over the reshard's,
+    /// the speedup a machine bound by its host links would show.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    link_ratio: Option<f64>,
 }
 
 #[derive(Serialize)]
@@ -43,8 +47,18 @@ struct SuiteJson {
 pub(super) fn report(args: &BenchArgs, cases: &[Case], transport: &str, results: &[CaseResult]) {
     let json_of = |case: &Case, r: &CaseResult| {
         let dst_bytes = case.dst_bytes();
-        let reshard = MethodJson::of(&r.reshard, dst_bytes);
-        let gather_broadcast = MethodJson::of(&r.gather_broadcast, dst_bytes);
+        let reshard = MethodJson {
+            busiest_link_bytes: case.plan.host_links().map(|l| l.busiest()),
+            ..MethodJson::of(&r.reshard, dst_bytes)
+        };
+        let gather_broadcast = MethodJson {
+            busiest_link_bytes: case.baseline.host_links().map(|l| l.busiest()),
+            ..MethodJson::of(&r.gather_broadcast, dst_bytes)
+        };
+        let link_ratio = reshard
+            .busiest_link_bytes
+            .zip(gather_broadcast.busiest_link_bytes)
+            .map(|(mine, theirs)| theirs as f64 / mine.max(1) as f64);
         CaseJson {
             name: case.name.clone(),
             shape: case.plan.src().shape().to_vec(),
@@ -59,6 +73,7 @@ pub(super) fn report(args: &BenchArgs, cases: &[Case], transport: &str, results:
             dst_bytes,
             speedup: gather_broadcast.median_s / reshard.median_s.max(1e-12),
             byte_ratio: r.gather_broadcast.wire_bytes as f64 / r.reshard.wire_bytes.max(1) as f64,
+            link_ratio,
             reshard,
             gather_broadcast,
         }

@@ -24,7 +24,7 @@ pub(super) struct Case {
 impl Case {
     pub(super) fn new(name: &str, tensor: TensorArgs) -> Result<Case, Error> {
         let plan = tensor.plan()?;
-        let baseline = GatherBroadcast::new(plan.src(), plan.dst())?;
+        let baseline = GatherBroadcast::on_hosts(plan.src(), plan.dst(), plan.topology())?;
         Ok(Case {
             name: name.to_string(),
             src_spec: tensor.src,
@@ -92,6 +92,7 @@ pub(super) fn refit_suite(
     bytes_text: &str,
     (dtype, dst_dtype): (&str, Option<&str>),
     min_split_bytes: &str,
+    hosts: &crate::cli::HostArgs,
 ) -> Result<Vec<Case>, Error> {
     let elem = dtype.parse::<reshard::DType>()?.size() as u64;
     let elements = (bytes / elem).max(64 * 64);
@@ -168,6 +169,7 @@ pub(super) fn refit_suite(
                 src: src.to_string(),
                 dst: dst.to_string(),
                 min_split_bytes: min_split_bytes.to_string(),
+                hosts: hosts.clone(),
             };
             Case::new(name, tensor).map(|case| Case {
                 sized_by: Some(bytes_text.to_string()),
