@@ -129,9 +129,35 @@ impl HostArgs {
         let hosts = HostMap::parse(text)?;
         Ok(Some(Topology::new(hosts, self.relay == "on")))
     }
+
+    /// These options; or, when no `--hosts` was given and the ranks found themselves on
+    /// several hosts at rendezvous (under `launch --hosts`, or a job across machines), the
+    /// map they learned, so that the plan minds the links between hosts without being told.
+    pub fn or_learned(&self, learned: Option<&HostMap>) -> HostArgs {
+        match learned {
+            Some(map) if self.hosts.is_none() && map.num_hosts() > 1 => HostArgs {
+                hosts: Some(map.to_string()),
+                relay: self.relay.clone(),
+            },
+            _ => self.clone(),
+        }
+    }
 }
 
 impl TensorArgs {
+    /// [`TensorArgs::plan`] on the hosts the job's ranks learned at rendezvous, when no
+    /// `--hosts` was given ([`HostArgs::or_learned`]); a quantizing plan keeps to one host's.
+    pub fn plan_on(&self, learned: Option<&HostMap>) -> Result<Plan, Error> {
+        if self.quant.is_some() {
+            return self.plan();
+        }
+        TensorArgs {
+            hosts: self.hosts.or_learned(learned),
+            ..self.clone()
+        }
+        .plan()
+    }
+
     /// Parses and validates everything, before any byte moves.
     pub fn plan(&self) -> Result<Plan, Error> {
         let shape = parse_shape(&self.shape)?;

@@ -74,6 +74,14 @@ struct RunJson {
     gbps: f64,
     peak_staging_bytes_per_rank: u64,
     verified: bool,
+    /// The host map the plan minded (`--hosts`, or learned at rendezvous), with `relay`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    hosts: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    relay: Option<bool>,
+    /// The most bytes into or out of one host, when the plan knows the hosts.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    busiest_link_bytes: Option<u64>,
 }
 
 pub fn main(args: &RunArgs) -> Result<(), Failure> {
@@ -87,6 +95,10 @@ pub fn main(args: &RunArgs) -> Result<(), Failure> {
         check_dump_dir(dir)?;
     }
     let world = args.exec.join(&options)?;
+    let plan = match world.hosts() {
+        Some(learned) => args.tensor.plan_on(Some(learned))?,
+        None => plan,
+    };
     match world.job() {
         None => run_threads(args, &plan, fill, &options),
         Some(_) => run_process(args, &plan, fill, &options, &world),
@@ -445,6 +457,9 @@ fn report(args: &RunArgs, plan: &Plan, stats: &Summary, transport: &str, verifie
             gbps,
             peak_staging_bytes_per_rank: stats.peak_staging,
             verified,
+            hosts: plan.topology().map(|t| t.hosts.to_string()),
+            relay: plan.topology().map(|t| t.relay),
+            busiest_link_bytes: plan.host_links().map(|l| l.busiest()),
         };
         println!(
             "{}",
@@ -469,6 +484,14 @@ fn report(args: &RunArgs, plan: &Plan, stats: &Summary, transport: &str, verifie
         totals.messages,
         bytes(stats.bytes_local)
     );
+    if let (Some(topology), Some(links)) = (plan.topology(), plan.host_links()) {
+        println!(
+            "  hosts   {} (relay {}): busiest host link {}",
+            topology.hosts,
+            if topology.relay { "on" } else { "off" },
+            bytes(links.busiest())
+        );
+    }
     let spread = if sorted.len() > 1 {
         format!(
             " (median of {}; min {:.3} ms, max {:.3} ms)",

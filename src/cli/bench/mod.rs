@@ -16,6 +16,7 @@ use reshard::agreement::Fingerprint;
 use reshard::error::Field;
 use reshard::exec::ExecOptions;
 use reshard::fill::Fill;
+use reshard::topology::HostMap;
 
 use super::exec_args::{ExecArgs, with_plan};
 use super::units::parse_bytes;
@@ -83,7 +84,10 @@ pub struct BenchArgs {
 }
 
 impl BenchArgs {
-    fn cases(&self) -> Result<Vec<Case>, Error> {
+    /// The cases, planned on the hosts the ranks learned at rendezvous when no `--hosts` was
+    /// given ([`HostArgs::or_learned`]).
+    fn cases(&self, learned: Option<&HostMap>) -> Result<Vec<Case>, Error> {
+        let hosts = self.hosts.or_learned(learned);
         if self.suite.is_some() {
             let bytes = parse_bytes(Field::Flag("--suite-bytes"), &self.suite_bytes)?;
             return refit_suite(
@@ -91,7 +95,7 @@ impl BenchArgs {
                 &self.suite_bytes,
                 (&self.dtype, self.dst_dtype.as_deref()),
                 &self.min_split_bytes,
-                &self.hosts,
+                &hosts,
             );
         }
         let tensor = TensorArgs {
@@ -103,7 +107,7 @@ impl BenchArgs {
             src: self.src.clone().unwrap_or_default(),
             dst: self.dst.clone().unwrap_or_default(),
             min_split_bytes: self.min_split_bytes.clone(),
-            hosts: self.hosts.clone(),
+            hosts,
         };
         Ok(vec![Case::new("", tensor)?])
     }
@@ -138,13 +142,17 @@ fn fingerprint(args: &BenchArgs, cases: &[Case], fill: Fill, options: &ExecOptio
 
 pub fn main(args: &BenchArgs) -> Result<(), Failure> {
     // Everything the user typed is checked before a buffer is allocated or a byte moves.
-    let cases = args.cases()?;
+    let cases = args.cases(None)?;
     let fill: Fill = args.fill.parse()?;
     for case in &cases {
         fill.check_dtype(case.plan.src().dtype())?;
     }
     let options = args.exec.options()?;
     let world = args.exec.join(&options)?;
+    let cases = match world.hosts() {
+        Some(learned) => args.cases(Some(learned))?,
+        None => cases,
+    };
     let results = match world.rank() {
         None => bench_threads(args, &cases, fill, &options)?,
         Some(rank) => {
