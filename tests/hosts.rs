@@ -494,9 +494,13 @@ fn ranks_on_emulated_hosts_relay_what_they_share_and_verify() {
             "--relay",
             relay,
         ];
-        let out = launch(&mark, &["--hosts", "2", "--nproc", "4", "--link", "1gbit"], &args)
-            .output()
-            .unwrap();
+        let out = launch(
+            &mark,
+            &["--hosts", "2", "--nproc", "4", "--link", "1gbit"],
+            &args,
+        )
+        .output()
+        .unwrap();
         assert!(out.status.success(), "relay {relay}: {}", text(&out.stderr));
         assert_nothing_left(&mark, &BTreeSet::new(), &before);
         let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
