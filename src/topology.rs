@@ -22,7 +22,7 @@ use crate::layout::Rank;
 use crate::limits::MAX_HOST_MAP_RANKS;
 
 /// The field errors name: the option the map is written in.
-const FIELD: &str = "--hosts";
+const FIELD: crate::error::Field = crate::error::Field::Flag("--hosts");
 
 /// The host of every global rank of a job (`hosts()[rank]`), hosts numbered densely from 0.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -316,7 +316,7 @@ mod tests {
             let err = HostMap::parse(text).unwrap_err();
             let shown = err.to_string();
             assert!(
-                matches!(&err, Error::InvalidOption { field: "--hosts", value, .. } if value == text
+                matches!(&err, Error::InvalidOption { field: crate::error::Field::Flag("--hosts"), value, .. } if value == text
                     || text.len() > 10),
                 "{text}: {shown}"
             );

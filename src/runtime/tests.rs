@@ -337,7 +337,7 @@ fn the_host_map_decides_which_peers_share_memory() {
                 .as_ref()
                 .map(|_| serde_json::json!(rank))
                 .map_err(|e| Error::InvalidOption {
-                    field: "--transport",
+                    field: crate::error::Field::Flag("--transport"),
                     value: kind.name().into(),
                     reason: e.to_string(),
                 });

@@ -52,14 +52,14 @@ impl Hosts {
     ) -> Result<Hosts, Error> {
         if hosts == 0 || hosts > MAX_HOSTS {
             return Err(Error::InvalidOption {
-                field: "--hosts",
+                field: reshard::error::Field::Flag("--hosts"),
                 value: hosts.to_string(),
                 reason: format!("expected 1 to {MAX_HOSTS} emulated hosts"),
             });
         }
         if !nproc.is_multiple_of(hosts) {
             return Err(Error::InvalidOption {
-                field: "--nproc",
+                field: reshard::error::Field::Flag("--nproc"),
                 value: nproc.to_string(),
                 reason: format!(
                     "does not split evenly over --hosts {hosts}: every host runs the same number \
@@ -111,7 +111,7 @@ pub const HOST_DEVICE: &str = "eth0";
 /// powers of 1000, and units are bits): bits per second.
 pub fn parse_rate(text: &str) -> Result<u64, Error> {
     let invalid = |reason: String| Error::InvalidOption {
-        field: "--link",
+        field: reshard::error::Field::Flag("--link"),
         value: text.into(),
         reason,
     };
@@ -152,7 +152,7 @@ pub fn parse_latency(text: &str) -> Result<u64, Error> {
         .ok()
         .filter(|ms| ms.is_finite() && (0.0..=MAX_LATENCY_MS).contains(ms))
         .ok_or_else(|| Error::InvalidOption {
-            field: "--link-latency",
+            field: reshard::error::Field::Flag("--link-latency"),
             value: text.into(),
             reason: "expected milliseconds of one-way delay, from 0 to 10000 (e.g. 1 or 0.5)"
                 .into(),

@@ -106,7 +106,7 @@ impl Holder {
         let mut child =
             spawn_holder(exe, flags, host_name).map_err(|source| match source.kind() {
                 ErrorKind::PermissionDenied => Error::InvalidOption {
-                    field: "--hosts",
+                    field: reshard::error::Field::Flag("--hosts"),
                     value: "(namespaces)".into(),
                     reason: format!("{NEEDS} (creating a network namespace: {source})"),
                 },
@@ -160,7 +160,7 @@ fn run_batch(ns: &File, program: &str, lines: &[String], what: &str) -> Result<(
     }
     let mut child = command.spawn().map_err(|source| match source.kind() {
         ErrorKind::NotFound => Error::InvalidOption {
-            field: "--hosts",
+            field: reshard::error::Field::Flag("--hosts"),
             value: program.into(),
             reason: format!(
                 "emulated hosts need iproute2's `ip` and `tc` on the PATH (Debian and Ubuntu: \
@@ -168,7 +168,7 @@ fn run_batch(ns: &File, program: &str, lines: &[String], what: &str) -> Result<(
             ),
         },
         ErrorKind::PermissionDenied => Error::InvalidOption {
-            field: "--hosts",
+            field: reshard::error::Field::Flag("--hosts"),
             value: "(namespaces)".into(),
             reason: format!("{NEEDS} (entering a network namespace: {source})"),
         },
@@ -228,7 +228,7 @@ fn run_batch(ns: &File, program: &str, lines: &[String], what: &str) -> Result<(
         )
     };
     Err(Error::InvalidOption {
-        field,
+        field: reshard::error::Field::Flag(field),
         value: failed,
         reason,
     })
