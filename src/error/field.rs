@@ -35,6 +35,8 @@ pub enum Field {
     Train,
     Infer,
     Override,
+    /// How the inference side is quantized (`--infer-quant`).
+    InferQuant,
     /// An option only the command line has (`--nproc`, `--dump`): named by its flag everywhere.
     Flag(&'static str),
 }
@@ -59,6 +61,7 @@ impl Field {
             Field::Train => "train",
             Field::Infer => "infer",
             Field::Override => "overrides",
+            Field::InferQuant => "infer_quant",
             Field::Flag(flag) => flag,
         }
     }
@@ -82,6 +85,7 @@ impl Field {
             Field::Train => "--train",
             Field::Infer => "--infer",
             Field::Override => "--override",
+            Field::InferQuant => "--infer-quant",
             Field::Flag(flag) => flag,
         }
     }
