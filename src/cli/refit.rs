@@ -212,9 +212,6 @@ pub fn list_layouts(refit: &Refit, rules: &Rules) -> String {
     for t in &refit.tensors {
         let shape: Vec<String> = t.src.shape().iter().map(u64::to_string).collect();
         let _ = writeln!(out, "{}  {} {}", t.name, shape.join("x"), t.src.dtype());
-        if t.dst.dtype() != t.src.dtype() {
-            let _ = writeln!(out, "  infer  as {}", t.dst.dtype());
-        }
         for (side, which, layout) in [
             ("train", Which::Train, &t.src),
             ("infer", Which::Infer, &t.dst),
@@ -225,6 +222,9 @@ pub fn list_layouts(refit: &Refit, rules: &Rules) -> String {
                 rules.kind(&t.name, which).to_string(),
                 rules.pattern(&t.name, which).unwrap_or("-")
             );
+        }
+        if t.dst.dtype() != t.src.dtype() {
+            let _ = writeln!(out, "  infer  as {}", t.dst.dtype());
         }
     }
     for (side, groups) in [("train", &refit.src_fused), ("infer", &refit.dst_fused)] {

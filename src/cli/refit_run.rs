@@ -343,12 +343,7 @@ fn run_processes(
 type Buffers = (Vec<Vec<u8>>, Vec<Vec<u8>>);
 
 /// A batch's buffers on one rank: the sources filled, the destinations zeroed.
-fn buffers(
-    batch: &Batch,
-    ids: &[usize],
-    fills: &[Fill],
-    rb: &RankBatch,
-) -> Result<Buffers, Error> {
+fn buffers(batch: &Batch, ids: &[usize], fills: &[Fill], rb: &RankBatch) -> Result<Buffers, Error> {
     let rank = rb.rank;
     let zeroed = |len: usize, what: &str| {
         reshard::memory::zeroed(len as u64, || format!("rank {rank}'s {what}"))
