@@ -9,6 +9,7 @@ mod picture;
 mod plan;
 mod quant_check;
 mod refit;
+mod refit_quant;
 mod refit_run;
 mod run;
 mod units;

@@ -25,6 +25,12 @@ impl Links {
         }
     }
 
+    /// The peers of one rank's parts of a refit's quantized tensors.
+    pub fn of_quant(rq: &crate::batch::quant::RankQuant) -> Links {
+        let (senders, receivers) = rq.peers();
+        Links { senders, receivers }
+    }
+
     /// The peers of one rank's part of a batch.
     pub fn of_batch(rb: &RankBatch) -> Links {
         let mut links = Links::default();
