@@ -146,6 +146,17 @@ impl TensorArgs {
         Plan::with_quant(src, dst, options, self.quant_request()?)
     }
 
+    /// The same tensor and layouts moved as they are: the destination in the source's dtype,
+    /// nothing quantized.
+    pub fn unquantized(&self) -> TensorArgs {
+        TensorArgs {
+            dst_dtype: None,
+            quant: None,
+            scale_dtype: None,
+            ..self.clone()
+        }
+    }
+
     /// `--quant` and `--scale-dtype`, parsed; a scale dtype without a scheme is refused.
     pub fn quant_request(&self) -> Result<Option<QuantRequest>, Error> {
         let scale_dtype: Option<ScaleDType> =

@@ -6,6 +6,7 @@
 //! every rank measured, and [`report`] prints the comparison as text or JSON.
 
 mod driver;
+mod quant;
 mod report;
 mod suite;
 
@@ -42,6 +43,15 @@ pub struct BenchArgs {
     /// Destination element type (default: --dtype), converted by the senders as they pack.
     #[arg(long, value_name = "DTYPE")]
     dst_dtype: Option<String>,
+    /// Quantize into an fp8 --dst-dtype with scales while the bytes move (schemes as for
+    /// `run`), and compare with quantizing on the receivers after the move: (a) the reshard
+    /// in the source's dtype, then each destination quantizes its shard, and gather+broadcast
+    /// in the source's dtype, then each destination quantizes its shard. Not with --suite.
+    #[arg(long, value_name = "SCHEME", conflicts_with = "suite")]
+    quant: Option<String>,
+    /// The scales' dtype with --quant: f32, or e8m0 for the power-of-two schemes.
+    #[arg(long, value_name = "DTYPE", requires = "quant")]
+    scale_dtype: Option<String>,
     /// Source layout, e.g. "mesh=4 place=S(0)" (not with --suite).
     #[arg(long, value_name = "SPEC", required_unless_present = "suite")]
     src: Option<String>,
@@ -95,8 +105,8 @@ impl BenchArgs {
             shape: self.shape.clone().unwrap_or_default(),
             dtype: self.dtype.clone(),
             dst_dtype: self.dst_dtype.clone(),
-            quant: None,
-            scale_dtype: None,
+            quant: self.quant.clone(),
+            scale_dtype: self.scale_dtype.clone(),
             src: self.src.clone().unwrap_or_default(),
             dst: self.dst.clone().unwrap_or_default(),
             min_split_bytes: self.min_split_bytes.clone(),
