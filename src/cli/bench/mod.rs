@@ -76,9 +76,10 @@ pub struct BenchArgs {
     exec: ExecArgs,
     /// Contents of the global tensor: hash or hash:SEED (location-sensitive for every dtype),
     /// index (element i holds i mod 2^bits, which repeats every 2^bits elements), or normal
-    /// or normal:SEED (float dtypes only: finite values of varied magnitude).
-    #[arg(long, default_value = "hash")]
-    fill: String,
+    /// or normal:SEED (float dtypes only: finite values of varied magnitude). Default: hash,
+    /// or normal with --quant (fp8 cannot carry the NaN and infinities a hash holds).
+    #[arg(long)]
+    fill: Option<String>,
     /// Timed repetitions of each method (the report gives their median, min and max).
     #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..))]
     iters: u32,
@@ -145,7 +146,11 @@ fn fingerprint(args: &BenchArgs, cases: &[Case], fill: Fill, options: &ExecOptio
 pub fn main(args: &BenchArgs) -> Result<(), Failure> {
     // Everything the user typed is checked before a buffer is allocated or a byte moves.
     let cases = args.cases()?;
-    let fill: Fill = args.fill.parse()?;
+    let fill: Fill = match (&args.fill, &args.quant) {
+        (Some(text), _) => text.parse()?,
+        (None, Some(_)) => Fill::Normal { seed: 0 },
+        (None, None) => Fill::Hash { seed: 0 },
+    };
     for case in &cases {
         fill.check_dtype(case.plan.src().dtype())?;
     }
