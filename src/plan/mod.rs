@@ -17,6 +17,7 @@
 //! make about `h + r` transfers, not `h x r`.
 
 pub mod baseline;
+pub mod prequant;
 pub mod quant;
 pub mod report;
 pub mod schedule;
@@ -24,6 +25,7 @@ pub mod schedule;
 use std::ops::Range;
 
 pub use baseline::GatherBroadcast;
+pub use prequant::QuantizedMove;
 pub use quant::{QuantPlan, QuantRankPlan, QuantRequest};
 pub use report::{Overflow, PlanJson, Totals, TransferJson, gather_broadcast_bytes};
 pub use schedule::Schedule;
