@@ -201,3 +201,107 @@ fn a_cut_block_is_named() {
         "{err}"
     );
 }
+
+/// `run --dtype fp8e4m3 --quant SCHEME`: the source is already quantized (the normal fill
+/// quantized); every destination's dumped values and scales are its boxes of the tensor the
+/// source ranks' dumps make up, in threads and over tcp and shm.
+#[test]
+fn run_moves_an_already_quantized_source_with_its_scales() {
+    use reshard::region::Region;
+    use std::process::Command;
+    let shape = [512u64, 256];
+    let (src_spec, dst_spec) = ("mesh=2 place=S(0)", "mesh=2x2 ranks=2..6 place=S(0),S(1)");
+    let grid = BlockGrid::new(QuantScheme::parse("block:128x128").unwrap(), &shape).unwrap();
+    let layout = |spec: &str, shape: &[u64], dtype, first| {
+        LayoutSpec::parse(spec)
+            .unwrap()
+            .resolve(shape, dtype, first)
+            .unwrap()
+    };
+    let gshape = grid.grid_shape();
+    let (src, dst) = (
+        layout(src_spec, &shape, DType::Fp8E4M3, 0),
+        layout(dst_spec, &shape, DType::Fp8E4M3, 2),
+    );
+    for transport in ["local", "tcp", "shm"] {
+        let dir = common::temp_dir("prequant");
+        let mut c = Command::new(common::EXE);
+        if transport != "local" {
+            c.args(["launch", "--nproc", "6", "--"]);
+        }
+        let out = c
+            .args(["run", "--shape", "512,256", "--dtype", "fp8e4m3"])
+            .args(["--quant", "block:128x128", "--fill", "normal:9", "--verify"])
+            .args([
+                "--src",
+                src_spec,
+                "--dst",
+                dst_spec,
+                "--transport",
+                transport,
+            ])
+            .arg("--dump")
+            .arg(dir.path().join("dst"))
+            .arg("--dump-src")
+            .arg(dir.path().join("src"))
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{transport}: {}",
+            common::text(&out.stderr)
+        );
+        // the whole values and scales, put together from the source dumps
+        let mut values = vec![0u8; 512 * 256];
+        let mut scales = vec![0u8; (gshape[0] * gshape[1] * 4) as usize];
+        let put = |whole: &mut [u8], wshape: &[u64], elem: usize, b: &Region, part: &[u8]| {
+            let row = b.extent[1] as usize * elem;
+            for i in 0..b.extent[0] as usize {
+                let at =
+                    ((b.offset[0] as usize + i) * wshape[1] as usize + b.offset[1] as usize) * elem;
+                whole[at..at + row].copy_from_slice(&part[i * row..(i + 1) * row]);
+            }
+        };
+        for r in 0..2 {
+            let b = src.local_region(r).unwrap();
+            let read = |name: String| std::fs::read(dir.path().join("src").join(name)).unwrap();
+            put(&mut values, &shape, 1, &b, &read(format!("src{r}.bin")));
+            let sb = grid.scale_region(&b);
+            put(
+                &mut scales,
+                &gshape,
+                4,
+                &sb,
+                &read(format!("src{r}.scale.bin")),
+            );
+        }
+        for r in 2..6 {
+            let b = dst.local_region(r).unwrap();
+            let read = |name: String| std::fs::read(dir.path().join("dst").join(name)).unwrap();
+            assert_eq!(
+                read(format!("rank{r}.bin")),
+                slice(&values, &shape, 1, &b),
+                "{transport}: rank {r}"
+            );
+            let sb = grid.scale_region(&b);
+            assert_eq!(
+                read(format!("rank{r}.scale.bin")),
+                slice(&scales, &gshape, 4, &sb),
+                "{transport}: scales of rank {r}"
+            );
+        }
+        // and a source cut inside a block is refused before any byte moves
+        let out = Command::new(common::EXE)
+            .args(["run", "--shape", "512,256", "--dtype", "fp8e4m3"])
+            .args(["--quant", "block:128x128", "--fill", "normal"])
+            .args(["--src", "mesh=3 place=S(0)", "--dst", dst_spec])
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(2));
+        let err = common::text(&out.stderr);
+        assert!(
+            err.contains("--src") && err.contains("at 171 along dim 0"),
+            "{err}"
+        );
+    }
+}

@@ -19,7 +19,7 @@ use clap::{Args, Parser, Subcommand};
 use reshard::convert::{QuantScheme, ScaleDType};
 use reshard::error::Field;
 use reshard::layout::{LayoutSpec, parse_shape};
-use reshard::plan::QuantRequest;
+use reshard::plan::{QuantRequest, QuantizedMove};
 use reshard::{DType, Error, Plan, PlanOptions, Side};
 
 /// Move a distributed tensor from M ranks in one layout to N ranks in another, sending each
@@ -106,6 +106,30 @@ pub struct TensorArgs {
 impl TensorArgs {
     /// Parses and validates everything, before any byte moves.
     pub fn plan(&self) -> Result<Plan, Error> {
+        let (src, dst, options) = self.layouts()?;
+        Plan::with_quant(src, dst, options, self.quant_request()?)
+    }
+
+    /// Whether the source is already quantized: an fp8 `--dtype` with `--quant` (the values
+    /// and their scales then move as they are, [`QuantizedMove`]).
+    pub fn source_is_quantized(&self) -> Result<bool, Error> {
+        let dtype: DType = self.dtype.parse()?;
+        Ok(matches!(dtype, DType::Fp8E4M3 | DType::Fp8E5M2) && self.quant.is_some())
+    }
+
+    /// The already-quantized move of an fp8 `--dtype` with `--quant`.
+    pub fn quantized_move(&self) -> Result<QuantizedMove, Error> {
+        let (src, dst, options) = self.layouts()?;
+        let request = self.quant_request()?.ok_or_else(|| Error::InvalidOption {
+            field: Field::Quant,
+            value: "none".into(),
+            reason: "an already-quantized source needs its scheme".into(),
+        })?;
+        QuantizedMove::new(src, dst, options, request)
+    }
+
+    /// Both layouts and the plan options, parsed and checked.
+    fn layouts(&self) -> Result<(reshard::Layout, reshard::Layout, PlanOptions), Error> {
         let shape = parse_shape(&self.shape)?;
         let dtype: DType = self.dtype.parse()?;
         let dst_dtype: DType = match &self.dst_dtype {
@@ -143,7 +167,7 @@ impl TensorArgs {
                 &self.min_split_bytes,
             )?,
         };
-        Plan::with_quant(src, dst, options, self.quant_request()?)
+        Ok((src, dst, options))
     }
 
     /// The same tensor and layouts moved as they are: the destination in the source's dtype,
