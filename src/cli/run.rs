@@ -19,6 +19,8 @@ use super::measure::conclude;
 use super::units::bytes;
 use super::{Failure, TensorArgs, quant_check};
 
+mod prequant;
+
 #[derive(Args, Debug)]
 pub struct RunArgs {
     #[command(flatten)]
@@ -86,6 +88,16 @@ struct RunJson {
 
 pub fn main(args: &RunArgs) -> Result<(), Failure> {
     // Everything the user typed is checked before a buffer is allocated or a byte moves.
+    if args.tensor.source_is_quantized()? {
+        let mv = args.tensor.quantized_move()?;
+        let fill: Fill = args.fill.parse()?;
+        let options = args.exec.options()?;
+        for dir in [&args.dump, &args.dump_src].into_iter().flatten() {
+            check_dump_dir(dir)?;
+        }
+        let world = args.exec.join(&options)?;
+        return prequant::main(args, &mv, fill, &options, &world);
+    }
     let plan = args.tensor.plan()?;
     let fill: Fill = args.fill.parse()?;
     fill.check_dtype(plan.src().dtype())?;
@@ -221,6 +233,16 @@ fn process_rank(
     world: &World,
 ) -> Result<(), Failure> {
     let outcome = rank_part(args, plan, fill, options, world);
+    process_report(args, plan, world, outcome)
+}
+
+/// Hands this rank's outcome to rank 0, which prints the job's report.
+fn process_report(
+    args: &RunArgs,
+    plan: &Plan,
+    world: &World,
+    outcome: Result<serde_json::Value, Error>,
+) -> Result<(), Failure> {
     if let Some(reports) = conclude(world, outcome)? {
         let name = reports.transport();
         let reports = reports.ranks;

@@ -18,6 +18,7 @@
 
 pub mod baseline;
 pub mod hosts;
+pub mod prequant;
 pub mod quant;
 mod rank_plan;
 pub mod report;
@@ -28,6 +29,7 @@ use std::ops::Range;
 
 pub use baseline::GatherBroadcast;
 pub use hosts::{HostLinks, Topology};
+pub use prequant::QuantizedMove;
 pub use quant::{QuantPlan, QuantRankPlan, QuantRequest};
 pub use rank_plan::RankPlan;
 pub use report::{Overflow, PlanJson, Totals, TransferJson, gather_broadcast_bytes};
