@@ -8,7 +8,9 @@
 //!
 //! `sum_2d` is `--checksum`'s CRC-32C over the same regions, read in place.
 //!
-//! `cargo bench --bench kernels`; results in BENCHMARKS.md ("Kernels").
+//! `memcpy_source`, `quantize_pack` and `cast_pack` are the converting packs (see below).
+//!
+//! `cargo bench --bench kernels`; results in BENCHMARKS.md ("Kernels", "Quantize in flight").
 
 use std::hint::black_box;
 
@@ -277,4 +279,96 @@ fn unpack_chunks(bencher: Bencher, chunk: usize) {
             );
         }
     });
+}
+
+// ---------------------------------------------------------------------------------------
+// Converting packs: what a sender does when the destination's dtype differs (`--dst-dtype`,
+// `--quant`), against a one-thread memcpy of the same source bytes. The region is an
+// 8192 x 2048 column block of an 8192 x 4096 source shard (a receiver's slab of a TP S(0) ->
+// S(1) move), so every row is one 2048-element run; throughput counts source bytes.
+
+/// Rows and columns of the converted region; the shard is twice as wide.
+const CONVERT_ROWS: u64 = 8192;
+const CONVERT_COLS: u64 = 2048;
+
+/// A shard of `dtype` holding finite values of every magnitude.
+fn float_shard(dtype: reshard::DType, elems: usize) -> Vec<u8> {
+    let mut out = vec![0u8; elems * dtype.size()];
+    let mut x = 0x2545_f491u32;
+    for i in 0..elems {
+        x ^= x << 13;
+        x ^= x >> 17;
+        x ^= x << 5;
+        let v = f32::from_bits((x & 0x3fff_ffff) | 0x3000_0000) - 1.0;
+        reshard::convert::cast::write_f32(dtype, v, &mut out[i * dtype.size()..]);
+    }
+    out
+}
+
+fn convert_case() -> (Region, Region) {
+    let rows = CONVERT_ROWS;
+    let cols = CONVERT_COLS;
+    (
+        Region::from_ranges(&[0..rows, cols..2 * cols]),
+        Region::from_ranges(&[0..rows, 0..2 * cols]),
+    )
+}
+
+/// One `copy_from_slice` of the region's source bytes (bf16: 32 MiB, f32: 64 MiB).
+#[divan::bench(args = ["bf16", "f32"], sample_count = SAMPLES, sample_size = 1)]
+fn memcpy_source(bencher: Bencher, dtype: &str) {
+    let dtype: reshard::DType = dtype.parse().unwrap();
+    let bytes = (CONVERT_ROWS * CONVERT_COLS) as usize * dtype.size();
+    let src = filled(bytes);
+    let mut dst = vec![1u8; bytes];
+    bencher
+        .counter(BytesCount::new(bytes))
+        .bench_local(|| black_box(&mut dst).copy_from_slice(black_box(&src)));
+}
+
+/// bf16 -> fp8e4m3 `block:128x128`, quantized as it is packed (the scales taken before).
+#[divan::bench(sample_count = SAMPLES, sample_size = 1)]
+fn quantize_pack(bencher: Bencher) {
+    use reshard::DType;
+    use reshard::convert::{AmaxGrid, BlockGrid, Quant, QuantScheme, Scales};
+    use reshard::copy::{Cast, Quantizer};
+    let (region, shard) = convert_case();
+    let scheme = QuantScheme::parse("block:128x128").unwrap();
+    let quant = Quant::new(scheme, DType::Bf16, DType::Fp8E4M3, None).unwrap();
+    let grid = BlockGrid::new(scheme, &shard.extent).unwrap();
+    let src = float_shard(DType::Bf16, shard.volume() as usize);
+    let amax = AmaxGrid::local(&grid, &shard, &src, DType::Bf16).unwrap();
+    let quantizer = Quantizer {
+        scales: Scales::new(quant, &grid, &amax),
+        shard: shard.clone(),
+    };
+    let cast = Cast::quantizing(
+        DType::Bf16,
+        DType::Fp8E4M3,
+        Some(std::sync::Arc::new(quantizer)),
+    );
+    let g = CopyGeometry::converting(&region, Place::Within(&shard), Place::Stream, 1, Some(cast));
+    let mut stream = vec![0u8; g.len()];
+    g.copy(&src, &mut stream, 0..g.len());
+    assert!(stream.iter().any(|&b| b != 0));
+    bencher
+        .counter(BytesCount::new(g.len() * 2))
+        .bench_local(|| g.copy(black_box(&src), black_box(&mut stream), 0..g.len()));
+}
+
+/// f32 -> bf16, cast as it is packed.
+#[divan::bench(sample_count = SAMPLES, sample_size = 1)]
+fn cast_pack(bencher: Bencher) {
+    use reshard::DType;
+    use reshard::copy::Cast;
+    let (region, shard) = convert_case();
+    let src = float_shard(DType::F32, shard.volume() as usize);
+    let cast = Cast::between(DType::F32, DType::Bf16).unwrap();
+    let g = CopyGeometry::converting(&region, Place::Within(&shard), Place::Stream, 2, cast);
+    let mut stream = vec![0u8; g.len()];
+    g.copy(&src, &mut stream, 0..g.len());
+    assert!(stream.iter().any(|&b| b != 0));
+    bencher
+        .counter(BytesCount::new(g.len() * 2))
+        .bench_local(|| g.copy(black_box(&src), black_box(&mut stream), 0..g.len()));
 }

@@ -462,3 +462,54 @@ fn without_privileges_the_error_says_what_is_needed() {
     refused(out, &["--hosts", "CAP_SYS_ADMIN", "CAP_NET_ADMIN", "root"]);
     assert_nothing_left(&mark, &BTreeSet::new(), &before);
 }
+
+/// 2 hosts x 2 ranks: the ranks plan on the host map they learned at rendezvous without being
+/// given `--hosts`, and relay: the two ranks of host 1 that need the same column half get it
+/// across the link once, one of them forwarding it over shared memory; every byte verified,
+/// with checksums on every hop, and the busiest link carries half of what it does without relay.
+#[test]
+fn ranks_on_emulated_hosts_relay_what_they_share_and_verify() {
+    if !privileged("ranks_on_emulated_hosts_relay_what_they_share_and_verify") {
+        return;
+    }
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let before = root_links();
+    let busiest = |relay: &str| {
+        let mark = new_mark("relay");
+        let args = [
+            "run",
+            "--shape",
+            "256,192",
+            "--dtype",
+            "bf16",
+            "--src",
+            "mesh=2 place=S(0)",
+            "--dst",
+            "mesh=2 ranks=2..4 place=R",
+            "--transport",
+            "auto",
+            "--verify",
+            "--checksum",
+            "--json",
+            "--relay",
+            relay,
+        ];
+        let out = launch(
+            &mark,
+            &["--hosts", "2", "--nproc", "4", "--link", "1gbit"],
+            &args,
+        )
+        .output()
+        .unwrap();
+        assert!(out.status.success(), "relay {relay}: {}", text(&out.stderr));
+        assert_nothing_left(&mark, &BTreeSet::new(), &before);
+        let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(json["verified"], true, "{json}");
+        assert_eq!(json["hosts"], "2x2", "{json}");
+        assert_eq!(json["relay"], relay == "on", "{json}");
+        json["busiest_link_bytes"].as_u64().unwrap()
+    };
+    let tensor = 256 * 192 * 2;
+    assert_eq!(busiest("on"), tensor);
+    assert_eq!(busiest("off"), 2 * tensor);
+}

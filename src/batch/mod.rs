@@ -17,6 +17,7 @@
 //! its own boxes; many tiny messages become one per receiver.
 
 pub mod baseline;
+pub mod quant;
 mod run;
 #[cfg(test)]
 mod tests;

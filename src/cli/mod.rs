@@ -9,6 +9,7 @@ mod picture;
 mod plan;
 mod quant_check;
 mod refit;
+mod refit_quant;
 mod refit_run;
 mod run;
 mod units;
@@ -19,7 +20,7 @@ use clap::{Args, Parser, Subcommand};
 use reshard::convert::{QuantScheme, ScaleDType};
 use reshard::error::Field;
 use reshard::layout::{LayoutSpec, parse_shape};
-use reshard::plan::{QuantRequest, Topology};
+use reshard::plan::{QuantRequest, QuantizedMove, Topology};
 use reshard::topology::HostMap;
 use reshard::{DType, Error, Plan, PlanOptions, Side};
 
@@ -129,11 +130,70 @@ impl HostArgs {
         let hosts = HostMap::parse(text)?;
         Ok(Some(Topology::new(hosts, self.relay == "on")))
     }
+
+    /// These options; or, when no `--hosts` was given and the ranks found themselves on
+    /// several hosts at rendezvous (under `launch --hosts`, or a job across machines), the
+    /// map they learned, so that the plan minds the links between hosts without being told.
+    pub fn or_learned(&self, learned: Option<&HostMap>) -> HostArgs {
+        match learned {
+            Some(map) if self.hosts.is_none() && map.num_hosts() > 1 => HostArgs {
+                hosts: Some(map.to_string()),
+                relay: self.relay.clone(),
+            },
+            _ => self.clone(),
+        }
+    }
 }
 
 impl TensorArgs {
+    /// [`TensorArgs::plan`] on the hosts the job's ranks learned at rendezvous, when no
+    /// `--hosts` was given ([`HostArgs::or_learned`]); a quantizing plan keeps to one host's.
+    pub fn plan_on(&self, learned: Option<&HostMap>) -> Result<Plan, Error> {
+        if self.quant.is_some() {
+            return self.plan();
+        }
+        TensorArgs {
+            hosts: self.hosts.or_learned(learned),
+            ..self.clone()
+        }
+        .plan()
+    }
+
     /// Parses and validates everything, before any byte moves.
     pub fn plan(&self) -> Result<Plan, Error> {
+        let (src, dst, options) = self.layouts()?;
+        let topology = self.hosts.topology()?;
+        match (self.quant_request()?, topology) {
+            (None, topology) => Plan::with_topology(src, dst, options, topology),
+            (quant @ Some(_), None) => Plan::with_quant(src, dst, options, quant),
+            (Some(q), Some(_)) => Err(Error::InvalidOption {
+                field: Field::Quant,
+                value: q.scheme.to_string(),
+                reason: "a quantizing plan does not take a host map: leave out --hosts".into(),
+            }),
+        }
+    }
+
+    /// Whether the source is already quantized: an fp8 `--dtype` with `--quant` (the values
+    /// and their scales then move as they are, [`QuantizedMove`]).
+    pub fn source_is_quantized(&self) -> Result<bool, Error> {
+        let dtype: DType = self.dtype.parse()?;
+        Ok(matches!(dtype, DType::Fp8E4M3 | DType::Fp8E5M2) && self.quant.is_some())
+    }
+
+    /// The already-quantized move of an fp8 `--dtype` with `--quant`.
+    pub fn quantized_move(&self) -> Result<QuantizedMove, Error> {
+        let (src, dst, options) = self.layouts()?;
+        let request = self.quant_request()?.ok_or_else(|| Error::InvalidOption {
+            field: Field::Quant,
+            value: "none".into(),
+            reason: "an already-quantized source needs its scheme".into(),
+        })?;
+        QuantizedMove::new(src, dst, options, request)
+    }
+
+    /// Both layouts and the plan options, parsed and checked.
+    fn layouts(&self) -> Result<(reshard::Layout, reshard::Layout, PlanOptions), Error> {
         let shape = parse_shape(&self.shape)?;
         let dtype: DType = self.dtype.parse()?;
         let dst_dtype: DType = match &self.dst_dtype {
@@ -171,15 +231,17 @@ impl TensorArgs {
                 &self.min_split_bytes,
             )?,
         };
-        let topology = self.hosts.topology()?;
-        match (self.quant_request()?, topology) {
-            (None, topology) => Plan::with_topology(src, dst, options, topology),
-            (quant @ Some(_), None) => Plan::with_quant(src, dst, options, quant),
-            (Some(q), Some(_)) => Err(Error::InvalidOption {
-                field: Field::Quant,
-                value: q.scheme.to_string(),
-                reason: "a quantizing plan does not take a host map: leave out --hosts".into(),
-            }),
+        Ok((src, dst, options))
+    }
+
+    /// The same tensor and layouts moved as they are: the destination in the source's dtype,
+    /// nothing quantized.
+    pub fn unquantized(&self) -> TensorArgs {
+        TensorArgs {
+            dst_dtype: None,
+            quant: None,
+            scale_dtype: None,
+            ..self.clone()
         }
     }
 

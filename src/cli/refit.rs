@@ -8,7 +8,7 @@ use clap::Args;
 use reshard::agreement::Fingerprint;
 use reshard::error::Field;
 use reshard::model::{
-    Inference, Model, Ranks, Refit, RefitJson, RefitTotals, Rules, Training, Which,
+    InferQuant, Inference, Model, Ranks, Refit, RefitJson, RefitTotals, Rules, Training, Which,
 };
 use reshard::sim::{Cluster, Messages, SimOptions};
 use reshard::{Error, PlanOptions};
@@ -20,8 +20,8 @@ use super::units::{bytes, parse_bytes};
 #[command(after_help = REFIT_HELP)]
 pub struct RefitArgs {
     /// An HF config.json, a checkpoint folder (safetensors headers), or a shipped model:
-    /// deepseek-v3, kimi-k2, qwen3-235b-a22b, qwen3-30b-a3b, qwen3-32b, qwen3-0.6b,
-    /// llama-3.1-8b.
+    /// deepseek-v3, deepseek-v3-fp8, kimi-k2, qwen3-235b-a22b, qwen3-30b-a3b, qwen3-32b,
+    /// qwen3-0.6b, llama-3.1-8b.
     #[arg(long, value_name = "CONFIG_OR_DIR")]
     pub model: String,
     /// Training parallelism (Megatron-LM), e.g. "tp=2,cp=2,dp=4,ep=16,pp=4"; keys tp, cp, ep,
@@ -47,6 +47,11 @@ pub struct RefitArgs {
     /// Which host each rank runs on, for the bytes on every host's link (see `plan --help`).
     #[command(flatten)]
     pub hosts: super::HostArgs,
+    /// Refit into an fp8 engine: `fp8-block` (e4m3, 128x128 blocks), `fp8-block:RxC`
+    /// (`:e5m2` for e5m2), or `none`; without it, the config's `quantization_config` says.
+    /// Linear weights become fp8 with f32 `weight_scale_inv` block scales, as vLLM loads them.
+    #[arg(long, value_name = "SCHEME")]
+    pub infer_quant: Option<String>,
     /// Price the refit on a cluster: h100, gb200 or a cluster JSON file (see README,
     /// "Pricing on a cluster"), as the batched executor runs it (one stream per peer pair).
     #[arg(long, value_name = "CLUSTER")]
@@ -94,6 +99,13 @@ impl RefitArgs {
             .with("--infer", infer)
             .with("--colocated", self.colocated)
             .with("--override", self.overrides.join(" "))
+            .with(
+                "--infer-quant",
+                refit
+                    .quant
+                    .as_ref()
+                    .map_or("none".into(), |q| q.spec.to_string()),
+            )
     }
 
     /// The model and its refit, everything parsed and checked before any planning.
@@ -118,7 +130,14 @@ impl RefitArgs {
             Ranks::Disjoint
         };
         let start = Instant::now();
-        let refit = Refit::new(&model, &train, &infer, &rules, ranks)?;
+        let mut refit = Refit::new(&model, &train, &infer, &rules, ranks)?;
+        let quant = match &self.infer_quant {
+            Some(text) => InferQuant::parse(text)?,
+            None => model.quant.clone(),
+        };
+        if let Some(q) = &quant {
+            refit = refit.quantized(q)?;
+        }
         tracing::debug!(
             "layouts of both sides and fused buffers checked in {:.3} s",
             start.elapsed().as_secs_f64()
@@ -256,6 +275,9 @@ pub fn list_layouts(refit: &Refit, rules: &Rules) -> String {
                 rules.pattern(&t.name, which).unwrap_or("-")
             );
         }
+        if t.dst.dtype() != t.src.dtype() {
+            let _ = writeln!(out, "  infer  as {}", t.dst.dtype());
+        }
     }
     for (side, groups) in [("train", &refit.src_fused), ("infer", &refit.dst_fused)] {
         for f in groups.iter() {
@@ -267,6 +289,32 @@ pub fn list_layouts(refit: &Refit, rules: &Rules) -> String {
             let _ = writeln!(
                 out,
                 "fused ({side}) {} = concat(dim {}: {})",
+                f.name,
+                f.dim,
+                members.join(", ")
+            );
+        }
+    }
+    if let Some(q) = &refit.quant {
+        for s in &q.scales {
+            let shape: Vec<String> = s.shape.iter().map(u64::to_string).collect();
+            let _ = writeln!(
+                out,
+                "scales {}  {} f32 (of {})",
+                s.name,
+                shape.join("x"),
+                refit.tensors[s.tensor].name
+            );
+        }
+        for f in &q.fused {
+            let members: Vec<&str> = f
+                .members
+                .iter()
+                .map(|&m| q.scales[m].name.as_str())
+                .collect();
+            let _ = writeln!(
+                out,
+                "fused (infer) {} = concat(dim {}: {})",
                 f.name,
                 f.dim,
                 members.join(", ")
@@ -324,6 +372,18 @@ pub fn describe(args: &RefitArgs, refit: &Refit, t: &RefitTotals) -> String {
         t.messages,
         bytes(t.bytes_local)
     );
+    if let Some(q) = &refit.quant {
+        let _ = writeln!(
+            out,
+            "quantized          {} weights to {} with {} f32 scales ({}): {} of scales and {} of partial amax between ranks",
+            q.tensors(),
+            q.spec.fp8,
+            q.spec.scheme(),
+            q.spec,
+            bytes(t.scale_bytes),
+            bytes(t.amax_bytes)
+        );
+    }
     let _ = writeln!(
         out,
         "busiest rank       sends {}, receives {}",

@@ -15,12 +15,14 @@ use reshard::exec::ExecOptions;
 use reshard::fill::Fill;
 use reshard::model::Refit;
 use reshard::runtime::{Links, World};
-use reshard::{Error, PlanOptions, Side};
+use reshard::{Error, Layout, PlanOptions, Side};
 
 use super::Failure;
 use super::exec_args::{ExecArgs, TransportKind, check_memory};
 use super::measure::{Measured, Method, MethodJson, conclude};
+use super::refit_quant::QuantRank;
 use super::units::{bytes, parse_bytes};
+use reshard::batch::quant::QuantTensor;
 
 #[derive(Args, Debug)]
 pub struct RefitRunArgs {
@@ -42,32 +44,66 @@ pub struct RefitRunArgs {
     pub pack_below: String,
 }
 
-/// The batch of a refit: every tensor, and the fused buffers of both sides.
-pub fn batch_of(refit: &Refit, plan: PlanOptions, pack_below: u64) -> Result<Batch, Error> {
-    let tensors = refit
-        .tensors
+/// The batch of a refit's tensors that `keep` takes, with the fused buffers whose members it
+/// all takes, and the refit index of each of its tensors. With `source_dtype`, every
+/// destination holds the source's dtype (what gather+broadcast moves when the refit
+/// quantizes).
+pub fn batch_of(
+    refit: &Refit,
+    plan: PlanOptions,
+    pack_below: u64,
+    keep: impl Fn(usize) -> bool,
+    source_dtype: bool,
+) -> Result<(Batch, Vec<usize>), Error> {
+    let ids: Vec<usize> = (0..refit.tensors.len()).filter(|&i| keep(i)).collect();
+    let mut index = vec![None; refit.tensors.len()];
+    ids.iter()
+        .enumerate()
+        .for_each(|(k, &i)| index[i] = Some(k));
+    let tensors = ids
         .iter()
-        .map(|t| Tensor {
-            name: t.name.clone(),
-            src: t.src.clone(),
-            dst: t.dst.clone(),
+        .map(|&i| {
+            let t = &refit.tensors[i];
+            let dst = match source_dtype && t.dst.dtype() != t.src.dtype() {
+                true => Layout::new(
+                    t.dst.shape().to_vec(),
+                    t.src.dtype(),
+                    t.dst.mesh().clone(),
+                    t.dst.placements().to_vec(),
+                )?,
+                false => t.dst.clone(),
+            };
+            Ok(Tensor {
+                name: t.name.clone(),
+                src: t.src.clone(),
+                dst,
+            })
         })
-        .collect();
+        .collect::<Result<Vec<_>, reshard::error::LayoutError>>()
+        .map_err(|source| Error::Layout {
+            side: Side::Dst,
+            source,
+        })?;
     let fusion = |side| {
-        move |f: &reshard::model::Fused| Fusion {
-            name: f.name.clone(),
-            side,
-            dim: f.dim,
-            members: f.members.clone(),
+        let index = &index;
+        move |f: &reshard::model::Fused| {
+            let members: Option<Vec<usize>> = f.members.iter().map(|&m| index[m]).collect();
+            members.map(|members| Fusion {
+                name: f.name.clone(),
+                side,
+                dim: f.dim,
+                members,
+            })
         }
     };
     let fusions = refit
         .src_fused
         .iter()
-        .map(fusion(Side::Src))
-        .chain(refit.dst_fused.iter().map(fusion(Side::Dst)))
+        .filter_map(fusion(Side::Src))
+        .chain(refit.dst_fused.iter().filter_map(fusion(Side::Dst)))
         .collect();
-    Batch::new(tensors, fusions, BatchOptions { plan, pack_below })
+    let batch = Batch::new(tensors, fusions, BatchOptions { plan, pack_below })?;
+    Ok((batch, ids))
 }
 
 /// The `run` object added to the refit JSON.
@@ -78,9 +114,38 @@ pub struct RunJson {
     verified: bool,
     pack_below: u64,
     dst_bytes: u64,
+    /// Into an fp8 engine: bytes of the destinations' scale shards.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    scale_bytes: Option<u64>,
     reshard: MethodJson,
     gather_broadcast: MethodJson,
     speedup: f64,
+}
+
+/// What every rank of a `refit --run` runs: the batch of the tensors moved in their own
+/// dtype, the quantized tensors beside it, and gather+broadcast's batch (every tensor in its
+/// source dtype: the same batch when nothing is quantized).
+struct Work {
+    batch: Batch,
+    /// Refit index of each of the batch's tensors.
+    ids: Vec<usize>,
+    /// Gather+broadcast's own batch, when the refit quantizes.
+    full: Option<(Batch, Vec<usize>)>,
+    baseline: BatchBaseline,
+    quant: Vec<QuantTensor>,
+    /// Refit index of each quantized tensor.
+    quant_ids: Vec<usize>,
+    /// Every tensor's fill, by refit index.
+    fills: Vec<Fill>,
+}
+
+impl Work {
+    fn baseline_batch(&self) -> (&Batch, &[usize]) {
+        match &self.full {
+            Some((b, ids)) => (b, ids),
+            None => (&self.batch, &self.ids),
+        }
+    }
 }
 
 /// Runs this rank's part; rank 0 returns the report.
@@ -96,9 +161,32 @@ pub fn main(
     let pack_below = parse_bytes(Field::Flag("--pack-below"), &args.pack_below)?;
     let options = args.exec.options()?;
     let fingerprint = fingerprint.with("--min-split-bytes", plan.min_split_bytes);
-    let batch = batch_of(refit, plan, pack_below)?;
-    let fingerprint = agreed(args, &batch, &options, pack_below, fingerprint);
-    let baseline = BatchBaseline::new(&batch)?;
+    let (batch, ids) = batch_of(
+        refit,
+        plan,
+        pack_below,
+        |i| refit.quant_plan(i).is_none(),
+        false,
+    )?;
+    let full = match refit.quant.is_some() {
+        true => Some(batch_of(refit, plan, pack_below, |_| true, true)?),
+        false => None,
+    };
+    let (quant_ids, quant) = super::refit_quant::tensors(refit, plan)?;
+    let fingerprint = agreed(args, &batch, &quant, &options, pack_below, fingerprint);
+    let baseline = BatchBaseline::new(full.as_ref().map_or(&batch, |f| &f.0))?;
+    let fills = (0..refit.tensors.len())
+        .map(|i| fill_of(i, refit.quant_plan(i).is_some()))
+        .collect();
+    let work = Work {
+        batch,
+        ids,
+        full,
+        baseline,
+        quant,
+        quant_ids,
+        fills,
+    };
     let kind = args.exec.transport;
     let threads = || {
         Failure::Input(Error::InvalidOption {
@@ -106,7 +194,7 @@ pub fn main(
             value: kind.name().into(),
             reason: format!(
                 "a refit runs one rank per process: start it with `reshard launch --nproc {} -- refit ... --run` (or under mpirun)",
-                batch.world()
+                refit.world()
             ),
         })
     };
@@ -117,29 +205,43 @@ pub fn main(
     if world.job().is_none() {
         return Err(threads());
     }
-    let ready = world.check_size(batch.world().saturating_sub(1));
+    let ready = world.check_size(refit.world().saturating_sub(1));
     world.agree("refit --run", ready, || fingerprint)?;
-    run_processes(args, &batch, &baseline, pack_below, &options, &world)
+    run_processes(args, &work, pack_below, &options, &world)
 }
 
 /// `fingerprint` with the batch (every tensor's name, shape, dtype and both layouts, and
-/// the fused buffers, as one digest) and the run's options.
+/// the fused buffers, as one digest), the quantized tensors, and the run's options.
 fn agreed(
     args: &RefitRunArgs,
     batch: &Batch,
+    quant: &[QuantTensor],
     options: &ExecOptions,
     pack_below: u64,
     fingerprint: Fingerprint,
 ) -> Fingerprint {
-    let tensors = batch.tensors().iter().map(|t| {
-        let shape: Vec<String> = t.src.shape().iter().map(u64::to_string).collect();
+    let describe = |name: &str, src: &reshard::Layout, dst: &reshard::Layout| {
+        let shape: Vec<String> = src.shape().iter().map(u64::to_string).collect();
         format!(
-            "{} {} {} src {} dst {}",
-            t.name,
+            "{} {} {} src {} dst {} {}",
+            name,
             shape.join(","),
-            t.src.dtype(),
-            t.src,
-            t.dst
+            src.dtype(),
+            src,
+            dst,
+            dst.dtype()
+        )
+    };
+    let tensors = batch
+        .tensors()
+        .iter()
+        .map(|t| describe(&t.name, &t.src, &t.dst));
+    let quantized = quant.iter().map(|t| {
+        let scheme = t.plan.quant().map(|q| q.quant.scheme.to_string());
+        format!(
+            "{} {}",
+            describe(&t.name, t.plan.src(), t.plan.dst()),
+            scheme.unwrap_or_default()
         )
     });
     let fusions = batch
@@ -147,8 +249,8 @@ fn agreed(
         .iter()
         .map(|f| format!("{} {:?} {} {:?}", f.name, f.side, f.dim, f.members));
     let fingerprint = fingerprint
-        .with("tensors", batch.tensors().len())
-        .with_digest("tensor layouts", tensors.chain(fusions))
+        .with("tensors", batch.tensors().len() + quant.len())
+        .with_digest("tensor layouts", tensors.chain(quantized).chain(fusions))
         .with("--pack-below", pack_below)
         .with("--iters", args.iters)
         .with("--warmup", args.warmup);
@@ -157,9 +259,13 @@ fn agreed(
 
 /// Every tensor's contents: a hash of the element index, seeded by the tensor's position, so
 /// that a block landing in the wrong place, in its own tensor or in another, does not verify.
-fn fill_of(tensor: usize) -> Fill {
-    Fill::Hash {
-        seed: tensor as u64,
+/// A tensor quantized to fp8 gets finite values of varied magnitude instead (`normal`, also
+/// seeded by its position), as the quantizer refuses NaN and infinities.
+fn fill_of(tensor: usize, quantized: bool) -> Fill {
+    let seed = tensor as u64;
+    match quantized {
+        true => Fill::Normal { seed },
+        false => Fill::Hash { seed },
     }
 }
 
@@ -173,13 +279,20 @@ fn poison<'b>(bufs: impl IntoIterator<Item = &'b mut Vec<u8>>) {
         .for_each(|b| reshard::memory::fill_around_caches(b, 0xA5));
 }
 
-/// Checks every piece of this rank's destination buffers against its tensor's fill.
-fn verify(batch: &Batch, rb: &RankBatch, dst: &[Vec<u8>]) -> Result<(), Error> {
+/// Checks every piece of this rank's destination buffers against its tensor's fill (`ids`:
+/// the refit index of each of the batch's tensors).
+fn verify(
+    batch: &Batch,
+    ids: &[usize],
+    fills: &[Fill],
+    rb: &RankBatch,
+    dst: &[Vec<u8>],
+) -> Result<(), Error> {
     for (buffer, bytes) in rb.dst.iter().zip(dst) {
         for p in &buffer.pieces {
             let layout = &batch.tensors()[p.tensor].dst;
             let piece = &bytes[p.bytes.clone()];
-            fill_of(p.tensor).verify_region(
+            fills[ids[p.tensor]].verify_region(
                 layout,
                 &p.region,
                 piece,
@@ -190,25 +303,21 @@ fn verify(batch: &Batch, rb: &RankBatch, dst: &[Vec<u8>]) -> Result<(), Error> {
     Ok(())
 }
 
-#[allow(clippy::too_many_arguments)]
 fn run_processes(
     args: &RefitRunArgs,
-    batch: &Batch,
-    baseline: &BatchBaseline,
+    work: &Work,
     pack_below: u64,
     options: &ExecOptions,
     world: &World,
 ) -> Result<Option<RunJson>, Failure> {
-    let outcome = run_rank(args, batch, baseline, options, world);
+    let outcome = run_rank(args, work, options, world);
     let Some(reports) = conclude(world, outcome)? else {
         return Ok(None);
     };
     let name = reports.transport();
     let reports = reports.ranks;
-    let dst_bytes: u64 = reports
-        .iter()
-        .map(|r| r["dst_bytes"].as_u64().unwrap_or(0))
-        .sum();
+    let sum = |key: &str| -> u64 { reports.iter().map(|r| r[key].as_u64().unwrap_or(0)).sum() };
+    let dst_bytes = sum("dst_bytes");
     let method = |key: &str| {
         let per_rank: Vec<&serde_json::Value> = reports.iter().map(|r| &r[key]).collect();
         MethodJson::of(&Measured::combine(&per_rank), dst_bytes)
@@ -223,42 +332,19 @@ fn run_processes(
             .all(|r| r["verified"].as_bool() == Some(true)),
         pack_below,
         dst_bytes,
+        scale_bytes: work.full.as_ref().map(|_| sum("scale_bytes")),
         speedup: gather_broadcast.median_s / reshard.median_s.max(1e-12),
         reshard,
         gather_broadcast,
     }))
 }
 
-/// This rank's buffers, links and both methods in turn; the report for rank 0.
-fn run_rank(
-    args: &RefitRunArgs,
-    batch: &Batch,
-    baseline: &BatchBaseline,
-    options: &ExecOptions,
-    world: &World,
-) -> Result<serde_json::Value, Error> {
-    let Some(job) = world.job() else {
-        return Err(Error::InvalidOption {
-            field: Field::Flag("--run"),
-            value: world.options().transport.name().into(),
-            reason: "a refit runs one rank per process".into(),
-        });
-    };
-    // MPI's datatypes cover every tensor the job's links will move
-    let connect =
-        |links: &Links| world.connect(links, batch.tensors().iter().map(|t| &t.src), None);
-    let rank = job.rank();
-    let rb = batch.rank_batch(rank)?;
-    let mine = baseline.for_rank(rank)?;
-    let full_len = baseline.full_bytes(rank);
-    let src_len: usize = rb.src.iter().map(|b| b.len).sum();
-    let dst_len: usize = rb.dst.iter().map(|b| b.len).sum();
-    let shape = batch
-        .tensors()
-        .first()
-        .map(|t| t.src.shape().to_vec())
-        .unwrap_or_default();
-    check_memory((src_len + dst_len + full_len) as u64, &shape)?;
+/// A rank's source and destination buffers of a batch.
+type Buffers = (Vec<Vec<u8>>, Vec<Vec<u8>>);
+
+/// A batch's buffers on one rank: the sources filled, the destinations zeroed.
+fn buffers(batch: &Batch, ids: &[usize], fills: &[Fill], rb: &RankBatch) -> Result<Buffers, Error> {
+    let rank = rb.rank;
     let zeroed = |len: usize, what: &str| {
         reshard::memory::zeroed(len as u64, || format!("rank {rank}'s {what}"))
     };
@@ -270,26 +356,87 @@ fn run_rank(
     for (buffer, bytes) in rb.src.iter().zip(&mut src) {
         for p in &buffer.pieces {
             let layout = &batch.tensors()[p.tensor].src;
-            fill_of(p.tensor).fill_region(layout, &p.region, &mut bytes[p.bytes.clone()]);
+            fills[ids[p.tensor]].fill_region(layout, &p.region, &mut bytes[p.bytes.clone()]);
         }
     }
-    let mut dst = rb
+    let dst = rb
         .dst
         .iter()
         .map(|b| zeroed(b.len, "destination buffer"))
         .collect::<Result<Vec<_>, _>>()?;
-    let mut full = zeroed(full_len, "full-tensor buffer")?;
+    Ok((src, dst))
+}
 
-    // Both methods' links, opened one after the other by every rank.
+/// This rank's buffers, links and both methods in turn; the report for rank 0.
+fn run_rank(
+    args: &RefitRunArgs,
+    work: &Work,
+    options: &ExecOptions,
+    world: &World,
+) -> Result<serde_json::Value, Error> {
+    let Some(job) = world.job() else {
+        return Err(Error::InvalidOption {
+            field: Field::Flag("--run"),
+            value: world.options().transport.name().into(),
+            reason: "a refit runs one rank per process".into(),
+        });
+    };
+    let rank = job.rank();
+    let batch = &work.batch;
+    let rb = batch.rank_batch(rank)?;
+    let (base_batch, base_ids) = work.baseline_batch();
+    let base_rb = match &work.full {
+        Some((b, _)) => Some(b.rank_batch(rank)?),
+        None => None,
+    };
+    let mine = work.baseline.for_rank(rank)?;
+    let full_len = work.baseline.full_bytes(rank);
+    let sizes =
+        |rb: &RankBatch| -> u64 { rb.src.iter().chain(&rb.dst).map(|b| b.len as u64).sum() };
+    let shape = batch
+        .tensors()
+        .first()
+        .map(|t| t.src.shape().to_vec())
+        .unwrap_or_default();
+    check_memory(
+        sizes(&rb) + base_rb.as_ref().map_or(0, sizes) + full_len as u64,
+        &shape,
+    )?;
+    let (src, mut dst) = buffers(batch, &work.ids, &work.fills, &rb)?;
+    let mut base = match &base_rb {
+        Some(b) => Some(buffers(base_batch, base_ids, &work.fills, b)?),
+        None => None,
+    };
+    let fills = |k: usize| work.fills[work.quant_ids[k]];
+    let mut quant = QuantRank::new(work.quant.clone(), rank, fills, true)?;
+    let (_, quant_dst, quant_scales) = quant.bytes();
+    let mut full = reshard::memory::zeroed(full_len as u64, || {
+        format!("rank {rank}'s full-tensor buffer")
+    })?;
+
+    // Both methods' links, opened one after the other by every rank. MPI's datatypes cover
+    // every tensor the job's links will move.
+    let layouts = || {
+        batch
+            .tensors()
+            .iter()
+            .map(|t| &t.src)
+            .chain(quant.plans().map(|p| p.src()))
+            .chain(base_batch.tensors().iter().map(|t| &t.src))
+    };
     job.barrier()?;
-    let reshard_transport = connect(&Links::of_batch(&rb))?;
+    let mut links = Links::of_batch(&rb);
+    let theirs = Links::of_quant(quant.parts());
+    links.senders.extend(theirs.senders);
+    links.receivers.extend(theirs.receivers);
+    let reshard_transport = world.connect(&links, layouts(), None)?;
     job.barrier()?;
     let mut links = Links::default();
     for p in mine.parts.iter().flat_map(|(g, b)| [g, b]).flatten() {
         links.senders.extend(p.senders());
         links.receivers.extend(p.receivers());
     }
-    let baseline_transport = connect(&links)?;
+    let baseline_transport = world.connect(&links, layouts(), None)?;
 
     let srcs: Vec<&[u8]> = src.iter().map(Vec::as_slice).collect();
     let (mut reshard, mut gather_broadcast) = (Measured::default(), Measured::default());
@@ -297,35 +444,58 @@ fn run_rank(
     for i in 0..args.warmup + args.iters {
         let timed = i >= args.warmup;
         for method in Method::order(i) {
-            poison(&mut dst);
-            if method == Method::GatherBroadcast {
-                poison([&mut full]);
-            }
             match method {
-                Method::Reshard => reshard.repeat(job, timed, 0, || {
-                    let mut dsts: Vec<&mut [u8]> = dst.iter_mut().map(Vec::as_mut_slice).collect();
-                    run_rank_batch(batch, &rb, &srcs, &mut dsts, &*reshard_transport, options)
-                })?,
-                Method::GatherBroadcast => {
-                    gather_broadcast.repeat(job, timed, full_len as u64, || {
+                Method::Reshard => {
+                    poison(&mut dst);
+                    quant.poison();
+                    reshard.repeat(job, timed, 0, || {
                         let mut dsts: Vec<&mut [u8]> =
                             dst.iter_mut().map(Vec::as_mut_slice).collect();
+                        let transport = &*reshard_transport;
+                        let mut stats =
+                            run_rank_batch(batch, &rb, &srcs, &mut dsts, transport, options)?;
+                        stats.absorb(&quant.run(transport, options)?);
+                        Ok(stats)
+                    })?;
+                    verify(batch, &work.ids, &work.fills, &rb, &dst)?;
+                    quant.verify()?;
+                }
+                Method::GatherBroadcast => {
+                    let (b_rb, b_src, b_dst) = match (&base_rb, &mut base) {
+                        (Some(r), Some((s, d))) => (r, &*s, d),
+                        _ => (&rb, &src, &mut dst),
+                    };
+                    poison(b_dst.iter_mut());
+                    poison([&mut full]);
+                    let b_srcs: Vec<&[u8]> = b_src.iter().map(Vec::as_slice).collect();
+                    gather_broadcast.repeat(job, timed, full_len as u64, || {
+                        let mut dsts: Vec<&mut [u8]> =
+                            b_dst.iter_mut().map(Vec::as_mut_slice).collect();
                         let transport = &*baseline_transport;
                         run_rank_batch_baseline(
-                            batch, baseline, &mine, &rb, &srcs, &mut dsts, &mut full, transport,
+                            base_batch,
+                            &work.baseline,
+                            &mine,
+                            b_rb,
+                            &b_srcs,
+                            &mut dsts,
+                            &mut full,
+                            transport,
                             options,
                         )
-                    })?
+                    })?;
+                    verify(base_batch, base_ids, &work.fills, b_rb, b_dst)?;
                 }
             }
-            verify(batch, &rb, &dst)?;
             checked += 1;
         }
     }
+    let dst_len: u64 = rb.dst.iter().map(|b| b.len as u64).sum::<u64>() + quant_dst;
     Ok(serde_json::json!({
         "transport": reshard_transport.name(),
         "verified": checked == 2 * (args.warmup + args.iters),
         "dst_bytes": dst_len,
+        "scale_bytes": quant_scales,
         "reshard": reshard.report(),
         "gather_broadcast": gather_broadcast.report(),
     }))

@@ -19,6 +19,8 @@ use super::measure::conclude;
 use super::units::bytes;
 use super::{Failure, TensorArgs, quant_check};
 
+mod prequant;
+
 #[derive(Args, Debug)]
 pub struct RunArgs {
     #[command(flatten)]
@@ -74,10 +76,28 @@ struct RunJson {
     gbps: f64,
     peak_staging_bytes_per_rank: u64,
     verified: bool,
+    /// The host map the plan minded (`--hosts`, or learned at rendezvous), with `relay`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    hosts: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    relay: Option<bool>,
+    /// The most bytes into or out of one host, when the plan knows the hosts.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    busiest_link_bytes: Option<u64>,
 }
 
 pub fn main(args: &RunArgs) -> Result<(), Failure> {
     // Everything the user typed is checked before a buffer is allocated or a byte moves.
+    if args.tensor.source_is_quantized()? {
+        let mv = args.tensor.quantized_move()?;
+        let fill: Fill = args.fill.parse()?;
+        let options = args.exec.options()?;
+        for dir in [&args.dump, &args.dump_src].into_iter().flatten() {
+            check_dump_dir(dir)?;
+        }
+        let world = args.exec.join(&options)?;
+        return prequant::main(args, &mv, fill, &options, &world);
+    }
     let plan = args.tensor.plan()?;
     let fill: Fill = args.fill.parse()?;
     fill.check_dtype(plan.src().dtype())?;
@@ -87,6 +107,10 @@ pub fn main(args: &RunArgs) -> Result<(), Failure> {
         check_dump_dir(dir)?;
     }
     let world = args.exec.join(&options)?;
+    let plan = match world.hosts() {
+        Some(learned) => args.tensor.plan_on(Some(learned))?,
+        None => plan,
+    };
     match world.job() {
         None => run_threads(args, &plan, fill, &options),
         Some(_) => run_process(args, &plan, fill, &options, &world),
@@ -209,6 +233,16 @@ fn process_rank(
     world: &World,
 ) -> Result<(), Failure> {
     let outcome = rank_part(args, plan, fill, options, world);
+    process_report(args, plan, world, outcome)
+}
+
+/// Hands this rank's outcome to rank 0, which prints the job's report.
+fn process_report(
+    args: &RunArgs,
+    plan: &Plan,
+    world: &World,
+    outcome: Result<serde_json::Value, Error>,
+) -> Result<(), Failure> {
     if let Some(reports) = conclude(world, outcome)? {
         let name = reports.transport();
         let reports = reports.ranks;
@@ -445,6 +479,9 @@ fn report(args: &RunArgs, plan: &Plan, stats: &Summary, transport: &str, verifie
             gbps,
             peak_staging_bytes_per_rank: stats.peak_staging,
             verified,
+            hosts: plan.topology().map(|t| t.hosts.to_string()),
+            relay: plan.topology().map(|t| t.relay),
+            busiest_link_bytes: plan.host_links().map(|l| l.busiest()),
         };
         println!(
             "{}",
@@ -469,6 +506,14 @@ fn report(args: &RunArgs, plan: &Plan, stats: &Summary, transport: &str, verifie
         totals.messages,
         bytes(stats.bytes_local)
     );
+    if let (Some(topology), Some(links)) = (plan.topology(), plan.host_links()) {
+        println!(
+            "  hosts   {} (relay {}): busiest host link {}",
+            topology.hosts,
+            if topology.relay { "on" } else { "off" },
+            bytes(links.busiest())
+        );
+    }
     let spread = if sorted.len() > 1 {
         format!(
             " (median of {}; min {:.3} ms, max {:.3} ms)",

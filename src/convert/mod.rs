@@ -44,6 +44,7 @@ pub mod fp8;
 pub mod grid;
 pub mod quant;
 pub mod reference;
+pub mod shard;
 
 #[cfg(test)]
 mod tests;
@@ -57,6 +58,7 @@ pub use cast::{CastFn, cast, cast_fn, cast_supported};
 pub use fp8::Fp8;
 pub use grid::{AmaxGrid, BlockGrid, Scales, amax_exchange};
 pub use quant::{Quant, QuantScheme, ScaleDType};
+pub use shard::{check_whole_blocks, quantize_shard};
 
 /// A conversion that cannot be done. Carries no tensor name: [`crate::Error::Convert`] adds
 /// it.

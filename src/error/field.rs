@@ -37,6 +37,8 @@ pub enum Field {
     Override,
     Hosts,
     Relay,
+    /// How the inference side is quantized (`--infer-quant`).
+    InferQuant,
     /// An option only the command line has (`--nproc`, `--dump`): named by its flag everywhere.
     Flag(&'static str),
 }
@@ -63,6 +65,7 @@ impl Field {
             Field::Override => "overrides",
             Field::Hosts => "hosts",
             Field::Relay => "relay",
+            Field::InferQuant => "infer_quant",
             Field::Flag(flag) => flag,
         }
     }
@@ -88,6 +91,7 @@ impl Field {
             Field::Override => "--override",
             Field::Hosts => "--hosts",
             Field::Relay => "--relay",
+            Field::InferQuant => "--infer-quant",
             Field::Flag(flag) => flag,
         }
     }

@@ -101,6 +101,27 @@ pub enum ModelError {
 
     #[error("fused parameter {name}: {reason}")]
     Fused { name: String, reason: String },
+
+    #[error("{}: `{value}`: {reason}", Field::InferQuant)]
+    InferQuant { value: String, reason: String },
+
+    #[error(
+        "tensor {tensor}: {} layout: a shard boundary at {boundary} along dim {dim} cuts an fp8 block of {block} (an engine loads whole blocks on each rank, as vLLM does: choose an inference parallelism whose shards are multiples of the block)",
+        Field::Infer
+    )]
+    QuantCut {
+        tensor: String,
+        dim: usize,
+        boundary: u64,
+        block: super::Dims,
+    },
+
+    #[error("tensor {tensor}: {source}")]
+    Quant {
+        tensor: String,
+        #[source]
+        source: crate::convert::ConvertError,
+    },
 }
 
 impl From<ModelError> for Error {

@@ -68,6 +68,10 @@ pub struct ModelConfig {
     pub v_head_dim: Option<u64>,
     /// Multi-token-prediction layers: not part of the refit (inference does not load them).
     pub num_nextn_predict_layers: Option<u64>,
+
+    /// How the checkpoint (and so the inference engine) holds its weights, read by
+    /// [`super::InferQuant::from_config`].
+    pub quantization_config: Option<serde_json::Value>,
 }
 
 impl ModelConfig {
@@ -143,10 +147,14 @@ impl ModelConfig {
 }
 
 /// The configs shipped with the crate, by short name: what `--model deepseek-v3` means.
-pub const SHIPPED: [(&str, &str); 7] = [
+pub const SHIPPED: [(&str, &str); 8] = [
     (
         "deepseek-v3",
         include_str!("../../models/deepseek-v3.config.json"),
+    ),
+    (
+        "deepseek-v3-fp8",
+        include_str!("../../models/deepseek-v3-fp8.config.json"),
     ),
     ("kimi-k2", include_str!("../../models/kimi-k2.config.json")),
     (

@@ -95,6 +95,9 @@ fn load_dir(dir: &Path) -> Result<Model, ModelError> {
             kv: c.kv_heads(),
         }),
         params,
+        // the tensors of a checkpoint are what they are: an fp8 checkpoint's weights are
+        // read as stored, not quantized again
+        quant: None,
     })
 }
 
@@ -155,7 +158,7 @@ mod tests {
     #[test]
     fn unknown_models_list_the_shipped_ones() {
         let err = Model::load("gpt-9").unwrap_err().to_string();
-        assert!(err.starts_with("model: `gpt-9` is neither a file, a folder nor a shipped model (known: deepseek-v3, kimi-k2,"), "{err}");
+        assert!(err.starts_with("model: `gpt-9` is neither a file, a folder nor a shipped model (known: deepseek-v3, deepseek-v3-fp8, kimi-k2,"), "{err}");
         let scratch_empty = temp_dir("nothing");
         let empty = scratch_empty.path();
         let err = Model::load(empty.to_str().unwrap())

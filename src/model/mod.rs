@@ -22,6 +22,7 @@ mod fused;
 mod load;
 mod parallel;
 mod params;
+mod quant;
 mod refit;
 pub mod rules;
 mod safetensors;
@@ -31,8 +32,10 @@ pub use config::{Architecture, ModelConfig, SHIPPED, shipped};
 pub use fused::{Fused, megatron_fused, vllm_fused};
 pub use parallel::{Inference, Training};
 pub use params::{Heads, Model, Param, layer_of};
+pub use quant::{DEFAULT_BLOCK, InferQuant, RefitQuant, RefitScale, scale_name};
 pub use refit::{
-    Ranks, Refit, RefitGatherBroadcastJson, RefitJson, RefitReshardJson, RefitTensor, RefitTotals,
+    Ranks, Refit, RefitGatherBroadcastJson, RefitJson, RefitQuantJson, RefitReshardJson,
+    RefitTensor, RefitTotals,
 };
 pub use rules::{DEFAULT_RULES, Kind, ModelFacts, Rules, Which};
 pub use safetensors::{read_checkpoint, read_header, stack_experts};

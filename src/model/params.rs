@@ -79,6 +79,9 @@ pub struct Model {
     /// Unknown for a checkpoint read without its config.
     pub heads: Option<Heads>,
     pub params: Vec<Param>,
+    /// The config's `quantization_config`: how the inference engine holds the weights
+    /// (what `refit` quantizes unless `--infer-quant` says otherwise).
+    pub quant: Option<super::quant::InferQuant>,
 }
 
 impl Model {
@@ -182,6 +185,11 @@ impl Model {
                 kv,
             }),
             params: out.list,
+            quant: config
+                .quantization_config
+                .as_ref()
+                .map(|q| super::quant::InferQuant::from_config(q, name))
+                .transpose()?,
         })
     }
 }
@@ -381,6 +389,7 @@ mod tests {
     fn totals_match_the_design_notes() {
         let expected = [
             ("deepseek-v3", 671.0),
+            ("deepseek-v3-fp8", 671.0),
             ("kimi-k2", 1026.4),
             ("qwen3-235b-a22b", 235.1),
             ("qwen3-30b-a3b", 30.5),

@@ -13,6 +13,7 @@ use crate::plan::{self, Plan, PlanOptions, RankPlan};
 use super::fused::{Fused, megatron_fused, vllm_fused};
 use super::parallel::{Inference, Training};
 use super::params::Model;
+use super::quant::RefitQuant;
 use super::rules::{ModelFacts, Rules, Which, infer_layout, train_layout};
 use crate::error::ModelError;
 
@@ -47,6 +48,8 @@ pub struct Refit {
     pub infer_ranks: usize,
     /// The first inference rank.
     pub infer_base: Rank,
+    /// Into an fp8 engine ([`Refit::quantized`]): what is quantized, and the scales.
+    pub quant: Option<RefitQuant>,
 }
 
 impl Refit {
@@ -120,6 +123,7 @@ impl Refit {
             train_ranks: train.world(),
             infer_ranks: infer.world(),
             infer_base,
+            quant: None,
         };
         refit.validate_fused()?;
         Ok(refit)
@@ -179,7 +183,8 @@ impl Refit {
         self.plans_on(options, None)
     }
 
-    /// [`Refit::plans`] knowing the hosts (relaying if the topology says so).
+    /// [`Refit::plans`] knowing the hosts (relaying if the topology says so); tensors the
+    /// refit quantizes are planned knowing none.
     pub fn plans_on(
         &self,
         options: &PlanOptions,
@@ -187,9 +192,11 @@ impl Refit {
     ) -> Result<Vec<Plan>, ModelError> {
         self.tensors
             .par_iter()
-            .map(|t| match topology {
-                None => plan_tensor(t, options),
-                Some(topology) => Plan::with_topology(
+            .enumerate()
+            // a quantizing plan knows no hosts
+            .map(|(i, t)| match (topology, self.quant_plan(i)) {
+                (None, quant) | (Some(_), quant @ Some(_)) => plan_tensor(t, quant, options),
+                (Some(topology), None) => Plan::with_topology(
                     t.src.clone(),
                     t.dst.clone(),
                     *options,
@@ -211,10 +218,11 @@ impl Refit {
         let sum = self
             .tensors
             .par_iter()
+            .enumerate()
             .try_fold(
                 || Sums::new(world),
-                |mut acc, t| {
-                    acc.add(&plan_tensor(t, options)?);
+                |mut acc, (i, t)| {
+                    acc.add(&plan_tensor(t, self.quant_plan(i), options)?);
                     Ok::<_, ModelError>(acc)
                 },
             )
@@ -275,6 +283,11 @@ impl Refit {
         self.totals(sum, plan_seconds)
     }
 
+    /// Tensor `i`'s quantization, if the refit quantizes it.
+    pub fn quant_plan(&self, i: usize) -> Option<&plan::QuantPlan> {
+        self.quant.as_ref().and_then(|q| q.plans[i].as_ref())
+    }
+
     /// `rank`'s part of every tensor's plan, in tensor order, computed from the layouts alone
     /// ([`plan::rank_plan`]); tensors the rank has no part in give empty plans.
     pub fn rank_plans(
@@ -317,12 +330,22 @@ impl Refit {
             gather_broadcast_bytes: fit("gather_broadcast.bytes", sum.gather_broadcast)?,
             logical_payload_bytes: fit("gather_broadcast.logical_payload_bytes", weight_bytes * 2)?,
             plan_seconds,
+            scale_bytes: fit("reshard.scale_bytes", sum.scale_bytes)?,
+            amax_bytes: fit("reshard.amax_bytes", sum.amax_bytes)?,
         })
     }
 }
 
-fn plan_tensor(t: &RefitTensor, options: &PlanOptions) -> Result<Plan, ModelError> {
-    Plan::with_options(t.src.clone(), t.dst.clone(), *options).map_err(|source| ModelError::Plan {
+fn plan_tensor(
+    t: &RefitTensor,
+    quant: Option<&plan::QuantPlan>,
+    options: &PlanOptions,
+) -> Result<Plan, ModelError> {
+    match quant {
+        None => Plan::with_options(t.src.clone(), t.dst.clone(), *options),
+        Some(q) => Plan::quantized(t.src.clone(), t.dst.clone(), *options, q.clone()),
+    }
+    .map_err(|source| ModelError::Plan {
         tensor: t.name.clone(),
         source,
     })
@@ -336,6 +359,8 @@ struct Sums {
     bytes_local: u128,
     messages: u128,
     gather_broadcast: u128,
+    scale_bytes: u128,
+    amax_bytes: u128,
     sent: Vec<u128>,
     received: Vec<u128>,
 }
@@ -347,6 +372,8 @@ impl Sums {
             bytes_local: 0,
             messages: 0,
             gather_broadcast: 0,
+            scale_bytes: 0,
+            amax_bytes: 0,
             sent: vec![0; world],
             received: vec![0; world],
         }
@@ -366,6 +393,20 @@ impl Sums {
             }
         }
         self.gather_broadcast += plan::report::gather_broadcast_bytes_wide(plan.src(), plan.dst());
+        if let Some(q) = plan.quant() {
+            let scale = q.scale_bytes() as u128;
+            self.scale_bytes += q
+                .scale_transfers(plan.dst(), plan.transfers())
+                .iter()
+                .filter(|t| !t.is_local())
+                .map(|t| u128::from(t.region.volume()) * scale)
+                .sum::<u128>();
+            self.amax_bytes += q
+                .amax_messages(plan.src())
+                .iter()
+                .map(|t| u128::from(t.region.volume()) * plan::quant::AMAX_BYTES as u128)
+                .sum::<u128>();
+        }
     }
 
     fn merge(mut self, other: Sums) -> Sums {
@@ -373,6 +414,8 @@ impl Sums {
         self.bytes_local += other.bytes_local;
         self.messages += other.messages;
         self.gather_broadcast += other.gather_broadcast;
+        self.scale_bytes += other.scale_bytes;
+        self.amax_bytes += other.amax_bytes;
         for (a, b) in self.sent.iter_mut().zip(other.sent) {
             *a += b;
         }
@@ -403,6 +446,10 @@ pub struct RefitTotals {
     /// 2x the weights: how NVIDIA counts the traffic of gather+broadcast.
     pub logical_payload_bytes: u64,
     pub plan_seconds: f64,
+    /// Bytes of scales sent between ranks (quantized refits; 0 otherwise).
+    pub scale_bytes: u64,
+    /// Bytes of partial amax the source ranks exchange (quantized refits; 0 otherwise).
+    pub amax_bytes: u64,
 }
 
 /// The `reshard` part of the refit JSON.
@@ -413,6 +460,20 @@ pub struct RefitReshardJson {
     pub messages: u64,
     pub max_rank_send_bytes: u64,
     pub max_rank_recv_bytes: u64,
+    /// Quantized refits only: scale bytes sent between ranks.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub scale_bytes: Option<u64>,
+    /// Quantized refits only: partial amax bytes exchanged between source ranks.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub amax_bytes: Option<u64>,
+}
+
+/// The `quant` part of the refit JSON: the scheme, the fp8 dtype and how many weights.
+#[derive(Clone, Debug, Serialize)]
+pub struct RefitQuantJson {
+    pub scheme: String,
+    pub dtype: String,
+    pub tensors: usize,
 }
 
 /// The `gather_broadcast` part of the refit JSON.
@@ -435,12 +496,16 @@ pub struct RefitJson {
     pub plan_seconds: f64,
     pub reshard: RefitReshardJson,
     pub gather_broadcast: RefitGatherBroadcastJson,
+    /// Into an fp8 engine only.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub quant: Option<RefitQuantJson>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub simulation: Option<serde_json::Value>,
 }
 
 impl RefitJson {
     pub fn of(refit: &Refit, totals: &RefitTotals) -> RefitJson {
+        let quantized = refit.quant.is_some();
         RefitJson {
             model: refit.model.clone(),
             tensors: totals.tensors,
@@ -455,11 +520,18 @@ impl RefitJson {
                 messages: totals.messages,
                 max_rank_send_bytes: totals.max_rank_send_bytes,
                 max_rank_recv_bytes: totals.max_rank_recv_bytes,
+                scale_bytes: quantized.then_some(totals.scale_bytes),
+                amax_bytes: quantized.then_some(totals.amax_bytes),
             },
             gather_broadcast: RefitGatherBroadcastJson {
                 bytes: totals.gather_broadcast_bytes,
                 logical_payload_bytes: totals.logical_payload_bytes,
             },
+            quant: refit.quant.as_ref().map(|q| RefitQuantJson {
+                scheme: q.spec.scheme().to_string(),
+                dtype: q.spec.fp8.to_string(),
+                tensors: q.tensors(),
+            }),
             simulation: None,
         }
     }

@@ -7,7 +7,7 @@ use std::time::Instant;
 use super::{AnyTransport, Links, RunOptions, World};
 use crate::batch::{Batch, RankBatch, run_local_batch, run_rank_batch};
 use crate::dtype::DType;
-use crate::error::{Dims, Error, Result, Side};
+use crate::error::{Dims, Error, Field, Result, Side};
 use crate::exec::baseline::{self, BaselineJob};
 use crate::exec::{self, RankJob, RankStats, RunStats};
 use crate::layout::{Layout, Rank};
@@ -23,6 +23,12 @@ impl Links {
             senders: plan.senders(),
             receivers: plan.receivers(),
         }
+    }
+
+    /// The peers of one rank's parts of a refit's quantized tensors.
+    pub fn of_quant(rq: &crate::batch::quant::RankQuant) -> Links {
+        let (senders, receivers) = rq.peers();
+        Links { senders, receivers }
     }
 
     /// The peers of one rank's part of a batch.
@@ -52,6 +58,14 @@ impl World {
         options: &RunOptions,
     ) -> Result<RunStats> {
         let exec_options = self.exec_options(options);
+        if let Some(q) = plan.quant() {
+            return Err(Error::InvalidOption {
+                field: Field::Quant,
+                value: q.quant.scheme.to_string(),
+                reason: "a quantizing plan writes scales too: run it with World::run_quantized"
+                    .into(),
+            });
+        }
         let Some(job) = self.job() else {
             return exec::run_local(plan, sources, destinations, &exec_options);
         };
@@ -74,6 +88,69 @@ impl World {
                 .zip(destinations.get_mut(&rank).map(Vec::as_mut_slice)),
         };
         let stats = exec::run_rank_any(work, &*transport, &exec_options)?;
+        Ok(RunStats {
+            elapsed: started.elapsed(),
+            ranks: vec![stats],
+        })
+    }
+
+    /// [`World::run`] of a quantizing plan ([`Plan::quantized`]): `destinations` receive the
+    /// fp8 values and `scales` the scale shards of the destination ranks this process runs
+    /// ([`exec::zeroed_scale_shards`] between threads; between processes, this rank's of
+    /// [`crate::plan::QuantPlan::dst_scale_bytes`]), row-major in the scale dtype. The source
+    /// ranks that share a block exchange their partial amax first, on the same links. Every
+    /// rank of the job calls it alike. A plan that does not quantize is refused.
+    pub fn run_quantized(
+        &self,
+        plan: &Plan,
+        sources: &BTreeMap<Rank, Vec<u8>>,
+        destinations: &mut BTreeMap<Rank, Vec<u8>>,
+        scales: &mut BTreeMap<Rank, Vec<u8>>,
+        options: &RunOptions,
+    ) -> Result<RunStats> {
+        let exec_options = self.exec_options(options);
+        let Some(q) = plan.quant() else {
+            return Err(Error::InvalidOption {
+                field: Field::Quant,
+                value: "none".into(),
+                reason: "the plan does not quantize: run it with World::run".into(),
+            });
+        };
+        let Some(job) = self.job() else {
+            return exec::run_local_quantized(plan, sources, destinations, scales, &exec_options);
+        };
+        exec_options.validate()?;
+        let rank = job.rank();
+        check_own(plan.src(), Side::Src, rank, sources)?;
+        check_own(plan.dst(), Side::Dst, rank, destinations)?;
+        check_own_scales(plan, q, rank, scales)?;
+        let mine = plan.rank_part(rank);
+        let part = q.for_rank(plan.src(), plan.dst(), &mine);
+        let mut stage = vec![0u8; part.stage_bytes(q.scale_bytes())];
+        let mut links = Links::of_plan(&mine);
+        links.senders.extend(part.amax_peers());
+        links.receivers.extend(part.amax_peers());
+        // the scales travel as transfers of their own: same-host senders use rings
+        let transport = self.connect(&links, [plan.src()], None)?;
+        let (src_box, dst_box) = (plan.src().local_region(rank), plan.dst().local_region(rank));
+        let started = Instant::now();
+        let work = RankJob {
+            quant: Some(crate::exec::QuantJob {
+                tensor: "tensor",
+                plan: q,
+                rank: &part,
+                stage: &mut stage,
+                scales: scales.get_mut(&rank).map(Vec::as_mut_slice),
+            }),
+            plan: &mine,
+            src_layout: plan.src(),
+            dst_dtype: plan.dst().dtype(),
+            src: src_box.as_ref().zip(sources.get(&rank).map(Vec::as_slice)),
+            dst: dst_box
+                .as_ref()
+                .zip(destinations.get_mut(&rank).map(Vec::as_mut_slice)),
+        };
+        let stats = exec::run_rank(work, &*transport, &exec_options)?;
         Ok(RunStats {
             elapsed: started.elapsed(),
             ranks: vec![stats],
@@ -350,6 +427,46 @@ impl PlanRank<'_> {
             dst: self.dst_box.as_ref().zip(self.shard.as_deref_mut()),
         };
         exec::run_rank_any(work, &*self.transport, &exec_options)
+    }
+}
+
+/// Checks that `rank`, one rank of a job, has a scale shard of exactly its size when it is
+/// a destination of the quantizing `plan`, and none otherwise.
+fn check_own_scales(
+    plan: &Plan,
+    q: &crate::plan::QuantPlan,
+    rank: Rank,
+    scales: &BTreeMap<Rank, Vec<u8>>,
+) -> Result<()> {
+    if let Some(&other) = scales.keys().find(|&&r| r != rank) {
+        return Err(Error::UnexpectedBuffer {
+            side: Side::Dst,
+            rank: other,
+        });
+    }
+    match (q.dst_scale_box(plan.dst(), rank), scales.get(&rank)) {
+        (Some(blocks), Some(buf)) => {
+            let expected = q.dst_scale_bytes(plan.dst(), rank);
+            if buf.len() as u64 != expected {
+                return Err(Error::BufferSize {
+                    side: Side::Dst,
+                    rank,
+                    extent: Dims(blocks.extent),
+                    expected,
+                    got: buf.len() as u64,
+                });
+            }
+            Ok(())
+        }
+        (Some(_), None) => Err(Error::MissingBuffer {
+            side: Side::Dst,
+            rank,
+        }),
+        (None, Some(_)) => Err(Error::UnexpectedBuffer {
+            side: Side::Dst,
+            rank,
+        }),
+        (None, None) => Ok(()),
     }
 }
 

@@ -363,3 +363,90 @@ fn the_host_map_decides_which_peers_share_memory() {
         }
     }
 }
+
+/// A quantizing plan between processes: `World::run` refuses it (it has nowhere to put the
+/// scales), `World::run_quantized` runs it, the partial amax of the blocks the source shards
+/// cut exchanged first, and every destination's values and scales are the naive reference's
+/// boxes, over tcp and shm.
+#[test]
+fn a_quantizing_plan_runs_between_processes_with_its_scales() {
+    use crate::convert::reference::quantize_tensor;
+    use crate::plan::QuantRequest;
+    let shape = [12u64, 16];
+    let layout = |spec: &str, dtype, first| {
+        LayoutSpec::parse(spec)
+            .unwrap()
+            .resolve(&shape, dtype, first)
+            .unwrap()
+    };
+    let request = QuantRequest {
+        scheme: "block:4x8".parse().unwrap(),
+        scale_dtype: None,
+    };
+    // source rows 0..6 and 6..12 cut the second block row: an amax exchange
+    let plan = Plan::with_quant(
+        layout("mesh=2 place=S(0)", DType::F32, 0),
+        layout("mesh=2 place=S(1)", DType::Fp8E4M3, 2),
+        crate::PlanOptions::default(),
+        Some(request),
+    )
+    .unwrap();
+    let q = plan.quant().unwrap();
+    let fill = Fill::Normal { seed: 5 };
+    let whole = fill
+        .shard(&layout("mesh=1 place=R", DType::F32, 0), 0)
+        .unwrap()
+        .unwrap();
+    let want = quantize_tensor(q.quant, &q.grid, DType::F32, &whole).unwrap();
+    for transport in [TransportKind::Tcp, TransportKind::Shm] {
+        let landed = job_on_hosts(&["here"; 4], transport, |world| {
+            let rank = world.rank().unwrap();
+            let sources: BTreeMap<Rank, Vec<u8>> = fill
+                .shard(plan.src(), rank)
+                .unwrap()
+                .map(|s| (rank, s))
+                .into_iter()
+                .collect();
+            let sized = |bytes: u64| {
+                plan.dst()
+                    .local_region(rank)
+                    .map(|_| (rank, vec![0u8; bytes as usize]))
+                    .into_iter()
+                    .collect::<BTreeMap<_, _>>()
+            };
+            let mut values = sized(plan.dst().local_bytes(rank));
+            let mut scales = sized(q.dst_scale_bytes(plan.dst(), rank));
+            let run = RunOptions::default();
+            let refused = world.run(&plan, &sources, &mut values, &run).unwrap_err();
+            assert!(
+                matches!(
+                    refused,
+                    Error::InvalidOption {
+                        field: Field::Quant,
+                        ..
+                    }
+                ),
+                "{refused}"
+            );
+            world
+                .run_quantized(&plan, &sources, &mut values, &mut scales, &run)
+                .unwrap();
+            world.finish(Ok(serde_json::json!(rank))).unwrap();
+            (values, scales)
+        });
+        for (rank, (values, scales)) in landed.into_iter().enumerate() {
+            match plan.dst().local_region(rank) {
+                Some(b) => {
+                    assert_eq!(
+                        values[&rank],
+                        want.values_of(&b),
+                        "{transport:?} rank {rank}"
+                    );
+                    let blocks = q.grid.scale_region(&b);
+                    assert_eq!(scales[&rank], want.scales_of(&blocks), "rank {rank}");
+                }
+                None => assert!(values.is_empty() && scales.is_empty()),
+            }
+        }
+    }
+}

@@ -13,6 +13,7 @@ use reshard::transport::segment::SharedBuffer;
 use reshard::{Error, Plan, Rank, RankPlan};
 
 use super::BenchArgs;
+use super::quant;
 use super::suite::Case;
 use crate::cli::Failure;
 use crate::cli::measure::{Measured, Method, conclude};
@@ -22,6 +23,9 @@ use crate::cli::measure::{Measured, Method, conclude};
 pub(super) struct CaseResult {
     pub(super) reshard: Measured,
     pub(super) gather_broadcast: Measured,
+    /// With `--quant`: the reshard in the source's dtype, then quantized on the receivers
+    /// (`gather_broadcast` then quantizes on the receivers too).
+    pub(super) reshard_then_quantize: Option<Measured>,
     /// Whether every repetition of both methods was checked and matched the fill (on every
     /// rank); a mismatch fails the bench, so a report says false only if nothing was checked.
     pub(super) verified: bool,
@@ -29,7 +33,8 @@ pub(super) struct CaseResult {
 
 /// A progress bar on a terminal, over every repetition of every case and method.
 fn progress(args: &BenchArgs, cases: usize) -> ProgressBar {
-    let bar = ProgressBar::new(cases as u64 * u64::from(args.repetitions()) * 2);
+    let methods = if args.quant.is_some() { 3 } else { 2 };
+    let bar = ProgressBar::new(cases as u64 * u64::from(args.repetitions()) * methods);
     bar.set_style(
         ProgressStyle::with_template("{spinner} {msg:24} [{bar:30}] {pos}/{len} {elapsed}")
             .unwrap_or_else(|_| ProgressStyle::default_bar())
@@ -43,7 +48,7 @@ fn progress(args: &BenchArgs, cases: usize) -> ProgressBar {
 /// full-tensor buffers before each of its repetitions, so that no repetition can pass on the
 /// bytes of the one before. Written around the caches, so that no repetition starts with the
 /// poison dirty in them.
-fn poison(buf: &mut [u8]) {
+pub(super) fn poison(buf: &mut [u8]) {
     reshard::memory::fill_around_caches(buf, 0xA5);
 }
 
@@ -61,6 +66,10 @@ pub(super) fn bench_threads(
     let mut results = Vec::new();
     for case in cases {
         bar.set_message(case.name.clone());
+        if let (Some(plain), Some(q)) = (&case.plain, case.plan.quant()) {
+            results.push(quant::threads(args, case, (plain, q), fill, options, &bar)?);
+            continue;
+        }
         let (plan, gb) = (&case.plan, &case.baseline);
         let mut sources = fill.shards(plan.src())?;
         let mut shards = exec::zeroed_shards(plan.dst())?;
@@ -136,7 +145,12 @@ pub(super) fn bench_processes(
         .iter()
         .map(|case| {
             bar.set_message(case.name.clone());
-            let (report, transport) = bench_rank(args, case, fill, options, job, &connect, &bar)?;
+            let (report, transport) = match (&case.plain, case.plan.quant()) {
+                (Some(plain), Some(q)) => {
+                    quant::rank(args, case, (plain, q), fill, options, job, &connect, &bar)?
+                }
+                _ => bench_rank(args, case, fill, options, job, &connect, &bar)?,
+            };
             name = transport;
             Ok(report)
         })
@@ -158,6 +172,10 @@ pub(super) fn bench_processes(
             CaseResult {
                 reshard: method("reshard"),
                 gather_broadcast: method("gather_broadcast"),
+                reshard_then_quantize: cases[c]
+                    .plain
+                    .as_ref()
+                    .map(|_| method("reshard_then_quantize")),
                 verified: reports
                     .iter()
                     .all(|r| r["cases"][c]["verified"].as_bool() == Some(true)),

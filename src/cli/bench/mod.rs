@@ -6,6 +6,7 @@
 //! every rank measured, and [`report`] prints the comparison as text or JSON.
 
 mod driver;
+mod quant;
 mod report;
 mod suite;
 
@@ -16,6 +17,7 @@ use reshard::agreement::Fingerprint;
 use reshard::error::Field;
 use reshard::exec::ExecOptions;
 use reshard::fill::Fill;
+use reshard::topology::HostMap;
 
 use super::exec_args::{ExecArgs, with_plan};
 use super::units::parse_bytes;
@@ -42,6 +44,15 @@ pub struct BenchArgs {
     /// Destination element type (default: --dtype), converted by the senders as they pack.
     #[arg(long, value_name = "DTYPE")]
     dst_dtype: Option<String>,
+    /// Quantize into an fp8 --dst-dtype with scales while the bytes move (schemes as for
+    /// `run`), and compare with quantizing on the receivers after the move: (a) the reshard
+    /// in the source's dtype, then each destination quantizes its shard, and gather+broadcast
+    /// in the source's dtype, then each destination quantizes its shard. Not with --suite.
+    #[arg(long, value_name = "SCHEME", conflicts_with = "suite")]
+    quant: Option<String>,
+    /// The scales' dtype with --quant: f32, or e8m0 for the power-of-two schemes.
+    #[arg(long, value_name = "DTYPE", requires = "quant")]
+    scale_dtype: Option<String>,
     /// Source layout, e.g. "mesh=4 place=S(0)" (not with --suite).
     #[arg(long, value_name = "SPEC", required_unless_present = "suite")]
     src: Option<String>,
@@ -68,9 +79,10 @@ pub struct BenchArgs {
     exec: ExecArgs,
     /// Contents of the global tensor: hash or hash:SEED (location-sensitive for every dtype),
     /// index (element i holds i mod 2^bits, which repeats every 2^bits elements), or normal
-    /// or normal:SEED (float dtypes only: finite values of varied magnitude).
-    #[arg(long, default_value = "hash")]
-    fill: String,
+    /// or normal:SEED (float dtypes only: finite values of varied magnitude). Default: hash,
+    /// or normal with --quant (fp8 cannot carry the NaN and infinities a hash holds).
+    #[arg(long)]
+    fill: Option<String>,
     /// Timed repetitions of each method (the report gives their median, min and max).
     #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..))]
     iters: u32,
@@ -87,7 +99,14 @@ pub struct BenchArgs {
 }
 
 impl BenchArgs {
-    fn cases(&self) -> Result<Vec<Case>, Error> {
+    /// The cases, planned on the hosts the ranks learned at rendezvous when no `--hosts` was
+    /// given ([`HostArgs::or_learned`]).
+    fn cases(&self, learned: Option<&HostMap>) -> Result<Vec<Case>, Error> {
+        // a quantizing plan keeps to one host's view (see TensorArgs::plan_on)
+        let hosts = match self.quant {
+            Some(_) => self.hosts.clone(),
+            None => self.hosts.or_learned(learned),
+        };
         if self.suite.is_some() {
             let bytes = parse_bytes(Field::Flag("--suite-bytes"), &self.suite_bytes)?;
             return refit_suite(
@@ -95,19 +114,19 @@ impl BenchArgs {
                 &self.suite_bytes,
                 (&self.dtype, self.dst_dtype.as_deref()),
                 &self.min_split_bytes,
-                &self.hosts,
+                &hosts,
             );
         }
         let tensor = TensorArgs {
             shape: self.shape.clone().unwrap_or_default(),
             dtype: self.dtype.clone(),
             dst_dtype: self.dst_dtype.clone(),
-            quant: None,
-            scale_dtype: None,
+            quant: self.quant.clone(),
+            scale_dtype: self.scale_dtype.clone(),
             src: self.src.clone().unwrap_or_default(),
             dst: self.dst.clone().unwrap_or_default(),
             min_split_bytes: self.min_split_bytes.clone(),
-            hosts: self.hosts.clone(),
+            hosts,
         };
         Ok(vec![Case::new("", tensor)?])
     }
@@ -161,17 +180,30 @@ fn predict(path: &str, cases: &[Case]) -> Result<Vec<(f64, f64)>, Error> {
 
 pub fn main(args: &BenchArgs) -> Result<(), Failure> {
     // Everything the user typed is checked before a buffer is allocated or a byte moves.
-    let cases = args.cases()?;
+    let cases = args.cases(None)?;
     let predicted = match &args.simulate {
         None => None,
         Some(path) => Some(predict(path, &cases)?),
     };
-    let fill: Fill = args.fill.parse()?;
+    let fill: Fill = match (&args.fill, &args.quant) {
+        (Some(text), _) => text.parse()?,
+        (None, Some(_)) => Fill::Normal { seed: 0 },
+        (None, None) => Fill::Hash { seed: 0 },
+    };
     for case in &cases {
         fill.check_dtype(case.plan.src().dtype())?;
     }
     let options = args.exec.options()?;
     let world = args.exec.join(&options)?;
+    let cases = match world.hosts() {
+        Some(learned) => args.cases(Some(learned))?,
+        None => cases,
+    };
+    // checked before joining; priced again on the plans the job runs
+    let predicted = match (&args.simulate, predicted) {
+        (Some(path), Some(_)) => Some(predict(path, &cases)?),
+        _ => None,
+    };
     let results = match world.rank() {
         None => bench_threads(args, &cases, fill, &options)?,
         Some(rank) => {

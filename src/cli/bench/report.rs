@@ -26,9 +26,21 @@ struct CaseJson {
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     checksummed: bool,
     dst_bytes: u64,
+    /// With `--quant`: the scheme. `reshard` then quantizes in flight (its `wire_bytes` are
+    /// fp8 values and scales), while `gather_broadcast` and `reshard_then_quantize` move the
+    /// source's dtype and quantize on the receivers after the move (their times include it).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    quant: Option<String>,
     reshard: MethodJson,
     gather_broadcast: MethodJson,
+    /// With `--quant`: the reshard in the source's dtype, then every destination quantizes
+    /// the shard it received.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    reshard_then_quantize: Option<MethodJson>,
     speedup: f64,
+    /// With `--quant`: `reshard_then_quantize.median_s / reshard.median_s`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    reshard_then_quantize_speedup: Option<f64>,
     /// Wire bytes of gather+broadcast over those of the reshard: the speedup a machine whose
     /// time follows bytes would show.
     byte_ratio: f64,
@@ -68,7 +80,16 @@ pub(super) fn report(
             .busiest_link_bytes
             .zip(gather_broadcast.busiest_link_bytes)
             .map(|(mine, theirs)| theirs as f64 / mine.max(1) as f64);
+        let then = r
+            .reshard_then_quantize
+            .as_ref()
+            .map(|m| MethodJson::of(m, dst_bytes));
         CaseJson {
+            quant: case.plan.quant().map(|q| q.quant.scheme.to_string()),
+            reshard_then_quantize_speedup: then
+                .as_ref()
+                .map(|t| t.median_s / reshard.median_s.max(1e-12)),
+            reshard_then_quantize: then,
             name: case.name.clone(),
             shape: case.plan.src().shape().to_vec(),
             dtype: case.plan.src().dtype().to_string(),
@@ -100,64 +121,32 @@ pub(super) fn report(
         println!("{}", text.expect("bench JSON serializes"));
         return;
     }
+    let compared = match args.quant {
+        Some(_) => {
+            "reshard quantizing in flight vs reshard or gather+broadcast of the source dtype, then quantizing on the receivers,"
+        }
+        None => "reshard vs gather+broadcast",
+    };
     println!(
-        "reshard vs gather+broadcast over {transport}, median of {} (after {} warm-up), every destination byte verified{}",
+        "{compared} over {transport}, median of {} (after {} warm-up), every destination byte{} verified{}",
         args.iters,
         args.warmup,
+        if args.quant.is_some() {
+            " and scale"
+        } else {
+            ""
+        },
         if args.exec.checksum {
             ", every transfer checksummed"
         } else {
             ""
         }
     );
-    println!(
-        "{:<22} {:>10} {:>10} {:>10} {:>10} {:>9} {:>9} {:>8} {:>7} {:>11} {:>11}",
-        "case",
-        "dst",
-        "reshard",
-        "g+b",
-        "reshard",
-        "GB/s",
-        "g+b GB/s",
-        "speedup",
-        "bytes",
-        "extra mem",
-        "g+b extra"
-    );
-    println!(
-        "{:<22} {:>10} {:>10} {:>10} {:>10} {:>9} {:>9} {:>8} {:>7} {:>11} {:>11}",
-        "", "bytes", "ms", "ms", "wire", "", "", "", "ratio", "reshard", "per rank"
-    );
+    if args.quant.is_none() {
+        table_header();
+    }
     for (case, j) in cases.iter().zip(&all) {
-        let name = if case.name.is_empty() {
-            println!(
-                "{}: {} -> {}",
-                j.shape
-                    .iter()
-                    .map(u64::to_string)
-                    .collect::<Vec<_>>()
-                    .join("x"),
-                case.src_spec,
-                case.dst_spec
-            );
-            format!("{}-D {}", j.shape.len(), j.dtype)
-        } else {
-            case.name.clone()
-        };
-        println!(
-            "{:<22} {:>10} {:>10.2} {:>10.2} {:>10} {:>9.2} {:>9.2} {:>7.2}x {:>6.2}x {:>11} {:>11}",
-            name,
-            bytes(j.dst_bytes),
-            j.reshard.median_s * 1e3,
-            j.gather_broadcast.median_s * 1e3,
-            bytes(j.reshard.wire_bytes),
-            j.reshard.gbps,
-            j.gather_broadcast.gbps,
-            j.speedup,
-            j.byte_ratio,
-            bytes(j.reshard.peak_extra_bytes_per_rank),
-            bytes(j.gather_broadcast.peak_extra_bytes_per_rank),
-        );
+        case_line(case, j);
     }
     if let Some(path) = &args.simulate {
         println!(
@@ -185,4 +174,87 @@ pub(super) fn report(
             );
         }
     }
+}
+
+fn table_header() {
+    println!(
+        "{:<22} {:>10} {:>10} {:>10} {:>10} {:>9} {:>9} {:>8} {:>7} {:>11} {:>11}",
+        "case",
+        "dst",
+        "reshard",
+        "g+b",
+        "reshard",
+        "GB/s",
+        "g+b GB/s",
+        "speedup",
+        "bytes",
+        "extra mem",
+        "g+b extra"
+    );
+    println!(
+        "{:<22} {:>10} {:>10} {:>10} {:>10} {:>9} {:>9} {:>8} {:>7} {:>11} {:>11}",
+        "", "bytes", "ms", "ms", "wire", "", "", "", "ratio", "reshard", "per rank"
+    );
+}
+
+fn case_line(case: &Case, j: &CaseJson) {
+    let name = if case.name.is_empty() {
+        println!(
+            "{}: {} -> {}",
+            j.shape
+                .iter()
+                .map(u64::to_string)
+                .collect::<Vec<_>>()
+                .join("x"),
+            case.src_spec,
+            case.dst_spec
+        );
+        format!("{}-D {}", j.shape.len(), j.dtype)
+    } else {
+        case.name.clone()
+    };
+    if let (Some(scheme), Some(then)) = (&j.quant, &j.reshard_then_quantize) {
+        quant_lines(j, scheme, then);
+        return;
+    }
+    println!(
+        "{:<22} {:>10} {:>10.2} {:>10.2} {:>10} {:>9.2} {:>9.2} {:>7.2}x {:>6.2}x {:>11} {:>11}",
+        name,
+        bytes(j.dst_bytes),
+        j.reshard.median_s * 1e3,
+        j.gather_broadcast.median_s * 1e3,
+        bytes(j.reshard.wire_bytes),
+        j.reshard.gbps,
+        j.gather_broadcast.gbps,
+        j.speedup,
+        j.byte_ratio,
+        bytes(j.reshard.peak_extra_bytes_per_rank),
+        bytes(j.gather_broadcast.peak_extra_bytes_per_rank),
+    );
+}
+
+/// A quantizing case: the three methods, one a line.
+fn quant_lines(j: &CaseJson, scheme: &str, then: &MethodJson) {
+    println!(
+        "{} -> {} {scheme}: quantize in flight vs on the receivers after moving {} (their times include it)",
+        j.dtype, j.dst_dtype, j.dtype
+    );
+    println!(
+        "  {:<34} {:>10} {:>12} {:>9} {:>9} {:>11}",
+        "method", "ms", "wire", "GB/s", "vs ours", "extra mem"
+    );
+    let line = |name: &str, m: &MethodJson| {
+        println!(
+            "  {:<34} {:>10.2} {:>12} {:>9.2} {:>8.2}x {:>11}",
+            name,
+            m.median_s * 1e3,
+            bytes(m.wire_bytes),
+            m.gbps,
+            m.median_s / j.reshard.median_s.max(1e-12),
+            bytes(m.peak_extra_bytes_per_rank),
+        );
+    };
+    line("reshard, quantizing in flight", &j.reshard);
+    line("(a) reshard, then quantize", then);
+    line("(b) gather+broadcast, then quantize", &j.gather_broadcast);
 }

@@ -1,6 +1,7 @@
 //! The cases `reshard bench` measures: the one layout pair the user typed, or a named suite of
 //! them scaled to a tensor size.
 
+use reshard::convert::check_whole_blocks;
 use reshard::error::Dims;
 use reshard::error::Field;
 use reshard::plan::GatherBroadcast;
@@ -19,12 +20,35 @@ pub(super) struct Case {
     /// The `--suite-bytes` text a suite case's shape was scaled from: the option to blame when
     /// the case is too large, since the user never wrote its `--shape`.
     pub(super) sized_by: Option<String>,
+    /// With `--quant`: the same move without quantizing (the destination in the source's
+    /// dtype), which the methods that quantize on the receivers run first; `baseline` is then
+    /// its gather+broadcast.
+    pub(super) plain: Option<Plan>,
 }
 
 impl Case {
     pub(super) fn new(name: &str, tensor: TensorArgs) -> Result<Case, Error> {
         let plan = tensor.plan()?;
-        let baseline = GatherBroadcast::on_hosts(plan.src(), plan.dst(), plan.topology())?;
+        let plain = match plan.quant() {
+            None => None,
+            Some(q) => {
+                // the baselines quantize each destination shard on its own after the move
+                for &r in plan.dst().mesh().ranks() {
+                    if let Some(shard) = plan.dst().local_region(r) {
+                        check_whole_blocks(&q.grid, &shard).map_err(|e| Error::InvalidOption {
+                            field: Field::Quant,
+                            value: q.quant.scheme.to_string(),
+                            reason: format!(
+                                "bench compares with quantizing on the receivers, which needs every block inside one destination shard: {e}"
+                            ),
+                        })?;
+                    }
+                }
+                Some(tensor.unquantized().plan()?)
+            }
+        };
+        let moved = plain.as_ref().unwrap_or(&plan);
+        let baseline = GatherBroadcast::on_hosts(moved.src(), moved.dst(), plan.topology())?;
         Ok(Case {
             name: name.to_string(),
             src_spec: tensor.src,
@@ -32,6 +56,7 @@ impl Case {
             plan,
             baseline,
             sized_by: None,
+            plain,
         })
     }
 
@@ -82,6 +107,26 @@ impl Case {
             Some(r) => src.local_bytes(r).saturating_add(dst.local_bytes(r)),
             None => src.shard_bytes().saturating_add(dst.shard_bytes()),
         };
+        // quantizing: the receivers' source-dtype shards and the scale shards besides
+        let extra = match (&self.plain, self.plan.quant()) {
+            (Some(plain), Some(q)) => {
+                let dst_ranks = match rank {
+                    Some(r) => vec![r],
+                    None => dst.mesh().ranks().to_vec(),
+                };
+                dst_ranks
+                    .iter()
+                    .map(|&r| {
+                        plain
+                            .dst()
+                            .local_bytes(r)
+                            .saturating_add(q.dst_scale_bytes(dst, r))
+                    })
+                    .fold(0u64, u64::saturating_add)
+            }
+            _ => 0,
+        };
+        let shards = shards.saturating_add(extra);
         shards.saturating_add(fulls.saturating_mul(full))
     }
 }

@@ -1,0 +1,307 @@
+//! Already-quantized tensors on both sides (`plan::QuantizedMove`): fp8 values and their
+//! scales reshard as two coupled tensors. Checked on random layouts against the naive
+//! reference (the whole tensor quantized block by block, then each side's boxes sliced out of
+//! its values and its scales): a move is either planned and delivers exactly the
+//! destination's boxes of both, or refused because a shard boundary cuts a block, which is
+//! checked independently from the layouts.
+
+mod common;
+
+use std::collections::BTreeMap;
+
+use common::{Lcg, random_spec};
+use reshard::convert::reference::{QuantizedTensor, quantize_tensor, slice};
+use reshard::convert::{BlockGrid, ConvertError, Quant, QuantScheme};
+use reshard::exec::{self, ExecOptions};
+use reshard::layout::{Layout, LayoutSpec};
+use reshard::plan::{QuantRequest, QuantizedMove};
+use reshard::{DType, Error, PlanOptions, Rank};
+
+/// The first shard boundary of `layout` (dim, boundary) that falls inside a block.
+fn cut(layout: &Layout, block: &[u64]) -> Option<(usize, u64)> {
+    let shape = layout.shape();
+    for &r in layout.mesh().ranks() {
+        let Some(b) = layout.local_region(r) else {
+            continue;
+        };
+        if b.volume() == 0 {
+            continue;
+        }
+        for d in 0..shape.len() {
+            for edge in [b.offset[d], b.offset[d] + b.extent[d]] {
+                if edge % block[d] != 0 && edge != shape[d] {
+                    return Some((d, edge));
+                }
+            }
+        }
+    }
+    None
+}
+
+fn shards(layout: &Layout, whole: &[u8], elem: usize) -> BTreeMap<Rank, Vec<u8>> {
+    layout
+        .mesh()
+        .ranks()
+        .iter()
+        .filter_map(|&r| {
+            let b = layout.local_region(r)?;
+            Some((r, slice(whole, layout.shape(), elem, &b)))
+        })
+        .collect()
+}
+
+/// One random case: returns whether it was planned (false: refused for a cut block).
+fn check(seed: u64) -> bool {
+    let mut rng = Lcg(seed);
+    let (br, bc) = (1 << rng.below(3), 2 << rng.below(3));
+    let shape = [
+        br * (1 + rng.below(6)) - rng.below(br.min(2)),
+        bc * (1 + rng.below(6)) - rng.below(2),
+    ];
+    let scheme = QuantScheme::parse(&format!("block:{br}x{bc}")).unwrap();
+    let fp8 = [DType::Fp8E4M3, DType::Fp8E5M2][rng.below(2) as usize];
+    let resolve = |spec: &str, first| {
+        LayoutSpec::parse(spec)
+            .unwrap()
+            .resolve(&shape, fp8, first)
+            .unwrap()
+    };
+    let src = resolve(&random_spec(&mut rng, 2, 6), 0);
+    let dst = resolve(&random_spec(&mut rng, 2, 6), 0);
+    let what = format!("seed {seed}: {shape:?} block {br}x{bc} {src:?} -> {dst:?}");
+    let request = QuantRequest {
+        scheme,
+        scale_dtype: None,
+    };
+    let block = [br, bc];
+    let planned = QuantizedMove::new(src.clone(), dst.clone(), PlanOptions::default(), request);
+    let expected_cut = cut(&src, &block)
+        .map(|c| (reshard::Side::Src, c))
+        .or(cut(&dst, &block).map(|c| (reshard::Side::Dst, c)));
+    let mv = match (planned, expected_cut) {
+        (Ok(mv), None) => mv,
+        (
+            Err(Error::Convert {
+                source:
+                    ConvertError::CutBlock {
+                        side,
+                        dim,
+                        boundary,
+                        ..
+                    },
+                ..
+            }),
+            Some((want_side, _)),
+        ) => {
+            assert_eq!(side, want_side, "{what}");
+            let layout = if side == reshard::Side::Src {
+                &src
+            } else {
+                &dst
+            };
+            let pieces = layout.dim_pieces(dim);
+            assert!(boundary % block[dim] != 0, "{what}");
+            assert!(
+                pieces
+                    .iter()
+                    .any(|p| p.start == boundary || p.end == boundary),
+                "{what}: boundary {boundary} of dim {dim}"
+            );
+            return false;
+        }
+        (other, want) => panic!("{what}: got {other:?}, expected a cut at {want:?}"),
+    };
+    // the whole tensor, quantized naively
+    let n: u64 = shape.iter().product();
+    let tensor: Vec<u8> = (0..n)
+        .flat_map(|i| {
+            let mut x = Lcg(seed ^ (i * 0x9e37_79b9));
+            let v = (x.below(2001) as f32 - 1000.0) * (1u32 << x.below(12)) as f32 / 4096.0;
+            v.to_le_bytes()
+        })
+        .collect();
+    let quant = Quant::new(scheme, DType::F32, fp8, None).unwrap();
+    let grid = BlockGrid::new(scheme, &shape).unwrap();
+    let q: QuantizedTensor = quantize_tensor(quant, &grid, DType::F32, &tensor).unwrap();
+    let opts = ExecOptions::default();
+    let src_values = shards(&src, &q.values, 1);
+    let src_scales = shards(mv.scales.src(), &q.scales, 4);
+    let mut values = exec::zeroed_shards(&dst).unwrap();
+    let mut scales = exec::zeroed_shards(mv.scales.dst()).unwrap();
+    exec::run_local(&mv.values, &src_values, &mut values, &opts).unwrap();
+    exec::run_local(&mv.scales, &src_scales, &mut scales, &opts).unwrap();
+    for (&r, got) in &values {
+        let b = dst.local_region(r).unwrap();
+        assert!(*got == q.values_of(&b), "{what}: values of rank {r}");
+        let blocks = grid.scale_region(&b);
+        assert!(
+            scales[&r] == q.scales_of(&blocks),
+            "{what}: scales of rank {r}"
+        );
+    }
+    true
+}
+
+#[test]
+fn already_quantized_moves_match_the_reference_or_are_refused_for_cut_blocks() {
+    let (mut planned, mut refused) = (0, 0);
+    for seed in 0..1500 {
+        match check(seed) {
+            true => planned += 1,
+            false => refused += 1,
+        }
+    }
+    // both outcomes are exercised
+    assert!(
+        planned > 100 && refused > 100,
+        "{planned} planned, {refused} refused"
+    );
+}
+
+/// The error names the side, the dim, the boundary and the block, before any byte moves.
+#[test]
+fn a_cut_block_is_named() {
+    let layout = |spec: &str| {
+        LayoutSpec::parse(spec)
+            .unwrap()
+            .resolve(&[256, 256], DType::Fp8E4M3, 0)
+            .unwrap()
+    };
+    let request = QuantRequest {
+        scheme: QuantScheme::parse("block:128x128").unwrap(),
+        scale_dtype: None,
+    };
+    let err = QuantizedMove::new(
+        layout("mesh=2 place=S(0)"),
+        layout("mesh=4 place=S(1)"),
+        PlanOptions::default(),
+        request,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains("dst: ")
+            && err.contains("boundary at 64 along dim 1")
+            && err.contains("128x128"),
+        "{err}"
+    );
+    let err = QuantizedMove::new(
+        layout("mesh=2 place=S(0)"),
+        layout("mesh=2 place=S(1)"),
+        PlanOptions::default(),
+        QuantRequest {
+            scheme: QuantScheme::parse("block:96x128").unwrap(),
+            scale_dtype: None,
+        },
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains("src: ") && err.contains("boundary at 128 along dim 0"),
+        "{err}"
+    );
+}
+
+/// `run --dtype fp8e4m3 --quant SCHEME`: the source is already quantized (the normal fill
+/// quantized); every destination's dumped values and scales are its boxes of the tensor the
+/// source ranks' dumps make up, in threads and over tcp and shm.
+#[test]
+fn run_moves_an_already_quantized_source_with_its_scales() {
+    use reshard::region::Region;
+    use std::process::Command;
+    let shape = [512u64, 256];
+    let (src_spec, dst_spec) = ("mesh=2 place=S(0)", "mesh=2x2 ranks=2..6 place=S(0),S(1)");
+    let grid = BlockGrid::new(QuantScheme::parse("block:128x128").unwrap(), &shape).unwrap();
+    let layout = |spec: &str, shape: &[u64], dtype, first| {
+        LayoutSpec::parse(spec)
+            .unwrap()
+            .resolve(shape, dtype, first)
+            .unwrap()
+    };
+    let gshape = grid.grid_shape();
+    let (src, dst) = (
+        layout(src_spec, &shape, DType::Fp8E4M3, 0),
+        layout(dst_spec, &shape, DType::Fp8E4M3, 2),
+    );
+    for transport in ["local", "tcp", "shm"] {
+        let dir = common::temp_dir("prequant");
+        let mut c = Command::new(common::EXE);
+        if transport != "local" {
+            c.args(["launch", "--nproc", "6", "--"]);
+        }
+        let out = c
+            .args(["run", "--shape", "512,256", "--dtype", "fp8e4m3"])
+            .args(["--quant", "block:128x128", "--fill", "normal:9", "--verify"])
+            .args([
+                "--src",
+                src_spec,
+                "--dst",
+                dst_spec,
+                "--transport",
+                transport,
+            ])
+            .arg("--dump")
+            .arg(dir.path().join("dst"))
+            .arg("--dump-src")
+            .arg(dir.path().join("src"))
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{transport}: {}",
+            common::text(&out.stderr)
+        );
+        // the whole values and scales, put together from the source dumps
+        let mut values = vec![0u8; 512 * 256];
+        let mut scales = vec![0u8; (gshape[0] * gshape[1] * 4) as usize];
+        let put = |whole: &mut [u8], wshape: &[u64], elem: usize, b: &Region, part: &[u8]| {
+            let row = b.extent[1] as usize * elem;
+            for i in 0..b.extent[0] as usize {
+                let at =
+                    ((b.offset[0] as usize + i) * wshape[1] as usize + b.offset[1] as usize) * elem;
+                whole[at..at + row].copy_from_slice(&part[i * row..(i + 1) * row]);
+            }
+        };
+        for r in 0..2 {
+            let b = src.local_region(r).unwrap();
+            let read = |name: String| std::fs::read(dir.path().join("src").join(name)).unwrap();
+            put(&mut values, &shape, 1, &b, &read(format!("src{r}.bin")));
+            let sb = grid.scale_region(&b);
+            put(
+                &mut scales,
+                &gshape,
+                4,
+                &sb,
+                &read(format!("src{r}.scale.bin")),
+            );
+        }
+        for r in 2..6 {
+            let b = dst.local_region(r).unwrap();
+            let read = |name: String| std::fs::read(dir.path().join("dst").join(name)).unwrap();
+            assert_eq!(
+                read(format!("rank{r}.bin")),
+                slice(&values, &shape, 1, &b),
+                "{transport}: rank {r}"
+            );
+            let sb = grid.scale_region(&b);
+            assert_eq!(
+                read(format!("rank{r}.scale.bin")),
+                slice(&scales, &gshape, 4, &sb),
+                "{transport}: scales of rank {r}"
+            );
+        }
+        // and a source cut inside a block is refused before any byte moves
+        let out = Command::new(common::EXE)
+            .args(["run", "--shape", "512,256", "--dtype", "fp8e4m3"])
+            .args(["--quant", "block:128x128", "--fill", "normal"])
+            .args(["--src", "mesh=3 place=S(0)", "--dst", dst_spec])
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(2));
+        let err = common::text(&out.stderr);
+        assert!(
+            err.contains("--src") && err.contains("at 171 along dim 0"),
+            "{err}"
+        );
+    }
+}
