@@ -32,7 +32,9 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 import torch
 import torch.distributed as dist
 
+from . import _torch_quant as _tq
 from ._core import Layout, Packing, Refit, ReshardError, crc32c, rank_plan
+from ._torch_quant import scale_tensor
 
 __all__ = [
     "reshard_",
@@ -40,6 +42,7 @@ __all__ = [
     "torch_dtype",
     "local_tensor",
     "free_staging",
+    "scale_tensor",
     "DEFAULT_BUCKET_BYTES",
 ]
 
@@ -542,6 +545,10 @@ def reshard_(
     dst_layout: Layout,
     group=None,
     checksum: bool = False,
+    *,
+    quant: Optional[str] = None,
+    scale: Optional[torch.Tensor] = None,
+    scale_dtype: Optional[str] = None,
 ) -> None:
     """Fill ``dst_local`` (this rank's shard in ``dst_layout``) from the source shards.
 
@@ -562,10 +569,53 @@ def reshard_(
     With ``checksum=True`` (on every rank alike), each message carries the CRC-32C of every
     transfer it holds, and a receiver raises :class:`reshard.ReshardError` naming a transfer
     that arrived changed (sender, receiver, offset, extent), before it unpacks any message.
+
+    With ``quant`` (``"block:128x128"``, ``"block:128x128:ue8m0"``, ``"mx:32"``, ``"channel"``
+    or ``"tensor"``), ``dst_layout`` is fp8 (``fp8e4m3`` or ``fp8e5m2``) and the source f64,
+    f32, bf16 or f16, on CPU tensors: the senders quantize while they pack (the wire carries
+    fp8), source ranks whose shards share a block first exchange their partial amax, and each
+    destination rank's scales are written into ``scale``, its scale shard (shape
+    :func:`reshard.quant_scale_shape`, f32, or uint8 biased exponents with
+    ``scale_dtype="e8m0"``; :func:`scale_tensor` allocates one). Destination shard boundaries
+    must fall on block boundaries. A NaN or infinity in a source raises
+    :class:`reshard.ReshardError` on every rank, naming the block, before any value moves.
     """
+    if quant is not None:
+        if checksum:
+            raise ReshardError("checksum: not available with quant yet")
+        _reshard_quant(src_local, dst_local, src_layout, dst_layout, group, quant, scale, scale_dtype)
+        return
+    if scale is not None or scale_dtype is not None:
+        raise ReshardError("scale, scale_dtype: given only with quant")
     reshard_many_(
         {"": (src_local, dst_local, src_layout, dst_layout)}, group=group, checksum=checksum
     )
+
+
+def _reshard_quant(src_local, dst_local, src_layout, dst_layout, group, quant, scale, scale_dtype) -> None:
+    """:func:`reshard_` into fp8 with scales (see :mod:`reshard._torch_quant`)."""
+    rank, world = _group_rank(group)
+    if rank < 0:
+        return
+    for what, layout in (("src_layout", src_layout), ("dst_layout", dst_layout)):
+        if not isinstance(layout, Layout):
+            raise ReshardError(f"{what}: expected a reshard.Layout, got {type(layout).__name__}")
+
+    def prepare():
+        for what, layout in (("src_layout", src_layout), ("dst_layout", dst_layout)):
+            _check_ranks("", what, layout, world)
+        packing = _tq.packing_of("", src_layout, dst_layout, rank, quant, scale_dtype)
+        for what, tensor, layout in (("src_local", src_local, src_layout), ("dst_local", dst_local, dst_layout)):
+            region = layout.local_region(rank)
+            _check_tensor("", what, tensor, layout, None if region is None else tuple(region[1]), rank)
+            _tq.check_cpu("", what, tensor)
+        _tq.check_scale("", scale, packing, rank)
+        return packing
+
+    pairs = {"": (src_local, dst_local, src_layout, dst_layout)}
+    fingerprint = _fingerprint("reshard_ quant", pairs, [""], quant=quant, scale_dtype=scale_dtype)
+    packing = _agree(fingerprint, prepare, group, rank)
+    _tq.run("", packing, src_local, dst_local, scale, group)
 
 
 def _views(refit: Refit, tensors: Mapping[str, torch.Tensor], rank: int, side: str, what: str):
