@@ -59,8 +59,8 @@ def check_scale(label: str, scale, packing: QuantPacking, rank: int) -> None:
             f"({packing.scale_dtype}, torch {str(want).removeprefix('torch.')}), but the tensor "
             f"given has shape {tuple(scale.shape)} and dtype {str(scale.dtype).removeprefix('torch.')}"
         )
-    if scale.device.type != "cpu" or not scale.is_contiguous():
-        raise ReshardError(f"{label}scale: expected a contiguous CPU tensor")
+    if scale.device.type != "cpu":
+        raise ReshardError(f"{label}scale: the tensor is on {scale.device}; quantizing in flight runs on CPU tensors only")
 
 
 def check_cpu(label: str, what: str, tensor) -> None:
@@ -84,20 +84,19 @@ def _peer(group, r: int) -> int:
     return r if group is None else dist.get_global_rank(group, r)
 
 
-def run(
-    label: str,
-    packing: QuantPacking,
-    src_local: Optional[torch.Tensor],
-    dst_local: Optional[torch.Tensor],
-    scale: Optional[torch.Tensor],
-    group,
-) -> None:
-    """Exchanges partial amax, agrees that every source was finite, packs, moves, unpacks."""
-    src = None if src_local is None else src_local.contiguous()
-    try:
-        payloads, problem = packing.amax(src), None
-    except ReshardError as e:
-        payloads, problem = [], f"{label}src_local: {e}"
+def run(items, group) -> None:
+    """Runs the quantizing reshards ``items`` (``(label, packing, src_local, dst_local,
+    scale)`` each, in the same order on every rank): the local amax of every tensor, one
+    agreement that every source was finite, one batch of partial amax exchanges, one batch of
+    quantized messages, then the unpacking into every destination and scale shard."""
+    srcs = [None if it[2] is None else it[2].contiguous() for it in items]
+    outgoing, problem = [], None
+    for (label, packing, *_), src in zip(items, srcs):
+        try:
+            outgoing.append(packing.amax(src))
+        except ReshardError as e:
+            problem = f"{label}src_local: {e}"
+            break
     # a non-finite value fails on its own rank; every rank of the group learns it before any
     # value moves, so none waits for a peer that gave up
     heard: List[Optional[str]] = [None] * dist.get_world_size(group)
@@ -108,33 +107,41 @@ def run(
         if theirs is not None:
             raise ReshardError(f"nothing was moved: rank {r}: {theirs}")
 
-    messages = packing.amax_messages
-    if messages:
-        ops, inbox = [], []
-        for (peer, n), payload in zip(messages, payloads):
-            out = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    # partial amax: both ends of a pair post their messages in tensor order, then peer order
+    ops, inboxes = [], []
+    for (_, packing, *_), payloads in zip(items, outgoing):
+        inbox = []
+        for (peer, n), payload in zip(packing.amax_messages, payloads):
             into = torch.empty(n, dtype=torch.uint8)
             inbox.append(into)
+            out = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
             ops.append(dist.P2POp(dist.isend, out, _peer(group, peer), group))
             ops.append(dist.P2POp(dist.irecv, into, _peer(group, peer), group))
-        for request in dist.batch_isend_irecv(ops):
-            request.wait()
-        packing.merge([bytes(t.numpy().tobytes()) for t in inbox])
-    else:
-        packing.merge([])
-
-    sends = [torch.empty(n, dtype=torch.uint8) for _, n in packing.sends]
-    recvs = [torch.empty(n, dtype=torch.uint8) for _, n in packing.recvs]
-    local = torch.empty(packing.local_bytes, dtype=torch.uint8) if packing.local_bytes else None
-    if sends or local is not None:
-        packing.pack(src, sends, local)
-    ops = [dist.P2POp(dist.isend, b, _peer(group, p), group) for (p, _), b in zip(packing.sends, sends)]
-    ops += [dist.P2POp(dist.irecv, b, _peer(group, p), group) for (p, _), b in zip(packing.recvs, recvs)]
+        inboxes.append(inbox)
     for request in dist.batch_isend_irecv(ops) if ops else []:
         request.wait()
-    if dst_local is None:
-        return
-    target = dst_local if dst_local.is_contiguous() else torch.empty_like(dst_local, memory_format=torch.contiguous_format)
-    packing.unpack(recvs, target, scale, local)
-    if target is not dst_local:
-        dst_local.view(torch.uint8).copy_(target.view(torch.uint8))
+    for (_, packing, *_), inbox in zip(items, inboxes):
+        packing.merge([t.numpy().tobytes() for t in inbox])
+
+    ops, landed = [], []
+    for (_, packing, *_), src in zip(items, srcs):
+        sends = [torch.empty(n, dtype=torch.uint8) for _, n in packing.sends]
+        recvs = [torch.empty(n, dtype=torch.uint8) for _, n in packing.recvs]
+        local = torch.empty(packing.local_bytes, dtype=torch.uint8) if packing.local_bytes else None
+        if sends or local is not None:
+            packing.pack(src, sends, local)
+        ops += [dist.P2POp(dist.isend, b, _peer(group, p), group) for (p, _), b in zip(packing.sends, sends)]
+        ops += [dist.P2POp(dist.irecv, b, _peer(group, p), group) for (p, _), b in zip(packing.recvs, recvs)]
+        landed.append((recvs, local))
+    for request in dist.batch_isend_irecv(ops) if ops else []:
+        request.wait()
+    for (_, packing, _, dst_local, scale), (recvs, local) in zip(items, landed):
+        if dst_local is None:
+            continue
+        target = dst_local if dst_local.is_contiguous() else torch.empty_like(dst_local, memory_format=torch.contiguous_format)
+        scales = scale if scale.is_contiguous() else torch.empty_like(scale, memory_format=torch.contiguous_format)
+        packing.unpack(recvs, target, scales, local)
+        if target is not dst_local:
+            dst_local.view(torch.uint8).copy_(target.view(torch.uint8))
+        if scales is not scale:
+            scale.copy_(scales)

@@ -580,42 +580,46 @@ def reshard_(
     must fall on block boundaries. A NaN or infinity in a source raises
     :class:`reshard.ReshardError` on every rank, naming the block, before any value moves.
     """
-    if quant is not None:
-        if checksum:
-            raise ReshardError("checksum: not available with quant yet")
-        _reshard_quant(src_local, dst_local, src_layout, dst_layout, group, quant, scale, scale_dtype)
-        return
-    if scale is not None or scale_dtype is not None:
-        raise ReshardError("scale, scale_dtype: given only with quant")
     reshard_many_(
-        {"": (src_local, dst_local, src_layout, dst_layout)}, group=group, checksum=checksum
+        {"": (src_local, dst_local, src_layout, dst_layout)},
+        group=group,
+        checksum=checksum,
+        quant=quant,
+        scales=None if quant is None else {"": scale},
+        scale_dtype=scale_dtype,
     )
+    if quant is None and (scale is not None or scale_dtype is not None):
+        raise ReshardError("scale, scale_dtype: given only with quant")
 
 
-def _reshard_quant(src_local, dst_local, src_layout, dst_layout, group, quant, scale, scale_dtype) -> None:
-    """:func:`reshard_` into fp8 with scales (see :mod:`reshard._torch_quant`)."""
-    rank, world = _group_rank(group)
-    if rank < 0:
-        return
-    for what, layout in (("src_layout", src_layout), ("dst_layout", dst_layout)):
-        if not isinstance(layout, Layout):
-            raise ReshardError(f"{what}: expected a reshard.Layout, got {type(layout).__name__}")
+def _reshard_quant(entries, group, quant, scale_dtype, rank: int, world: int) -> None:
+    """Reshards ``entries`` (name -> ``(src_local, dst_local, src_layout, dst_layout,
+    scale)``) into fp8 with scales (see :mod:`reshard._torch_quant`); checked through the
+    group before any byte moves, as :func:`reshard_many_`."""
+    names = sorted(entries)
 
     def prepare():
-        for what, layout in (("src_layout", src_layout), ("dst_layout", dst_layout)):
-            _check_ranks("", what, layout, world)
-        packing = _tq.packing_of("", src_layout, dst_layout, rank, quant, scale_dtype)
-        for what, tensor, layout in (("src_local", src_local, src_layout), ("dst_local", dst_local, dst_layout)):
-            region = layout.local_region(rank)
-            _check_tensor("", what, tensor, layout, None if region is None else tuple(region[1]), rank)
-            _tq.check_cpu("", what, tensor)
-        _tq.check_scale("", scale, packing, rank)
-        return packing
+        items = []
+        for name in names:
+            src_local, dst_local, src_layout, dst_layout, scale = entries[name]
+            label = f"{name}: " if name else ""
+            for what, layout in (("src_layout", src_layout), ("dst_layout", dst_layout)):
+                _check_ranks(label, what, layout, world)
+            packing = _tq.packing_of(label, src_layout, dst_layout, rank, quant, scale_dtype)
+            for what, tensor, layout in (("src_local", src_local, src_layout), ("dst_local", dst_local, dst_layout)):
+                region = layout.local_region(rank)
+                _check_tensor(label, what, tensor, layout, None if region is None else tuple(region[1]), rank)
+                _tq.check_cpu(label, what, tensor)
+            _tq.check_scale(label, scale, packing, rank)
+            items.append((label, packing, src_local, dst_local, scale))
+        return items
 
-    pairs = {"": (src_local, dst_local, src_layout, dst_layout)}
-    fingerprint = _fingerprint("reshard_ quant", pairs, [""], quant=quant, scale_dtype=scale_dtype)
-    packing = _agree(fingerprint, prepare, group, rank)
-    _tq.run("", packing, src_local, dst_local, scale, group)
+    fingerprint = _fingerprint("reshard quant", entries, names, quant=quant, scale_dtype=scale_dtype)
+    _tq.run(_agree(fingerprint, prepare, group, rank), group)
+
+
+def _is_fp8(layout: Layout) -> bool:
+    return layout.dtype in ("fp8e4m3", "fp8e5m2")
 
 
 def _views(refit: Refit, tensors: Mapping[str, torch.Tensor], rank: int, side: str, what: str):
@@ -652,6 +656,30 @@ def _refit_fused(refit: Refit, rank: int, side: str):
     return refit.fused(rank, side)
 
 
+def _refit_scales(refit: Refit, dst, rank: int):
+    """Splits a rank's inference tensors into the weights (and other parameters) and the
+    scale shards of the fp8 weights, by weight name; a fused scale buffer stands for its
+    members' scales (each a view of its slice)."""
+    dst = dict(dst or {})
+    by_scale = {scale: weight for weight, (scale, _) in refit.scales.items()}
+    scales = {}
+    for buffer, members in refit.scale_fused(rank).items():
+        tensor = dst.pop(buffer, None)
+        if tensor is None:
+            continue
+        for weight, dim, offset, extent in members:
+            if tensor.dim() <= dim or tensor.shape[dim] < offset + extent:
+                raise ReshardError(
+                    f"dst: {buffer}: rank {rank}'s fused scale buffer has shape "
+                    f"{tuple(tensor.shape)}, but {weight}'s scales lie at {offset}..{offset + extent} of dim {dim}"
+                )
+            scales[weight] = tensor.narrow(dim, offset, extent)
+    for name in list(dst):
+        if name in by_scale:
+            scales[by_scale[name]] = dst.pop(name)
+    return dst, scales
+
+
 def _refit_pairs(refit: Refit, src, dst, rank: int):
     """Every parameter of ``refit`` as ``reshard_many_``'s pairs, with this rank's tensors."""
     srcs = _views(refit, src or {}, rank, "train", "src")
@@ -678,6 +706,9 @@ def reshard_many_(
     *,
     src: Optional[Mapping[str, torch.Tensor]] = None,
     dst: Optional[Mapping[str, torch.Tensor]] = None,
+    quant: Optional[str] = None,
+    scales: Optional[Mapping[str, Optional[torch.Tensor]]] = None,
+    scale_dtype: Optional[str] = None,
 ) -> None:
     """:func:`reshard_` for many tensors at once (a whole model): ``pairs`` maps a name to
     ``(src_local, dst_local, src_layout, dst_layout)``.
@@ -692,11 +723,26 @@ def reshard_many_(
     packed into one buffer per peer and exchanged in one ``batch_isend_irecv`` per bucket of
     about ``bucket_bytes`` of global tensor data, so two ranks exchange a bounded, equal number
     of messages however many tensors there are. ``checksum`` as for :func:`reshard_`.
+
+    Tensors whose ``dst_layout`` is fp8 (and source is not) are quantized in flight as
+    ``quant`` says (see :func:`reshard_`), their scale shards given by name in ``scales``
+    (None where the rank holds no shard); they move after the others, in one batch for all.
+    With a :class:`reshard.Refit` that has fp8 weights (``infer_quant``), ``quant`` is the
+    refit's and the scale shards come in ``dst`` under the engine's names
+    (``X.weight_scale_inv``, fused ones as ``qkv_proj.weight_scale_inv``; see
+    :attr:`reshard.Refit.scales` and :meth:`reshard.Refit.scale_fused`).
     """
     rank, world = _group_rank(group)
     if rank < 0:
         return  # not a member of the group: nothing to send or receive
     if isinstance(pairs, Refit):
+        if pairs.quant is not None:
+            if quant is not None and quant != pairs.quant:
+                raise ReshardError(f"quant: {quant} differs from the refit's {pairs.quant}")
+            if scales is not None:
+                raise ReshardError("scales: with a reshard.Refit, the scale shards come in dst")
+            quant = pairs.quant
+            dst, scales = _refit_scales(pairs, dst, rank)
         pairs = _refit_pairs(pairs, src, dst, rank)
     elif src is not None or dst is not None:
         raise ReshardError("src, dst: given only with a reshard.Refit (pairs carry their tensors)")
@@ -714,6 +760,39 @@ def reshard_many_(
                 label = f"{name}: " if name else ""
                 raise ReshardError(f"{label}{what}: expected a reshard.Layout, got {type(layout).__name__}")
 
+    # fp8 destinations of other sources, and whatever the caller gives scales for (the
+    # core then names what does not fit)
+    quantized = {
+        name: pairs[name]
+        for name in names
+        if (_is_fp8(pairs[name][3]) and not _is_fp8(pairs[name][2])) or name in (scales or {})
+    }
+    if quantized or quant is not None:
+        if quant is None:
+            name = sorted(quantized)[0]
+            raise ReshardError(
+                f"{name + ': ' if name else ''}dst_layout: dtype {pairs[name][3].dtype} needs quant "
+                f"(a scheme such as 'block:128x128') and the scale shards"
+            )
+        if checksum and quantized:
+            raise ReshardError("checksum: not available with quant yet")
+        scales = dict(scales or {})
+        extra = sorted(set(scales) - set(quantized))
+        if extra:
+            raise ReshardError(f"scales: {extra[0]!r} is not one of the tensors")
+        entries = {name: (*item, scales.get(name)) for name, item in quantized.items()}
+        names = [n for n in names if n not in quantized]
+        pairs = {n: pairs[n] for n in names}
+    elif scales is not None or scale_dtype is not None:
+        raise ReshardError("scales, scale_dtype: given only with quant")
+    if names:
+        _reshard_plain(pairs, names, group, bucket_bytes, checksum, rank, world)
+    if quantized:
+        _reshard_quant(entries, group, quant, scale_dtype, rank, world)
+
+
+def _reshard_plain(pairs, names, group, bucket_bytes: int, checksum: bool, rank: int, world: int) -> None:
+    """:func:`reshard_many_` of tensors of one dtype on both sides."""
     key = (
         group,
         rank,
