@@ -90,10 +90,12 @@ def run(items, group) -> None:
     agreement that every source was finite, one batch of partial amax exchanges, one batch of
     quantized messages, then the unpacking into every destination and scale shard."""
     srcs = [None if it[2] is None else it[2].contiguous() for it in items]
-    outgoing, problem = [], None
+    amaxes, outgoing, problem = [], [], None
     for (label, packing, *_), src in zip(items, srcs):
         try:
-            outgoing.append(packing.amax(src))
+            amax, payloads = packing.amax(src)
+            amaxes.append(amax)
+            outgoing.append(payloads)
         except ReshardError as e:
             problem = f"{label}src_local: {e}"
             break
@@ -120,16 +122,18 @@ def run(items, group) -> None:
         inboxes.append(inbox)
     for request in dist.batch_isend_irecv(ops) if ops else []:
         request.wait()
-    for (_, packing, *_), inbox in zip(items, inboxes):
-        packing.merge([t.numpy().tobytes() for t in inbox])
+    scales = [
+        packing.merge(amax, [t.numpy().tobytes() for t in inbox])
+        for (_, packing, *_), amax, inbox in zip(items, amaxes, inboxes)
+    ]
 
     ops, landed = [], []
-    for (_, packing, *_), src in zip(items, srcs):
+    for (_, packing, *_), src, sc in zip(items, srcs, scales):
         sends = [torch.empty(n, dtype=torch.uint8) for _, n in packing.sends]
         recvs = [torch.empty(n, dtype=torch.uint8) for _, n in packing.recvs]
         local = torch.empty(packing.local_bytes, dtype=torch.uint8) if packing.local_bytes else None
         if sends or local is not None:
-            packing.pack(src, sends, local)
+            packing.pack(sc, src, sends, local)
         ops += [dist.P2POp(dist.isend, b, _peer(group, p), group) for (p, _), b in zip(packing.sends, sends)]
         ops += [dist.P2POp(dist.irecv, b, _peer(group, p), group) for (p, _), b in zip(packing.recvs, recvs)]
         landed.append((recvs, local))

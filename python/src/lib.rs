@@ -54,7 +54,9 @@ mod _core {
     #[pymodule_export]
     use super::plan::{PyPlan, PyRankPlan, PyTransfer, plan, rank_plan};
     #[pymodule_export]
-    use super::quant::{QuantPacking, quant_scale_dtype, quant_scale_shape};
+    use super::quant::{
+        QuantAmax, QuantPacking, QuantScales, quant_scale_dtype, quant_scale_shape,
+    };
     #[pymodule_export]
     use super::refit::PyRefit;
 

@@ -10,8 +10,6 @@
 //! [`QuantPacking::unpack`] (values into the destination shard, scales into the scale shard).
 //! Local copies travel as a message from the rank to itself.
 
-use std::sync::Mutex;
-
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList};
 use reshard::convert::{AmaxGrid, BlockGrid, QuantScheme, ScaleDType, Scales};
@@ -168,21 +166,19 @@ pub(crate) struct QuantPacking {
     sends: Vec<Message>,
     recvs: Vec<Message>,
     local: Option<Message>,
-    /// The local amax between [`QuantPacking::amax`] and [`QuantPacking::merge`], then the
-    /// scales.
-    state: Mutex<(Option<AmaxGrid>, Option<Scales>)>,
 }
 
-impl QuantPacking {
-    fn scales(&self) -> PyResult<Scales> {
-        self.state
-            .lock()
-            .expect("not poisoned")
-            .1
-            .clone()
-            .ok_or_else(|| error("the scales are not known yet: call amax and merge first"))
-    }
+/// A source rank's amax of the blocks its shard touches, before the peers' partial amax are
+/// merged ([`QuantPacking::amax`]). One per tensor and call: tensors of equal layouts share
+/// their [`QuantPacking`], never this.
+#[pyclass(frozen, module = "reshard", name = "QuantAmax")]
+pub(crate) struct QuantAmax(AmaxGrid);
 
+/// A source rank's scales of one tensor in one call ([`QuantPacking::merge`]).
+#[pyclass(frozen, module = "reshard", name = "QuantScales")]
+pub(crate) struct QuantScales(Scales);
+
+impl QuantPacking {
     /// Quantizes the message `m` from the source shard `src` into `out`.
     fn pack_one(&self, m: &Message, scales: &Scales, src: &[u8], out: &mut [u8]) {
         let shard = self
@@ -279,7 +275,6 @@ impl QuantPacking {
             sends,
             recvs,
             local,
-            state: Mutex::new((None, None)),
         })
     }
 
@@ -323,17 +318,17 @@ impl QuantPacking {
     }
 
     /// Computes the amax of the blocks the source shard `src` (a contiguous CPU tensor, or
-    /// None on a rank that is no source) touches; returns the partial amax this rank sends
-    /// each peer of [`QuantPacking::amax_messages`]. A non-finite value is an error naming its
-    /// block and element.
+    /// None on a rank that is no source) touches: `(amax, payloads)`, the partial amax this
+    /// rank sends each peer of [`QuantPacking::amax_messages`] among them (`amax` None on a
+    /// rank that is no source). A non-finite value is an error naming its block and element.
+    #[allow(clippy::type_complexity)]
     fn amax<'py>(
         &self,
         py: Python<'py>,
         src: &Bound<'py, PyAny>,
-    ) -> PyResult<Vec<Bound<'py, PyBytes>>> {
+    ) -> PyResult<(Option<QuantAmax>, Vec<Bound<'py, PyBytes>>)> {
         let Some(shard) = &self.src_shard else {
-            *self.state.lock().expect("not poisoned") = (None, None);
-            return Ok(Vec::new());
+            return Ok((None, Vec::new()));
         };
         let r = raw(src, self.src_bytes(), "src_local")?;
         // SAFETY: the caller holds `src` for the call; nothing writes it meanwhile.
@@ -347,16 +342,18 @@ impl QuantPacking {
             .iter()
             .map(|(_, b)| PyBytes::new(py, &local.payload(b)))
             .collect();
-        *self.state.lock().expect("not poisoned") = (Some(local), None);
-        Ok(out)
+        Ok((Some(QuantAmax(local)), out))
     }
 
     /// Merges the peers' partial amax (one payload per [`QuantPacking::amax_messages`], in
-    /// order) and computes the scales.
-    fn merge(&self, payloads: Vec<Vec<u8>>) -> PyResult<()> {
-        let mut state = self.state.lock().expect("not poisoned");
-        let Some(mut local) = state.0.take() else {
-            return Ok(());
+    /// order) into `amax` and returns the scales (None on a rank that is no source).
+    fn merge(
+        &self,
+        amax: Option<&Bound<'_, QuantAmax>>,
+        payloads: Vec<Vec<u8>>,
+    ) -> PyResult<Option<QuantScales>> {
+        let Some(amax) = amax else {
+            return Ok(None);
         };
         if payloads.len() != self.amax.len() {
             return Err(error(format!(
@@ -365,20 +362,26 @@ impl QuantPacking {
                 payloads.len()
             )));
         }
+        let mut local = amax.get().0.clone();
         for ((_, blocks), p) in self.amax.iter().zip(&payloads) {
             local.merge(blocks, p).map_err(error)?;
         }
-        state.1 = Some(Scales::new(self.qp.quant, &self.qp.grid, &local));
-        Ok(())
+        Ok(Some(QuantScales(Scales::new(
+            self.qp.quant,
+            &self.qp.grid,
+            &local,
+        ))))
     }
 
     /// Quantizes every send message into its buffer (contiguous CPU uint8 tensors, one per
     /// [`QuantPacking::sends`]) and the local message into `local` (None without one), from
-    /// the source shard `src`, with the GIL released.
-    #[pyo3(signature = (src, buffers, local = None))]
+    /// the source shard `src` with `scales` (from [`QuantPacking::merge`]), with the GIL
+    /// released.
+    #[pyo3(signature = (scales, src, buffers, local = None))]
     fn pack(
         &self,
         py: Python<'_>,
+        scales: &Bound<'_, QuantScales>,
         src: &Bound<'_, PyAny>,
         buffers: &Bound<'_, PyList>,
         local: Option<&Bound<'_, PyAny>>,
@@ -386,7 +389,7 @@ impl QuantPacking {
         if self.sends.is_empty() && self.local.is_none() {
             return Ok(());
         }
-        let scales = self.scales()?;
+        let scales = &scales.get().0;
         let s = raw(src, self.src_bytes(), "src_local")?;
         if buffers.len() != self.sends.len() {
             return Err(error(format!(
@@ -406,7 +409,7 @@ impl QuantPacking {
             // SAFETY: the caller holds the tensors for the call; the buffers are distinct.
             let src = unsafe { bytes_mut(s) };
             for (m, r) in outs {
-                self.pack_one(m, &scales, src, unsafe { bytes_mut(r) });
+                self.pack_one(m, scales, src, unsafe { bytes_mut(r) });
             }
         });
         Ok(())

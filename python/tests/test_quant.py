@@ -305,3 +305,146 @@ def test_scale_shape():
     with pytest.raises(reshard.ReshardError, match="quant"):
         reshard.quant_scale_shape(dst, 5, "block:0x2")
     assert rt.scale_tensor(dst, 5, "mx:32").dtype == torch.uint8
+
+
+def mixed_many(rank, world):
+    """reshard_many_ with an fp8 destination quantized and a plain tensor beside it."""
+    shape = (24, 32)
+    full_w = varied(shape, torch.bfloat16, 11)
+    full_n = varied((32,), torch.bfloat16, 12)
+    w_src = layout(shape, "bf16", (3,), [0, 1, 2], ["S(0)"])
+    w_dst = layout(shape, "fp8e4m3", (2,), [2, 3], ["S(1)"])
+    n_src = layout((32,), "bf16", (2,), [0, 1], ["S(0)"])
+    n_dst = layout((32,), "bf16", (2,), [2, 3], ["R"])
+
+    def shard(lay, full, dtype=None):
+        region = lay.local_region(rank)
+        if region is None:
+            return None
+        if dtype is not None:
+            return torch.zeros(region[1], dtype=dtype)
+        return rt.local_tensor(lay, rank, full).clone()
+
+    w = shard(w_dst, None, torch.float8_e4m3fn)
+    n = shard(n_dst, None, torch.bfloat16)
+    scale = rt.scale_tensor(w_dst, rank, "block:8x16")
+    for _ in range(2):  # a second call reuses what the first agreed on
+        rt.reshard_many_(
+            {
+                "w": (shard(w_src, full_w), w, w_src, w_dst),
+                "n": (shard(n_src, full_n), n, n_src, n_dst),
+            },
+            quant="block:8x16",
+            scales={"w": scale},
+        )
+    if rank in (2, 3):
+        q, s = reference(full_w, "block:8x16", "fp8e4m3")
+        offset, extent = w_dst.local_region(rank)
+        assert torch.equal(w.view(torch.uint8), q[:, offset[1] : offset[1] + extent[1]])
+        assert torch.equal(scale, s[:, offset[1] // 16 : (offset[1] + extent[1]) // 16])
+        assert torch.equal(n, full_n)
+    with pytest.raises(reshard.ReshardError, match="w: dst_layout: dtype fp8e4m3 needs quant"):
+        rt.reshard_many_({"w": (shard(w_src, full_w), w, w_src, w_dst)})
+
+
+def test_reshard_many_quantizes_fp8_destinations():
+    run_ranks(mixed_many, 4)
+
+
+TINY_MOE = {
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "vocab_size": 96,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "moe_intermediate_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+}
+
+
+def moe_refit(rank, world, config):
+    refit = reshard.Refit(config, train="tp=2", infer="tp=2", infer_quant="fp8-block:16x16")
+    assert refit.quant == "block:16x16"
+    base = refit.infer_base
+    src, dst, want = {}, {}, {}
+    fused = refit.fused(rank)
+    scale_fused = refit.scale_fused(rank)
+    members = {m for ms in fused.values() for m, *_ in ms}
+    in_scale_buffers = {m for ms in scale_fused.values() for m, *_ in ms}
+    for k, name in enumerate(refit.names):
+        s_layout, d_layout = refit.layouts(name)
+        full = varied(tuple(s_layout.shape), rt.torch_dtype(s_layout), 300 + k)
+        if rank in s_layout.ranks:
+            src[name] = rt.local_tensor(s_layout, rank, full).clone()
+        if rank not in d_layout.ranks:
+            continue
+        if name in refit.scales:
+            scale_name, scale_shape = refit.scales[name]
+            q, s = reference(full, refit.quant, d_layout.dtype)
+            offset, extent = d_layout.local_region(rank)
+            blocks = blocks_touching(offset, extent, block_shape(refit.quant, list(d_layout.shape)))
+            want[name] = (q[tuple(slice(o, o + e) for o, e in zip(offset, extent))], s[blocks])
+            if name not in in_scale_buffers:
+                dst[scale_name] = torch.zeros(tuple(reshard.quant_scale_shape(d_layout, rank, refit.quant)))
+        else:
+            want[name] = (rt.local_tensor(d_layout, rank, full), None)
+        if name not in members:
+            dst[name] = torch.zeros(d_layout.local_shape(rank), dtype=rt.torch_dtype(d_layout))
+    for buffers, ms_of in ((fused, lambda n: refit.layouts(n)[1].local_shape(rank)), (scale_fused, None)):
+        for buffer, ms in buffers.items():
+            first = refit.layouts(ms[0][0])[1]
+            dim = ms[0][1]
+            if ms_of is not None:
+                shape = list(first.local_shape(rank))
+                dtype = rt.torch_dtype(first)
+            else:
+                shape = list(reshard.quant_scale_shape(first, rank, refit.quant))
+                dtype = torch.float32
+            shape[dim] = sum(e for *_, e in ms)
+            dst[buffer] = torch.zeros(shape, dtype=dtype)
+    if rank >= base:
+        assert any(b.endswith("w13_weight_scale_inv") for b in scale_fused), scale_fused
+        assert any(n.endswith("w2_weight_scale_inv") for n in dst), sorted(dst)
+
+    rt.reshard_many_(refit, src=src, dst=dst)
+
+    def got(name):
+        for buffer, ms in fused.items():
+            for m, dim, off, ext in ms:
+                if m == name:
+                    return dst[buffer].narrow(dim, off, ext)
+        return dst[name]
+
+    def got_scale(name):
+        for buffer, ms in scale_fused.items():
+            for m, dim, off, ext in ms:
+                if m == name:
+                    return dst[buffer].narrow(dim, off, ext)
+        return dst[refit.scales[name][0]]
+
+    for name, (values, scales) in want.items():
+        g = got(name)
+        if scales is None:
+            assert torch.equal(g, values), name
+        else:
+            assert torch.equal(g.view(torch.uint8), values), name
+            assert torch.equal(got_scale(name), scales), name
+    if rank >= base:
+        assert len(want) == len(refit.names)
+
+
+def test_moe_refit_into_fp8_with_scales(tmp_path):
+    import json
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(TINY_MOE))
+    run_ranks(moe_refit, 4, str(config))
