@@ -585,11 +585,9 @@ def reshard_(
         group=group,
         checksum=checksum,
         quant=quant,
-        scales=None if quant is None else {"": scale},
+        scales=None if quant is None and scale is None else {"": scale},
         scale_dtype=scale_dtype,
     )
-    if quant is None and (scale is not None or scale_dtype is not None):
-        raise ReshardError("scale, scale_dtype: given only with quant")
 
 
 def _reshard_quant(entries, group, quant, scale_dtype, rank: int, world: int) -> None:
@@ -760,6 +758,8 @@ def reshard_many_(
                 label = f"{name}: " if name else ""
                 raise ReshardError(f"{label}{what}: expected a reshard.Layout, got {type(layout).__name__}")
 
+    if quant is None and (scales is not None or scale_dtype is not None):
+        raise ReshardError("scale, scale_dtype: given only with quant")
     # fp8 destinations of other sources, and whatever the caller gives scales for (the
     # core then names what does not fit)
     quantized = {
@@ -783,8 +783,6 @@ def reshard_many_(
         entries = {name: (*item, scales.get(name)) for name, item in quantized.items()}
         names = [n for n in names if n not in quantized]
         pairs = {n: pairs[n] for n in names}
-    elif scales is not None or scale_dtype is not None:
-        raise ReshardError("scales, scale_dtype: given only with quant")
     if names:
         _reshard_plain(pairs, names, group, bucket_bytes, checksum, rank, world)
     if quantized:

@@ -277,6 +277,8 @@ def errors(rank, world):
     raises("dst: a shard boundary at 8 along dim 1 cuts a quantization block of 16x16", quant="block:16x16", dst=cut, scale=torch.zeros(1, 1))
     raises("scale: rank .* holds a scale shard of shape \\(2, 1\\)", quant="block:8x8", scale=torch.zeros(2, 2))
     raises("scale_dtype e8m0: quant block:8x8 has scales that are not powers of two", quant="block:8x8", scale=scale, scale_dtype="e8m0")
+    with pytest.raises(reshard.ReshardError, match="scale, scale_dtype: given only with quant"):
+        rt.reshard_(s, torch.zeros(16, 8, dtype=torch.bfloat16), src, bf16, scale=scale)
     # a NaN on rank 1 fails every rank, naming the block, before any value moves
     bad = s.clone()
     if rank == 1:
