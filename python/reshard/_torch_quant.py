@@ -45,7 +45,10 @@ def check_scale(label: str, scale, packing: QuantPacking, rank: int) -> None:
     shape = packing.scale_shape
     if shape is None:
         if scale is not None:
-            raise ReshardError(f"{label}scale: rank {rank} holds no destination shard, yet a scale tensor was given (pass None)")
+            raise ReshardError(
+                f"{label}scale: rank {rank} holds no destination shard, "
+                "yet a scale tensor was given (pass None)"
+            )
         return
     want = _SCALE_DTYPES[packing.scale_dtype]
     if not isinstance(scale, torch.Tensor):
@@ -60,15 +63,21 @@ def check_scale(label: str, scale, packing: QuantPacking, rank: int) -> None:
             f"given has shape {tuple(scale.shape)} and dtype {str(scale.dtype).removeprefix('torch.')}"
         )
     if scale.device.type != "cpu":
-        raise ReshardError(f"{label}scale: the tensor is on {scale.device}; quantizing in flight runs on CPU tensors only")
+        raise ReshardError(
+            f"{label}scale: the tensor is on {scale.device}; quantizing in flight runs on CPU tensors only"
+        )
 
 
 def check_cpu(label: str, what: str, tensor) -> None:
     if tensor is not None and tensor.device.type != "cpu":
-        raise ReshardError(f"{label}{what}: the tensor is on {tensor.device}; quantizing in flight runs on CPU tensors only")
+        raise ReshardError(
+            f"{label}{what}: the tensor is on {tensor.device}; quantizing in flight runs on CPU tensors only"
+        )
 
 
-def scale_tensor(dst_layout: Layout, rank: int, quant: str, scale_dtype: Optional[str] = None) -> Optional[torch.Tensor]:
+def scale_tensor(
+    dst_layout: Layout, rank: int, quant: str, scale_dtype: Optional[str] = None
+) -> Optional[torch.Tensor]:
     """A zeroed scale shard for ``rank`` (None if it holds no shard of ``dst_layout``), of the
     shape and dtype ``reshard_(..., quant=quant, scale=...)`` writes: f32 scales, or one
     ``uint8`` biased exponent per block for e8m0."""
@@ -142,10 +151,66 @@ def run(items, group) -> None:
     for (_, packing, _, dst_local, scale), (recvs, local) in zip(items, landed):
         if dst_local is None:
             continue
-        target = dst_local if dst_local.is_contiguous() else torch.empty_like(dst_local, memory_format=torch.contiguous_format)
-        scales = scale if scale.is_contiguous() else torch.empty_like(scale, memory_format=torch.contiguous_format)
+        dense = torch.contiguous_format
+        target = dst_local if dst_local.is_contiguous() else torch.empty_like(dst_local, memory_format=dense)
+        scales = scale if scale.is_contiguous() else torch.empty_like(scale, memory_format=dense)
         packing.unpack(recvs, target, scales, local)
         if target is not dst_local:
             dst_local.view(torch.uint8).copy_(target.view(torch.uint8))
         if scales is not scale:
             scale.copy_(scales)
+
+
+def reshard(entries, group, quant, scale_dtype, rank: int, world: int) -> None:
+    """Reshards ``entries`` (name -> ``(src_local, dst_local, src_layout, dst_layout,
+    scale)``) into fp8 with scales (see :mod:`reshard._torch_quant`); checked through the
+    group before any byte moves, as :func:`reshard_many_`."""
+    from .torch import _agree, _check_ranks, _check_tensor, _fingerprint
+
+    names = sorted(entries)
+
+    def prepare():
+        items = []
+        for name in names:
+            src_local, dst_local, src_layout, dst_layout, scale = entries[name]
+            label = f"{name}: " if name else ""
+            for what, layout in (("src_layout", src_layout), ("dst_layout", dst_layout)):
+                _check_ranks(label, what, layout, world)
+            packing = packing_of(label, src_layout, dst_layout, rank, quant, scale_dtype)
+            sides = (("src_local", src_local, src_layout), ("dst_local", dst_local, dst_layout))
+            for what, tensor, layout in sides:
+                region = layout.local_region(rank)
+                shape = None if region is None else tuple(region[1])
+                _check_tensor(label, what, tensor, layout, shape, rank)
+                check_cpu(label, what, tensor)
+            check_scale(label, scale, packing, rank)
+            items.append((label, packing, src_local, dst_local, scale))
+        return items
+
+    fingerprint = _fingerprint("reshard quant", entries, names, quant=quant, scale_dtype=scale_dtype)
+    run(_agree(fingerprint, prepare, group, rank), group)
+
+
+def refit_scales(refit, dst, rank: int):
+    """Splits a rank's inference tensors into the weights (and other parameters) and the
+    scale shards of the fp8 weights, by weight name; a fused scale buffer stands for its
+    members' scales (each a view of its slice)."""
+    dst = dict(dst or {})
+    by_scale = {scale: weight for weight, (scale, _) in refit.scales.items()}
+    scales = {}
+    for buffer, members in refit.scale_fused(rank).items():
+        tensor = dst.pop(buffer, None)
+        if tensor is None:
+            continue
+        for weight, dim, offset, extent in members:
+            if tensor.dim() <= dim or tensor.shape[dim] < offset + extent:
+                raise ReshardError(
+                    f"dst: {buffer}: rank {rank}'s fused scale buffer has shape "
+                    f"{tuple(tensor.shape)}, but {weight}'s scales lie at "
+                    f"{offset}..{offset + extent} of dim {dim}"
+                )
+            scales[weight] = tensor.narrow(dim, offset, extent)
+    for name in list(dst):
+        if name in by_scale:
+            scales[by_scale[name]] = dst.pop(name)
+    return dst, scales

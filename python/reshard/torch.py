@@ -590,32 +590,6 @@ def reshard_(
     )
 
 
-def _reshard_quant(entries, group, quant, scale_dtype, rank: int, world: int) -> None:
-    """Reshards ``entries`` (name -> ``(src_local, dst_local, src_layout, dst_layout,
-    scale)``) into fp8 with scales (see :mod:`reshard._torch_quant`); checked through the
-    group before any byte moves, as :func:`reshard_many_`."""
-    names = sorted(entries)
-
-    def prepare():
-        items = []
-        for name in names:
-            src_local, dst_local, src_layout, dst_layout, scale = entries[name]
-            label = f"{name}: " if name else ""
-            for what, layout in (("src_layout", src_layout), ("dst_layout", dst_layout)):
-                _check_ranks(label, what, layout, world)
-            packing = _tq.packing_of(label, src_layout, dst_layout, rank, quant, scale_dtype)
-            for what, tensor, layout in (("src_local", src_local, src_layout), ("dst_local", dst_local, dst_layout)):
-                region = layout.local_region(rank)
-                _check_tensor(label, what, tensor, layout, None if region is None else tuple(region[1]), rank)
-                _tq.check_cpu(label, what, tensor)
-            _tq.check_scale(label, scale, packing, rank)
-            items.append((label, packing, src_local, dst_local, scale))
-        return items
-
-    fingerprint = _fingerprint("reshard quant", entries, names, quant=quant, scale_dtype=scale_dtype)
-    _tq.run(_agree(fingerprint, prepare, group, rank), group)
-
-
 def _is_fp8(layout: Layout) -> bool:
     return layout.dtype in ("fp8e4m3", "fp8e5m2")
 
@@ -652,30 +626,6 @@ def _refit_layouts(refit: Refit) -> Tuple[Tuple[str, Layout, Layout], ...]:
 @functools.lru_cache(maxsize=64)
 def _refit_fused(refit: Refit, rank: int, side: str):
     return refit.fused(rank, side)
-
-
-def _refit_scales(refit: Refit, dst, rank: int):
-    """Splits a rank's inference tensors into the weights (and other parameters) and the
-    scale shards of the fp8 weights, by weight name; a fused scale buffer stands for its
-    members' scales (each a view of its slice)."""
-    dst = dict(dst or {})
-    by_scale = {scale: weight for weight, (scale, _) in refit.scales.items()}
-    scales = {}
-    for buffer, members in refit.scale_fused(rank).items():
-        tensor = dst.pop(buffer, None)
-        if tensor is None:
-            continue
-        for weight, dim, offset, extent in members:
-            if tensor.dim() <= dim or tensor.shape[dim] < offset + extent:
-                raise ReshardError(
-                    f"dst: {buffer}: rank {rank}'s fused scale buffer has shape "
-                    f"{tuple(tensor.shape)}, but {weight}'s scales lie at {offset}..{offset + extent} of dim {dim}"
-                )
-            scales[weight] = tensor.narrow(dim, offset, extent)
-    for name in list(dst):
-        if name in by_scale:
-            scales[by_scale[name]] = dst.pop(name)
-    return dst, scales
 
 
 def _refit_pairs(refit: Refit, src, dst, rank: int):
@@ -740,7 +690,7 @@ def reshard_many_(
             if scales is not None:
                 raise ReshardError("scales: with a reshard.Refit, the scale shards come in dst")
             quant = pairs.quant
-            dst, scales = _refit_scales(pairs, dst, rank)
+            dst, scales = _tq.refit_scales(pairs, dst, rank)
         pairs = _refit_pairs(pairs, src, dst, rank)
     elif src is not None or dst is not None:
         raise ReshardError("src, dst: given only with a reshard.Refit (pairs carry their tensors)")
@@ -786,7 +736,7 @@ def reshard_many_(
     if names:
         _reshard_plain(pairs, names, group, bucket_bytes, checksum, rank, world)
     if quantized:
-        _reshard_quant(entries, group, quant, scale_dtype, rank, world)
+        _tq.reshard(entries, group, quant, scale_dtype, rank, world)
 
 
 def _reshard_plain(pairs, names, group, bucket_bytes: int, checksum: bool, rank: int, world: int) -> None:

@@ -272,11 +272,29 @@ def errors(rank, world):
 
     raises("quant: block:8 is invalid: block size `8` is not RxC", quant="block:8", scale=scale)
     bf16 = layout((16, 16), "bf16", (2,), [0, 1], ["S(1)"])
-    raises("quant channel: the destination dtype is bf16", quant="channel", dst=bf16, d=d.to(torch.bfloat16), scale=scale)
+    raises(
+        "quant channel: the destination dtype is bf16",
+        quant="channel",
+        dst=bf16,
+        d=d.to(torch.bfloat16),
+        scale=scale,
+    )
     cut = layout((16, 16), "fp8e4m3", (2,), [0, 1], ["S(1)"])
-    raises("dst: a shard boundary at 8 along dim 1 cuts a quantization block of 16x16", quant="block:16x16", dst=cut, scale=torch.zeros(1, 1))
-    raises("scale: rank .* holds a scale shard of shape \\(2, 1\\)", quant="block:8x8", scale=torch.zeros(2, 2))
-    raises("scale_dtype e8m0: quant block:8x8 has scales that are not powers of two", quant="block:8x8", scale=scale, scale_dtype="e8m0")
+    raises(
+        "dst: a shard boundary at 8 along dim 1 cuts a quantization block of 16x16",
+        quant="block:16x16",
+        dst=cut,
+        scale=torch.zeros(1, 1),
+    )
+    raises(
+        "scale: rank .* holds a scale shard of shape \\(2, 1\\)", quant="block:8x8", scale=torch.zeros(2, 2)
+    )
+    raises(
+        "scale_dtype e8m0: quant block:8x8 has scales that are not powers of two",
+        quant="block:8x8",
+        scale=scale,
+        scale_dtype="e8m0",
+    )
     with pytest.raises(reshard.ReshardError, match="scale, scale_dtype: given only with quant"):
         rt.reshard_(s, torch.zeros(16, 8, dtype=torch.bfloat16), src, bf16, scale=scale)
     # a NaN on rank 1 fails every rank, naming the block, before any value moves
@@ -284,7 +302,12 @@ def errors(rank, world):
     if rank == 1:
         bad[3, 5] = float("nan")
     d.fill_(1.0)
-    raises(r"(rank 1: )?src_local: block \[1, 0\] holds a non-finite value \(NaN\) at element \[11, 5\]", quant="block:8x8", s=bad, scale=torch.zeros(2, 1))
+    raises(
+        r"(rank 1: )?src_local: block \[1, 0\] holds a non-finite value \(NaN\) at element \[11, 5\]",
+        quant="block:8x8",
+        s=bad,
+        scale=torch.zeros(2, 1),
+    )
     assert torch.all(d.view(torch.uint8) == torch.tensor(1.0).to(torch.float8_e4m3fn).view(torch.uint8))
     # the group still works afterwards
     rt.reshard_(s, d, src, dst, quant="block:8x8", scale=scale)
