@@ -733,7 +733,7 @@ def reshard_many_(
         entries = {name: (*item, scales.get(name)) for name, item in quantized.items()}
         names = [n for n in names if n not in quantized]
         pairs = {n: pairs[n] for n in names}
-    if names:
+    if names or not quantized:
         _reshard_plain(pairs, names, group, bucket_bytes, checksum, rank, world)
     if quantized:
         _tq.reshard(entries, group, quant, scale_dtype, rank, world)
