@@ -31,6 +31,8 @@ from ._core import (
     Transfer,
     __version__,
     plan,
+    quant_scale_dtype,
+    quant_scale_shape,
     rank_plan,
 )
 
@@ -46,5 +48,7 @@ __all__ = [
     "Transfer",
     "__version__",
     "plan",
+    "quant_scale_dtype",
+    "quant_scale_shape",
     "rank_plan",
 ]

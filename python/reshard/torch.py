@@ -32,7 +32,9 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 import torch
 import torch.distributed as dist
 
+from . import _torch_quant as _tq
 from ._core import Layout, Packing, Refit, ReshardError, crc32c, rank_plan
+from ._torch_quant import scale_tensor
 
 __all__ = [
     "reshard_",
@@ -40,6 +42,7 @@ __all__ = [
     "torch_dtype",
     "local_tensor",
     "free_staging",
+    "scale_tensor",
     "DEFAULT_BUCKET_BYTES",
 ]
 
@@ -542,6 +545,10 @@ def reshard_(
     dst_layout: Layout,
     group=None,
     checksum: bool = False,
+    *,
+    quant: Optional[str] = None,
+    scale: Optional[torch.Tensor] = None,
+    scale_dtype: Optional[str] = None,
 ) -> None:
     """Fill ``dst_local`` (this rank's shard in ``dst_layout``) from the source shards.
 
@@ -562,10 +569,29 @@ def reshard_(
     With ``checksum=True`` (on every rank alike), each message carries the CRC-32C of every
     transfer it holds, and a receiver raises :class:`reshard.ReshardError` naming a transfer
     that arrived changed (sender, receiver, offset, extent), before it unpacks any message.
+
+    With ``quant`` (``"block:128x128"``, ``"block:128x128:ue8m0"``, ``"mx:32"``, ``"channel"``
+    or ``"tensor"``), ``dst_layout`` is fp8 (``fp8e4m3`` or ``fp8e5m2``) and the source f64,
+    f32, bf16 or f16, on CPU tensors: the senders quantize while they pack (the wire carries
+    fp8), source ranks whose shards share a block first exchange their partial amax, and each
+    destination rank's scales are written into ``scale``, its scale shard (shape
+    :func:`reshard.quant_scale_shape`, f32, or uint8 biased exponents with
+    ``scale_dtype="e8m0"``; :func:`scale_tensor` allocates one). Destination shard boundaries
+    must fall on block boundaries. A NaN or infinity in a source raises
+    :class:`reshard.ReshardError` on every rank, naming the block, before any value moves.
     """
     reshard_many_(
-        {"": (src_local, dst_local, src_layout, dst_layout)}, group=group, checksum=checksum
+        {"": (src_local, dst_local, src_layout, dst_layout)},
+        group=group,
+        checksum=checksum,
+        quant=quant,
+        scales=None if quant is None and scale is None else {"": scale},
+        scale_dtype=scale_dtype,
     )
+
+
+def _is_fp8(layout: Layout) -> bool:
+    return layout.dtype in ("fp8e4m3", "fp8e5m2")
 
 
 def _views(refit: Refit, tensors: Mapping[str, torch.Tensor], rank: int, side: str, what: str):
@@ -628,6 +654,9 @@ def reshard_many_(
     *,
     src: Optional[Mapping[str, torch.Tensor]] = None,
     dst: Optional[Mapping[str, torch.Tensor]] = None,
+    quant: Optional[str] = None,
+    scales: Optional[Mapping[str, Optional[torch.Tensor]]] = None,
+    scale_dtype: Optional[str] = None,
 ) -> None:
     """:func:`reshard_` for many tensors at once (a whole model): ``pairs`` maps a name to
     ``(src_local, dst_local, src_layout, dst_layout)``.
@@ -642,11 +671,26 @@ def reshard_many_(
     packed into one buffer per peer and exchanged in one ``batch_isend_irecv`` per bucket of
     about ``bucket_bytes`` of global tensor data, so two ranks exchange a bounded, equal number
     of messages however many tensors there are. ``checksum`` as for :func:`reshard_`.
+
+    Tensors whose ``dst_layout`` is fp8 (and source is not) are quantized in flight as
+    ``quant`` says (see :func:`reshard_`), their scale shards given by name in ``scales``
+    (None where the rank holds no shard); they move after the others, in one batch for all.
+    With a :class:`reshard.Refit` that has fp8 weights (``infer_quant``), ``quant`` is the
+    refit's and the scale shards come in ``dst`` under the engine's names
+    (``X.weight_scale_inv``, fused ones as ``qkv_proj.weight_scale_inv``; see
+    :attr:`reshard.Refit.scales` and :meth:`reshard.Refit.scale_fused`).
     """
     rank, world = _group_rank(group)
     if rank < 0:
         return  # not a member of the group: nothing to send or receive
     if isinstance(pairs, Refit):
+        if pairs.quant is not None:
+            if quant is not None and quant != pairs.quant:
+                raise ReshardError(f"quant: {quant} differs from the refit's {pairs.quant}")
+            if scales is not None:
+                raise ReshardError("scales: with a reshard.Refit, the scale shards come in dst")
+            quant = pairs.quant
+            dst, scales = _tq.refit_scales(pairs, dst, rank)
         pairs = _refit_pairs(pairs, src, dst, rank)
     elif src is not None or dst is not None:
         raise ReshardError("src, dst: given only with a reshard.Refit (pairs carry their tensors)")
@@ -664,6 +708,39 @@ def reshard_many_(
                 label = f"{name}: " if name else ""
                 raise ReshardError(f"{label}{what}: expected a reshard.Layout, got {type(layout).__name__}")
 
+    if quant is None and (scales is not None or scale_dtype is not None):
+        raise ReshardError("scale, scale_dtype: given only with quant")
+    # fp8 destinations of other sources, and whatever the caller gives scales for (the
+    # core then names what does not fit)
+    quantized = {
+        name: pairs[name]
+        for name in names
+        if (_is_fp8(pairs[name][3]) and not _is_fp8(pairs[name][2])) or name in (scales or {})
+    }
+    if quantized or quant is not None:
+        if quant is None:
+            name = sorted(quantized)[0]
+            raise ReshardError(
+                f"{name + ': ' if name else ''}dst_layout: dtype {pairs[name][3].dtype} needs quant "
+                f"(a scheme such as 'block:128x128') and the scale shards"
+            )
+        if checksum and quantized:
+            raise ReshardError("checksum: not available with quant yet")
+        scales = dict(scales or {})
+        extra = sorted(set(scales) - set(quantized))
+        if extra:
+            raise ReshardError(f"scales: {extra[0]!r} is not one of the tensors")
+        entries = {name: (*item, scales.get(name)) for name, item in quantized.items()}
+        names = [n for n in names if n not in quantized]
+        pairs = {n: pairs[n] for n in names}
+    if names or not quantized:
+        _reshard_plain(pairs, names, group, bucket_bytes, checksum, rank, world)
+    if quantized:
+        _tq.reshard(entries, group, quant, scale_dtype, rank, world)
+
+
+def _reshard_plain(pairs, names, group, bucket_bytes: int, checksum: bool, rank: int, world: int) -> None:
+    """:func:`reshard_many_` of tensors of one dtype on both sides."""
     key = (
         group,
         rank,

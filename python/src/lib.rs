@@ -9,6 +9,7 @@ mod checksum;
 mod layout;
 mod pack;
 mod plan;
+mod quant;
 mod refit;
 mod values;
 
@@ -52,6 +53,10 @@ mod _core {
     use super::pack::Packing;
     #[pymodule_export]
     use super::plan::{PyPlan, PyRankPlan, PyTransfer, plan, rank_plan};
+    #[pymodule_export]
+    use super::quant::{
+        QuantAmax, QuantPacking, QuantScales, quant_scale_dtype, quant_scale_shape,
+    };
     #[pymodule_export]
     use super::refit::PyRefit;
 

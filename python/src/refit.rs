@@ -68,7 +68,12 @@ impl PyRefit {
     /// command line (`"tp=2,pp=2"`, `"tp=4"`); `overrides`: `[train:|infer:]GLOB=KIND` rules
     /// applied before the defaults. Raises `ReshardError` with the command line's message.
     #[new]
-    #[pyo3(signature = (model, train, infer, colocated = false, overrides = Vec::new(), min_split_bytes = None))]
+    ///
+    /// `infer_quant`: the inference side's fp8 weights as `refit --infer-quant` takes them
+    /// (`"fp8-block"`, `"fp8-block:128x128"`, `"none"`); by default the model config's
+    /// `quantization_config`, if any. Quantized weights get an fp8 inference layout and a
+    /// scale tensor each (`Refit.scales`).
+    #[pyo3(signature = (model, train, infer, colocated = false, overrides = Vec::new(), min_split_bytes = None, infer_quant = None))]
     fn new(
         model: &Bound<'_, PyAny>,
         train: &str,
@@ -76,8 +81,9 @@ impl PyRefit {
         colocated: bool,
         overrides: Vec<String>,
         min_split_bytes: Option<u64>,
+        infer_quant: Option<&str>,
     ) -> PyResult<PyRefit> {
-        use reshard::model::{Inference, Model, Ranks, Refit, Rules, Training};
+        use reshard::model::{InferQuant, Inference, Model, Ranks, Refit, Rules, Training};
         // a str or an os.PathLike
         let model = model.str()?.to_string();
         let rules = overrides
@@ -92,7 +98,14 @@ impl PyRefit {
         } else {
             Ranks::Disjoint
         };
-        let inner = Refit::new(&loaded, &train, &infer, &rules, ranks).map_err(error)?;
+        let mut inner = Refit::new(&loaded, &train, &infer, &rules, ranks).map_err(error)?;
+        let quant = match infer_quant {
+            Some(text) => InferQuant::parse(text).map_err(error)?,
+            None => loaded.quant.clone(),
+        };
+        if let Some(q) = &quant {
+            inner = inner.quantized(q).map_err(error)?;
+        }
         let index = inner
             .tensors
             .iter()
@@ -183,6 +196,61 @@ impl PyRefit {
             if let Some(members) = self.members(f, side, rank) {
                 out.set_item(&f.name, members)?;
             }
+        }
+        Ok(out)
+    }
+
+    /// The quantization scheme of the fp8 weights (`"block:128x128"`), None without one.
+    #[getter]
+    fn quant(&self) -> Option<String> {
+        self.inner
+            .quant
+            .as_ref()
+            .map(|q| q.spec.scheme().to_string())
+    }
+
+    /// Every quantized weight's scale tensor: weight name -> `(scale name, scale shape)`,
+    /// the scale under vLLM's name (`X.weight_scale_inv`, `...experts.w2_weight_scale_inv`).
+    #[getter]
+    fn scales<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let out = PyDict::new(py);
+        if let Some(q) = &self.inner.quant {
+            for s in &q.scales {
+                let weight = &self.inner.tensors[s.tensor].name;
+                out.set_item(weight, (s.name.clone(), s.shape.clone()))?;
+            }
+        }
+        Ok(out)
+    }
+
+    /// The fused scale buffers an inference `rank` holds (`qkv_proj.weight_scale_inv`,
+    /// `w13_weight_scale_inv`): buffer name -> `[(member weight name, dim, offset, extent)]`,
+    /// each member's scale shard at `offset` along `dim` of the rank's buffer, in blocks.
+    fn scale_fused<'py>(&self, py: Python<'py>, rank: usize) -> PyResult<Bound<'py, PyDict>> {
+        let out = PyDict::new(py);
+        let Some(q) = &self.inner.quant else {
+            return Ok(out);
+        };
+        let block = q.spec.block;
+        for f in &self.inner.dst_fused {
+            let name = reshard::model::scale_name(&f.name);
+            if !q.fused.iter().any(|g| g.name == name) {
+                continue;
+            }
+            let Some(members) = self.members(f, reshard::Side::Dst, rank) else {
+                continue;
+            };
+            let ndim = self.inner.tensors[f.members[0]].dst.ndim();
+            let b = match ndim - f.dim {
+                2 => block[0],
+                1 => block[1],
+                _ => 1,
+            };
+            let members: Vec<_> = members
+                .into_iter()
+                .map(|(m, dim, offset, extent)| (m, dim, offset / b, extent.div_ceil(b)))
+                .collect();
+            out.set_item(name, members)?;
         }
         Ok(out)
     }
