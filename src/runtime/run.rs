@@ -16,6 +16,48 @@ use crate::region::Region;
 use crate::transport::Job;
 use crate::transport::segment::SharedBuffer;
 
+/// This process's rank of a plan between processes, and its part of it.
+struct Own<'a> {
+    plan: &'a Plan,
+    mine: &'a RankPlan,
+    rank: Rank,
+}
+
+impl Own<'_> {
+    /// Runs the rank's part over `transport` (quantizing with `quant`), from its source shard
+    /// in `sources` into its destination shard in `destinations`.
+    fn run<T>(
+        &self,
+        sources: &BTreeMap<Rank, Vec<u8>>,
+        destinations: &mut BTreeMap<Rank, Vec<u8>>,
+        quant: Option<crate::exec::QuantJob<'_, '_>>,
+        transport: &T,
+        options: &crate::exec::ExecOptions,
+    ) -> Result<RunStats>
+    where
+        T: for<'b> crate::transport::Transport<'b> + ?Sized,
+    {
+        let (plan, rank) = (self.plan, self.rank);
+        let (src_box, dst_box) = (plan.src().local_region(rank), plan.dst().local_region(rank));
+        let started = Instant::now();
+        let work = RankJob {
+            quant,
+            plan: self.mine,
+            src_layout: plan.src(),
+            dst_dtype: plan.dst().dtype(),
+            src: src_box.as_ref().zip(sources.get(&rank).map(Vec::as_slice)),
+            dst: dst_box
+                .as_ref()
+                .zip(destinations.get_mut(&rank).map(Vec::as_mut_slice)),
+        };
+        let stats = exec::run_rank_any(work, transport, options)?;
+        Ok(RunStats {
+            elapsed: started.elapsed(),
+            ranks: vec![stats],
+        })
+    }
+}
+
 impl Links {
     /// The peers of one rank's part of a plan.
     pub fn of_plan(plan: &RankPlan) -> Links {
@@ -75,23 +117,12 @@ impl World {
         check_own(plan.dst(), Side::Dst, rank, destinations)?;
         let mine = plan.rank_part(rank);
         let transport = self.connect(&Links::of_plan(&mine), [plan.src()], None)?;
-        let (src_box, dst_box) = (plan.src().local_region(rank), plan.dst().local_region(rank));
-        let started = Instant::now();
-        let work = RankJob {
-            quant: None,
-            plan: &mine,
-            src_layout: plan.src(),
-            dst_dtype: plan.dst().dtype(),
-            src: src_box.as_ref().zip(sources.get(&rank).map(Vec::as_slice)),
-            dst: dst_box
-                .as_ref()
-                .zip(destinations.get_mut(&rank).map(Vec::as_mut_slice)),
+        let own = Own {
+            plan,
+            mine: &mine,
+            rank,
         };
-        let stats = exec::run_rank_any(work, &*transport, &exec_options)?;
-        Ok(RunStats {
-            elapsed: started.elapsed(),
-            ranks: vec![stats],
-        })
+        own.run(sources, destinations, None, &*transport, &exec_options)
     }
 
     /// [`World::run`] of a quantizing plan ([`Plan::quantized`]): `destinations` receive the
@@ -132,29 +163,25 @@ impl World {
         links.receivers.extend(part.amax_peers());
         // the scales travel as transfers of their own: same-host senders use rings
         let transport = self.connect(&links, [plan.src()], None)?;
-        let (src_box, dst_box) = (plan.src().local_region(rank), plan.dst().local_region(rank));
-        let started = Instant::now();
-        let work = RankJob {
-            quant: Some(crate::exec::QuantJob {
-                tensor: "tensor",
-                plan: q,
-                rank: &part,
-                stage: &mut stage,
-                scales: scales.get_mut(&rank).map(Vec::as_mut_slice),
-            }),
-            plan: &mine,
-            src_layout: plan.src(),
-            dst_dtype: plan.dst().dtype(),
-            src: src_box.as_ref().zip(sources.get(&rank).map(Vec::as_slice)),
-            dst: dst_box
-                .as_ref()
-                .zip(destinations.get_mut(&rank).map(Vec::as_mut_slice)),
+        let quant = crate::exec::QuantJob {
+            tensor: "tensor",
+            plan: q,
+            rank: &part,
+            stage: &mut stage,
+            scales: scales.get_mut(&rank).map(Vec::as_mut_slice),
         };
-        let stats = exec::run_rank(work, &*transport, &exec_options)?;
-        Ok(RunStats {
-            elapsed: started.elapsed(),
-            ranks: vec![stats],
-        })
+        let own = Own {
+            plan,
+            mine: &mine,
+            rank,
+        };
+        own.run(
+            sources,
+            destinations,
+            Some(quant),
+            &*transport,
+            &exec_options,
+        )
     }
 
     /// Runs `batch` (a whole-model refit) for this process's ranks: `sources` and
