@@ -67,6 +67,17 @@ impl Links {
         }
     }
 
+    /// The peers of one rank's parts of several plans run on the same links (the phases of
+    /// gather+broadcast).
+    pub fn of_plans<'a>(plans: impl IntoIterator<Item = &'a RankPlan>) -> Links {
+        let mut links = Links::default();
+        for p in plans {
+            links.senders.extend(p.senders());
+            links.receivers.extend(p.receivers());
+        }
+        links
+    }
+
     /// The peers of one rank's parts of a refit's quantized tensors.
     pub fn of_quant(rq: &crate::batch::quant::RankQuant) -> Links {
         let (senders, receivers) = rq.peers();
@@ -261,11 +272,7 @@ impl World {
                 .transpose()
         };
         let (gather, broadcast) = (part(&gb.gather)?, part(&gb.broadcast)?);
-        let mut links = Links::default();
-        for p in [&gather, &broadcast].into_iter().flatten() {
-            links.senders.extend(p.senders());
-            links.receivers.extend(p.receivers());
-        }
+        let links = Links::of_plans([&gather, &broadcast].into_iter().flatten());
         let transport = self.connect(&links, [plan.src()], None)?;
         let mut full = match gb.needs_full_buffer(rank) {
             true => Some(crate::memory::zeroed(gb.dst().total_bytes(), || {

@@ -237,11 +237,7 @@ fn bench_rank<'j, J: Job + ?Sized>(
             .filter(|_| !mine.relays()),
     )?;
     job.barrier()?;
-    let mut baseline_links = Links::default();
-    for p in [&gather, &broadcast].into_iter().flatten() {
-        baseline_links.senders.extend(p.senders());
-        baseline_links.receivers.extend(p.receivers());
-    }
+    let baseline_links = Links::of_plans([&gather, &broadcast].into_iter().flatten());
     // the whole tensor lands in the full buffer, or in the shard of a rank that keeps it all
     let tensor = full
         .as_ref()

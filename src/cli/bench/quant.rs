@@ -260,11 +260,7 @@ pub(super) fn rank<'j, J: Job + ?Sized>(
             .and_then(|b| received.as_ref().map(|s| (s, b))),
     )?;
     job.barrier()?;
-    let mut baseline_links = Links::default();
-    for p in [&gather, &broadcast].into_iter().flatten() {
-        baseline_links.senders.extend(p.senders());
-        baseline_links.receivers.extend(p.receivers());
-    }
+    let baseline_links = Links::of_plans([&gather, &broadcast].into_iter().flatten());
     let tensor = full
         .as_ref()
         .or(received.as_ref().filter(|_| gb.gets_tensor(rank)));
