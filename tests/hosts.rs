@@ -29,8 +29,21 @@ fn privileged(test: &str) -> bool {
     let root = unsafe { libc::geteuid() } == 0;
     if !root {
         eprintln!("skipping {test}: emulated hosts need root (network namespaces)");
+        return false;
     }
-    root
+    // iproute2 builds them; `.ci/run` installs it where it is missing
+    let tools = ["ip", "tc"].iter().all(|tool| {
+        Command::new(tool)
+            .arg("-V")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success())
+    });
+    if !tools {
+        eprintln!("skipping {test}: emulated hosts need iproute2's ip and tc");
+    }
+    tools
 }
 
 /// Whether this kernel has netem (the links' delay line); many small VM kernels do not.
