@@ -59,17 +59,7 @@ impl BatchBaseline {
 
     /// `rank`'s part of every tensor's gather and broadcast.
     pub fn for_rank(&self, rank: Rank) -> Result<RankBaseline> {
-        let part = |p: &Option<crate::plan::Plan>| {
-            p.as_ref()
-                .filter(|p| p.ranks().contains(&rank))
-                .map(|p| p.own_part(rank))
-                .transpose()
-        };
-        let parts = self
-            .tensors
-            .iter()
-            .map(|g| Ok((part(&g.gather)?, part(&g.broadcast)?)))
-            .collect::<Result<_>>()?;
+        let parts = self.tensors.iter().map(|g| g.rank_parts(rank)).collect();
         Ok(RankBaseline { parts })
     }
 }

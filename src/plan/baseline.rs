@@ -17,7 +17,7 @@ use crate::error::{Error, Result, Side};
 use crate::layout::{Layout, Mesh, Placement, Rank};
 use crate::region::Region;
 
-use super::{Plan, PlanOptions, check_compatible};
+use super::{Plan, PlanOptions, RankPlan, check_compatible};
 
 /// The source replica that gathers the tensor: the one with the most destination ranks (the
 /// first on ties), or every source rank when the source is fully replicated (each already
@@ -70,6 +70,17 @@ pub struct GatherBroadcast {
 }
 
 impl GatherBroadcast {
+    /// `rank`'s parts of the gather and of the broadcast, each computed for it alone
+    /// ([`Plan::rank_part`]); `None` for a phase the rank takes no part in.
+    pub fn rank_parts(&self, rank: Rank) -> (Option<RankPlan>, Option<RankPlan>) {
+        let part = |p: &Option<Plan>| {
+            p.as_ref()
+                .filter(|p| p.ranks().contains(&rank))
+                .map(|p| p.rank_part(rank))
+        };
+        (part(&self.gather), part(&self.broadcast))
+    }
+
     /// Plans the baseline for moving a tensor from `src` to `dst`.
     ///
     /// ```

@@ -252,12 +252,6 @@ impl Plan {
         self.topology.as_ref()
     }
 
-    /// `rank`'s part of this plan computed alone ([`rank_plan_on`]), with the plan's options
-    /// and topology: what a rank of a job runs.
-    pub fn own_part(&self, rank: Rank) -> Result<RankPlan> {
-        Ok(self.rank_part(rank))
-    }
-
     /// Every transfer, sorted by (src, dst, region).
     pub fn transfers(&self) -> &[Transfer] {
         &self.transfers

@@ -265,13 +265,7 @@ impl World {
         let rank = job.rank();
         check_own(plan.src(), Side::Src, rank, sources)?;
         check_own(plan.dst(), Side::Dst, rank, destinations)?;
-        let part = |p: &Option<Plan>| {
-            p.as_ref()
-                .filter(|p| p.ranks().contains(&rank))
-                .map(|p| p.own_part(rank))
-                .transpose()
-        };
-        let (gather, broadcast) = (part(&gb.gather)?, part(&gb.broadcast)?);
+        let (gather, broadcast) = gb.rank_parts(rank);
         let links = Links::of_plans([&gather, &broadcast].into_iter().flatten());
         let transport = self.connect(&links, [plan.src()], None)?;
         let mut full = match gb.needs_full_buffer(rank) {

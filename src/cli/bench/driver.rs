@@ -199,14 +199,8 @@ fn bench_rank<'j, J: Job + ?Sized>(
     let rank = job.rank();
     let (plan, gb) = (&case.plan, &case.baseline);
     let (src, dst) = (plan.src(), plan.dst());
-    let mine = plan.own_part(rank)?;
-    let part = |p: &Option<Plan>| -> Result<Option<RankPlan>, Error> {
-        p.as_ref()
-            .filter(|p| p.ranks().contains(&rank))
-            .map(|p| p.own_part(rank))
-            .transpose()
-    };
-    let (gather, broadcast) = (part(&gb.gather)?, part(&gb.broadcast)?);
+    let mine = plan.rank_part(rank);
+    let (gather, broadcast) = gb.rank_parts(rank);
 
     let src_box = src.local_region(rank);
     let dst_box = dst.local_region(rank);

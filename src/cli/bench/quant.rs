@@ -210,13 +210,7 @@ pub(super) fn rank<'j, J: Job + ?Sized>(
     let mine = plan.rank_part(rank);
     let part = q.for_rank(src, dst, &mine);
     let mine_plain = plain.rank_part(rank);
-    let baseline_part = |p: &Option<Plan>| {
-        p.as_ref()
-            .filter(|p| p.ranks().contains(&rank))
-            .map(|p| reshard::plan::rank_plan(p.src(), p.dst(), rank, &p.options()))
-            .transpose()
-    };
-    let (gather, broadcast) = (baseline_part(&gb.gather)?, baseline_part(&gb.broadcast)?);
+    let (gather, broadcast) = gb.rank_parts(rank);
 
     let src_box = src.local_region(rank);
     let dst_box = dst.local_region(rank);
