@@ -104,14 +104,31 @@ fn verify(
     Ok(())
 }
 
-fn dump_source_scales<'a>(
-    dir: &std::path::Path,
-    shards: impl IntoIterator<Item = (Rank, &'a [u8])>,
-) -> Result<(), Error> {
-    for (rank, buf) in shards {
-        write_whole(dir, &format!("src{rank}.scale.bin"), |f| f.write_all(buf))?;
+/// Rank -> local buffer.
+type Shards = BTreeMap<Rank, Vec<u8>>;
+
+/// The value and scale shards of the source ranks among `ranks`, cut from the quantized
+/// source `q`, and dumped with `--dump-src` (`src<R>.bin`, `src<R>.scale.bin`).
+fn source_shards(
+    args: &RunArgs,
+    mv: &QuantizedMove,
+    q: &QuantizedTensor,
+    ranks: impl IntoIterator<Item = Rank>,
+) -> Result<(Shards, Shards), Error> {
+    let (mut values, mut scales) = (BTreeMap::new(), BTreeMap::new());
+    for r in ranks {
+        if let Some((v, s)) = boxes(q, mv.values.src(), mv.scales.src(), r) {
+            values.insert(r, v);
+            scales.insert(r, s);
+        }
     }
-    Ok(())
+    if let Some(dir) = &args.dump_src {
+        dump_named(dir, "src", values.iter().map(|(&r, b)| (r, b.as_slice())))?;
+        for (rank, buf) in &scales {
+            write_whole(dir, &format!("src{rank}.scale.bin"), |f| f.write_all(buf))?;
+        }
+    }
+    Ok((values, scales))
 }
 
 pub(super) fn main(
@@ -163,22 +180,8 @@ fn threads(
         values.src().shape(),
     )?;
     let q = source(mv, fill)?;
-    let mut src_values = BTreeMap::new();
-    let mut src_scales = BTreeMap::new();
-    for &r in values.src().mesh().ranks() {
-        if let Some((v, s)) = boxes(&q, values.src(), scales.src(), r) {
-            src_values.insert(r, v);
-            src_scales.insert(r, s);
-        }
-    }
-    if let Some(dir) = &args.dump_src {
-        dump_named(
-            dir,
-            "src",
-            src_values.iter().map(|(&r, b)| (r, b.as_slice())),
-        )?;
-        dump_source_scales(dir, src_scales.iter().map(|(&r, b)| (r, b.as_slice())))?;
-    }
+    let (src_values, src_scales) =
+        source_shards(args, mv, &q, values.src().mesh().ranks().iter().copied())?;
     let mut dst_values = exec::zeroed_shards(values.dst())?;
     let mut dst_scales = exec::zeroed_shards(scales.dst())?;
     let (mut times, mut summary, mut verified) = (Vec::new(), None, false);
@@ -238,19 +241,7 @@ fn rank_part(
             .into_iter()
             .collect()
     };
-    let (mut src_values, mut src_scales) = (BTreeMap::new(), BTreeMap::new());
-    if let Some((v, s)) = boxes(&q, values.src(), scales.src(), rank) {
-        src_values.insert(rank, v);
-        src_scales.insert(rank, s);
-    }
-    if let Some(dir) = &args.dump_src {
-        dump_named(
-            dir,
-            "src",
-            src_values.iter().map(|(&r, b)| (r, b.as_slice())),
-        )?;
-        dump_source_scales(dir, src_scales.iter().map(|(&r, b)| (r, b.as_slice())))?;
-    }
+    let (src_values, src_scales) = source_shards(args, mv, &q, [rank])?;
     let (mut dst_values, mut dst_scales) = (own(values.dst()), own(scales.dst()));
     let run = run_options(options);
     let mut times = Vec::new();
