@@ -65,6 +65,28 @@ impl fmt::Display for Link {
 /// The names `--simulate` accepts besides a file.
 pub const PRESETS: [&str; 2] = ["h100", "gb200"];
 
+/// Reads the JSON file at `path` with `parse`, which takes the text and the name a file
+/// without one goes by (the file's stem); a JSON error names the path.
+pub(super) fn read_file<T>(
+    path: &str,
+    parse: impl FnOnce(&str, &str) -> Result<T, SimError>,
+) -> Result<T, SimError> {
+    let text = std::fs::read_to_string(path).map_err(|source| SimError::Read {
+        path: path.to_string(),
+        source,
+    })?;
+    let stem = Path::new(path)
+        .file_stem()
+        .map_or_else(|| path.to_string(), |s| s.to_string_lossy().into_owned());
+    parse(&text, &stem).map_err(|e| match e {
+        SimError::Json { source, .. } => SimError::Json {
+            path: path.to_string(),
+            source,
+        },
+        other => other,
+    })
+}
+
 impl Cluster {
     /// DGX H100 / HGX H100 servers on an InfiniBand fabric.
     ///
@@ -133,20 +155,7 @@ impl Cluster {
         if let Some(c) = Cluster::preset(arg) {
             return Ok(c);
         }
-        let text = std::fs::read_to_string(arg).map_err(|source| SimError::Read {
-            path: arg.to_string(),
-            source,
-        })?;
-        let stem = Path::new(arg)
-            .file_stem()
-            .map_or_else(|| arg.to_string(), |s| s.to_string_lossy().into_owned());
-        Cluster::from_json(&text, &stem).map_err(|e| match e {
-            SimError::Json { source, .. } => SimError::Json {
-                path: arg.to_string(),
-                source,
-            },
-            other => other,
-        })
+        read_file(arg, Cluster::from_json)
     }
 
     /// A cluster file: every field of [`Cluster`] by name, or `"base": "h100"` (or `"gb200"`)

@@ -119,20 +119,7 @@ pub fn is_testbed(text: &str) -> bool {
 impl Testbed {
     /// Reads a testbed file (see [`Testbed::from_json`]).
     pub fn load(path: &str) -> Result<Testbed, SimError> {
-        let text = std::fs::read_to_string(path).map_err(|source| SimError::Read {
-            path: path.to_string(),
-            source,
-        })?;
-        let stem = std::path::Path::new(path)
-            .file_stem()
-            .map_or_else(|| path.to_string(), |s| s.to_string_lossy().into_owned());
-        Testbed::from_json(&text, &stem).map_err(|e| match e {
-            SimError::Json { source, .. } => SimError::Json {
-                path: path.to_string(),
-                source,
-            },
-            other => other,
-        })
+        super::cluster::read_file(path, Testbed::from_json)
     }
 
     /// `{"kind": "hosts", "hosts": 2, "ranks_per_host": 4, "link_gbit": 2, "memory_gb_s": ..,
