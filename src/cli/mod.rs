@@ -134,9 +134,10 @@ impl HostArgs {
     /// These options; or, when no `--hosts` was given and the ranks found themselves on
     /// several hosts at rendezvous (under `launch --hosts`, or a job across machines), the
     /// map they learned, so that the plan minds the links between hosts without being told.
-    pub fn or_learned(&self, learned: Option<&HostMap>) -> HostArgs {
+    /// A quantizing plan (`quantizing`) takes no host map, so it keeps these options.
+    pub fn or_learned(&self, learned: Option<&HostMap>, quantizing: bool) -> HostArgs {
         match learned {
-            Some(map) if self.hosts.is_none() && map.num_hosts() > 1 => HostArgs {
+            Some(map) if !quantizing && self.hosts.is_none() && map.num_hosts() > 1 => HostArgs {
                 hosts: Some(map.to_string()),
                 relay: self.relay.clone(),
             },
@@ -149,11 +150,8 @@ impl TensorArgs {
     /// [`TensorArgs::plan`] on the hosts the job's ranks learned at rendezvous, when no
     /// `--hosts` was given ([`HostArgs::or_learned`]); a quantizing plan keeps to one host's.
     pub fn plan_on(&self, learned: Option<&HostMap>) -> Result<Plan, Error> {
-        if self.quant.is_some() {
-            return self.plan();
-        }
         TensorArgs {
-            hosts: self.hosts.or_learned(learned),
+            hosts: self.hosts.or_learned(learned, self.quant.is_some()),
             ..self.clone()
         }
         .plan()

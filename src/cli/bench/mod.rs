@@ -102,11 +102,7 @@ impl BenchArgs {
     /// The cases, planned on the hosts the ranks learned at rendezvous when no `--hosts` was
     /// given ([`HostArgs::or_learned`]).
     fn cases(&self, learned: Option<&HostMap>) -> Result<Vec<Case>, Error> {
-        // a quantizing plan keeps to one host's view (see TensorArgs::plan_on)
-        let hosts = match self.quant {
-            Some(_) => self.hosts.clone(),
-            None => self.hosts.or_learned(learned),
-        };
+        let hosts = self.hosts.or_learned(learned, self.quant.is_some());
         if self.suite.is_some() {
             let bytes = parse_bytes(Field::Flag("--suite-bytes"), &self.suite_bytes)?;
             return refit_suite(
