@@ -179,7 +179,8 @@ impl TensorArgs {
         Ok(matches!(dtype, DType::Fp8E4M3 | DType::Fp8E5M2) && self.quant.is_some())
     }
 
-    /// The already-quantized move of an fp8 `--dtype` with `--quant`.
+    /// The already-quantized move of an fp8 `--dtype` with `--quant`. Like a quantizing
+    /// plan, it is planned without a host map: `--hosts` is refused rather than ignored.
     pub fn quantized_move(&self) -> Result<QuantizedMove, Error> {
         let (src, dst, options) = self.layouts()?;
         let request = self.quant_request()?.ok_or_else(|| Error::InvalidOption {
@@ -187,6 +188,15 @@ impl TensorArgs {
             value: "none".into(),
             reason: "an already-quantized source needs its scheme".into(),
         })?;
+        if let Some(hosts) = &self.hosts.hosts {
+            return Err(Error::InvalidOption {
+                field: Field::Flag("--hosts"),
+                value: hosts.clone(),
+                reason:
+                    "an already-quantized source is planned without a host map: leave out --hosts"
+                        .into(),
+            });
+        }
         QuantizedMove::new(src, dst, options, request)
     }
 

@@ -3,9 +3,9 @@
 use std::fmt::Write;
 
 use clap::Args;
-use reshard::error::Field;
-use reshard::plan::PlanJson;
-use reshard::sim::{Cluster, Pricing, SimError, SimOptions, Simulation, Testbed};
+use reshard::error::{Dims, Field};
+use reshard::plan::{PlanJson, QuantizedMove};
+use reshard::sim::{Cluster, Pricing, SimError, SimOptions, Simulation, Testbed, TestbedCost};
 use reshard::{Error, Plan};
 use serde::Serialize;
 
@@ -38,23 +38,34 @@ struct PlanWithSimulation {
 }
 
 pub fn main(args: &PlanArgs) -> Result<(), Failure> {
-    let plan = args.tensor.plan()?;
+    // an fp8 source with --quant: values and scales planned as two coupled reshards
+    let moved = match args.tensor.source_is_quantized()? {
+        true => Some(args.tensor.quantized_move()?),
+        false => None,
+    };
+    let plans = match &moved {
+        Some(mv) => vec![mv.values.clone(), mv.scales.clone()],
+        None => vec![args.tensor.plan()?],
+    };
+    let plan = &plans[0];
     let pricing = match &args.simulate {
         None => None,
         Some(arg) => {
             super::start_thread_pool()?;
-            Some(simulate(&plan, arg)?)
+            Some(simulate(&plans, arg)?)
         }
     };
     if args.json {
         let json = PlanWithSimulation {
-            plan: PlanJson::of(&plan),
+            plan: moved
+                .as_ref()
+                .map_or_else(|| PlanJson::of(plan), QuantizedMove::json),
             simulation: pricing.as_ref().map(|(_, s)| s.clone()),
         };
         let json = serde_json::to_string_pretty(&json).expect("plan JSON serializes");
         println!("{json}");
     } else {
-        print!("{}", describe(&plan, args.max_rows));
+        print!("{}", describe_with(plan, args.max_rows, moved.as_ref()));
         if let Some((text, _)) = &pricing {
             print!("{text}");
         }
@@ -62,18 +73,23 @@ pub fn main(args: &PlanArgs) -> Result<(), Failure> {
     Ok(())
 }
 
-/// The plan and its gather+broadcast priced on a testbed of hosts (`"kind": "hosts"`); the
-/// baseline runs on the testbed's hosts, hierarchically.
-fn simulate_testbed(plan: &Plan, bed: &Testbed) -> Result<(String, Simulation), SimError> {
-    let mine = reshard::sim::price_on_testbed(plan, bed)?;
+/// The plans and their gather+broadcast priced on a testbed of hosts (`"kind": "hosts"`);
+/// the baseline runs on the testbed's hosts, hierarchically. Several plans (the values and
+/// the scales of an already-quantized tensor) run one after the other, so their times add
+/// up, and so do the bytes on their busiest links.
+fn simulate_testbed(plans: &[Plan], bed: &Testbed) -> Result<(String, Simulation), SimError> {
     let topology = reshard::plan::Topology::new(bed.host_map(), true);
-    let gb = reshard::plan::GatherBroadcast::on_hosts(plan.src(), plan.dst(), Some(&topology))
-        .map_err(|e| SimError::InvalidField {
-            field: "hosts",
-            value: bed.hosts.to_string(),
-            reason: e.to_string(),
-        })?;
-    let theirs = reshard::sim::price_baseline_on(&gb, bed)?;
+    let (mut mine, mut theirs) = (TestbedCost::default(), TestbedCost::default());
+    for plan in plans {
+        let gb = reshard::plan::GatherBroadcast::on_hosts(plan.src(), plan.dst(), Some(&topology))
+            .map_err(|e| SimError::InvalidField {
+                field: "hosts",
+                value: bed.hosts.to_string(),
+                reason: e.to_string(),
+            })?;
+        add_cost(&mut mine, &reshard::sim::price_on_testbed(plan, bed)?);
+        add_cost(&mut theirs, &reshard::sim::price_baseline_on(&gb, bed)?);
+    }
     let sim = Simulation {
         cluster: bed.name.clone(),
         reshard_s: mine.seconds,
@@ -99,9 +115,19 @@ fn simulate_testbed(plan: &Plan, bed: &Testbed) -> Result<(String, Simulation), 
     Ok((out, sim))
 }
 
-/// Prices the plan on the cluster or testbed `arg` names: the report's text and the JSON
-/// `simulation` object. Errors name `--simulate`.
-fn simulate(plan: &Plan, arg: &str) -> Result<(String, Simulation), Error> {
+/// Adds the cost of a phase that runs after those `total` holds.
+fn add_cost(total: &mut TestbedCost, phase: &TestbedCost) {
+    total.seconds += phase.seconds;
+    total.link_s += phase.link_s;
+    total.rank_cpu_s += phase.rank_cpu_s;
+    total.cores_s += phase.cores_s;
+    total.busiest_link_bytes += phase.busiest_link_bytes;
+}
+
+/// Prices the plans (one, or the values and the scales of an already-quantized tensor) on
+/// the cluster or testbed `arg` names: the report's text and the JSON `simulation` object.
+/// Errors name `--simulate`.
+fn simulate(plans: &[Plan], arg: &str) -> Result<(String, Simulation), Error> {
     let invalid = |e: SimError| Error::InvalidOption {
         field: Field::Flag("--simulate"),
         value: arg.to_string(),
@@ -110,11 +136,10 @@ fn simulate(plan: &Plan, arg: &str) -> Result<(String, Simulation), Error> {
     let testbed = std::fs::read_to_string(arg).is_ok_and(|t| reshard::sim::is_testbed(&t));
     if testbed {
         let bed = Testbed::load(arg).map_err(invalid)?;
-        return simulate_testbed(plan, &bed).map_err(invalid);
+        return simulate_testbed(plans, &bed).map_err(invalid);
     }
     let cluster = Cluster::load(arg).map_err(invalid)?;
-    let pricing = reshard::sim::price(std::slice::from_ref(plan), &cluster, &SimOptions::default())
-        .map_err(invalid)?;
+    let pricing = reshard::sim::price(plans, &cluster, &SimOptions::default()).map_err(invalid)?;
     Ok((describe_pricing(&cluster, &pricing), pricing.simulation()))
 }
 
@@ -163,8 +188,13 @@ pub(super) fn describe_pricing(cluster: &Cluster, p: &Pricing) -> String {
 
 /// The layouts, the transfer table, the totals and (for 2-D tensors) the picture.
 pub fn describe(plan: &Plan, max_rows: usize) -> String {
+    describe_with(plan, max_rows, None)
+}
+
+/// [`describe`] of `plan`, which is `moved`'s values when the source is already quantized:
+/// then with the scale tensor's totals and transfers after the values'.
+fn describe_with(plan: &Plan, max_rows: usize, moved: Option<&QuantizedMove>) -> String {
     let (src, dst) = (plan.src(), plan.dst());
-    let elem = plan.elem_bytes();
     let shape: Vec<String> = src.shape().iter().map(u64::to_string).collect();
     let mut out = String::new();
     let _ = writeln!(
@@ -174,7 +204,16 @@ pub fn describe(plan: &Plan, max_rows: usize) -> String {
         src.dtype(),
         bytes(src.total_bytes())
     );
-    if let Some(q) = plan.quant() {
+    if let Some(mv) = moved {
+        let _ = writeln!(
+            out,
+            "quant   {} already quantized by {} (scales {}, grid {}): values and scales move as they are, as two coupled reshards",
+            src.dtype(),
+            mv.quant.scheme,
+            mv.quant.scale_dtype,
+            Dims(mv.grid.grid_shape())
+        );
+    } else if let Some(q) = plan.quant() {
         let _ = writeln!(
             out,
             "quant   {} -> {} by {} (scales {}, grid {}): the senders quantize as they pack",
@@ -202,34 +241,8 @@ pub fn describe(plan: &Plan, max_rows: usize) -> String {
     let _ = writeln!(out, "dst     {dst}  ({} ranks)", dst.mesh().size());
     let _ = writeln!(out);
     let _ = writeln!(out, "{} transfers:", plan.transfers().len());
-    let _ = writeln!(
-        out,
-        "  {:>6} {:>6}  {:<28} {:>12}",
-        "src", "dst", "region", "bytes"
-    );
-    for t in plan.transfers().iter().take(max_rows) {
-        let kind = match t.via {
-            _ if t.is_local() => "  (local)".to_string(),
-            Some(v) => format!("  (via {v})"),
-            None => String::new(),
-        };
-        let _ = writeln!(
-            out,
-            "  {:>6} {:>6}  {:<28} {:>12}{kind}",
-            t.src,
-            t.dst,
-            t.region.to_string(),
-            t.bytes(elem)
-        );
-    }
-    if plan.transfers().len() > max_rows {
-        let _ = writeln!(
-            out,
-            "  ... {} more (--max-rows, or --json)",
-            plan.transfers().len() - max_rows
-        );
-    }
-    let t = plan.totals();
+    transfer_rows(&mut out, plan, max_rows);
+    let t = moved.map_or_else(|| plan.totals(), QuantizedMove::totals);
     // a count that overflowed 64 bits is shown as such, never as the saturated number
     let size = |field: &str, n: u64| {
         if t.overflow.contains(field) {
@@ -267,7 +280,7 @@ pub fn describe(plan: &Plan, max_rows: usize) -> String {
         "gather+broadcast would move {} ({ratio})",
         size("gather_broadcast_bytes", t.gather_broadcast_bytes)
     );
-    if let Some(q) = t.quant {
+    if let Some(q) = t.quant.filter(|_| moved.is_none()) {
         let _ = writeln!(
             out,
             "amax    {} in {} messages between source ranks whose shards cut a block",
@@ -281,6 +294,28 @@ pub fn describe(plan: &Plan, max_rows: usize) -> String {
             q.scale_messages,
             bytes(q.scale_bytes_local)
         );
+    }
+    if let (Some(mv), Some(q)) = (moved, t.quant) {
+        let _ = writeln!(
+            out,
+            "scales  {} in {} messages after the values; local copies {}",
+            bytes(q.scale_bytes),
+            q.scale_messages,
+            bytes(q.scale_bytes_local)
+        );
+        let _ = writeln!(
+            out,
+            "gather+broadcast of the scales would move {}",
+            bytes(q.scale_gather_broadcast_bytes.unwrap_or(0))
+        );
+        let _ = writeln!(out);
+        let _ = writeln!(
+            out,
+            "{} scale transfers (regions of the {} scale grid):",
+            mv.scales.transfers().len(),
+            Dims(mv.grid.grid_shape())
+        );
+        transfer_rows(&mut out, &mv.scales, max_rows);
     }
     if let Some(links) = plan.host_links() {
         let relay = plan.topology().is_some_and(|t| t.relay);
@@ -306,4 +341,36 @@ pub fn describe(plan: &Plan, max_rows: usize) -> String {
         out.push_str(&picture);
     }
     out
+}
+
+/// The table of `plan`'s transfers, at most `max_rows` of them.
+fn transfer_rows(out: &mut String, plan: &Plan, max_rows: usize) {
+    let elem = plan.elem_bytes();
+    let _ = writeln!(
+        out,
+        "  {:>6} {:>6}  {:<28} {:>12}",
+        "src", "dst", "region", "bytes"
+    );
+    for t in plan.transfers().iter().take(max_rows) {
+        let kind = match t.via {
+            _ if t.is_local() => "  (local)".to_string(),
+            Some(v) => format!("  (via {v})"),
+            None => String::new(),
+        };
+        let _ = writeln!(
+            out,
+            "  {:>6} {:>6}  {:<28} {:>12}{kind}",
+            t.src,
+            t.dst,
+            t.region.to_string(),
+            t.bytes(elem)
+        );
+    }
+    if plan.transfers().len() > max_rows {
+        let _ = writeln!(
+            out,
+            "  ... {} more (--max-rows, or --json)",
+            plan.transfers().len() - max_rows
+        );
+    }
 }

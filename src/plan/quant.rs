@@ -136,6 +136,10 @@ pub struct QuantTotals {
     pub scale_bytes_local: u64,
     /// Scale transfers between ranks.
     pub scale_messages: u64,
+    /// With an already-quantized source ([`super::QuantizedMove`]): what gather+broadcast of
+    /// the scale tensor moves besides the values' `gather_broadcast_bytes`. A quantizing plan
+    /// has none: its baseline moves the source's dtype and quantizes after the move.
+    pub scale_gather_broadcast_bytes: Option<u64>,
 }
 
 impl QuantPlan {

@@ -141,7 +141,10 @@ impl Serialize for Totals {
             self.max_rank_recv_bytes,
             self.gather_broadcast_bytes,
         ];
-        let extra = usize::from(!self.overflow.is_empty()) + 5 * usize::from(self.quant.is_some());
+        let extra = usize::from(!self.overflow.is_empty())
+            + self.quant.map_or(0, |q| {
+                5 + usize::from(q.scale_gather_broadcast_bytes.is_some())
+            });
         let mut st = s.serialize_struct("Totals", values.len() + extra)?;
         for (field, value) in Overflow::FIELDS.into_iter().zip(values) {
             st.serialize_field(field, &self.shown(field, value))?;
@@ -152,6 +155,9 @@ impl Serialize for Totals {
             st.serialize_field("scale_bytes", &q.scale_bytes)?;
             st.serialize_field("scale_bytes_local", &q.scale_bytes_local)?;
             st.serialize_field("scale_messages", &q.scale_messages)?;
+            if let Some(bytes) = q.scale_gather_broadcast_bytes {
+                st.serialize_field("scale_gather_broadcast_bytes", &bytes)?;
+            }
         }
         if self.overflow.is_empty() {
             st.skip_field("overflow")?;
@@ -236,6 +242,11 @@ pub struct PlanJson {
 /// 4 bytes per block, a scale transfer `scale_elem_bytes` per block.
 #[derive(Clone, Debug, Serialize)]
 pub struct QuantJson {
+    /// `"quantized"` when the source is already fp8 with its scales ([`super::QuantizedMove`]):
+    /// nothing is quantized, `amax` is empty and `scales` is the scale tensor's own plan.
+    /// Left out for a plan that quantizes as it packs.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub source: Option<&'static str>,
     pub scheme: String,
     pub scale_dtype: String,
     pub scale_elem_bytes: usize,
@@ -260,6 +271,7 @@ impl QuantJson {
             }
         };
         QuantJson {
+            source: None,
             scheme: q.quant.scheme.to_string(),
             scale_dtype: q.quant.scale_dtype.to_string(),
             scale_elem_bytes: q.scale_bytes(),
