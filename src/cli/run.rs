@@ -21,6 +21,8 @@ use super::{Failure, TensorArgs, quant_check};
 
 mod prequant;
 
+pub(super) use prequant::check_fill as check_quantized_fill;
+
 #[derive(Args, Debug)]
 pub struct RunArgs {
     #[command(flatten)]

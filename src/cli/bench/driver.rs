@@ -13,8 +13,8 @@ use reshard::transport::segment::SharedBuffer;
 use reshard::{Error, Plan, Rank, RankPlan};
 
 use super::BenchArgs;
-use super::quant;
 use super::suite::Case;
+use super::{prequant, quant};
 use crate::cli::Failure;
 use crate::cli::measure::{Measured, Method, conclude};
 
@@ -26,6 +26,9 @@ pub(super) struct CaseResult {
     /// With `--quant`: the reshard in the source's dtype, then quantized on the receivers
     /// (`gather_broadcast` then quantizes on the receivers too).
     pub(super) reshard_then_quantize: Option<Measured>,
+    /// With an already-quantized source: the reshard of the values alone (`reshard` and
+    /// `gather_broadcast` then move the values and the scales).
+    pub(super) values_only: Option<Measured>,
     /// Whether every repetition of both methods was checked and matched the fill (on every
     /// rank); a mismatch fails the bench, so a report says false only if nothing was checked.
     pub(super) verified: bool,
@@ -33,6 +36,7 @@ pub(super) struct CaseResult {
 
 /// A progress bar on a terminal, over every repetition of every case and method.
 fn progress(args: &BenchArgs, cases: usize) -> ProgressBar {
+    // quantizing and already quantized (--quant) both compare three methods
     let methods = if args.quant.is_some() { 3 } else { 2 };
     let bar = ProgressBar::new(cases as u64 * u64::from(args.repetitions()) * methods);
     bar.set_style(
@@ -66,6 +70,10 @@ pub(super) fn bench_threads(
     let mut results = Vec::new();
     for case in cases {
         bar.set_message(case.name.clone());
+        if let Some(coupled) = &case.coupled {
+            results.push(prequant::threads(args, case, coupled, fill, options, &bar)?);
+            continue;
+        }
         if let (Some(plain), Some(q)) = (&case.plain, case.plan.quant()) {
             results.push(quant::threads(args, case, (plain, q), fill, options, &bar)?);
             continue;
@@ -131,8 +139,15 @@ pub(super) fn bench_processes(
         return bench_threads(args, cases, fill, options);
     };
     // MPI's datatypes cover every tensor the job's links will move
+    let layouts: Vec<&reshard::Layout> = cases
+        .iter()
+        .flat_map(|c| {
+            let scales = c.coupled.as_ref().map(|c| c.mv.scales.src());
+            std::iter::once(c.plan.src()).chain(scales)
+        })
+        .collect();
     let connect = |links: &Links, destination: Destination<'_>| {
-        world.connect(links, cases.iter().map(|c| c.plan.src()), destination)
+        world.connect(links, layouts.iter().copied(), destination)
     };
     let rank = job.rank();
     let bar = if rank == 0 {
@@ -145,8 +160,11 @@ pub(super) fn bench_processes(
         .iter()
         .map(|case| {
             bar.set_message(case.name.clone());
-            let (report, transport) = match (&case.plain, case.plan.quant()) {
-                (Some(plain), Some(q)) => {
+            let (report, transport) = match (&case.coupled, &case.plain, case.plan.quant()) {
+                (Some(coupled), _, _) => {
+                    prequant::rank(args, case, coupled, fill, options, job, &connect, &bar)?
+                }
+                (None, Some(plain), Some(q)) => {
                     quant::rank(args, case, (plain, q), fill, options, job, &connect, &bar)?
                 }
                 _ => bench_rank(args, case, fill, options, job, &connect, &bar)?,
@@ -176,6 +194,7 @@ pub(super) fn bench_processes(
                     .plain
                     .as_ref()
                     .map(|_| method("reshard_then_quantize")),
+                values_only: cases[c].coupled.as_ref().map(|_| method("values_only")),
                 verified: reports
                     .iter()
                     .all(|r| r["cases"][c]["verified"].as_bool() == Some(true)),

@@ -6,6 +6,7 @@
 //! every rank measured, and [`report`] prints the comparison as text or JSON.
 
 mod driver;
+mod prequant;
 mod quant;
 mod report;
 mod suite;
@@ -47,7 +48,10 @@ pub struct BenchArgs {
     /// Quantize into an fp8 --dst-dtype with scales while the bytes move (schemes as for
     /// `run`), and compare with quantizing on the receivers after the move: (a) the reshard
     /// in the source's dtype, then each destination quantizes its shard, and gather+broadcast
-    /// in the source's dtype, then each destination quantizes its shard. Not with --suite.
+    /// in the source's dtype, then each destination quantizes its shard. With an fp8 --dtype
+    /// the source is already quantized (the normal fill, quantized): its values and scales
+    /// move together, against gather+broadcast of both and against the values alone. Not
+    /// with --suite.
     #[arg(long, value_name = "SCHEME", conflicts_with = "suite")]
     quant: Option<String>,
     /// The scales' dtype with --quant: f32, or e8m0 for the power-of-two schemes.
@@ -146,7 +150,16 @@ fn fingerprint(args: &BenchArgs, cases: &[Case], fill: Fill, options: &ExecOptio
             "" => String::new(),
             name => format!("case {name}: "),
         };
-        with_plan(fp, &prefix, &case.plan)
+        let fp = with_plan(fp, &prefix, &case.plan);
+        match &case.coupled {
+            Some(c) => fp
+                .with(format!("{prefix}--quant (source)"), c.mv.quant.scheme)
+                .with(
+                    format!("{prefix}--scale-dtype (source)"),
+                    c.mv.quant.scale_dtype,
+                ),
+            None => fp,
+        }
     });
     let fingerprint = fingerprint
         .with("--fill", fill)
@@ -187,7 +200,11 @@ pub fn main(args: &BenchArgs) -> Result<(), Failure> {
         (None, None) => Fill::Hash { seed: 0 },
     };
     for case in &cases {
-        fill.check_dtype(case.plan.src().dtype())?;
+        match case.coupled {
+            // the source is the normal fill, quantized
+            Some(_) => crate::cli::run::check_quantized_fill(fill)?,
+            None => fill.check_dtype(case.plan.src().dtype())?,
+        }
     }
     let options = args.exec.options()?;
     let world = args.exec.join(&options)?;

@@ -187,6 +187,7 @@ pub(super) fn threads(
         reshard: ours,
         gather_broadcast: gbq,
         reshard_then_quantize: Some(then),
+        values_only: None,
         verified: checked == 3 * args.repetitions(),
     })
 }

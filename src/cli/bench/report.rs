@@ -31,13 +31,32 @@ struct CaseJson {
     /// source's dtype and quantize on the receivers after the move (their times include it).
     #[serde(skip_serializing_if = "Option::is_none")]
     quant: Option<String>,
+    /// `"quantized"` when the source is already fp8 with its scales (an fp8 `dtype` with
+    /// `quant`): `reshard` and `gather_broadcast` then move the values and the scales, their
+    /// `wire_bytes` count both, and `dst_bytes` is the values' and the scales' shards.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    source: Option<&'static str>,
+    /// With an already-quantized source: the scales' dtype and the bytes of every
+    /// destination's scale shard (counted in `dst_bytes`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    scale_dtype: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    dst_scale_bytes: Option<u64>,
     reshard: MethodJson,
     gather_broadcast: MethodJson,
     /// With `--quant`: the reshard in the source's dtype, then every destination quantizes
     /// the shard it received.
     #[serde(skip_serializing_if = "Option::is_none")]
     reshard_then_quantize: Option<MethodJson>,
+    /// With an already-quantized source: the reshard of the values alone, without their
+    /// scales (its `wire_bytes` are the values').
+    #[serde(skip_serializing_if = "Option::is_none")]
+    values_only: Option<MethodJson>,
     speedup: f64,
+    /// With an already-quantized source: `reshard.median_s / values_only.median_s`, what
+    /// moving the scales beside the values costs (1: nothing).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    reshard_vs_values_only: Option<f64>,
     /// With `--quant`: `reshard_then_quantize.median_s / reshard.median_s`.
     #[serde(skip_serializing_if = "Option::is_none")]
     reshard_then_quantize_speedup: Option<f64>,
@@ -84,8 +103,25 @@ pub(super) fn report(
             .reshard_then_quantize
             .as_ref()
             .map(|m| MethodJson::of(m, dst_bytes));
+        let coupled = case.coupled.as_ref();
+        let values_only = r
+            .values_only
+            .as_ref()
+            .map(|m| MethodJson::of(m, case.plan.dst().shard_bytes()));
         CaseJson {
-            quant: case.plan.quant().map(|q| q.quant.scheme.to_string()),
+            quant: case
+                .plan
+                .quant()
+                .map(|q| q.quant)
+                .or(coupled.map(|c| c.mv.quant))
+                .map(|q| q.scheme.to_string()),
+            source: coupled.map(|_| "quantized"),
+            scale_dtype: coupled.map(|c| c.mv.quant.scale_dtype.to_string()),
+            dst_scale_bytes: coupled.map(|c| c.dst_scale_bytes()),
+            reshard_vs_values_only: values_only
+                .as_ref()
+                .map(|v| reshard.median_s / v.median_s.max(1e-12)),
+            values_only,
             reshard_then_quantize_speedup: then
                 .as_ref()
                 .map(|t| t.median_s / reshard.median_s.max(1e-12)),
@@ -121,7 +157,11 @@ pub(super) fn report(
         println!("{}", text.expect("bench JSON serializes"));
         return;
     }
+    let coupled = cases.iter().any(|c| c.coupled.is_some());
     let compared = match args.quant {
+        Some(_) if coupled => {
+            "an already-quantized tensor's values and scales: reshard vs gather+broadcast of both vs the values alone,"
+        }
         Some(_) => {
             "reshard quantizing in flight vs reshard or gather+broadcast of the source dtype, then quantizing on the receivers,"
         }
@@ -217,6 +257,10 @@ fn case_line(case: &Case, j: &CaseJson) {
         quant_lines(j, scheme, then);
         return;
     }
+    if let (Some(scheme), Some(alone)) = (&j.quant, &j.values_only) {
+        prequant_lines(j, scheme, alone);
+        return;
+    }
     println!(
         "{:<22} {:>10} {:>10.2} {:>10.2} {:>10} {:>9.2} {:>9.2} {:>7.2}x {:>6.2}x {:>11} {:>11}",
         name,
@@ -257,4 +301,32 @@ fn quant_lines(j: &CaseJson, scheme: &str, then: &MethodJson) {
     line("reshard, quantizing in flight", &j.reshard);
     line("(a) reshard, then quantize", then);
     line("(b) gather+broadcast, then quantize", &j.gather_broadcast);
+}
+
+/// An already-quantized case: the three methods, one a line.
+fn prequant_lines(j: &CaseJson, scheme: &str, alone: &MethodJson) {
+    println!(
+        "{} {scheme}, already quantized: values and {} scales ({} of them at the destinations) move together",
+        j.dtype,
+        j.scale_dtype.as_deref().unwrap_or("f32"),
+        bytes(j.dst_scale_bytes.unwrap_or(0))
+    );
+    println!(
+        "  {:<34} {:>10} {:>12} {:>9} {:>9} {:>11}",
+        "method", "ms", "wire", "GB/s", "vs ours", "extra mem"
+    );
+    let line = |name: &str, m: &MethodJson| {
+        println!(
+            "  {:<34} {:>10.2} {:>12} {:>9.2} {:>8.2}x {:>11}",
+            name,
+            m.median_s * 1e3,
+            bytes(m.wire_bytes),
+            m.gbps,
+            m.median_s / j.reshard.median_s.max(1e-12),
+            bytes(m.peak_extra_bytes_per_rank),
+        );
+    };
+    line("reshard, values and scales", &j.reshard);
+    line("gather+broadcast, values and scales", &j.gather_broadcast);
+    line("reshard, the values alone", alone);
 }

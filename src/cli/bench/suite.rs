@@ -7,6 +7,7 @@ use reshard::error::Field;
 use reshard::plan::GatherBroadcast;
 use reshard::{Error, Plan, Rank};
 
+use super::prequant::Coupled;
 use crate::cli::TensorArgs;
 use crate::cli::exec_args::check_memory;
 
@@ -24,10 +25,27 @@ pub(super) struct Case {
     /// dtype), which the methods that quantize on the receivers run first; `baseline` is then
     /// its gather+broadcast.
     pub(super) plain: Option<Plan>,
+    /// With an already-quantized source (an fp8 `--dtype` with `--quant`): the coupled move,
+    /// whose values' plan is `plan` (and their gather+broadcast `baseline`), and the scales'.
+    pub(super) coupled: Option<Coupled>,
 }
 
 impl Case {
     pub(super) fn new(name: &str, tensor: TensorArgs) -> Result<Case, Error> {
+        if tensor.source_is_quantized()? {
+            let coupled = Coupled::new(tensor.quantized_move()?)?;
+            let values = &coupled.mv.values;
+            return Ok(Case {
+                name: name.to_string(),
+                baseline: GatherBroadcast::on_hosts(values.src(), values.dst(), None)?,
+                plan: values.clone(),
+                src_spec: tensor.src,
+                dst_spec: tensor.dst,
+                sized_by: None,
+                plain: None,
+                coupled: Some(coupled),
+            });
+        }
         let plan = tensor.plan()?;
         let plain = match plan.quant() {
             None => None,
@@ -57,6 +75,7 @@ impl Case {
             baseline,
             sized_by: None,
             plain,
+            coupled: None,
         })
     }
 
@@ -78,8 +97,11 @@ impl Case {
         })
     }
 
+    /// Bytes of every destination shard; of the values' and the scales' with an
+    /// already-quantized source, since both are what the destinations hold afterwards.
     pub(super) fn dst_bytes(&self) -> u64 {
-        self.plan.dst().shard_bytes()
+        let scales = self.coupled.as_ref().map_or(0, Coupled::dst_scale_bytes);
+        self.plan.dst().shard_bytes().saturating_add(scales)
     }
 
     pub(super) fn highest_rank(&self) -> Rank {
@@ -126,7 +148,19 @@ impl Case {
             }
             _ => 0,
         };
-        let shards = shards.saturating_add(extra);
+        // already quantized: the scale shards and their full buffers, and the expected
+        // values and scales every destination checks against
+        let coupled = self.coupled.as_ref().map_or(0, |c| {
+            let (scales, gb) = (&c.mv.scales, &c.scale_baseline);
+            let (ss, sd) = (scales.src(), scales.dst());
+            let shards = match rank {
+                Some(r) => ss.local_bytes(r) + 2 * sd.local_bytes(r) + dst.local_bytes(r),
+                None => ss.shard_bytes() + 2 * sd.shard_bytes() + dst.shard_bytes(),
+            };
+            let fulls = ranks.iter().filter(|&&r| gb.needs_full_buffer(r)).count() as u64;
+            shards.saturating_add(fulls.saturating_mul(gb.full_bytes()))
+        });
+        let shards = shards.saturating_add(extra).saturating_add(coupled);
         shards.saturating_add(fulls.saturating_mul(full))
     }
 }

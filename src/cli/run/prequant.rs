@@ -38,8 +38,9 @@ fn source(mv: &QuantizedMove, fill: Fill) -> Result<QuantizedTensor, Error> {
     quantize_tensor(mv.quant, &mv.grid, DType::F32, &tensor).map_err(convert)
 }
 
-/// Only the `normal` fill has finite values to quantize.
-fn check_fill(fill: Fill) -> Result<(), Error> {
+/// Only the `normal` fill has finite values to quantize (`bench` of an already-quantized
+/// source makes its source alike).
+pub(in crate::cli) fn check_fill(fill: Fill) -> Result<(), Error> {
     match fill {
         Fill::Normal { .. } => Ok(()),
         _ => Err(Error::InvalidOption {
