@@ -305,3 +305,209 @@ fn run_moves_an_already_quantized_source_with_its_scales() {
         );
     }
 }
+
+/// `reshard` with `args`, run to its end (bounded generously: a hang fails, load does not).
+fn reshard(args: &[&str]) -> std::process::Output {
+    use std::process::{Command, Stdio};
+    let child = Command::new(common::EXE)
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    common::wait_bounded(child, std::time::Duration::from_secs(600), "reshard")
+}
+
+/// The hand-checked case: 512x512 fp8e4m3 in 128x128 blocks (a 4x4 grid of f32 scales),
+/// TP4 S(0) -> TP2 S(1).
+const TP4_TO_TP2: [&str; 10] = [
+    "--shape",
+    "512,512",
+    "--dtype",
+    "fp8e4m3",
+    "--quant",
+    "block:128x128",
+    "--src",
+    "mesh=4 place=S(0)",
+    "--dst",
+    "mesh=2 place=S(1)",
+];
+
+/// `plan --json` of an already-quantized source, every number checked by hand: source `i`
+/// (rows 128i..128i+128) sends destination `4 + j` (columns 256j..256j+256) a 128x256 box
+/// (32768 bytes) and, in scale grid coordinates, block row `i` of block columns 2j..2j+2
+/// (two f32 scales, 8 bytes). Gather+broadcast: 3 x 256 KiB gathered and 256 KiB to each
+/// destination; of the 64-byte scale tensor, 3 x 64 + 2 x 64.
+#[test]
+fn plan_json_of_an_already_quantized_source_by_hand() {
+    let out = reshard(&[&["plan", "--json"][..], &TP4_TO_TP2].concat());
+    assert!(out.status.success(), "{}", common::text(&out.stderr));
+    let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(j["dtype"], "fp8e4m3");
+    assert_eq!(j["dst_dtype"], "fp8e4m3");
+    let transfers = j["transfers"].as_array().unwrap();
+    assert_eq!(transfers.len(), 8);
+    let scales = j["quant"]["scales"].as_array().unwrap();
+    assert_eq!(scales.len(), 8);
+    for i in 0..4u64 {
+        for jj in 0..2u64 {
+            let (src, dst) = (i, 4 + jj);
+            let find = |list: &[serde_json::Value]| {
+                list.iter()
+                    .find(|t| t["src"] == src && t["dst"] == dst)
+                    .cloned()
+                    .unwrap_or_else(|| panic!("no transfer {src} -> {dst}"))
+            };
+            let t = find(transfers);
+            assert_eq!(t["offset"], serde_json::json!([128 * i, 256 * jj]));
+            assert_eq!(t["extent"], serde_json::json!([128, 256]));
+            assert_eq!(t["bytes"], 32768);
+            let s = find(scales);
+            assert_eq!(s["offset"], serde_json::json!([i, 2 * jj]));
+            assert_eq!(s["extent"], serde_json::json!([1, 2]));
+            assert_eq!(s["bytes"], 8);
+        }
+    }
+    let q = &j["quant"];
+    assert_eq!(q["source"], "quantized");
+    assert_eq!(q["scheme"], "block:128x128");
+    assert_eq!(q["scale_dtype"], "f32");
+    assert_eq!(q["scale_elem_bytes"], 4);
+    assert_eq!(q["block"], serde_json::json!([128, 128]));
+    assert_eq!(q["scale_shape"], serde_json::json!([4, 4]));
+    assert_eq!(q["amax"], serde_json::json!([]));
+    assert_eq!(
+        j["totals"],
+        serde_json::json!({
+            "bytes_remote": 262144, "bytes_local": 0, "messages": 8,
+            "max_rank_send_bytes": 65536, "max_rank_recv_bytes": 131072,
+            "gather_broadcast_bytes": 3 * 262144 + 2 * 262144,
+            "amax_bytes": 0, "amax_messages": 0,
+            "scale_bytes": 64, "scale_bytes_local": 0, "scale_messages": 8,
+            "scale_gather_broadcast_bytes": 320,
+        })
+    );
+
+    // the text says what moves, and lists the scale transfers after the values'
+    let out = reshard(&[&["plan"][..], &TP4_TO_TP2].concat());
+    assert!(out.status.success(), "{}", common::text(&out.stderr));
+    let text = common::text(&out.stdout);
+    for want in [
+        "already quantized by block:128x128 (scales f32, grid 4x4)",
+        "scales  64 B in 8 messages after the values",
+        "gather+broadcast of the scales would move 320 B",
+        "8 scale transfers (regions of the 4x4 scale grid)",
+        "[3:4, 2:4]",
+    ] {
+        assert!(text.contains(want), "{want:?} in\n{text}");
+    }
+
+    // --simulate prices both tensors: more than the values alone
+    let sim = |args: &[&str]| -> f64 {
+        let out = reshard(&[args, &["--json", "--simulate", "h100"]].concat());
+        assert!(out.status.success(), "{}", common::text(&out.stderr));
+        let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        j["simulation"]["reshard_s"].as_f64().unwrap()
+    };
+    let values_alone = [&["plan"][..], &TP4_TO_TP2[..4], &TP4_TO_TP2[6..]].concat();
+    assert!(sim(&[&["plan"][..], &TP4_TO_TP2].concat()) > sim(&values_alone));
+}
+
+/// `plan` and `bench` refuse, with exit 2 before any byte moves, an already-quantized move
+/// whose shard boundary cuts a block (naming the side, the dim, the boundary and the block)
+/// and a host map, which such a move is not planned with (`run` used to ignore it).
+#[test]
+fn plan_and_bench_refuse_cut_blocks_and_host_maps() {
+    let cut_dst = [&TP4_TO_TP2[..9], &["mesh=3 place=S(1)"]].concat();
+    let cut_src = [&TP4_TO_TP2[..7], &["mesh=3 place=S(0)"], &TP4_TO_TP2[8..]].concat();
+    for command in ["plan", "bench"] {
+        for (args, want) in [
+            (&cut_dst, "--dst: a shard boundary at 171 along dim 1"),
+            (&cut_src, "--src: a shard boundary at 171 along dim 0"),
+        ] {
+            let out = reshard(&[&[command][..], args].concat());
+            assert_eq!(out.status.code(), Some(2), "{command} {args:?}");
+            let err = common::text(&out.stderr);
+            assert!(
+                err.contains("tensor: ") && err.contains(want) && err.contains("128x128"),
+                "{command}: {err}"
+            );
+        }
+    }
+    for command in ["plan", "run", "bench"] {
+        // a fill they take, so that nothing but the host map is wrong
+        let fill: &[&str] = match command {
+            "plan" => &[],
+            _ => &["--fill", "normal"],
+        };
+        let out = reshard(&[&[command][..], &TP4_TO_TP2, fill, &["--hosts", "2x3"]].concat());
+        assert_eq!(out.status.code(), Some(2), "{command}");
+        let err = common::text(&out.stderr);
+        assert!(
+            err.contains("--hosts") && err.contains("2x3"),
+            "{command}: {err}"
+        );
+    }
+    // the source is the normal fill quantized: no other fill
+    let out = reshard(&[&["bench"][..], &TP4_TO_TP2, &["--fill", "index"]].concat());
+    assert_eq!(out.status.code(), Some(2));
+    assert!(common::text(&out.stderr).contains("--fill"));
+}
+
+/// Checks one `bench --json` report of the hand-checked case: verified, and the bytes exact
+/// (values and scales: 256 KiB + 64 B at the destinations and on the reshard's wire,
+/// 1.25 MiB + 320 B for gather+broadcast of both, 256 KiB for the values alone).
+fn check_bench(out: &std::process::Output, transport: &str) {
+    assert!(
+        out.status.success(),
+        "{transport}: {}",
+        common::text(&out.stderr)
+    );
+    let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(j["transport"], transport, "{j}");
+    assert_eq!(j["verified"], true, "{j}");
+    assert_eq!(j["source"], "quantized", "{j}");
+    assert_eq!(j["quant"], "block:128x128", "{j}");
+    assert_eq!(j["dst_scale_bytes"], 64, "{j}");
+    assert_eq!(j["dst_bytes"], 262144 + 64, "{j}");
+    assert_eq!(j["reshard"]["wire_bytes"], 262144 + 64, "{j}");
+    assert_eq!(j["gather_broadcast"]["wire_bytes"], 1310720 + 320, "{j}");
+    assert_eq!(j["values_only"]["wire_bytes"], 262144, "{j}");
+    assert!(j["reshard_vs_values_only"].as_f64().unwrap() > 0.0, "{j}");
+}
+
+/// `bench` of an already-quantized source, in threads and over tcp and shm: the three
+/// methods run, every repetition verified, the report counting the scales.
+#[test]
+fn bench_moves_an_already_quantized_source_with_its_scales() {
+    let bench = [&["bench", "--iters", "2", "--json"][..], &TP4_TO_TP2].concat();
+    check_bench(&reshard(&bench), "local");
+    for transport in ["tcp", "shm"] {
+        let launched = [
+            &["launch", "--nproc", "6", "--"][..],
+            &bench,
+            &["--transport", transport],
+        ]
+        .concat();
+        check_bench(&reshard(&launched), transport);
+    }
+}
+
+/// The same under mpirun, over MPI.
+#[cfg(feature = "mpi")]
+#[test]
+fn bench_moves_an_already_quantized_source_under_mpirun() {
+    let child = common::mpirun(6)
+        .arg(common::EXE)
+        .args(["bench", "--iters", "2", "--json", "--transport", "mpi"])
+        .args(TP4_TO_TP2)
+        .env_remove("MASTER_PORT")
+        .spawn()
+        .unwrap();
+    let out = common::wait_bounded(
+        child,
+        std::time::Duration::from_secs(600),
+        "bench under mpirun",
+    );
+    check_bench(&out, "mpi");
+}
