@@ -31,6 +31,9 @@ use super::driver::{CaseResult, poison};
 use super::suite::Case;
 use crate::cli::measure::Measured;
 
+/// A rank's boxes of the values and of the scales.
+type Boxes = (Vec<u8>, Vec<u8>);
+
 /// What a case of an already-quantized source adds to its [`Case`]: the coupled move (whose
 /// values' plan is the case's `plan`) and gather+broadcast of the scale tensor (the values'
 /// is the case's `baseline`).
@@ -56,12 +59,7 @@ impl Coupled {
     /// `rank`'s boxes of the values and of the scales on `side`, if it holds a shard there:
     /// its box of the fill, made in f32 and quantized. Since the shard holds whole blocks,
     /// that is its slice of the whole tensor quantized block by block.
-    fn boxes(
-        &self,
-        fill: Fill,
-        side: Side,
-        rank: Rank,
-    ) -> Result<Option<(Vec<u8>, Vec<u8>)>, Error> {
+    fn boxes(&self, fill: Fill, side: Side, rank: Rank) -> Result<Option<Boxes>, Error> {
         let (values, scales) = self.layouts(side);
         let Some(region) = values.local_region(rank) else {
             return Ok(None);
@@ -117,12 +115,7 @@ fn order(i: u32) -> [Method; 3] {
 }
 
 /// Checks `rank`'s values (and its scales, unless `scales` is `None`) against `expected`.
-fn verify(
-    rank: Rank,
-    expected: &(Vec<u8>, Vec<u8>),
-    values: &[u8],
-    scales: Option<&[u8]>,
-) -> Result<(), Error> {
+fn verify(rank: Rank, expected: &Boxes, values: &[u8], scales: Option<&[u8]>) -> Result<(), Error> {
     if let Some((offset, expected, found, mismatches)) = first_difference(&expected.0, values) {
         return Err(Error::VerifyFailed {
             rank,
