@@ -402,15 +402,23 @@ fn plan_json_of_an_already_quantized_source_by_hand() {
         assert!(text.contains(want), "{want:?} in\n{text}");
     }
 
-    // --simulate prices both tensors: more than the values alone
-    let sim = |args: &[&str]| -> f64 {
-        let out = reshard(&[args, &["--json", "--simulate", "h100"]].concat());
-        assert!(out.status.success(), "{}", common::text(&out.stderr));
-        let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-        j["simulation"]["reshard_s"].as_f64().unwrap()
-    };
-    let values_alone = [&["plan"][..], &TP4_TO_TP2[..4], &TP4_TO_TP2[6..]].concat();
-    assert!(sim(&[&["plan"][..], &TP4_TO_TP2].concat()) > sim(&values_alone));
+    // --simulate prices both tensors, on a cluster and on a testbed of hosts: more than the
+    // values alone
+    let testbed = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/benches/testbeds/testbed-2x4.json"
+    );
+    for on in ["h100", testbed] {
+        let sim = |args: &[&str]| -> f64 {
+            let out = reshard(&[args, &["--json", "--simulate", on]].concat());
+            assert!(out.status.success(), "{on}: {}", common::text(&out.stderr));
+            let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+            j["simulation"]["reshard_s"].as_f64().unwrap()
+        };
+        let values_alone = [&["plan"][..], &TP4_TO_TP2[..4], &TP4_TO_TP2[6..]].concat();
+        let both = sim(&[&["plan"][..], &TP4_TO_TP2].concat());
+        assert!(both > sim(&values_alone), "{on}");
+    }
 }
 
 /// `plan` and `bench` refuse, with exit 2 before any byte moves, an already-quantized move
