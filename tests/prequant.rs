@@ -519,3 +519,51 @@ fn bench_moves_an_already_quantized_source_under_mpirun() {
     );
     check_bench(&out, "mpi");
 }
+
+/// Ranks of one `bench` job given different scale dtypes for the already-quantized source
+/// are refused at rendezvous, every one with exit 2 naming the field and both values, before
+/// any byte moves (the values' plans alone are the same on both).
+#[test]
+fn bench_ranks_that_disagree_on_the_scales_are_refused() {
+    use std::process::{Command, Stdio};
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+        .to_string();
+    let children: Vec<_> = ["f32", "e8m0"]
+        .iter()
+        .enumerate()
+        .map(|(rank, scale_dtype)| {
+            Command::new(common::EXE)
+                .args(["bench", "--shape", "256,256", "--dtype", "fp8e4m3"])
+                .args([
+                    "--quant",
+                    "block:128x128:ue8m0",
+                    "--scale-dtype",
+                    scale_dtype,
+                ])
+                .args(["--src", "mesh=1 place=R", "--dst", "mesh=1 place=R"])
+                .args(["--transport", "tcp", "--timeout", "120"])
+                .env("RANK", rank.to_string())
+                .env("WORLD_SIZE", "2")
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", &port)
+                .env("RESHARD_TOKEN", "prequant-test")
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    for (rank, child) in children.into_iter().enumerate() {
+        let out = common::wait_bounded(child, std::time::Duration::from_secs(100), "bench");
+        let err = common::text(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "rank {rank}: {err}");
+        assert!(
+            err.contains("--scale-dtype (source)") && err.contains("f32") && err.contains("e8m0"),
+            "rank {rank}: {err}"
+        );
+    }
+}
