@@ -256,7 +256,8 @@ pub(super) fn threads(
 }
 
 /// One rank's side of one tensor of the pair: its part of the reshard and of the baseline,
-/// its shard buffers and the links of both.
+/// its source shard and destination buffers ([`Tensor::connect`] opens the links of both
+/// methods).
 struct Tensor<'j> {
     layouts: (&'j Layout, &'j Layout),
     gb: &'j GatherBroadcast,
