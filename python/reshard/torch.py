@@ -724,8 +724,6 @@ def reshard_many_(
                 f"{name + ': ' if name else ''}dst_layout: dtype {pairs[name][3].dtype} needs quant "
                 f"(a scheme such as 'block:128x128') and the scale shards"
             )
-        if checksum and quantized:
-            raise ReshardError("checksum: not available with quant yet")
         scales = dict(scales or {})
         extra = sorted(set(scales) - set(quantized))
         if extra:
@@ -736,7 +734,7 @@ def reshard_many_(
     if names or not quantized:
         _reshard_plain(pairs, names, group, bucket_bytes, checksum, rank, world)
     if quantized:
-        _tq.reshard(entries, group, quant, scale_dtype, rank, world)
+        _tq.reshard(entries, group, quant, scale_dtype, rank, world, checksum)
 
 
 def _reshard_plain(pairs, names, group, bucket_bytes: int, checksum: bool, rank: int, world: int) -> None:

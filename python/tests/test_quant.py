@@ -112,7 +112,7 @@ def blocks_touching(offset, extent, block):
     return tuple(slice(o // b, -(-(o + n) // b)) for o, n, b in zip(offset, extent, block))
 
 
-def check_case(rank, case, src_local_of, scale_dtype=None):
+def check_case(rank, case, src_local_of, scale_dtype=None, checksum=False):
     """Runs one reshard on every rank and compares this rank's shard and scales."""
     shape, src_dtype, fp8, scheme, src, dst, seed = case
     full = varied(shape, SRC[src_dtype], seed)
@@ -121,7 +121,7 @@ def check_case(rank, case, src_local_of, scale_dtype=None):
     region = dst.local_region(rank)
     d = None if region is None else torch.zeros(region[1], dtype=FP8[fp8][0])
     scale = rt.scale_tensor(dst, rank, scheme, scale_dtype)
-    rt.reshard_(s, d, src, dst, quant=scheme, scale=scale, scale_dtype=scale_dtype)
+    rt.reshard_(s, d, src, dst, quant=scheme, scale=scale, scale_dtype=scale_dtype, checksum=checksum)
     if region is None:
         assert scale is None
         return 0
@@ -175,15 +175,31 @@ def fixed_cases(world):
     return cases
 
 
-def fixed(rank, world):
+def use_native(rank, native):
+    """The Rust kernels (True), torch operations (False, the path of tensors on a GPU), or
+    ("mixed") the one on even ranks and the other on odd ranks: the same bytes on the wire."""
+    rt._NATIVE = native if native != "mixed" else rank % 2 == 0
+
+
+def fixed(rank, world, native=True, checksum=False):
+    use_native(rank, native)
     compared = 0
     for case in fixed_cases(world):
-        compared += check_case(rank, case, lambda s: s.clone())
+        compared += check_case(rank, case, lambda s: s.clone(), checksum=checksum)
     assert compared > 0
+    rt._NATIVE = True
 
 
 def test_every_scheme_bit_for_bit():
     run_ranks(fixed, 4)
+
+
+def test_every_scheme_bit_for_bit_with_torch_ops():
+    run_ranks(fixed, 4, False)
+
+
+def test_rust_kernels_and_torch_ops_agree_on_the_wire():
+    run_ranks(fixed, 4, "mixed", True)
 
 
 def random_cases(seed, count, world):
@@ -231,7 +247,8 @@ def random_cases(seed, count, world):
     return out
 
 
-def randomized(rank, world):
+def randomized(rank, world, native=True):
+    use_native(rank, native)
     compared = 0
     cases = random_cases(7, 60, world)
     assert len(cases) >= 20
@@ -239,10 +256,15 @@ def randomized(rank, world):
         # transposed-then-back sources are not contiguous: packed from a contiguous copy
         compared += check_case(rank, case, lambda s: s.t().contiguous().t() if s.dim() == 2 else s.clone())
     assert compared > 0
+    rt._NATIVE = True
 
 
 def test_random_layouts_bit_for_bit():
     run_ranks(randomized, 4)
+
+
+def test_random_layouts_bit_for_bit_with_torch_ops():
+    run_ranks(randomized, 4, False)
 
 
 def e8m0_scales(rank, world):
