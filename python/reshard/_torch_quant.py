@@ -245,7 +245,7 @@ def run(items, group, checksum: bool = False) -> None:
                 bad = _mismatch(got, n, [(0, n)])
                 if bad is not None and problem is None:
                     problem = (
-                        f"rank {me}: {label}checksum mismatch in the partial amax from rank {peer} "
+                        f"{label}checksum mismatch in the partial amax from rank {peer} "
                         f"to rank {me} of blocks at {_box(offset, extent)}: sent with crc32c "
                         f"{bad[1]:#010x} but arrived as {bad[2]:#010x}"
                     )
