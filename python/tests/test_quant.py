@@ -401,7 +401,7 @@ def errors(rank, world, native=True):
         scale=scale,
         scale_dtype="e8m0",
     )
-    raises("scale is on meta but dst_local on cpu", quant="block:8x8", scale=torch.zeros(2, 1, device="meta"))
+    raises("scale is on meta but src_local on cpu", quant="block:8x8", scale=torch.zeros(2, 1, device="meta"))
     with pytest.raises(reshard.ReshardError, match="scale, scale_dtype: given only with quant"):
         rt.reshard_(s, torch.zeros(16, 8, dtype=torch.bfloat16), src, bf16, scale=scale)
     # a NaN on rank 1 fails every rank, naming the block, before any value moves
