@@ -194,7 +194,9 @@ class Source:
                 buffer[at : at + s.numel()].copy_(s)
 
 
-def unpack(packing: QuantPacking, messages, buffers, dst_region, dst: torch.Tensor, scale: torch.Tensor) -> None:
+def unpack(
+    packing: QuantPacking, messages, buffers, dst_region, dst: torch.Tensor, scale: torch.Tensor
+) -> None:
     """Copies every received message into the destination shard and the scale shard."""
     origin = list(dst_region[0])
     scale_origin = packing.scale_offset

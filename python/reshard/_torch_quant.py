@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from . import _quant_ops as _ops
+from . import _torch_prequant as _tpq
 from ._core import Layout, QuantPacking, ReshardError, crc32c, quant_scale_shape
 
 _SCALE_DTYPES = {"f32": torch.float32, "e8m0": torch.uint8}
@@ -71,7 +72,8 @@ def check_scale(label: str, scale, packing: QuantPacking, rank: int) -> None:
 
 def check_devices(label: str, src_local, dst_local, scale) -> None:
     """The tensors a rank gives for one reshard are on one device."""
-    given = [(w, t) for w, t in (("src_local", src_local), ("dst_local", dst_local), ("scale", scale)) if t is not None]
+    tensors = (("src_local", src_local), ("dst_local", dst_local), ("scale", scale))
+    given = [(what, t) for what, t in tensors if t is not None]
     for what, tensor in given[1:]:
         if tensor.device != given[0][1].device:
             raise ReshardError(
@@ -337,6 +339,44 @@ def reshard(entries, group, quant, scale_dtype, rank: int, world: int, checksum:
         "reshard quant", entries, names, quant=quant, scale_dtype=scale_dtype, checksum=bool(checksum)
     )
     run(_agree(fingerprint, prepare, group, rank), group, bool(checksum))
+
+
+def _is_fp8(layout: Layout) -> bool:
+    return layout.dtype in ("fp8e4m3", "fp8e5m2")
+
+
+def route(pairs, names, quant, scales, scale_dtype, src_scales):
+    """Sorts the tensors of :func:`reshard_many_` by how they move: ``(pairs, names)`` of the
+    plain ones, the entries quantized in flight (name -> ``(src_local, dst_local,
+    src_layout, dst_layout, scale)``), and the already-quantized moves (name -> the same
+    with the source scale shard before the scale shard). Quantized are the fp8 destinations
+    of other sources, and whatever the caller gives scales for (the core then names what
+    does not fit)."""
+    if quant is None and (scales is not None or scale_dtype is not None):
+        raise ReshardError("scale, scale_dtype: given only with quant")
+    if quant is None and src_scales is not None:
+        raise ReshardError("src_scale: given only with quant")
+    quantized = {
+        name: pairs[name]
+        for name in names
+        if (_is_fp8(pairs[name][3]) and not _is_fp8(pairs[name][2])) or name in (scales or {})
+    }
+    if not quantized and quant is None:
+        return pairs, names, {}, {}
+    if quant is None:
+        name = sorted(quantized)[0]
+        raise ReshardError(
+            f"{name + ': ' if name else ''}dst_layout: dtype {pairs[name][3].dtype} needs quant "
+            f"(a scheme such as 'block:128x128') and the scale shards"
+        )
+    scales = dict(scales or {})
+    extra = sorted(set(scales) - set(quantized))
+    if extra:
+        raise ReshardError(f"scales: {extra[0]!r} is not one of the tensors")
+    entries = {name: (*item, scales.get(name)) for name, item in quantized.items()}
+    entries, moves = _tpq.split(entries, dict(src_scales or {}))
+    names = [n for n in names if n not in quantized]
+    return {n: pairs[n] for n in names}, names, entries, moves
 
 
 def refit_scales(refit, dst, rank: int):

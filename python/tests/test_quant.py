@@ -254,9 +254,8 @@ def corrupted(rank, world):
             scale.zero_()
             with pytest.raises(reshard.ReshardError) as e:
                 go()
-            assert str(e.value).startswith(f"rank 3: checksum mismatch in {message}: sent with crc32c 0x"), str(
-                e.value
-            )
+            want = f"rank 3: checksum mismatch in {message}: sent with crc32c 0x"
+            assert str(e.value).startswith(want), str(e.value)
             assert not d.view(torch.uint8).any() and not scale.any(), "something was unpacked"
         else:
             go()
@@ -264,7 +263,9 @@ def corrupted(rank, world):
     # rank 1's partial amax of the first row of blocks, to rank 0, changed: nobody moves
     if rank == 1:
         tq._seal = flip("amax")
-    message = "checksum mismatch in the partial amax from rank 1 to rank 0 of blocks at offset [0, 0] extent 1x2"
+    message = (
+        "checksum mismatch in the partial amax from rank 1 to rank 0 of blocks at offset [0, 0] extent 1x2"
+    )
     with pytest.raises(reshard.ReshardError) as e:
         go()
     tq._seal = seal
@@ -622,4 +623,5 @@ def test_torch_ops_scales_at_the_extremes():
                     assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (scheme, fp8)
                 else:
                     assert torch.equal(got, want), (scheme, fp8, scale_dtype)
-                assert torch.equal(source.quantized([0, 0], list(x.shape)).view(torch.uint8), q), (scheme, fp8)
+                got = source.quantized([0, 0], list(x.shape))
+                assert torch.equal(got.view(torch.uint8), q), (scheme, fp8)
