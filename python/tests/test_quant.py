@@ -607,11 +607,14 @@ def test_torch_ops_scales_at_the_extremes():
 
     tiny = torch.tensor(2.0**-149)
     values = [0.0, float(tiny), 1e-4, 0.99e-4, 1.5, 448.0, 449.0, 57344.0, 3.0e38, -2.5e-30, 2.0**-126]
-    x = torch.zeros(len(values), 32)
-    x[:, 0] = torch.tensor(values)
-    for fp8 in FP8:
+    x32 = torch.zeros(len(values), 32)
+    x32[:, 0] = torch.tensor(values)
+    x32[:, 1] = torch.tensor(values) / 3
+    # f64 sources round to f32 first, then multiply (values between two f32)
+    x64 = x32.to(torch.float64) * (1 + 2.0**-30)
+    for fp8, (x, dtype) in zip(list(FP8) * 2, [(x32, "f32"), (x32, "f32"), (x64, "f64"), (x64, "f64")]):
         for scheme in ["block:1x32", "block:1x32:ue8m0", "mx:32", "channel"]:
-            src = layout(tuple(x.shape), "f32", (1,), [0], ["R"])
+            src = layout(tuple(x.shape), dtype, (1,), [0], ["R"])
             dst = layout(tuple(x.shape), fp8, (1,), [0], ["R"])
             for scale_dtype in [None, "e8m0"] if scheme.endswith("ue8m0") else [None]:
                 packing = reshard._core.QuantPacking(src, dst, 0, scheme, scale_dtype)
