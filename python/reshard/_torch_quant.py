@@ -82,17 +82,19 @@ def check_devices(label: str, src_local, dst_local, scale) -> None:
 
 
 def scale_tensor(
-    dst_layout: Layout, rank: int, quant: str, scale_dtype: Optional[str] = None
+    dst_layout: Layout, rank: int, quant: str, scale_dtype: Optional[str] = None, device=None
 ) -> Optional[torch.Tensor]:
     """A zeroed scale shard for ``rank`` (None if it holds no shard of ``dst_layout``), of the
     shape and dtype ``reshard_(..., quant=quant, scale=...)`` writes: f32 scales, or one
-    ``uint8`` biased exponent per block for e8m0."""
+    ``uint8`` biased exponent per block for e8m0; on ``device`` (the CPU by default), which
+    must be the destination shard's."""
     from ._core import quant_scale_dtype
 
     shape = quant_scale_shape(dst_layout, rank, quant)
     if shape is None:
         return None
-    return torch.zeros(shape, dtype=_SCALE_DTYPES[quant_scale_dtype(quant, scale_dtype)])
+    dtype = _SCALE_DTYPES[quant_scale_dtype(quant, scale_dtype)]
+    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 def _peer(group, r: int) -> int:

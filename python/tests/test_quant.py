@@ -439,6 +439,7 @@ def test_scale_shape():
     with pytest.raises(reshard.ReshardError, match="quant"):
         reshard.quant_scale_shape(dst, 5, "block:0x2")
     assert rt.scale_tensor(dst, 5, "mx:32").dtype == torch.uint8
+    assert rt.scale_tensor(dst, 5, "channel", device="meta").device.type == "meta"
 
 
 def mixed_many(rank, world):
