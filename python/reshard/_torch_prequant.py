@@ -118,22 +118,25 @@ def plan(
 
 def split(entries: Mapping[str, tuple], src_scales: Mapping[str, object]):
     """Splits the fp8 entries of :func:`reshard_many_` (name -> ``(src_local, dst_local,
-    src_layout, dst_layout, scale)``) into those quantized in flight and those already
+    src_layout, dst_layout, scale)``) into those quantized in flight (with the source scale
+    shard given, if any, last: their checks refuse it on every rank) and those already
     quantized (their source scale shards from ``src_scales``, None where not given)."""
+    extra = sorted(set(src_scales) - set(entries))
+    if extra:
+        raise ReshardError(f"src_scales: {extra[0]!r} is not one of the tensors quantized as quant says")
     quantize, moves = {}, {}
     for name, (src_local, dst_local, src_layout, dst_layout, scale) in entries.items():
         if is_prequantized(src_layout, dst_layout):
             moves[name] = (src_local, dst_local, src_layout, dst_layout, src_scales.get(name), scale)
         else:
-            quantize[name] = entries[name]
-    extra = sorted(set(src_scales) - set(moves))
-    if extra:
-        name = extra[0]
-        label = f"{name}: " if name else ""
-        if name in entries:
-            raise ReshardError(
-                f"{label}src_scale: given for a {entries[name][2].dtype} source; only an fp8 source "
-                "(already quantized) comes with its scales"
-            )
-        raise ReshardError(f"src_scales: {name!r} is not one of the tensors quantized as quant says")
+            quantize[name] = (*entries[name], src_scales.get(name))
     return quantize, moves
+
+
+def refuse_src_scale(label: str, src_scale, src_layout: Layout) -> None:
+    """A source quantized in flight has no scales yet: one given is a mistake."""
+    if src_scale is not None:
+        raise ReshardError(
+            f"{label}src_scale: given for a {src_layout.dtype} source; only an fp8 source "
+            "(already quantized) comes with its scales"
+        )

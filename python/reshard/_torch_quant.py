@@ -311,8 +311,9 @@ def run(items, group, checksum: bool = False) -> None:
 
 def reshard(entries, group, quant, scale_dtype, rank: int, world: int, checksum: bool = False) -> None:
     """Reshards ``entries`` (name -> ``(src_local, dst_local, src_layout, dst_layout,
-    scale)``) into fp8 with scales (see :mod:`reshard._torch_quant`); checked through the
-    group before any byte moves, as :func:`reshard_many_`."""
+    scale, src_scale)``, where a ``src_scale`` is refused) into fp8 with scales (see
+    :mod:`reshard._torch_quant`); checked through the group before any byte moves, as
+    :func:`reshard_many_`."""
     from .torch import _agree, _check_ranks, _check_tensor, _fingerprint
 
     names = sorted(entries)
@@ -320,8 +321,9 @@ def reshard(entries, group, quant, scale_dtype, rank: int, world: int, checksum:
     def prepare():
         items = []
         for name in names:
-            src_local, dst_local, src_layout, dst_layout, scale = entries[name]
+            src_local, dst_local, src_layout, dst_layout, scale, src_scale = entries[name]
             label = f"{name}: " if name else ""
+            _tpq.refuse_src_scale(label, src_scale, src_layout)
             for what, layout in (("src_layout", src_layout), ("dst_layout", dst_layout)):
                 _check_ranks(label, what, layout, world)
             packing = packing_of(label, src_layout, dst_layout, rank, quant, scale_dtype)
@@ -350,7 +352,7 @@ def _is_fp8(layout: Layout) -> bool:
 def route(pairs, names, quant, scales, scale_dtype, src_scales):
     """Sorts the tensors of :func:`reshard_many_` by how they move: ``(pairs, names)`` of the
     plain ones, the entries quantized in flight (name -> ``(src_local, dst_local,
-    src_layout, dst_layout, scale)``), and the already-quantized moves (name -> the same
+    src_layout, dst_layout, scale, src_scale)``), and the already-quantized moves (name -> the same
     with the source scale shard before the scale shard). Quantized are the fp8 destinations
     of other sources, and whatever the caller gives scales for (the core then names what
     does not fit)."""

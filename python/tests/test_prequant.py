@@ -208,12 +208,20 @@ def refusals(rank, world):
     with pytest.raises(reshard.ReshardError, match="tensor: .*fp8e4m3.*fp8e5m2"):
         scale = rt.scale_tensor(e5, rank, scheme)
         rt.reshard_(s, d, whole_rows, e5, quant=scheme, scale=scale, src_scale=s_scale)
-    # source scales for a source that is quantized in flight
+    # source scales for a source that is quantized in flight: every rank hears of it
     bf16 = layout(shape, "bf16", (1,), [0], ["R"])
-    if rank == 0:
-        with pytest.raises(reshard.ReshardError, match="src_scale: given for a bf16 source"):
-            bf16_local = torch.zeros(shape, dtype=torch.bfloat16)
-            rt.reshard_(bf16_local, None, bf16, dst, quant=scheme, src_scale=torch.zeros(2, 2))
+    bf16_local = torch.zeros(shape, dtype=torch.bfloat16) if rank == 0 else None
+    d = dst.local_shape(rank)
+    d = None if d is None else torch.zeros(d, dtype=torch.float8_e4m3fn)
+    with pytest.raises(reshard.ReshardError) as e:
+        rt.reshard_(
+            bf16_local, d, bf16, dst, quant=scheme, scale=rt.scale_tensor(dst, rank, scheme),
+            src_scale=torch.zeros(2, 2) if rank == 0 else None,
+        )
+    message = (
+        "src_scale: given for a bf16 source; only an fp8 source (already quantized) comes with its scales"
+    )
+    assert str(e.value) == (message if rank == 0 else f"nothing was moved: rank 0: {message}"), str(e.value)
     with pytest.raises(reshard.ReshardError, match="src_scale: given only with quant"):
         rt.reshard_many_({}, src_scales={"w": None})
     # the group still works afterwards
