@@ -506,7 +506,8 @@ TINY_MOE = {
 }
 
 
-def moe_refit(rank, world, config):
+def moe_refit(rank, world, config, native=True):
+    use_native(rank, native)
     refit = reshard.Refit(config, train="tp=2", infer="tp=2", infer_quant="fp8-block:16x16")
     assert refit.quant == "block:16x16"
     base = refit.infer_base
@@ -550,7 +551,8 @@ def moe_refit(rank, world, config):
         assert any(b.endswith("w13_weight_scale_inv") for b in scale_fused), scale_fused
         assert any(n.endswith("w2_weight_scale_inv") for n in dst), sorted(dst)
 
-    rt.reshard_many_(refit, src=src, dst=dst)
+    # checksummed on the torch-operations path
+    rt.reshard_many_(refit, src=src, dst=dst, checksum=not native)
 
     def got(name):
         for buffer, ms in fused.items():
@@ -577,12 +579,13 @@ def moe_refit(rank, world, config):
         assert len(want) == len(refit.names)
 
 
-def test_moe_refit_into_fp8_with_scales(tmp_path):
+@pytest.mark.parametrize("native", [True, False])
+def test_moe_refit_into_fp8_with_scales(tmp_path, native):
     import json
 
     config = tmp_path / "config.json"
     config.write_text(json.dumps(TINY_MOE))
-    run_ranks(moe_refit, 4, str(config))
+    run_ranks(moe_refit, 4, str(config), native)
 
 
 def test_torch_ops_powers_and_logarithms_are_exact():
