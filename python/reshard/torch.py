@@ -32,6 +32,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 import torch
 import torch.distributed as dist
 
+from . import _torch_prequant as _tpq
 from . import _torch_quant as _tq
 from ._core import Layout, Packing, Refit, ReshardError, crc32c, rank_plan
 from ._torch_quant import scale_tensor
@@ -549,6 +550,7 @@ def reshard_(
     quant: Optional[str] = None,
     scale: Optional[torch.Tensor] = None,
     scale_dtype: Optional[str] = None,
+    src_scale: Optional[torch.Tensor] = None,
 ) -> None:
     """Fill ``dst_local`` (this rank's shard in ``dst_layout``) from the source shards.
 
@@ -572,13 +574,19 @@ def reshard_(
 
     With ``quant`` (``"block:128x128"``, ``"block:128x128:ue8m0"``, ``"mx:32"``, ``"channel"``
     or ``"tensor"``), ``dst_layout`` is fp8 (``fp8e4m3`` or ``fp8e5m2``) and the source f64,
-    f32, bf16 or f16, on CPU tensors: the senders quantize while they pack (the wire carries
+    f32, bf16 or f16: the senders quantize while they pack (the wire carries
     fp8), source ranks whose shards share a block first exchange their partial amax, and each
     destination rank's scales are written into ``scale``, its scale shard (shape
     :func:`reshard.quant_scale_shape`, f32, or uint8 biased exponents with
     ``scale_dtype="e8m0"``; :func:`scale_tensor` allocates one). Destination shard boundaries
     must fall on block boundaries. A NaN or infinity in a source raises
     :class:`reshard.ReshardError` on every rank, naming the block, before any value moves.
+    CPU tensors are quantized by Rust kernels, others by torch operations on their device,
+    bit for bit alike. ``checksum`` covers the fp8 values, the scales and the partial amax.
+
+    An fp8 source is already quantized: with ``quant``, its scale shard ``src_scale`` (the
+    same shape rule on the source side) and the values move together into ``dst_local`` and
+    ``scale``, unchanged; a shard boundary on either side that cuts a block is an error.
     """
     reshard_many_(
         {"": (src_local, dst_local, src_layout, dst_layout)},
@@ -587,11 +595,8 @@ def reshard_(
         quant=quant,
         scales=None if quant is None and scale is None else {"": scale},
         scale_dtype=scale_dtype,
+        src_scales=None if src_scale is None else {"": src_scale},
     )
-
-
-def _is_fp8(layout: Layout) -> bool:
-    return layout.dtype in ("fp8e4m3", "fp8e5m2")
 
 
 def _views(refit: Refit, tensors: Mapping[str, torch.Tensor], rank: int, side: str, what: str):
@@ -657,6 +662,7 @@ def reshard_many_(
     quant: Optional[str] = None,
     scales: Optional[Mapping[str, Optional[torch.Tensor]]] = None,
     scale_dtype: Optional[str] = None,
+    src_scales: Optional[Mapping[str, Optional[torch.Tensor]]] = None,
 ) -> None:
     """:func:`reshard_` for many tensors at once (a whole model): ``pairs`` maps a name to
     ``(src_local, dst_local, src_layout, dst_layout)``.
@@ -675,6 +681,8 @@ def reshard_many_(
     Tensors whose ``dst_layout`` is fp8 (and source is not) are quantized in flight as
     ``quant`` says (see :func:`reshard_`), their scale shards given by name in ``scales``
     (None where the rank holds no shard); they move after the others, in one batch for all.
+    Already-quantized tensors (fp8 sources, given in ``scales`` too) take their source scale
+    shards by name in ``src_scales``, and move with the plain tensors.
     With a :class:`reshard.Refit` that has fp8 weights (``infer_quant``), ``quant`` is the
     refit's and the scale shards come in ``dst`` under the engine's names
     (``X.weight_scale_inv``, fused ones as ``qkv_proj.weight_scale_inv``; see
@@ -708,35 +716,13 @@ def reshard_many_(
                 label = f"{name}: " if name else ""
                 raise ReshardError(f"{label}{what}: expected a reshard.Layout, got {type(layout).__name__}")
 
-    if quant is None and (scales is not None or scale_dtype is not None):
-        raise ReshardError("scale, scale_dtype: given only with quant")
-    # fp8 destinations of other sources, and whatever the caller gives scales for (the
-    # core then names what does not fit)
-    quantized = {
-        name: pairs[name]
-        for name in names
-        if (_is_fp8(pairs[name][3]) and not _is_fp8(pairs[name][2])) or name in (scales or {})
-    }
-    if quantized or quant is not None:
-        if quant is None:
-            name = sorted(quantized)[0]
-            raise ReshardError(
-                f"{name + ': ' if name else ''}dst_layout: dtype {pairs[name][3].dtype} needs quant "
-                f"(a scheme such as 'block:128x128') and the scale shards"
-            )
-        if checksum and quantized:
-            raise ReshardError("checksum: not available with quant yet")
-        scales = dict(scales or {})
-        extra = sorted(set(scales) - set(quantized))
-        if extra:
-            raise ReshardError(f"scales: {extra[0]!r} is not one of the tensors")
-        entries = {name: (*item, scales.get(name)) for name, item in quantized.items()}
-        names = [n for n in names if n not in quantized]
-        pairs = {n: pairs[n] for n in names}
-    if names or not quantized:
+    pairs, names, entries, moves = _tq.route(pairs, names, quant, scales, scale_dtype, src_scales)
+    if moves:  # already quantized: values and scales move with the plain tensors
+        pairs, names = _tpq.plan(moves, pairs, names, group, quant, scale_dtype, rank, world)
+    if names or not (entries or moves):
         _reshard_plain(pairs, names, group, bucket_bytes, checksum, rank, world)
-    if quantized:
-        _tq.reshard(entries, group, quant, scale_dtype, rank, world)
+    if entries:
+        _tq.reshard(entries, group, quant, scale_dtype, rank, world, checksum)
 
 
 def _reshard_plain(pairs, names, group, bucket_bytes: int, checksum: bool, rank: int, world: int) -> None:

@@ -56,6 +56,7 @@ mod _core {
     #[pymodule_export]
     use super::quant::{
         QuantAmax, QuantPacking, QuantScales, quant_scale_dtype, quant_scale_shape,
+        quantized_scale_layouts,
     };
     #[pymodule_export]
     use super::refit::PyRefit;

@@ -13,7 +13,7 @@
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList};
 use reshard::convert::{AmaxGrid, BlockGrid, QuantScheme, ScaleDType, Scales};
-use reshard::plan::{QuantPlan, QuantRankPlan, QuantRequest};
+use reshard::plan::{QuantPlan, QuantRankPlan, QuantRequest, QuantizedMove};
 use reshard::region::Region;
 use reshard::{DType, Layout, Plan, Rank, Transfer};
 
@@ -152,6 +152,15 @@ unsafe fn bytes_mut<'a>((ptr, len): (usize, usize)) -> &'a mut [u8] {
     }
     unsafe { std::slice::from_raw_parts_mut(ptr as *mut u8, len) }
 }
+
+/// A message as [`QuantPacking::messages`] describes it: peer, bytes, the value transfers
+/// `(at, src, dst, offset, extent)` and the scale boxes `(at, offset, extent)`.
+type MessageParts = (
+    Rank,
+    usize,
+    Vec<(usize, Rank, Rank, Vec<u64>, Vec<u64>)>,
+    Vec<(usize, Vec<u64>, Vec<u64>)>,
+);
 
 /// One rank's part of a reshard into fp8 with scales (see the module docs).
 #[pyclass(frozen, module = "reshard", name = "QuantPacking")]
@@ -315,6 +324,92 @@ impl QuantPacking {
     #[getter]
     fn scale_dtype(&self) -> String {
         self.qp.quant.scale_dtype.to_string()
+    }
+
+    /// The block's extent along every dim (a dim a block spans whole has the dim's size).
+    #[getter]
+    fn block(&self) -> Vec<u64> {
+        self.qp.grid.block().to_vec()
+    }
+
+    /// The scheme as it prints (`block:128x128`, `block:128x128:ue8m0`, `mx:32`, `channel`,
+    /// `tensor`).
+    #[getter]
+    fn scheme(&self) -> String {
+        self.qp.quant.scheme.to_string()
+    }
+
+    /// `(fmax, emax)` of the fp8 format: the largest magnitude and the exponent of the
+    /// largest power of two (448 and 8 for e4m3, 57344 and 15 for e5m2).
+    #[getter]
+    fn fp8_limits(&self) -> (f32, i32) {
+        (self.qp.quant.fp8.fmax(), self.qp.quant.fp8.emax())
+    }
+
+    /// `(peer, offset, extent)` of every partial amax exchange, in grid coordinates, in the
+    /// order of [`QuantPacking::amax_messages`].
+    #[getter]
+    #[allow(clippy::type_complexity)]
+    fn amax_blocks(&self) -> Vec<(usize, Vec<u64>, Vec<u64>)> {
+        self.amax
+            .iter()
+            .map(|(p, b)| (*p, b.offset.clone(), b.extent.clone()))
+            .collect()
+    }
+
+    /// The grid coordinates of the first scale of this rank's scale shard, or None if it is
+    /// not a destination.
+    #[getter]
+    fn scale_offset(&self) -> Option<Vec<u64>> {
+        self.qrp.dst_blocks.as_ref().map(|b| b.offset.clone())
+    }
+
+    /// What every message of one direction holds and where (`which`: `"sends"`, `"recvs"`
+    /// or `"local"`): `(peer, bytes, values, scales)` per message, with `values` as
+    /// `(at, src, dst, offset, extent)` (fp8 bytes of a transfer, row-major, in global
+    /// coordinates) and `scales` as `(at, offset, extent)` (scales of a box of the grid,
+    /// row-major, in the scale dtype). What the checksums cover, and the layout another
+    /// packer of the same messages (torch operations on a device) must follow.
+    #[allow(clippy::type_complexity)]
+    fn messages(&self, which: &str) -> PyResult<Vec<MessageParts>> {
+        let list: Vec<&Message> = match which {
+            "sends" => self.sends.iter().collect(),
+            "recvs" => self.recvs.iter().collect(),
+            "local" => self.local.iter().collect(),
+            other => {
+                return Err(error(format!(
+                    "which: {other} is invalid: expected `sends`, `recvs` or `local`"
+                )));
+            }
+        };
+        let size = self.qp.scale_bytes();
+        Ok(list
+            .into_iter()
+            .map(|m| {
+                let mut at = 0;
+                let values = m
+                    .values
+                    .iter()
+                    .map(|t| {
+                        let here = at;
+                        at += t.region.volume() as usize;
+                        let r = &t.region;
+                        (here, t.src, t.dst, r.offset.clone(), r.extent.clone())
+                    })
+                    .collect();
+                let mut at = m.scales_at;
+                let scales = m
+                    .scales
+                    .iter()
+                    .map(|s| {
+                        let here = at;
+                        at += s.region.volume() as usize * size;
+                        (here, s.region.offset.clone(), s.region.extent.clone())
+                    })
+                    .collect();
+                (m.peer, m.size, values, scales)
+            })
+            .collect())
     }
 
     /// Computes the amax of the blocks the source shard `src` (a contiguous CPU tensor, or
@@ -486,4 +581,31 @@ pub(crate) fn quant_scale_dtype(quant: &str, scale_dtype: Option<&str>) -> PyRes
     Ok(r.scale_dtype
         .unwrap_or(r.scheme.default_scale_dtype())
         .to_string())
+}
+
+/// The scale layouts of an already-quantized move of `src` to `dst` (fp8 values of one
+/// format, quantized as `quant` says, with scales in `scale_dtype`): `(src_scales,
+/// dst_scales)`, the scale tensor over each side's mesh and placements, whose shards are
+/// exactly the scales of each rank's blocks. Refused, as the core plans it
+/// ([`QuantizedMove`]), when the dtypes differ or are not fp8, the scheme does not fit the
+/// tensor, or a shard boundary on either side cuts a block.
+#[pyfunction]
+#[pyo3(signature = (src, dst, quant, scale_dtype = None))]
+pub(crate) fn quantized_scale_layouts(
+    src: &Bound<'_, PyLayout>,
+    dst: &Bound<'_, PyLayout>,
+    quant: &str,
+    scale_dtype: Option<&str>,
+) -> PyResult<(PyLayout, PyLayout)> {
+    let (src, dst) = (src.get().inner.clone(), dst.get().inner.clone());
+    let req = request(quant, scale_dtype)?;
+    let moved = QuantizedMove::new(src, dst, plan_options(None), req).map_err(error)?;
+    Ok((
+        PyLayout {
+            inner: moved.scales.src().clone(),
+        },
+        PyLayout {
+            inner: moved.scales.dst().clone(),
+        },
+    ))
 }

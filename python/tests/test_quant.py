@@ -10,6 +10,7 @@ torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
 
 import reshard  # noqa: E402
+import reshard._torch_quant as tq  # noqa: E402
 import reshard.torch as rt  # noqa: E402
 from conftest import run_ranks  # noqa: E402
 
@@ -112,7 +113,7 @@ def blocks_touching(offset, extent, block):
     return tuple(slice(o // b, -(-(o + n) // b)) for o, n, b in zip(offset, extent, block))
 
 
-def check_case(rank, case, src_local_of, scale_dtype=None):
+def check_case(rank, case, src_local_of, scale_dtype=None, checksum=False):
     """Runs one reshard on every rank and compares this rank's shard and scales."""
     shape, src_dtype, fp8, scheme, src, dst, seed = case
     full = varied(shape, SRC[src_dtype], seed)
@@ -121,7 +122,7 @@ def check_case(rank, case, src_local_of, scale_dtype=None):
     region = dst.local_region(rank)
     d = None if region is None else torch.zeros(region[1], dtype=FP8[fp8][0])
     scale = rt.scale_tensor(dst, rank, scheme, scale_dtype)
-    rt.reshard_(s, d, src, dst, quant=scheme, scale=scale, scale_dtype=scale_dtype)
+    rt.reshard_(s, d, src, dst, quant=scheme, scale=scale, scale_dtype=scale_dtype, checksum=checksum)
     if region is None:
         assert scale is None
         return 0
@@ -175,15 +176,112 @@ def fixed_cases(world):
     return cases
 
 
-def fixed(rank, world):
+def use_native(rank, native):
+    """The Rust kernels (True), torch operations (False, the path of tensors on a GPU), or
+    ("mixed") the one on even ranks and the other on odd ranks: the same bytes on the wire."""
+    rt._NATIVE = native if native != "mixed" else rank % 2 == 0
+
+
+def fixed(rank, world, native=True, checksum=False):
+    use_native(rank, native)
     compared = 0
     for case in fixed_cases(world):
-        compared += check_case(rank, case, lambda s: s.clone())
+        compared += check_case(rank, case, lambda s: s.clone(), checksum=checksum)
     assert compared > 0
+    rt._NATIVE = True
 
 
 def test_every_scheme_bit_for_bit():
     run_ranks(fixed, 4)
+
+
+def test_every_scheme_bit_for_bit_with_torch_ops():
+    run_ranks(fixed, 4, False)
+
+
+def test_rust_kernels_and_torch_ops_agree_on_the_wire():
+    run_ranks(fixed, 4, "mixed", True)
+
+
+def corrupted(rank, world):
+    """Under ``checksum=True``, a byte changed on the way is refused, naming what it hit:
+    the fp8 values of a transfer or the scales a message carries (its receiver raises before
+    it unpacks anything), or a partial amax (every rank raises before any value moves)."""
+    use_native(rank, "mixed")
+    shape = (16, 32)
+    full = varied(shape, torch.bfloat16, 21)
+    # rows 0..6, 6..12, 12..16: both row blocks of 8 straddle two source shards
+    src = layout(shape, "bf16", (3,), [0, 1, 2], ["S(0)"])
+    dst = layout(shape, "fp8e4m3", (1,), [3], ["R"])
+    s = rt.local_tensor(src, rank, full)
+    s = None if s is None else s.clone()
+    d = torch.zeros(shape, dtype=torch.float8_e4m3fn) if rank == 3 else None
+    scale = rt.scale_tensor(dst, rank, "block:8x16")
+    q, want_scale = reference(full, "block:8x16", "fp8e4m3")
+
+    def go():
+        rt.reshard_(s, d, src, dst, quant="block:8x16", scale=scale, checksum=True)
+
+    seal = tq._seal
+
+    def flip(which):
+        """Rank 0's message to rank 3 holds its transfer's values, then its scales; a
+        partial amax message ends at its sum (one span from 0)."""
+
+        def corrupt(buffer, at, spans):
+            seal(buffer, at, spans)
+            amax = spans == [(0, at)]
+            if which == "amax" and amax and not flipped:
+                buffer[1] ^= 0x40
+                flipped.append(1)
+            elif which in ("values", "scales") and not amax:
+                buffer[spans[0 if which == "values" else 1][0] + 1] ^= 0x40
+
+        flipped = []
+        return corrupt
+
+    go()
+    if rank == 3:
+        assert torch.equal(d.view(torch.uint8), q) and torch.equal(scale, want_scale)
+    for which, sender, message in [
+        ("values", 0, "the transfer from rank 0 to rank 3 at offset [0, 0] extent 6x32"),
+        ("scales", 0, "the scales from rank 0 to rank 3 of blocks at offset [0, 0] extent 1x2"),
+    ]:
+        if rank == sender:
+            tq._seal = flip(which)
+        if rank == 3:
+            d.zero_()
+            scale.zero_()
+            with pytest.raises(reshard.ReshardError) as e:
+                go()
+            want = f"rank 3: checksum mismatch in {message}: sent with crc32c 0x"
+            assert str(e.value).startswith(want), str(e.value)
+            assert not d.view(torch.uint8).any() and not scale.any(), "something was unpacked"
+        else:
+            go()
+        tq._seal = seal
+    # rank 1's partial amax of the first row of blocks, to rank 0, changed: nobody moves
+    if rank == 1:
+        tq._seal = flip("amax")
+    message = (
+        "checksum mismatch in the partial amax from rank 1 to rank 0 of blocks at offset [0, 0] extent 1x2"
+    )
+    with pytest.raises(reshard.ReshardError) as e:
+        go()
+    tq._seal = seal
+    want = message if rank == 0 else f"nothing was moved: rank 0: {message}"
+    assert str(e.value).startswith(want), str(e.value)
+    if rank == 3:
+        assert not d.view(torch.uint8).any()
+    # the group still works afterwards
+    go()
+    if rank == 3:
+        assert torch.equal(d.view(torch.uint8), q) and torch.equal(scale, want_scale)
+    rt._NATIVE = True
+
+
+def test_checksums_name_a_changed_transfer_scale_or_amax():
+    run_ranks(corrupted, 4)
 
 
 def random_cases(seed, count, world):
@@ -231,7 +329,8 @@ def random_cases(seed, count, world):
     return out
 
 
-def randomized(rank, world):
+def randomized(rank, world, native=True):
+    use_native(rank, native)
     compared = 0
     cases = random_cases(7, 60, world)
     assert len(cases) >= 20
@@ -239,13 +338,19 @@ def randomized(rank, world):
         # transposed-then-back sources are not contiguous: packed from a contiguous copy
         compared += check_case(rank, case, lambda s: s.t().contiguous().t() if s.dim() == 2 else s.clone())
     assert compared > 0
+    rt._NATIVE = True
 
 
 def test_random_layouts_bit_for_bit():
     run_ranks(randomized, 4)
 
 
-def e8m0_scales(rank, world):
+def test_random_layouts_bit_for_bit_with_torch_ops():
+    run_ranks(randomized, 4, False)
+
+
+def e8m0_scales(rank, world, native=True):
+    use_native(rank, native)
     src = layout((16, 64), "bf16", (2,), [0, 1], ["S(1)"])
     dst = layout((16, 64), "fp8e4m3", (2,), [1, 0], ["S(0)"])
     case = ((16, 64), "bf16", "fp8e4m3", "block:8x32:ue8m0", src, dst, 5)
@@ -255,11 +360,13 @@ def e8m0_scales(rank, world):
     assert reshard.quant_scale_dtype("channel") == "f32"
 
 
-def test_ue8m0_scales_as_biased_exponents():
-    run_ranks(e8m0_scales, 2)
+@pytest.mark.parametrize("native", [True, False])
+def test_ue8m0_scales_as_biased_exponents(native):
+    run_ranks(e8m0_scales, 2, native)
 
 
-def errors(rank, world):
+def errors(rank, world, native=True):
+    use_native(rank, native)
     src = layout((16, 16), "bf16", (2,), [0, 1], ["S(0)"])
     dst = layout((16, 16), "fp8e4m3", (2,), [0, 1], ["S(1)"])
     s = torch.ones(8, 16, dtype=torch.bfloat16)
@@ -295,6 +402,7 @@ def errors(rank, world):
         scale=scale,
         scale_dtype="e8m0",
     )
+    raises("scale is on meta but src_local on cpu", quant="block:8x8", scale=torch.zeros(2, 1, device="meta"))
     with pytest.raises(reshard.ReshardError, match="scale, scale_dtype: given only with quant"):
         rt.reshard_(s, torch.zeros(16, 8, dtype=torch.bfloat16), src, bf16, scale=scale)
     # a NaN on rank 1 fails every rank, naming the block, before any value moves
@@ -316,8 +424,9 @@ def errors(rank, world):
     dist.barrier()
 
 
-def test_errors_name_the_field():
-    run_ranks(errors, 2)
+@pytest.mark.parametrize("native", [True, False])
+def test_errors_name_the_field(native):
+    run_ranks(errors, 2, native)
 
 
 def test_scale_shape():
@@ -330,6 +439,7 @@ def test_scale_shape():
     with pytest.raises(reshard.ReshardError, match="quant"):
         reshard.quant_scale_shape(dst, 5, "block:0x2")
     assert rt.scale_tensor(dst, 5, "mx:32").dtype == torch.uint8
+    assert rt.scale_tensor(dst, 5, "channel", device="meta").device.type == "meta"
 
 
 def mixed_many(rank, world):
@@ -396,7 +506,8 @@ TINY_MOE = {
 }
 
 
-def moe_refit(rank, world, config):
+def moe_refit(rank, world, config, native=True):
+    use_native(rank, native)
     refit = reshard.Refit(config, train="tp=2", infer="tp=2", infer_quant="fp8-block:16x16")
     assert refit.quant == "block:16x16"
     base = refit.infer_base
@@ -440,7 +551,8 @@ def moe_refit(rank, world, config):
         assert any(b.endswith("w13_weight_scale_inv") for b in scale_fused), scale_fused
         assert any(n.endswith("w2_weight_scale_inv") for n in dst), sorted(dst)
 
-    rt.reshard_many_(refit, src=src, dst=dst)
+    # checksummed on the torch-operations path
+    rt.reshard_many_(refit, src=src, dst=dst, checksum=not native)
 
     def got(name):
         for buffer, ms in fused.items():
@@ -467,9 +579,56 @@ def moe_refit(rank, world, config):
         assert len(want) == len(refit.names)
 
 
-def test_moe_refit_into_fp8_with_scales(tmp_path):
+@pytest.mark.parametrize("native", [True, False])
+def test_moe_refit_into_fp8_with_scales(tmp_path, native):
     import json
 
     config = tmp_path / "config.json"
     config.write_text(json.dumps(TINY_MOE))
-    run_ranks(moe_refit, 4, str(config))
+    run_ranks(moe_refit, 4, str(config), native)
+
+
+def test_torch_ops_powers_and_logarithms_are_exact():
+    """The device path's 2^e and log2 (from bit patterns) over every f32 power of two,
+    subnormals included, and the values just above them."""
+    import reshard._quant_ops as ops
+
+    e = torch.arange(-149, 128)
+    x = ops._pow2(e)
+    assert torch.equal(x.to(torch.float64), torch.ldexp(torch.ones(len(e), dtype=torch.float64), e))
+    floor, exact = ops._log2_parts(x)
+    assert torch.equal(floor.to(torch.int64), e) and bool(exact.all())
+    inner = x[1:-1]
+    above = (inner.view(torch.int32) + 1).view(torch.float32)
+    floor, exact = ops._log2_parts(above)
+    assert torch.equal(floor.to(torch.int64), e[1:-1]) and not bool(exact.any())
+
+
+def test_torch_ops_scales_at_the_extremes():
+    """Block scales of the device path against the reference for amax 0, the smallest
+    subnormal, the clamp at 1e-4, FMAX and just above, and the largest f32."""
+    import reshard._quant_ops as ops
+
+    tiny = torch.tensor(2.0**-149)
+    values = [0.0, float(tiny), 1e-4, 0.99e-4, 1.5, 448.0, 449.0, 57344.0, 3.0e38, -2.5e-30, 2.0**-126]
+    x32 = torch.zeros(len(values), 32)
+    x32[:, 0] = torch.tensor(values)
+    x32[:, 1] = torch.tensor(values) / 3
+    # f64 sources round to f32 first, then multiply (values between two f32)
+    x64 = x32.to(torch.float64) * (1 + 2.0**-30)
+    for fp8, (x, dtype) in zip(list(FP8) * 2, [(x32, "f32"), (x32, "f32"), (x64, "f64"), (x64, "f64")]):
+        for scheme in ["block:1x32", "block:1x32:ue8m0", "mx:32", "channel"]:
+            src = layout(tuple(x.shape), dtype, (1,), [0], ["R"])
+            dst = layout(tuple(x.shape), fp8, (1,), [0], ["R"])
+            for scale_dtype in [None, "e8m0"] if scheme.endswith("ue8m0") else [None]:
+                packing = reshard._core.QuantPacking(src, dst, 0, scheme, scale_dtype)
+                source = ops.Source(packing, ([0, 0], list(x.shape)), x)
+                source.merge([])
+                q, want = reference(x, scheme, fp8, scale_dtype)
+                got = source.stored
+                if got.dtype == torch.float32:
+                    assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (scheme, fp8)
+                else:
+                    assert torch.equal(got, want), (scheme, fp8, scale_dtype)
+                got = source.quantized([0, 0], list(x.shape))
+                assert torch.equal(got.view(torch.uint8), q), (scheme, fp8)
