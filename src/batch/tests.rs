@@ -27,11 +27,7 @@ fn options(chunk_bytes: usize) -> ExecOptions {
 }
 
 fn tensor(name: &str, src: Layout, dst: Layout) -> Tensor {
-    Tensor {
-        name: name.into(),
-        src,
-        dst,
-    }
+    Tensor::new(name, src, dst)
 }
 
 /// Every rank's buffers on `side`, filled from the reference shards of each tensor (`fill`
@@ -112,7 +108,7 @@ proptest! {
         let src = buffers(&batch, Side::Src, Some(&fills));
         let mut dst = buffers(&batch, Side::Dst, None);
         let options = ExecOptions { checksum, ..options(chunk_bytes) };
-        run_local_batch(&batch, &src, &mut dst, &options).unwrap();
+        run_local_batch(&batch, &src, &mut dst, &mut BTreeMap::new(), &options).unwrap();
         prop_assert_eq!(dst, buffers(&batch, Side::Dst, Some(&fills)));
     }
 }
@@ -202,7 +198,7 @@ fn fused_buffers_hold_the_members_side_by_side() {
         let fills: Vec<Fill> = (0..6).map(|i| Fill::Hash { seed: i }).collect();
         let src = buffers(&batch, Side::Src, Some(&fills));
         let mut dst = buffers(&batch, Side::Dst, None);
-        let stats = run_local_batch(&batch, &src, &mut dst, &options(64)).unwrap();
+        let stats = run_local_batch(&batch, &src, &mut dst, &mut BTreeMap::new(), &options(64)).unwrap();
         assert_eq!(dst, buffers(&batch, Side::Dst, Some(&fills)));
         if pack_below == 0 {
             // every destination byte is written once
@@ -255,7 +251,7 @@ fn bad_fusions_are_named() {
     let src_bufs = buffers(&batch, Side::Src, Some(&[Fill::Index, Fill::Index]));
     let mut dst_bufs = buffers(&batch, Side::Dst, None);
     dst_bufs.get_mut(&3).unwrap()[0].pop();
-    let e = run_local_batch(&batch, &src_bufs, &mut dst_bufs, &options(64))
+    let e = run_local_batch(&batch, &src_bufs, &mut dst_bufs, &mut BTreeMap::new(), &options(64))
         .unwrap_err()
         .to_string();
     assert!(e.contains("buffer `ab`") && e.contains("rank 3"), "{e}");

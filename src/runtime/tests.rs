@@ -229,16 +229,8 @@ fn one_rank_per_member_runs_a_plan_its_baseline_and_a_batch() {
     let plan = plan("mesh=2 place=S(0)", "mesh=2x2 ranks=0..4 place=S(1),R");
     let fill = Fill::Hash { seed: 11 };
     let tensors = vec![
-        Tensor {
-            name: "a".into(),
-            src: plan.src().clone(),
-            dst: plan.dst().clone(),
-        },
-        Tensor {
-            name: "b".into(),
-            src: plan.dst().clone(),
-            dst: plan.src().clone(),
-        },
+        Tensor::new("a", plan.src().clone(), plan.dst().clone()),
+        Tensor::new("b", plan.dst().clone(), plan.src().clone()),
     ];
     let batch = Batch::new(tensors, Vec::new(), BatchOptions::default()).unwrap();
     let batch_buffers = |rank: Rank, side: crate::Side, filled: bool| -> Vec<Vec<u8>> {
