@@ -78,7 +78,11 @@ impl Tensor {
     }
 
     fn layout(&self, side: Side) -> &Layout {
-        if side == Side::Src { &self.src } else { &self.dst }
+        if side == Side::Src {
+            &self.src
+        } else {
+            &self.dst
+        }
     }
 }
 
@@ -678,10 +682,13 @@ impl Batch {
                         continue;
                     };
                     let src_at = match st.src == rank {
-                        true => Some((staged_at(i).ok_or_else(|| Error::Internal {
-                            rank,
-                            detail: format!("{}: no staged scales for a send", t.name),
-                        })?, 0..staged_len)),
+                        true => Some((
+                            staged_at(i).ok_or_else(|| Error::Internal {
+                                rank,
+                                detail: format!("{}: no staged scales for a send", t.name),
+                            })?,
+                            0..staged_len,
+                        )),
                         false => None,
                     };
                     let dst_at = (st.dst == rank)

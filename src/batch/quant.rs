@@ -104,8 +104,9 @@ impl RankBatch {
     /// fit).
     pub fn quant_buffers(&self, batch: &Batch) -> Result<QuantBuffers> {
         let rank = self.rank;
-        let zeroed =
-            |len: usize, what: &str| crate::memory::zeroed(len as u64, || format!("rank {rank}'s {what}"));
+        let zeroed = |len: usize, what: &str| {
+            crate::memory::zeroed(len as u64, || format!("rank {rank}'s {what}"))
+        };
         let mut out = QuantBuffers::default();
         for s in &self.quant {
             for blocks in &s.exchanges {
@@ -137,8 +138,10 @@ pub fn prepare<'buf, T: Transport<'buf> + ?Sized>(
     transport: &T,
     options: &ExecOptions,
 ) -> Result<Casts> {
-    prepared(batch, rb, src, outgoing, incoming, staged, transport, options)
-        .inspect_err(|_| transport.abort())
+    prepared(
+        batch, rb, src, outgoing, incoming, staged, transport, options,
+    )
+    .inspect_err(|_| transport.abort())
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -245,7 +248,8 @@ fn prepared<'buf, T: Transport<'buf> + ?Sized>(
                     scales,
                     shard: piece.region.clone(),
                 };
-                let cast = Cast::quantizing(t.src.dtype(), t.dst.dtype(), Some(Arc::new(quantizer)));
+                let cast =
+                    Cast::quantizing(t.src.dtype(), t.dst.dtype(), Some(Arc::new(quantizer)));
                 casts.by_piece.insert((b, piece.bytes.start), cast);
             }
         }

@@ -69,10 +69,10 @@ impl QuantCheck {
                     ),
                 });
             }
-            let mut tensor = reshard::memory::zeroed(
-                shard.volume() * t.src.dtype().size() as u64,
-                || format!("rank {rank}'s reference of {}", t.name),
-            )?;
+            let mut tensor =
+                reshard::memory::zeroed(shard.volume() * t.src.dtype().size() as u64, || {
+                    format!("rank {rank}'s reference of {}", t.name)
+                })?;
             fill_of(i).fill_region(&t.src, &shard, &mut tensor);
             let grid = BlockGrid::new(q.quant.scheme, &shard.extent).map_err(named)?;
             let out = quantize_tensor(q.quant, &grid, t.src.dtype(), &tensor).map_err(named)?;
@@ -224,7 +224,9 @@ mod tests {
         let rank = 3;
         let rb = batch.rank_batch(rank).unwrap();
         let check = QuantCheck::new(&batch, rank, fill).unwrap();
-        check.verify(&batch, &rb, &dst[&rank], &scales[&rank]).unwrap();
+        check
+            .verify(&batch, &rb, &dst[&rank], &scales[&rank])
+            .unwrap();
         // up's first scale sits after gate's 2x2 blocks of f32 in the fused scale buffer
         let mut bad = scales[&rank].clone();
         bad[0][16] ^= 1;
