@@ -88,7 +88,7 @@ impl QuantBuffers {
     }
 }
 
-fn quant_of<'b>(batch: &'b Batch, tensor: usize, rank: usize) -> Result<&'b QuantPlan> {
+fn quant_of(batch: &Batch, tensor: usize, rank: usize) -> Result<&QuantPlan> {
     batch
         .tensors
         .get(tensor)
@@ -124,24 +124,28 @@ impl RankBatch {
 
 /// Runs the first two phases of `rb`'s quantized tensors (see the module docs): the amax of
 /// its source pieces (`src`, its source buffers), the exchange of partial amax over
-/// `transport`, and the scales, staged into `staged`. Returns the quantizing casts of its
-/// source pieces for [`RankBatch::steps`]. A non-finite source value is an error naming the
-/// tensor, the block and the element; on any failure every link is broken, so that the peers
-/// stop now.
+/// `transport` (`quant`'s amax buffers), and the scales, staged in `quant`. Returns the
+/// quantizing casts of its source pieces for [`RankBatch::steps`], and the staged scales,
+/// which its scale moves read. A non-finite source value is an error naming the tensor, the
+/// block and the element; on any failure every link is broken, so that the peers stop now.
 pub fn prepare<'buf, T: Transport<'buf> + ?Sized>(
     batch: &Batch,
     rb: &'buf RankBatch,
     src: &[&[u8]],
-    outgoing: &'buf mut [Vec<u8>],
-    incoming: &mut [Vec<u8>],
-    staged: &mut [Vec<u8>],
+    quant: &'buf mut QuantBuffers,
     transport: &T,
     options: &ExecOptions,
-) -> Result<Casts> {
-    prepared(
+) -> Result<(Casts, &'buf [Vec<u8>])> {
+    let QuantBuffers {
+        outgoing,
+        incoming,
+        staged,
+    } = quant;
+    let casts = prepared(
         batch, rb, src, outgoing, incoming, staged, transport, options,
     )
-    .inspect_err(|_| transport.abort())
+    .inspect_err(|_| transport.abort())?;
+    Ok((casts, staged))
 }
 
 #[allow(clippy::too_many_arguments)]

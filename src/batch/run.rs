@@ -110,19 +110,8 @@ fn run_packed<'buf, T: Transport<'buf> + ?Sized>(
     options: &ExecOptions,
 ) -> Result<RankStats> {
     let staging = quant.len();
-    let QuantBuffers {
-        outgoing,
-        incoming,
-        staged,
-    } = quant;
-    let casts = match rb.quant.is_empty() {
-        true => None,
-        false => Some(prepare(
-            batch, rb, src, outgoing, incoming, staged, transport, options,
-        )?),
-    };
-    let staged: &'buf [Vec<u8>] = staged;
-    let steps = rb.steps(casts.as_ref())?;
+    let (casts, staged) = prepare(batch, rb, src, quant, transport, options)?;
+    let steps = rb.steps(Some(&casts))?;
     let mut stats = {
         let all_src: Vec<&'buf [u8]> = src
             .iter()
