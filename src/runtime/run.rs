@@ -200,11 +200,18 @@ impl World {
         destinations: &mut BTreeMap<Rank, Vec<Vec<u8>>>,
         options: &RunOptions,
     ) -> Result<RunStats> {
-        if let Some(t) = batch.tensors().iter().find(|t| t.quant.is_some()) {
+        let quantized = batch
+            .tensors()
+            .iter()
+            .find_map(|t| Some((t, t.quant.as_ref()?)));
+        if let Some((t, q)) = quantized {
             return Err(Error::InvalidOption {
                 field: Field::Quant,
-                value: t.name.clone(),
-                reason: "the batch quantizes this tensor, which writes scales too: run it with World::run_batch_quantized".into(),
+                value: q.quant.scheme.to_string(),
+                reason: format!(
+                    "the batch quantizes `{}`, which writes scales too: run it with World::run_batch_quantized",
+                    t.name
+                ),
             });
         }
         self.run_batch_quantized(batch, sources, destinations, &mut BTreeMap::new(), options)
