@@ -551,13 +551,9 @@ impl Batch {
         }))
     }
 
-    /// Everything `rank` does in the batch, computed from the layouts alone.
-    pub fn rank_batch(&self, rank: Rank) -> Result<RankBatch> {
-        let mut cache = Pieces::new(self);
-        let src = self.buffers(Side::Src, rank)?;
-        let dst = self.buffers(Side::Dst, rank)?;
-        let scales = self.scale_buffers(rank)?;
-        // the tensors this rank quantizes as a source: its amax, its staged scales
+    /// The quantized tensors `rank` holds a source shard of, and its partial amax moves (both
+    /// ways, each exchange's buffer numbered across the tensors, unsorted).
+    fn quant_sources(&self, rank: Rank) -> (Vec<QuantSource>, Vec<Move>) {
         let mut quant = Vec::new();
         let mut amax = Vec::new();
         // amax buffers, counted across the tensors
@@ -599,6 +595,16 @@ impl Batch {
                 exchanges,
             });
         }
+        (quant, amax)
+    }
+
+    /// Everything `rank` does in the batch, computed from the layouts alone.
+    pub fn rank_batch(&self, rank: Rank) -> Result<RankBatch> {
+        let mut cache = Pieces::new(self);
+        let src = self.buffers(Side::Src, rank)?;
+        let dst = self.buffers(Side::Dst, rank)?;
+        let scales = self.scale_buffers(rank)?;
+        let (quant, amax) = self.quant_sources(rank);
         let src_count = src.len();
         let staged_at = |i: usize| {
             quant
