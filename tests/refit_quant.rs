@@ -225,6 +225,43 @@ fn refit_batch(refit: &Refit) -> Batch {
     Batch::new(tensors, all, BatchOptions::default()).unwrap()
 }
 
+/// A fused scale buffer on `rank` lies as `Refit.scale_fused` (Python) describes it: each
+/// member's scale shard at its weight offset along the fused dim divided by the block, in a
+/// row-major buffer whose extent along that dim is the members' scale extents added up.
+fn check_fused_scales(refit: &Refit, f: &Fused, rank: usize, buffer: &reshard::batch::Buffer) {
+    let layouts = refit.member_layouts(f, |t| &t.dst);
+    let offsets = f.local_offsets(&layouts, rank).unwrap();
+    let boxes: Vec<_> = f
+        .members
+        .iter()
+        .map(|&m| {
+            let plan = refit.quant_plan(m).unwrap();
+            plan.dst_scale_box(&refit.tensors[m].dst, rank).unwrap()
+        })
+        .collect();
+    let lead = refit.quant_plan(f.members[0]).unwrap();
+    let (block, scale) = (lead.grid.block()[f.dim], lead.scale_bytes());
+    let mut extent = boxes[0].extent.clone();
+    extent[f.dim] = boxes.iter().map(|b| b.extent[f.dim]).sum();
+    for p in &buffer.pieces {
+        let m = f.members.iter().position(|&m| m == p.tensor).unwrap();
+        let mut at = 0;
+        for d in 0..extent.len() {
+            let mut c = p.region.offset[d] - boxes[m].offset[d];
+            if d == f.dim {
+                c += offsets[m] / block;
+            }
+            at = at * extent[d] + c;
+        }
+        assert_eq!(
+            p.bytes.start as u64,
+            at * scale as u64,
+            "{} on rank {rank}",
+            buffer.name
+        );
+    }
+}
+
 /// A whole refit into fp8 run as one batch between threads: every fp8 value of every
 /// destination piece, in vLLM's fused buffers (`qkv_proj`, `gate_up_proj`, the experts' `w13`)
 /// too, and every scale of every scale buffer (fused like the weights, under the engine's
@@ -336,6 +373,8 @@ fn quantized_refit_in_process_matches_the_reference() {
                 if b.pieces.iter().any(|p| p.tensor != b.pieces[0].tensor) {
                     let name = scale_name(&b.name);
                     assert!(q.fused.iter().any(|f| f.name == name), "{case}: {name}");
+                    let f = refit.dst_fused.iter().find(|f| f.name == b.name).unwrap();
+                    check_fused_scales(&refit, f, r, b);
                     fused_scales += 1;
                 }
             }
