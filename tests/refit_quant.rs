@@ -246,12 +246,12 @@ fn check_fused_scales(refit: &Refit, f: &Fused, rank: usize, buffer: &reshard::b
     for p in &buffer.pieces {
         let m = f.members.iter().position(|&m| m == p.tensor).unwrap();
         let mut at = 0;
-        for d in 0..extent.len() {
+        for (d, &n) in extent.iter().enumerate() {
             let mut c = p.region.offset[d] - boxes[m].offset[d];
             if d == f.dim {
                 c += offsets[m] / block;
             }
-            at = at * extent[d] + c;
+            at = at * n + c;
         }
         assert_eq!(
             p.bytes.start as u64,
