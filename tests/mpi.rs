@@ -113,6 +113,22 @@ fn bench_and_refit_run_under_mpirun() {
         let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
         assert_eq!(j["run"]["verified"], true, "{j}");
         assert_eq!(j["run"]["transport"], name);
+
+        // into fp8: the weights quantized in the batch, every value and scale verified
+        let child = mpirun(8)
+            .args(["refit", "--model"])
+            .arg(&config)
+            .args(["--train", "tp=2,ep=2,pp=2", "--infer", "tp=4", "--run"])
+            .args(["--infer-quant", "fp8-block:4x4"])
+            .args(["--iters", "1", "--transport", kind, "--json"])
+            .env_remove("MASTER_PORT")
+            .spawn()
+            .unwrap();
+        let out = wait_bounded(child, Duration::from_secs(180), "fp8 refit under mpirun");
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(j["run"]["verified"], true, "{j}");
+        assert_eq!(j["run"]["scale_bytes"], j["reshard"]["scale_bytes"], "{j}");
     }
 }
 

@@ -1,7 +1,8 @@
 //! A whole-model refit into an fp8 engine (`refit --infer-quant`, or a config's
 //! `quantization_config`): what is quantized and the scale bytes against a count written
-//! here from the model's shapes, and the refit run for real, in process and over processes
-//! (tcp and shm), every fp8 value and scale checked against a naive quantizer.
+//! here from the model's shapes, and the refit run for real as one batch, in process and
+//! over processes (tcp and shm), every fp8 value and scale, in fused buffers too, checked
+//! against a naive quantizer.
 
 mod common;
 
@@ -9,13 +10,18 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
+use std::collections::BTreeMap;
+
 use common::{EXE, text, wait_bounded};
+use reshard::Side;
+use reshard::batch::{Batch, BatchOptions, Fusion, Tensor, run_local_batch};
 use reshard::convert::reference::quantize_tensor;
-use reshard::exec::{ExecOptions, run_local_quantized};
+use reshard::exec::ExecOptions;
 use reshard::fill::Fill;
 use reshard::layout::LayoutSpec;
-use reshard::model::{InferQuant, Inference, Model, Ranks, Refit, Rules, Training};
-use reshard::{Plan, PlanOptions};
+use reshard::model::{
+    Fused, InferQuant, Inference, Model, Ranks, Refit, Rules, Training, scale_name,
+};
 
 fn refit_json(args: &[&str]) -> serde_json::Value {
     let out = Command::new(EXE)
@@ -191,12 +197,80 @@ fn tiny_qwen(dir: &Path) -> PathBuf {
     path
 }
 
-/// Every quantized tensor of a refit run between threads, each destination's fp8 values and
-/// scales compared with its box of the whole tensor quantized by the naive reference.
+/// The whole refit as one batch, quantized tensors included ([`Tensor::quant`]), with both
+/// sides' fused buffers.
+fn refit_batch(refit: &Refit) -> Batch {
+    let tensors = refit
+        .tensors
+        .iter()
+        .enumerate()
+        .map(|(i, t)| Tensor {
+            quant: refit.quant_plan(i).cloned(),
+            ..Tensor::new(t.name.clone(), t.src.clone(), t.dst.clone())
+        })
+        .collect();
+    let fusions = |fused: &[Fused], side| {
+        fused
+            .iter()
+            .map(|f| Fusion {
+                name: f.name.clone(),
+                side,
+                dim: f.dim,
+                members: f.members.clone(),
+            })
+            .collect::<Vec<_>>()
+    };
+    let mut all = fusions(&refit.src_fused, Side::Src);
+    all.extend(fusions(&refit.dst_fused, Side::Dst));
+    Batch::new(tensors, all, BatchOptions::default()).unwrap()
+}
+
+/// A fused scale buffer on `rank` lies as `Refit.scale_fused` (Python) describes it: each
+/// member's scale shard at its weight offset along the fused dim divided by the block, in a
+/// row-major buffer whose extent along that dim is the members' scale extents added up.
+fn check_fused_scales(refit: &Refit, f: &Fused, rank: usize, buffer: &reshard::batch::Buffer) {
+    let layouts = refit.member_layouts(f, |t| &t.dst);
+    let offsets = f.local_offsets(&layouts, rank).unwrap();
+    let boxes: Vec<_> = f
+        .members
+        .iter()
+        .map(|&m| {
+            let plan = refit.quant_plan(m).unwrap();
+            plan.dst_scale_box(&refit.tensors[m].dst, rank).unwrap()
+        })
+        .collect();
+    let lead = refit.quant_plan(f.members[0]).unwrap();
+    let (block, scale) = (lead.grid.block()[f.dim], lead.scale_bytes());
+    let mut extent = boxes[0].extent.clone();
+    extent[f.dim] = boxes.iter().map(|b| b.extent[f.dim]).sum();
+    for p in &buffer.pieces {
+        let m = f.members.iter().position(|&m| m == p.tensor).unwrap();
+        let mut at = 0;
+        for (d, &n) in extent.iter().enumerate() {
+            let mut c = p.region.offset[d] - boxes[m].offset[d];
+            if d == f.dim {
+                c += offsets[m] / block;
+            }
+            at = at * n + c;
+        }
+        assert_eq!(
+            p.bytes.start as u64,
+            at * scale as u64,
+            "{} on rank {rank}",
+            buffer.name
+        );
+    }
+}
+
+/// A whole refit into fp8 run as one batch between threads: every fp8 value of every
+/// destination piece, in vLLM's fused buffers (`qkv_proj`, `gate_up_proj`, the experts' `w13`)
+/// too, and every scale of every scale buffer (fused like the weights, under the engine's
+/// names) equal to the whole tensor quantized by the naive reference, cut at the piece.
 #[test]
 fn quantized_refit_in_process_matches_the_reference() {
     let scratch = common::temp_dir("refit-quant-threads");
     let dir = scratch.path();
+    let moe = common::tiny_moe_config(dir);
     for (config, train, infer, quant, quantized) in [
         (qwen_layer(dir), "tp=2", "tp=2", "fp8-block", 7),
         (
@@ -213,7 +287,9 @@ fn quantized_refit_in_process_matches_the_reference() {
             "fp8-block:16x8:e5m2",
             21,
         ),
+        (moe.clone(), "tp=2,ep=2", "tp=2", "fp8-block:8x8", 2 * 7),
     ] {
+        let case = format!("{} {train} -> {infer}", config.display());
         let model = Model::load(config.to_str().unwrap()).unwrap();
         let refit = Refit::new(
             &model,
@@ -226,62 +302,94 @@ fn quantized_refit_in_process_matches_the_reference() {
         .quantized(&InferQuant::parse(quant).unwrap().unwrap())
         .unwrap();
         let q = refit.quant.as_ref().unwrap();
-        assert_eq!(q.tensors(), quantized, "{train} -> {infer}");
-        let mut amax = 0;
-        for s in &q.scales {
-            let t = &refit.tensors[s.tensor];
-            let qp = refit.quant_plan(s.tensor).unwrap().clone();
-            let plan =
-                Plan::quantized(t.src.clone(), t.dst.clone(), PlanOptions::default(), qp).unwrap();
-            amax += plan.quant().unwrap().amax_messages(plan.src()).len();
-            let fill = Fill::Normal {
-                seed: s.tensor as u64,
-            };
-            let sources = fill.shards(plan.src()).unwrap();
-            let mut shards = reshard::exec::zeroed_shards(plan.dst()).unwrap();
-            let mut scales = reshard::exec::zeroed_scale_shards(&plan).unwrap();
-            run_local_quantized(
-                &plan,
-                &sources,
-                &mut shards,
-                &mut scales,
-                &ExecOptions::default(),
-            )
-            .unwrap();
-            let whole = LayoutSpec::parse("mesh=1 place=R")
-                .unwrap()
-                .resolve(t.src.shape(), t.src.dtype(), 0)
-                .unwrap();
-            let tensor = fill.shard(&whole, 0).unwrap().unwrap();
-            let qp = plan.quant().unwrap();
-            let want = quantize_tensor(qp.quant, &qp.grid, t.src.dtype(), &tensor).unwrap();
-            assert_eq!(want.grid_shape, s.shape, "{}", s.name);
-            for (&r, values) in &shards {
-                let shard = t.dst.local_region(r).unwrap();
-                assert!(want.values_of(&shard) == *values, "{} rank {r}", t.name);
-                let blocks = q
-                    .scale_region(
-                        &refit,
-                        q.scales.iter().position(|x| x.name == s.name).unwrap(),
-                        r,
-                    )
+        assert_eq!(q.tensors(), quantized, "{case}");
+        let batch = refit_batch(&refit);
+        let fill_of = |i: usize| match refit.quant_plan(i) {
+            Some(_) => Fill::Normal { seed: i as u64 },
+            None => Fill::Hash { seed: i as u64 },
+        };
+        // the quantized weights, whole, quantized naively
+        let want: Vec<_> = refit
+            .tensors
+            .iter()
+            .enumerate()
+            .map(|(i, t)| {
+                let qp = refit.quant_plan(i)?;
+                let whole = LayoutSpec::parse("mesh=1 place=R")
+                    .unwrap()
+                    .resolve(t.src.shape(), t.src.dtype(), 0)
                     .unwrap();
-                assert!(
-                    want.scales_of(&blocks) == scales[&r],
-                    "{} rank {r} scales",
-                    s.name
-                );
+                let tensor = fill_of(i).shard(&whole, 0).unwrap().unwrap();
+                Some(quantize_tensor(qp.quant, &qp.grid, t.src.dtype(), &tensor).unwrap())
+            })
+            .collect();
+        let (mut src, mut dst, mut scales) = (BTreeMap::new(), BTreeMap::new(), BTreeMap::new());
+        let mut amax = 0;
+        for r in 0..batch.world() {
+            let rb = batch.rank_batch(r).unwrap();
+            amax += rb.amax.len();
+            let mut bufs: Vec<Vec<u8>> = rb.src.iter().map(|b| vec![0u8; b.len]).collect();
+            for (b, bytes) in rb.src.iter().zip(&mut bufs) {
+                for p in &b.pieces {
+                    let l = &batch.tensors()[p.tensor].src;
+                    fill_of(p.tensor).fill_region(l, &p.region, &mut bytes[p.bytes.clone()]);
+                }
+            }
+            src.insert(r, bufs);
+            dst.insert(
+                r,
+                rb.dst.iter().map(|b| vec![0u8; b.len]).collect::<Vec<_>>(),
+            );
+            scales.insert(
+                r,
+                rb.scales
+                    .iter()
+                    .map(|b| vec![0u8; b.len])
+                    .collect::<Vec<_>>(),
+            );
+        }
+        run_local_batch(&batch, &src, &mut dst, &mut scales, &ExecOptions::default()).unwrap();
+        let mut fused_scales = 0;
+        for r in 0..batch.world() {
+            let rb = batch.rank_batch(r).unwrap();
+            for (b, bytes) in rb.dst.iter().zip(&dst[&r]) {
+                for p in &b.pieces {
+                    let got = &bytes[p.bytes.clone()];
+                    match &want[p.tensor] {
+                        Some(w) => assert!(w.values_of(&p.region) == got, "{case}: {}", b.name),
+                        None => fill_of(p.tensor)
+                            .verify_region(&batch.tensors()[p.tensor].dst, &p.region, got, (r, 0))
+                            .unwrap(),
+                    }
+                }
+            }
+            for (b, bytes) in rb.scales.iter().zip(&scales[&r]) {
+                for p in &b.pieces {
+                    let w = want[p.tensor].as_ref().unwrap();
+                    let got = &bytes[p.bytes.clone()];
+                    assert!(w.scales_of(&p.region) == got, "{case}: rank {r} {}", b.name);
+                }
+                // a fused scale buffer is the engine's, named after its weights' buffer
+                if b.pieces.iter().any(|p| p.tensor != b.pieces[0].tensor) {
+                    let name = scale_name(&b.name);
+                    assert!(q.fused.iter().any(|f| f.name == name), "{case}: {name}");
+                    let f = refit.dst_fused.iter().find(|f| f.name == b.name).unwrap();
+                    check_fused_scales(&refit, f, r, b);
+                    fused_scales += 1;
+                }
             }
         }
+        assert!(fused_scales > 0, "{case}");
         // FSDP's flat shards of 64 rows over 3 ranks cut the 16-row blocks
-        assert_eq!(amax > 0, train.contains("fsdp"), "{train}");
+        assert_eq!(amax > 0, train.contains("fsdp"), "{case}");
     }
 }
 
-/// `refit --run` into fp8 over processes, tcp and shm: every rank's fp8 values and scales
-/// verified against the naive quantizer, gather+broadcast's bf16 copies against the fill;
-/// the wire carries the planned fp8 values and scales, and each inference rank's scale
-/// shards add up to the planned scale bytes.
+/// `refit --run` into fp8 over processes, tcp and shm: every rank's fp8 values and scales,
+/// in fused buffers too, verified against the naive quantizer, gather+broadcast's bf16
+/// copies against the fill; the wire carries the planned fp8 values and scales, and each
+/// inference rank's scale buffers add up to the planned scale bytes (and, colocated, the
+/// scales a rank copies to itself besides).
 #[test]
 fn quantized_refit_runs_over_processes() {
     let scratch = common::temp_dir("refit-quant");
@@ -289,19 +397,52 @@ fn quantized_refit_runs_over_processes() {
     let qwen = qwen_layer(dir);
     let tiny = tiny_qwen(dir);
     let moe = common::tiny_moe_config(dir);
-    for (model, quant, train, infer, transport) in [
-        (&qwen, "fp8-block", "tp=2", "tp=2", "shm"),
-        (&tiny, "fp8-block:16x16", "dp=3,fsdp=3", "tp=2", "tcp"),
-        (&tiny, "fp8-block:16x16", "tp=2,pp=2", "tp=2,dp=2", "shm"),
-        (&moe, "fp8-block:8x8", "tp=2,ep=2,pp=2", "tp=2", "tcp"),
-        (&moe, "fp8-block:8x8:e5m2", "tp=2,ep=2", "tp=2,ep=2", "shm"),
+    for (model, quant, train, infer, transport, colocated) in [
+        (&qwen, "fp8-block", "tp=2", "tp=2", "shm", false),
+        (
+            &tiny,
+            "fp8-block:16x16",
+            "dp=3,fsdp=3",
+            "tp=2",
+            "tcp",
+            false,
+        ),
+        (
+            &tiny,
+            "fp8-block:16x16",
+            "tp=2,pp=2",
+            "tp=2,dp=2",
+            "shm",
+            false,
+        ),
+        (
+            &moe,
+            "fp8-block:8x8",
+            "tp=2,ep=2,pp=2",
+            "tp=2",
+            "tcp",
+            false,
+        ),
+        (
+            &moe,
+            "fp8-block:8x8:e5m2",
+            "tp=2,ep=2",
+            "tp=2,ep=2",
+            "shm",
+            false,
+        ),
+        (&moe, "fp8-block:8x8", "tp=2,ep=2", "tp=2", "shm", true),
     ] {
+        let ranks = match colocated {
+            true => Ranks::Colocated,
+            false => Ranks::Disjoint,
+        };
         let world: u64 = Refit::new(
             &Model::load(model.to_str().unwrap()).unwrap(),
             &Training::parse(train).unwrap(),
             &Inference::parse(infer).unwrap(),
             &Rules::default(),
-            Ranks::Disjoint,
+            ranks,
         )
         .unwrap()
         .world() as u64;
@@ -318,6 +459,7 @@ fn quantized_refit_runs_over_processes() {
             .args(["--train", train, "--infer", infer, "--infer-quant", quant])
             .args(["--run", "--json", "--transport", transport, "--iters", "1"])
             .args(["--warmup", "0", "--timeout", "60", "--pack-below", "0"])
+            .args(colocated.then_some("--colocated"))
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
@@ -329,8 +471,14 @@ fn quantized_refit_runs_over_processes() {
         let (run, planned) = (&j["run"], &j["reshard"]);
         assert_eq!(run["verified"], true, "{case}: {run}");
         assert_eq!(run["transport"], transport);
-        assert_eq!(run["scale_bytes"], planned["scale_bytes"], "{case}: {j}");
         let u = |v: &serde_json::Value| v.as_u64().unwrap();
+        match colocated {
+            false => assert_eq!(run["scale_bytes"], planned["scale_bytes"], "{case}: {j}"),
+            true => assert!(
+                u(&run["scale_bytes"]) > u(&planned["scale_bytes"]),
+                "{case}: {j}"
+            ),
+        }
         assert_eq!(
             u(&run["dst_bytes"]),
             u(&planned["bytes_remote"]) + u(&planned["bytes_local"]),

@@ -15,6 +15,14 @@
 //! (norms, biases, routers) go as one packed broadcast per source root instead: the root packs
 //! them into one blob, sends it whole to every rank that needs any of them, and each unpacks
 //! its own boxes; many tiny messages become one per receiver.
+//!
+//! A tensor may change dtype on the way ([`Tensor::dst`] of its own dtype): a float cast, or,
+//! with a [`Tensor::quant`], fp8 values with block scales. Its values are converted by the
+//! sender while it packs (or in the local copy), straight from the source piece into the
+//! wire or the destination piece, so quantized tensors move in the same schedule as the
+//! others, fused buffers included, and their scales land in the rank's *scale buffers*
+//! ([`Batch::scale_buffers`]), fused like their weights. [`quant`] has the phases of a
+//! quantizing batch and why they cannot deadlock.
 
 pub mod baseline;
 pub mod quant;
@@ -22,18 +30,23 @@ mod run;
 #[cfg(test)]
 mod tests;
 
-pub use run::{run_local_batch, run_rank_batch};
+pub use run::{RankBuffers, run_local_batch, run_rank_batch};
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::ops::Range;
 
-use crate::copy::{CopyGeometry, Place};
+use crate::copy::{Cast, CopyGeometry, Place};
+use crate::dtype::DType;
 use crate::error::{Error, Result, Side};
 use crate::exec::{Step, Steps};
 use crate::layout::{Layout, Rank};
 // most pieces one fused buffer may be cut into on one rank
 use crate::limits::MAX_FUSED_PIECES as MAX_PIECES;
-use crate::plan::{PlanOptions, Schedule, check_compatible, rank_plan};
+use crate::plan::quant::AMAX_BYTES;
+use crate::plan::{
+    PlanOptions, QuantPlan, QuantRequest, Schedule, check_compatible, rank_plan,
+    rank_plan_quantized,
+};
 use crate::region::Region;
 
 /// One tensor of the batch: its name and both layouts (over one rank numbering).
@@ -41,7 +54,36 @@ use crate::region::Region;
 pub struct Tensor {
     pub name: String,
     pub src: Layout,
+    /// Of the source's dtype, another float dtype (cast in flight), or fp8 with `quant`.
     pub dst: Layout,
+    /// With an fp8 destination: its quantization over both layouts ([`QuantPlan::new`]);
+    /// checked again by [`Batch::new`], which keeps the checked one.
+    pub quant: Option<QuantPlan>,
+}
+
+impl Tensor {
+    /// A tensor moved in its own dtype, or cast into `dst`'s float dtype.
+    pub fn new(name: impl Into<String>, src: Layout, dst: Layout) -> Tensor {
+        Tensor {
+            name: name.into(),
+            src,
+            dst,
+            quant: None,
+        }
+    }
+
+    /// Whether its values change dtype on the way (a cast or a quantization).
+    pub fn converts(&self) -> bool {
+        self.src.dtype() != self.dst.dtype()
+    }
+
+    fn layout(&self, side: Side) -> &Layout {
+        if side == Side::Src {
+            &self.src
+        } else {
+            &self.dst
+        }
+    }
 }
 
 /// Tensors whose local shards share one buffer per rank, concatenated along `dim` in
@@ -104,6 +146,9 @@ pub struct Batch {
     /// One order on rank pairs for all the tensors: their source ranks against their
     /// destination ranks.
     schedule: Schedule,
+    /// The order of the partial amax exchange: the quantized tensors' source ranks among
+    /// themselves.
+    amax_schedule: Schedule,
 }
 
 fn batch_error(what: &'static str, name: &str, reason: impl Into<String>) -> Error {
@@ -116,10 +161,41 @@ fn batch_error(what: &'static str, name: &str, reason: impl Into<String>) -> Err
 
 impl Batch {
     /// Validates the tensors and fusions, before any buffer exists.
-    pub fn new(tensors: Vec<Tensor>, fusions: Vec<Fusion>, options: BatchOptions) -> Result<Batch> {
-        for t in &tensors {
-            check_compatible(&t.src, &t.dst)
-                .map_err(|e| batch_error("tensor", &t.name, e.to_string()))?;
+    pub fn new(
+        mut tensors: Vec<Tensor>,
+        fusions: Vec<Fusion>,
+        options: BatchOptions,
+    ) -> Result<Batch> {
+        for t in &mut tensors {
+            match &t.quant {
+                None => check_compatible(&t.src, &t.dst)
+                    .map_err(|e| batch_error("tensor", &t.name, e.to_string()))?,
+                Some(q) => {
+                    if t.src.shape() != t.dst.shape() {
+                        return Err(batch_error(
+                            "tensor",
+                            &t.name,
+                            format!(
+                                "its source is of shape {:?} but its destination of {:?}",
+                                t.src.shape(),
+                                t.dst.shape()
+                            ),
+                        ));
+                    }
+                    let request = QuantRequest {
+                        scheme: q.quant.scheme,
+                        scale_dtype: Some(q.quant.scale_dtype),
+                    };
+                    let checked = QuantPlan::new(request, &t.src, &t.dst).map_err(|e| match e {
+                        Error::Convert { source, .. } => Error::Convert {
+                            tensor: t.name.clone(),
+                            source,
+                        },
+                        other => batch_error("tensor", &t.name, other.to_string()),
+                    })?;
+                    t.quant = Some(checked);
+                }
+            }
         }
         let mut fused: BTreeSet<(usize, bool)> = BTreeSet::new();
         for f in &fusions {
@@ -161,16 +237,28 @@ impl Batch {
                         ),
                     ));
                 }
-                if t.src.dtype() != lead.src.dtype() {
+                let (mine, theirs) = (t.layout(f.side).dtype(), lead.layout(f.side).dtype());
+                if mine != theirs {
                     return Err(batch_error(
                         "fusion",
                         &f.name,
                         format!(
-                            "members of one buffer share a dtype, but `{}` is {} and `{}` is {}",
+                            "members of one buffer share a dtype, but `{}` is {theirs} and `{}` is {mine}",
+                            lead.name, t.name,
+                        ),
+                    ));
+                }
+                let scales = |t: &Tensor| t.quant.as_ref().map(|q| q.quant.scale_dtype);
+                if f.side == Side::Dst && scales(t) != scales(lead) {
+                    return Err(batch_error(
+                        "fusion",
+                        &f.name,
+                        format!(
+                            "members of one buffer share their scales' dtype, but `{}` has {:?} and `{}` {:?}",
                             lead.name,
-                            lead.src.dtype(),
+                            scales(lead),
                             t.name,
-                            t.src.dtype()
+                            scales(t)
                         ),
                     ));
                 }
@@ -180,10 +268,12 @@ impl Batch {
         for (i, t) in tensors.iter().enumerate() {
             let whole_everywhere = t.src.replication() == t.src.mesh().size();
             let src_fused = fused.contains(&(i, true));
+            // a packed tensor is copied out of the blob as it is: it keeps its dtype
             if options.pack_below > 0
                 && t.src.total_bytes() < options.pack_below
                 && whole_everywhere
                 && !src_fused
+                && !t.converts()
             {
                 packs.entry(t.src.mesh().ranks()[0]).or_default().push(i);
             }
@@ -201,6 +291,13 @@ impl Batch {
                 .iter()
                 .flat_map(|t| t.dst.mesh().ranks().iter().copied()),
         );
+        let quant_src = || {
+            tensors
+                .iter()
+                .filter(|t| t.quant.is_some())
+                .flat_map(|t| t.src.mesh().ranks().iter().copied())
+        };
+        let amax_schedule = Schedule::new(quant_src(), quant_src());
         Ok(Batch {
             tensors,
             fusions,
@@ -208,7 +305,15 @@ impl Batch {
             packs,
             world,
             schedule,
+            amax_schedule,
         })
+    }
+
+    /// Whether any tensor changes dtype on the way: then every rank cuts its transfers into
+    /// chunks of whole elements of every dtype ([`crate::exec::cut_chunk`]), those that keep
+    /// their dtype too, so that both ends of every transfer cut it alike.
+    pub fn converts(&self) -> bool {
+        self.tensors.iter().any(Tensor::converts)
     }
 
     pub fn tensors(&self) -> &[Tensor] {
@@ -232,9 +337,6 @@ impl Batch {
     /// `rank`'s buffers on `side`, in a fixed order: tensors in batch order, a fused buffer
     /// where its first member comes. Fails if a fusion's members disagree on this rank.
     pub fn buffers(&self, side: Side, rank: Rank) -> Result<Vec<Buffer>> {
-        fn layout(t: &Tensor, side: Side) -> &Layout {
-            if side == Side::Src { &t.src } else { &t.dst }
-        }
         let fusion_of: BTreeMap<usize, &Fusion> = self
             .fusions
             .iter()
@@ -251,7 +353,7 @@ impl Batch {
                 }
                 Some(_) => {}
                 None => {
-                    let l = layout(t, side);
+                    let l = t.layout(side);
                     if let Some(region) = l.local_region(rank) {
                         let len = l.local_bytes(rank) as usize;
                         out.push(Buffer {
@@ -275,11 +377,100 @@ impl Batch {
         let boxes: Vec<Option<Region>> = f
             .members
             .iter()
-            .map(|&m| {
-                let t = &self.tensors[m];
-                if side == Side::Src { &t.src } else { &t.dst }.local_region(rank)
-            })
+            .map(|&m| self.tensors[m].layout(side).local_region(rank))
             .collect();
+        let elem = self.tensors[f.members[0]].layout(side).dtype().size();
+        self.fuse(f, rank, boxes, elem)
+    }
+
+    /// `rank`'s scale buffers, one per destination buffer that holds quantized tensors, in
+    /// the order of [`Batch::buffers`]: a tensor's scale shard (its box of the block grid,
+    /// row-major, in the scale dtype), or for a fused buffer the members' scale shards
+    /// concatenated along the same dim in block coordinates, as the engine fuses the scales
+    /// of a fused weight (vLLM's `qkv_proj.weight_scale_inv`, `w13_weight_scale_inv`). Every
+    /// member but the last must hold whole blocks along the fused dim, or the blocks of the
+    /// fused buffer would straddle two members: an error naming the fusion and the member.
+    pub fn scale_buffers(&self, rank: Rank) -> Result<Vec<Buffer>> {
+        let fusion_of: BTreeMap<usize, &Fusion> = self
+            .fusions
+            .iter()
+            .filter(|f| f.side == Side::Dst)
+            .flat_map(|f| f.members.iter().map(move |&m| (m, f)))
+            .collect();
+        let mut out = Vec::new();
+        for (i, t) in self.tensors.iter().enumerate() {
+            let Some(q) = &t.quant else { continue };
+            match fusion_of.get(&i) {
+                Some(f) if f.members[0] == i => {
+                    self.check_whole_blocks(f, rank)?;
+                    let boxes = f
+                        .members
+                        .iter()
+                        .map(|&m| {
+                            let t = &self.tensors[m];
+                            t.quant.as_ref().and_then(|q| q.dst_scale_box(&t.dst, rank))
+                        })
+                        .collect();
+                    if let Some(b) = self.fuse(f, rank, boxes, q.scale_bytes())? {
+                        out.push(b);
+                    }
+                }
+                Some(_) => {}
+                None => {
+                    if let Some(region) = q.dst_scale_box(&t.dst, rank) {
+                        let len = region.volume() as usize * q.scale_bytes();
+                        out.push(Buffer {
+                            name: t.name.clone(),
+                            len,
+                            pieces: vec![Piece {
+                                tensor: i,
+                                region,
+                                bytes: 0..len,
+                            }],
+                        });
+                    }
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Every member of a destination fusion but the last holds whole blocks along its dim on
+    /// `rank`.
+    fn check_whole_blocks(&self, f: &Fusion, rank: Rank) -> Result<()> {
+        let Some((_, leading)) = f.members.split_last() else {
+            return Ok(());
+        };
+        for &m in leading {
+            let t = &self.tensors[m];
+            let (Some(q), Some(shard)) = (&t.quant, t.dst.local_region(rank)) else {
+                continue;
+            };
+            let block = q.grid.block()[f.dim];
+            let held = shard.extent[f.dim];
+            if !held.is_multiple_of(block) {
+                return Err(batch_error(
+                    "fusion",
+                    &f.name,
+                    format!(
+                        "on rank {rank}, `{}` holds {held} elements along dim {}, not a multiple of its block's {block}: the fused buffer's blocks would straddle two members",
+                        t.name, f.dim
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// The boxes `boxes` of `f`'s members on `rank` (elements of `elem` bytes), concatenated
+    /// along the fusion's dim: a fused buffer of values, or of scales.
+    fn fuse(
+        &self,
+        f: &Fusion,
+        rank: Rank,
+        boxes: Vec<Option<Region>>,
+        elem: usize,
+    ) -> Result<Option<Buffer>> {
         if boxes.iter().all(Option::is_none) {
             return Ok(None);
         }
@@ -308,7 +499,6 @@ impl Batch {
                 ));
             }
         }
-        let elem = self.tensors[f.members[0]].src.dtype().size();
         let mut extent = lead.extent.clone();
         extent[d] = boxes.iter().map(|b| b.extent[d]).sum();
         // element strides of the fused buffer, row-major
@@ -361,11 +551,67 @@ impl Batch {
         }))
     }
 
+    /// The quantized tensors `rank` holds a source shard of, and its partial amax moves (both
+    /// ways, each exchange's buffer numbered across the tensors, unsorted).
+    fn quant_sources(&self, rank: Rank) -> (Vec<QuantSource>, Vec<Move>) {
+        let mut quant = Vec::new();
+        let mut amax = Vec::new();
+        // amax buffers, counted across the tensors
+        let mut at = 0;
+        for (i, t) in self.tensors.iter().enumerate() {
+            let (Some(q), Some(shard)) = (&t.quant, t.src.local_region(rank)) else {
+                continue;
+            };
+            let mut exchanges = Vec::new();
+            for (peer, blocks) in crate::convert::amax_exchange(&t.src, &q.grid, rank) {
+                let len = blocks.volume() as usize * AMAX_BYTES;
+                let send = Move {
+                    tensor: i,
+                    kind: MoveKind::Amax,
+                    from: rank,
+                    to: peer,
+                    region: blocks.clone(),
+                    elem_bytes: AMAX_BYTES,
+                    src_box: blocks.clone(),
+                    dst_box: blocks.clone(),
+                    src_at: Some((at, 0..len)),
+                    dst_at: None,
+                };
+                amax.push(Move {
+                    from: peer,
+                    to: rank,
+                    src_at: None,
+                    dst_at: Some((at, 0..len)),
+                    ..send.clone()
+                });
+                amax.push(send);
+                exchanges.push(blocks);
+                at += 1;
+            }
+            quant.push(QuantSource {
+                tensor: i,
+                blocks: q.grid.blocks_touching(&shard),
+                shard,
+                exchanges,
+            });
+        }
+        (quant, amax)
+    }
+
     /// Everything `rank` does in the batch, computed from the layouts alone.
     pub fn rank_batch(&self, rank: Rank) -> Result<RankBatch> {
         let mut cache = Pieces::new(self);
         let src = self.buffers(Side::Src, rank)?;
         let dst = self.buffers(Side::Dst, rank)?;
+        let scales = self.scale_buffers(rank)?;
+        let (quant, amax) = self.quant_sources(rank);
+        let src_count = src.len();
+        let staged_at = |i: usize| {
+            quant
+                .iter()
+                .position(|s: &QuantSource| s.tensor == i)
+                .map(|k| src_count + k)
+        };
         let mut out = RankBatch {
             rank,
             moves: Vec::new(),
@@ -374,16 +620,27 @@ impl Batch {
             dst_buffers: dst.len(),
             src,
             dst,
+            scales: Vec::new(),
+            quant: Vec::new(),
+            amax,
         };
         for (i, t) in self.tensors.iter().enumerate() {
             if self.is_packed(i) {
                 continue;
             }
-            let plan = rank_plan(&t.src, &t.dst, rank, &self.options.plan)
-                .map_err(|e| batch_error("tensor", &t.name, e.to_string()))?;
+            let plan = match &t.quant {
+                None => rank_plan(&t.src, &t.dst, rank, &self.options.plan),
+                Some(q) => rank_plan_quantized(&t.src, &t.dst, rank, &self.options.plan, q),
+            }
+            .map_err(|e| batch_error("tensor", &t.name, e.to_string()))?;
+            let kind = match &t.quant {
+                Some(_) => MoveKind::Quantize(t.src.dtype(), t.dst.dtype()),
+                None if t.converts() => MoveKind::Cast(t.src.dtype(), t.dst.dtype()),
+                None => MoveKind::Copy,
+            };
             for tr in plan.sends.iter().chain(&plan.recvs).chain(&plan.locals) {
-                let src_pieces = cache.of(Side::Src, tr.src, i)?;
-                let dst_pieces = cache.of(Side::Dst, tr.dst, i)?;
+                let src_pieces = cache.of(Holder::Src, tr.src, i)?;
+                let dst_pieces = cache.of(Holder::Dst, tr.dst, i)?;
                 for (sb, sp, sbox) in &src_pieces {
                     let Some(part) = tr.region.intersect(sbox) else {
                         continue;
@@ -398,10 +655,12 @@ impl Batch {
                             (tr.dst == rank).then(|| (*db, out.dst[*db].pieces[*dp].bytes.clone()));
                         out.moves.push(Move {
                             tensor: i,
+                            kind,
                             from: tr.src,
                             to: tr.dst,
                             region: part,
-                            elem_bytes: t.src.dtype().size(),
+                            // the wire carries destination elements
+                            elem_bytes: t.dst.dtype().size(),
                             src_box: sbox.clone(),
                             dst_box: dbox.clone(),
                             src_at,
@@ -409,8 +668,54 @@ impl Batch {
                         });
                     }
                 }
+                // the scales of the blocks this transfer carries: from the sender's staged
+                // scales (the blocks its shard touches) into the receiver's scale pieces
+                let Some(q) = &t.quant else { continue };
+                let Some(st) = q.scales_of(&t.dst, tr) else {
+                    continue;
+                };
+                let Some(sender) = t.src.local_region(st.src) else {
+                    return Err(batch_error(
+                        "tensor",
+                        &t.name,
+                        format!("rank {} sends it but holds no source shard", st.src),
+                    ));
+                };
+                let staged = q.grid.blocks_touching(&sender);
+                let staged_len = staged.volume() as usize * q.scale_bytes();
+                for (db, dp, dbox) in &cache.of(Holder::Scales, st.dst, i)? {
+                    let Some(part) = st.region.intersect(dbox) else {
+                        continue;
+                    };
+                    let src_at = match st.src == rank {
+                        true => Some((
+                            staged_at(i).ok_or_else(|| Error::Internal {
+                                rank,
+                                detail: format!("{}: no staged scales for a send", t.name),
+                            })?,
+                            0..staged_len,
+                        )),
+                        false => None,
+                    };
+                    let dst_at = (st.dst == rank)
+                        .then(|| (out.dst_buffers + *db, scales[*db].pieces[*dp].bytes.clone()));
+                    out.moves.push(Move {
+                        tensor: i,
+                        kind: MoveKind::Scales,
+                        from: st.src,
+                        to: st.dst,
+                        region: part,
+                        elem_bytes: q.scale_bytes(),
+                        src_box: staged.clone(),
+                        dst_box: dbox.clone(),
+                        src_at,
+                        dst_at,
+                    });
+                }
             }
         }
+        // the blobs follow the staged scales (source side) and the scale buffers
+        let (src_extra, dst_extra) = (quant.len(), scales.len());
         for (&root, members) in &self.packs {
             let mut offset = 0usize;
             let mut layout = Vec::new();
@@ -429,41 +734,50 @@ impl Batch {
                 tensors: layout,
             };
             let count = |role| out.packs.iter().filter(|(_, r)| *r == role).count();
+            let blob_move = |to: Rank| Move {
+                tensor: self.tensors.len() + root,
+                kind: MoveKind::Copy,
+                from: root,
+                to,
+                region: blob.clone(),
+                elem_bytes: 1,
+                src_box: blob.clone(),
+                dst_box: blob.clone(),
+                src_at: None,
+                dst_at: None,
+            };
             if rank == root {
-                let at = out.src_buffers + count(PackRole::Root);
+                let at = out.src_buffers + src_extra + count(PackRole::Root);
                 for &r in &receivers {
                     out.moves.push(Move {
-                        tensor: self.tensors.len() + root,
-                        from: root,
-                        to: r,
-                        region: blob.clone(),
-                        elem_bytes: 1,
-                        src_box: blob.clone(),
-                        dst_box: blob.clone(),
                         src_at: Some((at, 0..offset)),
-                        dst_at: None,
+                        ..blob_move(r)
                     });
                 }
                 out.packs.push((pack, PackRole::Root));
             } else if receivers.contains(&rank) {
-                let at = out.dst_buffers + count(PackRole::Receiver);
+                let at = out.dst_buffers + dst_extra + count(PackRole::Receiver);
                 out.moves.push(Move {
-                    tensor: self.tensors.len() + root,
-                    from: root,
-                    to: rank,
-                    region: blob.clone(),
-                    elem_bytes: 1,
-                    src_box: blob.clone(),
-                    dst_box: blob.clone(),
-                    src_at: None,
                     dst_at: Some((at, 0..offset)),
+                    ..blob_move(rank)
                 });
                 out.packs.push((pack, PackRole::Receiver));
             }
         }
+        out.scales = scales;
+        out.quant = quant;
+        // values before scales within a tensor, on both ends of every pair alike
         let schedule = &self.schedule;
         out.moves.sort_by(|a, b| {
-            let key = |m: &Move| (schedule.step(m.from, m.to), m.from, m.to, m.tensor);
+            let key = |m: &Move| {
+                let scales = m.kind == MoveKind::Scales;
+                (schedule.step(m.from, m.to), m.from, m.to, m.tensor, scales)
+            };
+            key(a).cmp(&key(b)).then_with(|| a.region.cmp(&b.region))
+        });
+        let amax_schedule = &self.amax_schedule;
+        out.amax.sort_by(|a, b| {
+            let key = |m: &Move| (amax_schedule.step(m.from, m.to), m.from, m.to, m.tensor);
             key(a).cmp(&key(b)).then_with(|| a.region.cmp(&b.region))
         });
         Ok(out)
@@ -473,10 +787,19 @@ impl Batch {
 /// Where a piece of a tensor is: buffer index, piece index, box.
 type PieceAt = (usize, usize, Region);
 
-/// Every rank's pieces of every tensor, computed once per (side, rank) as moves need them.
+/// The buffers pieces are looked up in: a rank's source or destination buffers, or its scale
+/// buffers (whose pieces are boxes of the block grid).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+enum Holder {
+    Src,
+    Dst,
+    Scales,
+}
+
+/// Every rank's pieces of every tensor, computed once per (holder, rank) as moves need them.
 struct Pieces<'b> {
     batch: &'b Batch,
-    by_rank: BTreeMap<(bool, Rank), BTreeMap<usize, Vec<PieceAt>>>,
+    by_rank: BTreeMap<(Holder, Rank), BTreeMap<usize, Vec<PieceAt>>>,
 }
 
 impl<'b> Pieces<'b> {
@@ -487,12 +810,17 @@ impl<'b> Pieces<'b> {
         }
     }
 
-    /// (buffer, piece, box) of tensor `i` on `rank`'s `side`.
-    fn of(&mut self, side: Side, rank: Rank, i: usize) -> Result<Vec<PieceAt>> {
-        let key = (side == Side::Src, rank);
+    /// (buffer, piece, box) of tensor `i` on `rank`'s `holder`.
+    fn of(&mut self, holder: Holder, rank: Rank, i: usize) -> Result<Vec<PieceAt>> {
+        let key = (holder, rank);
         if !self.by_rank.contains_key(&key) {
+            let buffers = match holder {
+                Holder::Src => self.batch.buffers(Side::Src, rank)?,
+                Holder::Dst => self.batch.buffers(Side::Dst, rank)?,
+                Holder::Scales => self.batch.scale_buffers(rank)?,
+            };
             let mut map: BTreeMap<usize, Vec<PieceAt>> = BTreeMap::new();
-            for (b, buffer) in self.batch.buffers(side, rank)?.into_iter().enumerate() {
+            for (b, buffer) in buffers.into_iter().enumerate() {
                 for (p, piece) in buffer.pieces.into_iter().enumerate() {
                     map.entry(piece.tensor)
                         .or_default()
@@ -505,15 +833,35 @@ impl<'b> Pieces<'b> {
     }
 }
 
+/// What a move carries.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MoveKind {
+    /// Values in their own dtype (or a packed blob).
+    Copy,
+    /// Values cast from the first float dtype into the second while they are packed.
+    Cast(DType, DType),
+    /// Values quantized from the first dtype into the second (fp8) while they are packed,
+    /// with the sender's scales.
+    Quantize(DType, DType),
+    /// Scales of a quantized tensor: a region of its block grid.
+    Scales,
+    /// Partial amax of a quantized tensor between two of its source ranks (4 bytes per
+    /// block of the region, in grid coordinates).
+    Amax,
+}
+
 /// One cut of a transfer: a region of one tensor between one source piece and one
 /// destination piece.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Move {
     /// The tensor (or, past the batch's tensors, a packed blob).
     pub tensor: usize,
+    pub kind: MoveKind,
     pub from: Rank,
     pub to: Rank,
+    /// In tensor coordinates, or block grid coordinates for scales and amax.
     pub region: Region,
+    /// Bytes per element on the wire (the destination's).
     pub elem_bytes: usize,
     pub src_box: Region,
     pub dst_box: Region,
@@ -521,6 +869,21 @@ pub struct Move {
     pub src_at: Option<(usize, Range<usize>)>,
     /// Buffer and bytes of `dst_box` on this rank, when it receives.
     pub dst_at: Option<(usize, Range<usize>)>,
+}
+
+/// A quantized tensor this rank holds a source shard of: it computes the amax of the blocks
+/// its shard touches, exchanges partial amax where a block straddles source shards, and
+/// stages those blocks' scales for its scale moves.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct QuantSource {
+    pub tensor: usize,
+    /// The rank's source box of the tensor (its pieces may lie in a fused buffer).
+    pub shard: Region,
+    /// The blocks it touches: the staged scales, row-major.
+    pub blocks: Region,
+    /// The blocks of each partial amax exchange, in the order of their buffers (the
+    /// `src_at`/`dst_at` of the rank's amax moves count across all its quantized tensors).
+    pub exchanges: Vec<Region>,
 }
 
 /// A packed broadcast: the root's small tensors, whole, one after the other in a blob.
@@ -543,27 +906,66 @@ pub enum PackRole {
 pub type Blobs = (Vec<Vec<u8>>, Vec<Vec<u8>>);
 
 /// One rank's part of a batch: its buffers, its moves in schedule order, its packs.
+///
+/// The executor's buffers: on the source side, the rank's source buffers, then the staged
+/// scales of each [`QuantSource`], then one blob per pack it roots; on the destination side,
+/// its destination buffers, then its scale buffers, then one blob per pack it receives.
 #[derive(Clone, Debug)]
 pub struct RankBatch {
     pub rank: Rank,
-    /// The rank's source buffers, then (in the runner) one blob per pack it roots.
+    /// The rank's source buffers.
     pub src: Vec<Buffer>,
-    /// The rank's destination buffers, then one blob per pack it receives.
+    /// The rank's destination buffers.
     pub dst: Vec<Buffer>,
+    /// The rank's scale buffers ([`Batch::scale_buffers`]).
+    pub scales: Vec<Buffer>,
+    /// Every value and scale move, in schedule order.
     pub moves: Vec<Move>,
     pub packs: Vec<(Pack, PackRole)>,
+    /// The quantized tensors it holds a source shard of, in tensor order.
+    pub quant: Vec<QuantSource>,
+    /// Its partial amax sends and receives, in the amax schedule's order.
+    pub amax: Vec<Move>,
     src_buffers: usize,
     dst_buffers: usize,
 }
 
 impl RankBatch {
-    /// The steps the executor runs.
-    pub fn steps(&self) -> Steps<'_, '_> {
+    /// The steps the executor runs: every move, a value move of a converting tensor with its
+    /// cast. `quant` holds the quantizing casts of this rank's source pieces (from
+    /// [`quant::prepare`]); a rank that only receives quantized values carries the marker
+    /// cast, so that it cuts their transfers as their senders do.
+    pub fn steps(&self, quant: Option<&quant::Casts>) -> Result<Steps<'_, '_>> {
         let mut steps = Steps {
             rank: self.rank,
             ..Steps::default()
         };
         for m in &self.moves {
+            let cast = match m.kind {
+                MoveKind::Copy | MoveKind::Scales | MoveKind::Amax => None,
+                MoveKind::Cast(from, to) => {
+                    Cast::between(from, to).map_err(|source| Error::Convert {
+                        tensor: format!("tensor {}", m.tensor),
+                        source,
+                    })?
+                }
+                MoveKind::Quantize(from, to) if m.from != self.rank => {
+                    Some(Cast::quantizing(from, to, None))
+                }
+                MoveKind::Quantize(..) => {
+                    let cast = m
+                        .src_at
+                        .as_ref()
+                        .and_then(|(b, bytes)| quant?.of(*b, bytes.start));
+                    Some(cast.cloned().ok_or_else(|| Error::Internal {
+                        rank: self.rank,
+                        detail: format!(
+                            "tensor {} is quantized, but this rank has no scales for its piece",
+                            m.tensor
+                        ),
+                    })?)
+                }
+            };
             let step = Step {
                 from: m.from,
                 to: m.to,
@@ -573,8 +975,7 @@ impl RankBatch {
                 dst_box: &m.dst_box,
                 src_at: m.src_at.clone(),
                 dst_at: m.dst_at.clone(),
-                // refit moves every tensor in its own dtype
-                cast: None,
+                cast,
             };
             if m.from == m.to {
                 steps.locals.push(step);
@@ -584,7 +985,7 @@ impl RankBatch {
                 steps.recvs.push(step);
             }
         }
-        steps
+        Ok(steps)
     }
 
     /// Zeroed blobs for the packs this rank roots (to follow its source buffers) and receives

@@ -1,157 +1,298 @@
-//! The quantized tensors of a refit into an fp8 engine, run beside the batch.
+//! The quantized tensors of a batch: a refit straight into an fp8 engine's weights and scales.
 //!
-//! The batch moves every tensor in its own dtype, through fused buffers, in one schedule.
-//! A quantized tensor also needs its partial amax exchanged among the source ranks that
-//! share a block before any value moves, and its scales carried beside its values; so each
-//! one runs as a planned single-tensor reshard ([`crate::exec::run_rank`] with its
-//! [`QuantJob`]), one after the other in tensor order, over the same transport, in the same
-//! job. Every rank takes the tensors in the same order, so that the messages of one pair
-//! match, and a rank that finished its part of a tensor only ever waits on peers that are at
-//! it or behind it: the sequence is as deadlock free as each run. Each quantized tensor
-//! lands in a destination shard of its own (fp8) and a scale shard (f32, row-major over its
-//! box of the block grid), not inside a fused buffer.
+//! A tensor with a [`Tensor::quant`](super::Tensor::quant) moves in the batch like any other,
+//! with three additions, all planned from the layouts alone ([`Batch::rank_batch`]):
+//!
+//! 1. **Amax.** Every source rank of a quantized tensor computes the amax of the blocks its
+//!    shard touches, reading its pieces in place (a fused Megatron buffer too). Where a block
+//!    straddles source shards, the ranks that share it exchange partial amax
+//!    ([`crate::convert::amax_exchange`]): all of a rank's exchanges, of every quantized
+//!    tensor, are one run of steps before any value moves ([`prepare`]).
+//! 2. **Scales.** Each tensor's scales follow from its merged amax, with no communication; a
+//!    source rank stages the scales of the blocks its shard touches, which its scale moves
+//!    read.
+//! 3. **Values and scales.** The value moves of a quantized tensor are in the batch's one
+//!    schedule with every other move, and carry a quantizing [`Cast`] with the scales of their
+//!    source piece: the sender quantizes while it packs, straight from the source piece to the
+//!    wire (or, for a local copy, straight into the destination piece, a fused vLLM buffer
+//!    included), so there is no extra pass over the values and no full-size temporary. Each
+//!    value transfer carries the scales of the blocks it delivers
+//!    ([`crate::plan::QuantPlan::scales_of`]): a scale move from the sender's staged scales
+//!    into the receiver's scale buffer, fused like its weights ([`Batch::scale_buffers`]), so
+//!    that every destination receives each of its scales exactly once.
+//!
+//! **Why it cannot deadlock.** In each of the two runs (the amax exchange, then all moves)
+//! every rank lists its messages in one global order on rank pairs, the shift schedule
+//! ([`crate::plan::Schedule`]: among the quantized tensors' source ranks for the amax, sources
+//! against destinations for the moves), then by tensor, then values before scales, then
+//! region; both ends of a pair compute the same list for it (a transfer, its cuts at the
+//! pieces of both sides and the scales it carries follow from the layouts alone), so each
+//! pair's messages form one stream in one order at both ends. Sends run on one thread and
+//! receives on another, taking each sender's messages in order as they come (or all sends are
+//! posted first where sends never block), so a rank never waits on a message that its peer
+//! would send only after one the rank itself has yet to send or receive. Between the runs: a
+//! rank leaves the amax run only once it has sent and received every one of its amax messages,
+//! so a rank still in it depends only on peers' amax messages, which every peer sends before
+//! any of its moves; value chunks that arrive early queue behind them on their pair's stream.
+//! A rank without amax exchanges skips the first run. A failure (a non-finite value, a peer
+//! that dies) breaks every link of the rank, so that its peers stop too rather than wait.
 
-use std::collections::BTreeSet;
+use std::collections::BTreeMap;
+use std::sync::Arc;
 
+use super::{Batch, MoveKind, RankBatch};
+use crate::convert::{AmaxGrid, Scales};
+use crate::copy::{Cast, Quantizer};
 use crate::error::{Error, Result};
-use crate::exec::{ExecOptions, QuantJob, RankJob, RankStats, run_rank};
-use crate::layout::Rank;
-use crate::plan::{Plan, QuantRankPlan, RankPlan};
-use crate::region::Region;
+use crate::exec::{ExecOptions, Step, Steps, run_steps};
+use crate::plan::QuantPlan;
+use crate::plan::quant::AMAX_BYTES;
 use crate::transport::Transport;
 
-/// A quantized tensor: its name and its quantizing plan ([`Plan::quantized`]).
-#[derive(Clone, Debug)]
-pub struct QuantTensor {
-    pub name: String,
-    pub plan: Plan,
+/// The quantizing casts of a rank's source pieces, by (source buffer, first byte of the
+/// piece): each with the scales of the blocks its piece touches.
+#[derive(Clone, Debug, Default)]
+pub struct Casts {
+    by_piece: BTreeMap<(usize, usize), Cast>,
 }
 
-/// One rank's part of one quantized tensor.
-#[derive(Clone, Debug)]
-pub struct QuantPart {
-    /// Index into the tensors.
-    pub tensor: usize,
-    pub plan: RankPlan,
-    pub quant: QuantRankPlan,
-    /// Its source box, if it is a source of the tensor.
-    pub src: Option<Region>,
-    /// Its destination box, if it is a destination.
-    pub dst: Option<Region>,
-    /// Bytes of its source shard, destination shard and scale shard (0 where it has none).
-    pub src_len: usize,
-    pub dst_len: usize,
-    pub scale_len: usize,
+impl Casts {
+    /// The cast of the piece at `start` in source buffer `buffer`.
+    pub fn of(&self, buffer: usize, start: usize) -> Option<&Cast> {
+        self.by_piece.get(&(buffer, start))
+    }
 }
 
-/// One rank's parts of the quantized tensors, in tensor order.
-#[derive(Clone, Debug)]
-pub struct RankQuant {
-    pub rank: Rank,
-    pub parts: Vec<QuantPart>,
+/// A rank's staging for its quantized tensors: its outgoing and incoming partial amax (one
+/// buffer per exchange, as [`RankBatch::amax`] counts them) and the staged scales of each
+/// [`super::QuantSource`]. Small: 4 bytes per block piece, one scale per block.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct QuantBuffers {
+    pub outgoing: Vec<Vec<u8>>,
+    pub incoming: Vec<Vec<u8>>,
+    pub staged: Vec<Vec<u8>>,
 }
 
-impl RankQuant {
-    /// `rank`'s parts: every tensor it is a source or destination of, from the layouts alone.
-    pub fn new(tensors: &[QuantTensor], rank: Rank) -> Result<RankQuant> {
-        let mut parts = Vec::new();
-        for (i, t) in tensors.iter().enumerate() {
-            let (src, dst) = (t.plan.src(), t.plan.dst());
-            let (src_box, dst_box) = (src.local_region(rank), dst.local_region(rank));
-            if src_box.is_none() && dst_box.is_none() {
-                continue;
+impl QuantBuffers {
+    /// Bytes held.
+    pub fn len(&self) -> usize {
+        [&self.outgoing, &self.incoming, &self.staged]
+            .iter()
+            .flat_map(|v| v.iter())
+            .map(Vec::len)
+            .sum()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+fn quant_of(batch: &Batch, tensor: usize, rank: usize) -> Result<&QuantPlan> {
+    batch
+        .tensors
+        .get(tensor)
+        .and_then(|t| t.quant.as_ref())
+        .ok_or_else(|| Error::Internal {
+            rank,
+            detail: format!("tensor {tensor} is planned as quantized but has no quantization"),
+        })
+}
+
+impl RankBatch {
+    /// Zeroed [`QuantBuffers`] for this rank's part ([`Error::OutOfMemory`] when they do not
+    /// fit).
+    pub fn quant_buffers(&self, batch: &Batch) -> Result<QuantBuffers> {
+        let rank = self.rank;
+        let zeroed = |len: usize, what: &str| {
+            crate::memory::zeroed(len as u64, || format!("rank {rank}'s {what}"))
+        };
+        let mut out = QuantBuffers::default();
+        for s in &self.quant {
+            for blocks in &s.exchanges {
+                let len = blocks.volume() as usize * AMAX_BYTES;
+                out.outgoing.push(zeroed(len, "partial amax")?);
+                out.incoming.push(zeroed(len, "partial amax")?);
             }
-            let Some(q) = t.plan.quant() else {
-                return Err(Error::Batch {
-                    what: "tensor",
-                    name: t.name.clone(),
-                    reason: "is listed among the quantized tensors, but its plan does not quantize"
-                        .into(),
-                });
-            };
-            let plan = t.plan.rank_part(rank);
-            let quant = q.for_rank(src, dst, &plan);
-            parts.push(QuantPart {
-                tensor: i,
-                src_len: src.local_bytes(rank) as usize,
-                dst_len: dst.local_bytes(rank) as usize,
-                scale_len: q.dst_scale_bytes(dst, rank) as usize,
-                plan,
-                quant,
-                src: src_box,
-                dst: dst_box,
-            });
+            let q = quant_of(batch, s.tensor, rank)?;
+            let len = s.blocks.volume() as usize * q.scale_bytes();
+            out.staged.push(zeroed(len, "staged scales")?);
         }
-        Ok(RankQuant { rank, parts })
-    }
-
-    /// The ranks it receives from and sends to, values, scales and partial amax together.
-    pub fn peers(&self) -> (BTreeSet<Rank>, BTreeSet<Rank>) {
-        let (mut senders, mut receivers) = (BTreeSet::new(), BTreeSet::new());
-        for p in &self.parts {
-            senders.extend(p.plan.senders());
-            receivers.extend(p.plan.receivers());
-            senders.extend(p.quant.amax_peers());
-            receivers.extend(p.quant.amax_peers());
-        }
-        (senders, receivers)
+        Ok(out)
     }
 }
 
-/// The buffers of one part: its source shard, destination shard and scale shard, each where
-/// the rank has one.
-pub struct PartBuffers<'s, 'd> {
-    pub src: Option<&'s [u8]>,
-    pub dst: Option<&'d mut [u8]>,
-    pub scales: Option<&'d mut [u8]>,
-}
-
-/// Runs `rank`'s parts of the quantized tensors over `transport`, one tensor after the
-/// other; `buffers` holds one entry per part, in order. Returns its stats, added up.
-pub fn run_rank_quantized<T>(
-    tensors: &[QuantTensor],
-    rq: &RankQuant,
-    buffers: Vec<PartBuffers<'_, '_>>,
+/// Runs the first two phases of `rb`'s quantized tensors (see the module docs): the amax of
+/// its source pieces (`src`, its source buffers), the exchange of partial amax over
+/// `transport` (`quant`'s amax buffers), and the scales, staged in `quant`. Returns the
+/// quantizing casts of its source pieces for [`RankBatch::steps`], and the staged scales,
+/// which its scale moves read. A non-finite source value is an error naming the tensor, the
+/// block and the element; on any failure every link is broken, so that the peers stop now.
+pub fn prepare<'buf, T: Transport<'buf> + ?Sized>(
+    batch: &Batch,
+    rb: &'buf RankBatch,
+    src: &[&[u8]],
+    quant: &'buf mut QuantBuffers,
     transport: &T,
     options: &ExecOptions,
-) -> Result<RankStats>
-where
-    T: for<'b> Transport<'b> + ?Sized,
-{
-    if buffers.len() != rq.parts.len() {
+) -> Result<(Casts, &'buf [Vec<u8>])> {
+    let QuantBuffers {
+        outgoing,
+        incoming,
+        staged,
+    } = quant;
+    let casts = prepared(
+        batch, rb, src, outgoing, incoming, staged, transport, options,
+    )
+    .inspect_err(|_| transport.abort())?;
+    Ok((casts, staged))
+}
+
+#[allow(clippy::too_many_arguments)]
+fn prepared<'buf, T: Transport<'buf> + ?Sized>(
+    batch: &Batch,
+    rb: &'buf RankBatch,
+    src: &[&[u8]],
+    outgoing: &'buf mut [Vec<u8>],
+    incoming: &mut [Vec<u8>],
+    staged: &mut [Vec<u8>],
+    transport: &T,
+    options: &ExecOptions,
+) -> Result<Casts> {
+    let rank = rb.rank;
+    let named = |tensor: usize| {
+        let name = batch.tensors[tensor].name.clone();
+        move |source| Error::Convert {
+            tensor: name,
+            source,
+        }
+    };
+    let exchanges: usize = rb.quant.iter().map(|s| s.exchanges.len()).sum();
+    if outgoing.len() != exchanges || incoming.len() != exchanges || staged.len() != rb.quant.len()
+    {
         return Err(Error::Internal {
-            rank: rq.rank,
+            rank,
             detail: format!(
-                "{} quantized parts but {} sets of buffers",
-                rq.parts.len(),
-                buffers.len()
+                "{exchanges} amax exchanges and {} staged scales planned, buffers for {}, {} and {}",
+                rb.quant.len(),
+                outgoing.len(),
+                incoming.len(),
+                staged.len()
             ),
         });
     }
-    let mut total = RankStats {
-        rank: rq.rank,
-        ..RankStats::default()
-    };
-    for (part, bufs) in rq.parts.iter().zip(buffers) {
-        let t = &tensors[part.tensor];
-        let q = t.plan.quant().expect("checked by RankQuant::new");
-        let mut stage = vec![0u8; part.quant.stage_bytes(q.scale_bytes())];
-        let job = RankJob {
-            plan: &part.plan,
-            src_layout: t.plan.src(),
-            src: part.src.as_ref().zip(bufs.src),
-            dst: part.dst.as_ref().zip(bufs.dst),
-            dst_dtype: t.plan.dst().dtype(),
-            quant: Some(QuantJob {
-                tensor: &t.name,
-                plan: q,
-                rank: &part.quant,
-                stage: &mut stage,
-                scales: bufs.scales,
-            }),
+    // the amax of each tensor's shard, piece by piece where it lies in a fused buffer
+    let mut grids = Vec::with_capacity(rb.quant.len());
+    for s in &rb.quant {
+        let t = &batch.tensors[s.tensor];
+        let q = quant_of(batch, s.tensor, rank)?;
+        let mut grid = AmaxGrid {
+            blocks: s.blocks.clone(),
+            amax: vec![0.0; s.blocks.volume() as usize],
         };
-        let stats = run_rank(job, transport, options)?;
-        total.absorb(&stats);
+        for (b, buffer) in rb.src.iter().enumerate() {
+            for piece in buffer.pieces.iter().filter(|p| p.tensor == s.tensor) {
+                let bytes = src
+                    .get(b)
+                    .and_then(|buf| buf.get(piece.bytes.clone()))
+                    .ok_or_else(|| Error::Internal {
+                        rank,
+                        detail: format!("source buffer {b} does not hold its piece of {}", t.name),
+                    })?;
+                let local = AmaxGrid::local(&q.grid, &piece.region, bytes, t.src.dtype())
+                    .map_err(named(s.tensor))?;
+                grid.merge(&local.blocks, &local.payload(&local.blocks))
+                    .map_err(named(s.tensor))?;
+            }
+        }
+        grids.push(grid);
     }
-    Ok(total)
+    // the partial amax of the blocks shared with other source ranks, all in one run
+    if !rb.amax.is_empty() {
+        let mut k = 0;
+        for (s, grid) in rb.quant.iter().zip(&grids) {
+            for blocks in &s.exchanges {
+                outgoing[k].copy_from_slice(&grid.payload(blocks));
+                k += 1;
+            }
+        }
+        let outgoing: &'buf [Vec<u8>] = outgoing;
+        exchange(rb, outgoing, incoming, transport, options)?;
+        let mut k = 0;
+        for (s, grid) in rb.quant.iter().zip(&mut grids) {
+            for blocks in &s.exchanges {
+                grid.merge(blocks, &incoming[k]).map_err(named(s.tensor))?;
+                k += 1;
+            }
+        }
+    }
+    // the scales: staged for the scale moves, and each source piece's quantizing cast
+    let mut casts = Casts::default();
+    for ((s, grid), stage) in rb.quant.iter().zip(&grids).zip(staged.iter_mut()) {
+        let t = &batch.tensors[s.tensor];
+        let q = quant_of(batch, s.tensor, rank)?;
+        let scales = Scales::new(q.quant, &q.grid, grid);
+        scales.write(&s.blocks, stage);
+        for (b, buffer) in rb.src.iter().enumerate() {
+            for piece in buffer.pieces.iter().filter(|p| p.tensor == s.tensor) {
+                let scales = match piece.region == s.shard {
+                    true => scales.clone(),
+                    // a piece of a fused buffer: the scales of the blocks it touches
+                    false => {
+                        let blocks = q.grid.blocks_touching(&piece.region);
+                        let amax = grid
+                            .payload(&blocks)
+                            .chunks_exact(AMAX_BYTES)
+                            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                            .collect();
+                        Scales::new(q.quant, &q.grid, &AmaxGrid { blocks, amax })
+                    }
+                };
+                let quantizer = Quantizer {
+                    scales,
+                    shard: piece.region.clone(),
+                };
+                let cast =
+                    Cast::quantizing(t.src.dtype(), t.dst.dtype(), Some(Arc::new(quantizer)));
+                casts.by_piece.insert((b, piece.bytes.start), cast);
+            }
+        }
+    }
+    Ok(casts)
+}
+
+/// The partial amax exchange: every amax move of the rank as one run of steps, in the amax
+/// schedule's order, on the transport the moves then take.
+fn exchange<'buf, T: Transport<'buf> + ?Sized>(
+    rb: &'buf RankBatch,
+    outgoing: &'buf [Vec<u8>],
+    incoming: &mut [Vec<u8>],
+    transport: &T,
+    options: &ExecOptions,
+) -> Result<()> {
+    let mut steps = Steps {
+        rank: rb.rank,
+        ..Steps::default()
+    };
+    for m in rb.amax.iter().filter(|m| m.kind == MoveKind::Amax) {
+        let step = Step {
+            from: m.from,
+            to: m.to,
+            region: &m.region,
+            elem_bytes: m.elem_bytes,
+            src_box: &m.src_box,
+            dst_box: &m.dst_box,
+            src_at: m.src_at.clone(),
+            dst_at: m.dst_at.clone(),
+            cast: None,
+        };
+        if m.from == rb.rank {
+            steps.sends.push(step);
+        } else {
+            steps.recvs.push(step);
+        }
+    }
+    let src: Vec<&'buf [u8]> = outgoing.iter().map(Vec::as_slice).collect();
+    let mut dst: Vec<&mut [u8]> = incoming.iter_mut().map(Vec::as_mut_slice).collect();
+    run_steps(&steps, &src, &mut dst, transport, options).map(drop)
 }

@@ -8,6 +8,7 @@ use crate::dtype::DType;
 use crate::exec::ExecOptions;
 use crate::fill::Fill;
 use crate::layout::LayoutSpec;
+use crate::plan::QuantPlan;
 use crate::testing::{arb_layout_pair, reference_shards};
 
 fn layout(spec: &str, shape: &[u64], first: Rank) -> Layout {
@@ -27,11 +28,7 @@ fn options(chunk_bytes: usize) -> ExecOptions {
 }
 
 fn tensor(name: &str, src: Layout, dst: Layout) -> Tensor {
-    Tensor {
-        name: name.into(),
-        src,
-        dst,
-    }
+    Tensor::new(name, src, dst)
 }
 
 /// Every rank's buffers on `side`, filled from the reference shards of each tensor (`fill`
@@ -112,7 +109,7 @@ proptest! {
         let src = buffers(&batch, Side::Src, Some(&fills));
         let mut dst = buffers(&batch, Side::Dst, None);
         let options = ExecOptions { checksum, ..options(chunk_bytes) };
-        run_local_batch(&batch, &src, &mut dst, &options).unwrap();
+        run_local_batch(&batch, &src, &mut dst, &mut BTreeMap::new(), &options).unwrap();
         prop_assert_eq!(dst, buffers(&batch, Side::Dst, Some(&fills)));
     }
 }
@@ -202,7 +199,8 @@ fn fused_buffers_hold_the_members_side_by_side() {
         let fills: Vec<Fill> = (0..6).map(|i| Fill::Hash { seed: i }).collect();
         let src = buffers(&batch, Side::Src, Some(&fills));
         let mut dst = buffers(&batch, Side::Dst, None);
-        let stats = run_local_batch(&batch, &src, &mut dst, &options(64)).unwrap();
+        let stats =
+            run_local_batch(&batch, &src, &mut dst, &mut BTreeMap::new(), &options(64)).unwrap();
         assert_eq!(dst, buffers(&batch, Side::Dst, Some(&fills)));
         if pack_below == 0 {
             // every destination byte is written once
@@ -255,8 +253,295 @@ fn bad_fusions_are_named() {
     let src_bufs = buffers(&batch, Side::Src, Some(&[Fill::Index, Fill::Index]));
     let mut dst_bufs = buffers(&batch, Side::Dst, None);
     dst_bufs.get_mut(&3).unwrap()[0].pop();
-    let e = run_local_batch(&batch, &src_bufs, &mut dst_bufs, &options(64))
+    let e = run_local_batch(
+        &batch,
+        &src_bufs,
+        &mut dst_bufs,
+        &mut BTreeMap::new(),
+        &options(64),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("buffer `ab`") && e.contains("rank 3"), "{e}");
+}
+
+/// A tensor of `shape` quantized into fp8 with `scheme`, from `src` (bf16) on ranks from
+/// `first_src` to `dst` on ranks from `first_dst`.
+fn quantized(
+    name: &str,
+    shape: &[u64],
+    src: &str,
+    dst: &str,
+    first_dst: Rank,
+    scheme: &str,
+) -> Tensor {
+    let src = layout(src, shape, 0);
+    let dst = LayoutSpec::parse(dst)
+        .unwrap()
+        .resolve(shape, DType::Fp8E4M3, first_dst)
+        .unwrap();
+    let request = crate::plan::QuantRequest {
+        scheme: scheme.parse().unwrap(),
+        scale_dtype: None,
+    };
+    let quant = QuantPlan::new(request, &src, &dst).unwrap();
+    Tensor {
+        quant: Some(quant),
+        ..tensor(name, src, dst)
+    }
+}
+
+/// A refit into fp8 in one batch: `qkv_proj` fused on the inference side from sources whose
+/// shards cut the blocks (FSDP-like rows, split columns: partial amax exchanged), the MoE
+/// `w13` fused per expert on both sides and partly colocated (local quantizing copies into
+/// the fused buffer), and plain tensors beside them. Every fp8 value and scale of every
+/// piece equals the whole tensor quantized naively, cut at the piece; the fused scale
+/// buffers hold the members' scale shards side by side.
+fn quantized_batch() -> Batch {
+    let block = "block:8x8";
+    let tensors = vec![
+        quantized(
+            "q",
+            &[32, 16],
+            "mesh=3 place=S(0)",
+            "mesh=2 place=S(0)",
+            3,
+            block,
+        ),
+        quantized(
+            "k",
+            &[16, 16],
+            "mesh=3 place=S(1)",
+            "mesh=2 place=S(0)",
+            3,
+            block,
+        ),
+        quantized(
+            "v",
+            &[16, 16],
+            "mesh=3 place=R",
+            "mesh=2 place=S(0)",
+            3,
+            block,
+        ),
+        tensor(
+            "norm",
+            layout("mesh=3 place=R", &[16], 0),
+            layout("mesh=2 place=R", &[16], 3),
+        ),
+        quantized(
+            "gate",
+            &[4, 16, 8],
+            "mesh=2 place=S(0)",
+            "mesh=2 place=S(1)",
+            1,
+            block,
+        ),
+        quantized(
+            "up",
+            &[4, 16, 8],
+            "mesh=2 place=S(0)",
+            "mesh=2 place=S(1)",
+            1,
+            block,
+        ),
+        tensor(
+            "o",
+            layout("mesh=3 place=S(1)", &[16, 24], 0),
+            layout("mesh=2 place=S(0)", &[16, 24], 3),
+        ),
+    ];
+    let fusions = vec![
+        Fusion {
+            name: "qkv_proj".into(),
+            side: Side::Dst,
+            dim: 0,
+            members: vec![0, 1, 2],
+        },
+        Fusion {
+            name: "w13".into(),
+            side: Side::Dst,
+            dim: 1,
+            members: vec![4, 5],
+        },
+        Fusion {
+            name: "linear_fc1".into(),
+            side: Side::Src,
+            dim: 1,
+            members: vec![4, 5],
+        },
+    ];
+    Batch::new(tensors, fusions, BatchOptions::default()).unwrap()
+}
+
+/// Every rank's source buffers filled with `fill_of(tensor)`.
+fn filled_sources(batch: &Batch, fill_of: impl Fn(usize) -> Fill) -> BTreeMap<Rank, Vec<Vec<u8>>> {
+    (0..batch.world())
+        .map(|r| {
+            let bufs = batch.buffers(Side::Src, r).unwrap();
+            let filled = bufs
+                .iter()
+                .map(|b| {
+                    let mut bytes = vec![0u8; b.len];
+                    for p in &b.pieces {
+                        let l = &batch.tensors()[p.tensor].src;
+                        fill_of(p.tensor).fill_region(l, &p.region, &mut bytes[p.bytes.clone()]);
+                    }
+                    bytes
+                })
+                .collect();
+            (r, filled)
+        })
+        .collect()
+}
+
+fn zeroed(batch: &Batch, scales: bool) -> BTreeMap<Rank, Vec<Vec<u8>>> {
+    (0..batch.world())
+        .map(|r| {
+            let bufs = match scales {
+                true => batch.scale_buffers(r).unwrap(),
+                false => batch.buffers(Side::Dst, r).unwrap(),
+            };
+            (r, bufs.iter().map(|b| vec![0u8; b.len]).collect())
+        })
+        .collect()
+}
+
+#[test]
+fn quantized_tensors_move_in_the_batch_into_fused_buffers() {
+    use crate::convert::reference::quantize_tensor;
+    let batch = quantized_batch();
+    let fill_of = |i: usize| match batch.tensors()[i].quant {
+        Some(_) => Fill::Normal { seed: i as u64 },
+        None => Fill::Hash { seed: i as u64 },
+    };
+    // the tensors quantized whole, naively
+    let want: Vec<_> = batch
+        .tensors()
+        .iter()
+        .enumerate()
+        .map(|(i, t)| {
+            let q = t.quant.as_ref()?;
+            let whole = layout("mesh=1 place=R", t.src.shape(), 0);
+            let values = fill_of(i).shard(&whole, 0).unwrap().unwrap();
+            Some(quantize_tensor(q.quant, &q.grid, DType::Bf16, &values).unwrap())
+        })
+        .collect();
+    // ranks 0-1 and 1-2 share q's row blocks, and k's column blocks
+    assert!(batch.rank_batch(1).unwrap().amax.len() >= 4);
+    for (chunk_bytes, checksum) in [(5, false), (4 << 20, true)] {
+        let src = filled_sources(&batch, fill_of);
+        let mut dst = zeroed(&batch, false);
+        let mut scales = zeroed(&batch, true);
+        let options = ExecOptions {
+            checksum,
+            ..options(chunk_bytes)
+        };
+        run_local_batch(&batch, &src, &mut dst, &mut scales, &options).unwrap();
+        for r in 0..batch.world() {
+            let rb = batch.rank_batch(r).unwrap();
+            for (b, bytes) in rb.dst.iter().zip(&dst[&r]) {
+                for p in &b.pieces {
+                    let got = &bytes[p.bytes.clone()];
+                    match &want[p.tensor] {
+                        Some(w) => assert!(
+                            w.values_of(&p.region) == got,
+                            "rank {r} {} {:?}",
+                            b.name,
+                            p.region
+                        ),
+                        None => {
+                            let l = &batch.tensors()[p.tensor].dst;
+                            fill_of(p.tensor)
+                                .verify_region(l, &p.region, got, (r, 0))
+                                .unwrap();
+                        }
+                    }
+                }
+            }
+            for (b, bytes) in rb.scales.iter().zip(&scales[&r]) {
+                for p in &b.pieces {
+                    let w = want[p.tensor].as_ref().unwrap();
+                    let got = &bytes[p.bytes.clone()];
+                    assert!(
+                        w.scales_of(&p.region) == got,
+                        "rank {r} scales of {}",
+                        b.name
+                    );
+                }
+            }
+        }
+    }
+    // rank 3 holds rows 0..16 of q, 0..8 of k and v: 2 + 1 + 1 block rows of 2 blocks each,
+    // side by side as the engine's qkv_proj.weight_scale_inv
+    let qkv = &batch.scale_buffers(3).unwrap()[0];
+    assert_eq!(qkv.name, "qkv_proj");
+    let starts: Vec<(usize, usize)> = qkv
+        .pieces
+        .iter()
+        .map(|p| (p.tensor, p.bytes.start))
+        .collect();
+    assert_eq!(starts, [(0, 0), (1, 16), (2, 24)]);
+    assert_eq!(qkv.len, 32);
+    // w13's scales per expert: [4, 2 x 1, 1] on rank 2, gate's block then up's, expert by expert
+    let w13 = &batch.scale_buffers(2).unwrap()[0];
+    assert_eq!(
+        (w13.name.as_str(), w13.len, w13.pieces.len()),
+        ("w13", 4 * 2 * 4, 8)
+    );
+    assert_eq!(w13.pieces[4].region.offset, [0, 1, 0]);
+    assert_eq!(w13.pieces[4].bytes, 4..8);
+}
+
+/// A NaN in a quantized tensor's source fails the run, naming the tensor, its block and the
+/// element, on every rank (its peers see the broken links) rather than hanging.
+#[test]
+fn a_non_finite_source_value_names_the_tensor_and_block() {
+    let batch = quantized_batch();
+    let mut src = filled_sources(&batch, |i| Fill::Normal { seed: i as u64 });
+    // rank 1's first source buffer is its shard of q, rows 11..22: a NaN at row 12, column 3
+    let at = (16 + 3) * 2;
+    src.get_mut(&1).unwrap()[0][at..at + 2].copy_from_slice(&0x7fc0u16.to_le_bytes());
+    let (mut dst, mut scales) = (zeroed(&batch, false), zeroed(&batch, true));
+    let err = run_local_batch(&batch, &src, &mut dst, &mut scales, &options(64))
         .unwrap_err()
         .to_string();
-    assert!(e.contains("buffer `ab`") && e.contains("rank 3"), "{e}");
+    assert!(err.contains("q: block [1, 0]"), "{err}");
+    assert!(err.contains("[12, 3]"), "{err}");
+}
+
+/// A fused buffer whose leading member holds part of a block along the fused dim has no
+/// engine layout for its scales: refused, naming the fusion, the rank and the member.
+#[test]
+fn fused_scales_that_would_straddle_members_are_refused() {
+    let tensors = vec![
+        quantized(
+            "q",
+            &[12, 16],
+            "mesh=1 place=R",
+            "mesh=1 place=R",
+            1,
+            "block:8x8",
+        ),
+        quantized(
+            "k",
+            &[8, 16],
+            "mesh=1 place=R",
+            "mesh=1 place=R",
+            1,
+            "block:8x8",
+        ),
+    ];
+    let fusion = Fusion {
+        name: "qkv_proj".into(),
+        side: Side::Dst,
+        dim: 0,
+        members: vec![0, 1],
+    };
+    let batch = Batch::new(tensors, vec![fusion], BatchOptions::default()).unwrap();
+    let err = batch.rank_batch(1).unwrap_err().to_string();
+    assert!(
+        err.contains("fusion `qkv_proj`: on rank 1, `q` holds 12 elements along dim 0"),
+        "{err}"
+    );
 }

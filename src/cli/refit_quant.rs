@@ -1,208 +1,251 @@
-//! `refit --run` into an fp8 engine: one rank's quantized tensors, beside the batch. Each
-//! runs as a planned single-tensor reshard over the batch's transport
-//! ([`reshard::batch::quant`]), and every fp8 value and scale of the rank's shards is
-//! checked against the naive quantizer ([`reshard::convert::reference`]): the rank's
-//! destination box materialized from the fill and quantized block by block on its own
-//! (the inference shards hold whole blocks, which the plan checked, so the blocks of the box
-//! are the tensor's).
+//! `refit --run` into an fp8 engine: a rank's scale buffers, and the check of every fp8 value
+//! and scale it received. The quantized tensors move in the batch with all the others
+//! ([`reshard::batch::quant`]), into the rank's (possibly fused) destination and scale
+//! buffers; each is checked here against the naive quantizer
+//! ([`reshard::convert::reference`]): the rank's destination box of the tensor materialized
+//! from the fill and quantized block by block on its own (the inference shards hold whole
+//! blocks, which the plan checked and this checks again, so the blocks of the box are the
+//! tensor's), then compared piece by piece with where the batch put it.
 
-use reshard::batch::quant::{PartBuffers, QuantTensor, RankQuant, run_rank_quantized};
+use reshard::batch::{Batch, RankBatch};
 use reshard::convert::BlockGrid;
 use reshard::convert::reference::{first_difference, quantize_tensor};
-use reshard::exec::{ExecOptions, RankStats};
+use reshard::copy::{CopyGeometry, Place};
 use reshard::fill::Fill;
-use reshard::model::Refit;
-use reshard::transport::Transport;
-use reshard::{Error, Plan, PlanOptions, Rank};
+use reshard::{Error, Rank, Region};
 
-/// One rank's quantized tensors: their plans, its parts, its buffers and what they must
-/// hold after every run.
-pub struct QuantRank {
-    tensors: Vec<QuantTensor>,
-    rank: RankQuant,
-    src: Vec<Option<Vec<u8>>>,
-    dst: Vec<Option<Vec<u8>>>,
-    scales: Vec<Option<Vec<u8>>>,
-    /// Per part with a destination: the fp8 values and the scales of the rank's boxes.
-    expected: Vec<Option<(Vec<u8>, Vec<u8>)>>,
+/// What one quantized tensor's destination box on this rank must hold.
+struct Expected {
+    /// Index of the tensor in the batch.
+    tensor: usize,
+    /// The rank's destination box, and its fp8 values (row-major, one byte each).
+    shard: Region,
+    values: Vec<u8>,
+    /// The box's blocks, and their scales (row-major, in the scale dtype).
+    blocks: Region,
+    scales: Vec<u8>,
+    scale_bytes: usize,
 }
 
-/// The refit's quantized tensors (their refit indices and plans).
-pub fn tensors(
-    refit: &Refit,
-    options: PlanOptions,
-) -> Result<(Vec<usize>, Vec<QuantTensor>), Error> {
-    let mut ids = Vec::new();
-    let mut out = Vec::new();
-    for (i, t) in refit.tensors.iter().enumerate() {
-        if let Some(q) = refit.quant_plan(i) {
-            let plan = Plan::quantized(t.src.clone(), t.dst.clone(), options, q.clone())?;
-            ids.push(i);
-            out.push(QuantTensor {
-                name: t.name.clone(),
-                plan,
-            });
-        }
-    }
-    Ok((ids, out))
+/// A rank's reference for every quantized tensor it is a destination of.
+pub struct QuantCheck {
+    rank: Rank,
+    expected: Vec<Expected>,
 }
 
-impl QuantRank {
-    /// `rank`'s parts with their source shards filled (`fill_of` a quantized tensor's fill,
-    /// by its index among `tensors`), zeroed destinations, and the reference when `verify`.
+/// The bytes of `piece` (a box inside `holder`) of a dense row-major buffer of `holder`.
+fn cut(holder: &Region, bytes: &[u8], piece: &Region, elem: usize) -> Vec<u8> {
+    let g = CopyGeometry::new(piece, Place::Within(holder), Place::Within(piece), elem);
+    let mut out = vec![0u8; g.len()];
+    g.copy(bytes, &mut out, 0..g.len());
+    out
+}
+
+impl QuantCheck {
+    /// The reference of `rank`'s destination boxes of `batch`'s quantized tensors, each
+    /// filled as `fill_of` says (by the tensor's index in the batch).
     pub fn new(
-        tensors: Vec<QuantTensor>,
+        batch: &Batch,
         rank: Rank,
         fill_of: impl Fn(usize) -> Fill,
-        verify: bool,
-    ) -> Result<QuantRank, Error> {
-        let rq = RankQuant::new(&tensors, rank)?;
-        let zeroed = |len: usize, what: &str, name: &str| {
-            reshard::memory::zeroed(len as u64, || format!("rank {rank}'s {what} of {name}"))
-        };
-        let (mut src, mut dst, mut scales, mut expected) = (vec![], vec![], vec![], vec![]);
-        for p in &rq.parts {
-            let t = &tensors[p.tensor];
-            let fill = fill_of(p.tensor);
-            src.push(match &p.src {
-                Some(b) => {
-                    let mut buf = zeroed(p.src_len, "source shard", &t.name)?;
-                    fill.fill_region(t.plan.src(), b, &mut buf);
-                    Some(buf)
-                }
-                None => None,
-            });
-            match &p.dst {
-                Some(b) => {
-                    dst.push(Some(zeroed(p.dst_len, "destination shard", &t.name)?));
-                    scales.push(Some(zeroed(p.scale_len, "scale shard", &t.name)?));
-                    expected.push(match verify {
-                        true => Some(reference(t, b, fill)?),
-                        false => None,
-                    });
-                }
-                None => {
-                    dst.push(None);
-                    scales.push(None);
-                    expected.push(None);
-                }
-            }
-        }
-        Ok(QuantRank {
-            tensors,
-            rank: rq,
-            src,
-            dst,
-            scales,
-            expected,
-        })
-    }
-
-    pub fn parts(&self) -> &RankQuant {
-        &self.rank
-    }
-
-    pub fn plans(&self) -> impl Iterator<Item = &Plan> {
-        self.tensors.iter().map(|t| &t.plan)
-    }
-
-    /// Bytes of its buffers: sources, destinations (fp8) and scales.
-    pub fn bytes(&self) -> (u64, u64, u64) {
-        let sum = |v: &[Option<Vec<u8>>]| v.iter().flatten().map(|b| b.len() as u64).sum();
-        (sum(&self.src), sum(&self.dst), sum(&self.scales))
-    }
-
-    /// Overwrites its destinations and scales with a pattern no run leaves behind.
-    pub fn poison(&mut self) {
-        for b in self.dst.iter_mut().chain(&mut self.scales).flatten() {
-            reshard::memory::fill_around_caches(b, 0xA5);
-        }
-    }
-
-    /// Runs its parts over `transport`.
-    pub fn run<T>(&mut self, transport: &T, options: &ExecOptions) -> Result<RankStats, Error>
-    where
-        T: for<'b> Transport<'b> + ?Sized,
-    {
-        let buffers = self
-            .src
-            .iter()
-            .zip(self.dst.iter_mut().zip(self.scales.iter_mut()))
-            .map(|(s, (d, sc))| PartBuffers {
-                src: s.as_deref(),
-                dst: d.as_deref_mut(),
-                scales: sc.as_deref_mut(),
-            })
-            .collect();
-        run_rank_quantized(&self.tensors, &self.rank, buffers, transport, options)
-    }
-
-    /// Checks every fp8 value and scale of its destinations against the reference.
-    pub fn verify(&self) -> Result<(), Error> {
-        let rank = self.rank.rank;
-        for (i, p) in self.rank.parts.iter().enumerate() {
-            let (Some((values, scales)), Some(dst), Some(got)) =
-                (&self.expected[i], &self.dst[i], &self.scales[i])
-            else {
+    ) -> Result<QuantCheck, Error> {
+        let mut expected = Vec::new();
+        for (i, t) in batch.tensors().iter().enumerate() {
+            let (Some(q), Some(shard)) = (&t.quant, t.dst.local_region(rank)) else {
                 continue;
             };
-            let name = &self.tensors[p.tensor].name;
-            let failed = |e: Error| Error::Batch {
-                what: "tensor",
-                name: name.clone(),
-                reason: e.to_string(),
+            let named = |source| Error::Convert {
+                tensor: t.name.clone(),
+                source,
             };
-            if let Some((offset, expected, found, mismatches)) = first_difference(values, dst) {
-                return Err(failed(Error::VerifyFailed {
+            let block = q.grid.block();
+            let aligned = (0..shard.ndim()).all(|d| shard.offset[d].is_multiple_of(block[d]));
+            if !aligned {
+                return Err(Error::Internal {
                     rank,
-                    offset,
-                    expected,
-                    found,
-                    mismatches,
-                }));
+                    detail: format!(
+                        "{}: destination box {shard:?} is not on block boundaries of {block:?}",
+                        t.name
+                    ),
+                });
             }
-            if let Some((offset, expected, found, mismatches)) = first_difference(scales, got) {
-                return Err(failed(Error::ScalesVerifyFailed {
-                    rank,
-                    offset,
-                    expected,
-                    found,
-                    mismatches,
-                }));
+            let mut tensor =
+                reshard::memory::zeroed(shard.volume() * t.src.dtype().size() as u64, || {
+                    format!("rank {rank}'s reference of {}", t.name)
+                })?;
+            fill_of(i).fill_region(&t.src, &shard, &mut tensor);
+            let grid = BlockGrid::new(q.quant.scheme, &shard.extent).map_err(named)?;
+            let out = quantize_tensor(q.quant, &grid, t.src.dtype(), &tensor).map_err(named)?;
+            expected.push(Expected {
+                tensor: i,
+                blocks: q.grid.scale_region(&shard),
+                shard,
+                values: out.values,
+                scales: out.scales,
+                scale_bytes: q.scale_bytes(),
+            });
+        }
+        Ok(QuantCheck { rank, expected })
+    }
+
+    /// Zeroed scale buffers of `rb` ([`Batch::scale_buffers`]).
+    pub fn scale_buffers(rb: &RankBatch) -> Result<Vec<Vec<u8>>, Error> {
+        rb.scales
+            .iter()
+            .map(|b| {
+                reshard::memory::zeroed(b.len as u64, || {
+                    format!("rank {}'s scales of {}", rb.rank, b.name)
+                })
+            })
+            .collect()
+    }
+
+    /// Checks every fp8 value in `dst` (the rank's destination buffers) and every scale in
+    /// `scales` (its scale buffers) against the reference, piece by piece: the first
+    /// difference is an error naming the tensor, the rank and the byte of its buffer.
+    pub fn verify(
+        &self,
+        batch: &Batch,
+        rb: &RankBatch,
+        dst: &[Vec<u8>],
+        scales: &[Vec<u8>],
+    ) -> Result<(), Error> {
+        let rank = self.rank;
+        let failed = |tensor: usize, e: Error| Error::Batch {
+            what: "tensor",
+            name: batch.tensors()[tensor].name.clone(),
+            reason: e.to_string(),
+        };
+        for e in &self.expected {
+            for (buffer, bytes) in rb.dst.iter().zip(dst) {
+                for p in buffer.pieces.iter().filter(|p| p.tensor == e.tensor) {
+                    let want = cut(&e.shard, &e.values, &p.region, 1);
+                    let got = &bytes[p.bytes.clone()];
+                    if let Some((at, expected, found, mismatches)) = first_difference(&want, got) {
+                        return Err(failed(
+                            e.tensor,
+                            Error::VerifyFailed {
+                                rank,
+                                offset: p.bytes.start as u64 + at,
+                                expected,
+                                found,
+                                mismatches,
+                            },
+                        ));
+                    }
+                }
+            }
+            for (buffer, bytes) in rb.scales.iter().zip(scales) {
+                for p in buffer.pieces.iter().filter(|p| p.tensor == e.tensor) {
+                    let want = cut(&e.blocks, &e.scales, &p.region, e.scale_bytes);
+                    let got = &bytes[p.bytes.clone()];
+                    if let Some((at, expected, found, mismatches)) = first_difference(&want, got) {
+                        return Err(failed(
+                            e.tensor,
+                            Error::ScalesVerifyFailed {
+                                rank,
+                                offset: p.bytes.start as u64 + at,
+                                expected,
+                                found,
+                                mismatches,
+                            },
+                        ));
+                    }
+                }
             }
         }
         Ok(())
     }
 }
 
-/// The fp8 values and scales of destination box `b` of `t`: the box materialized from the
-/// fill and quantized naively on its own grid, which is the tensor's grid cut at block
-/// boundaries (checked here again, independently of the plan).
-fn reference(
-    t: &QuantTensor,
-    b: &reshard::Region,
-    fill: Fill,
-) -> Result<(Vec<u8>, Vec<u8>), Error> {
-    let q = t.plan.quant().expect("a quantizing plan");
-    let named = |source| Error::Convert {
-        tensor: t.name.clone(),
-        source,
-    };
-    let block = q.grid.block();
-    let aligned = (0..b.ndim()).all(|d| b.offset[d].is_multiple_of(block[d]));
-    if !aligned {
-        return Err(Error::Internal {
-            rank: 0,
-            detail: format!(
-                "{}: destination box {b:?} is not on block boundaries of {block:?}",
-                t.name
-            ),
-        });
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use reshard::batch::{BatchOptions, Fusion, Tensor, run_local_batch};
+    use reshard::exec::ExecOptions;
+    use reshard::layout::LayoutSpec;
+    use reshard::plan::{QuantPlan, QuantRequest};
+    use reshard::{DType, Side};
+    use std::collections::BTreeMap;
+
+    fn layout(spec: &str, shape: &[u64], dtype: DType, first: Rank) -> reshard::Layout {
+        LayoutSpec::parse(spec)
+            .unwrap()
+            .resolve(shape, dtype, first)
+            .unwrap()
     }
-    let src = t.plan.src();
-    let mut tensor = vec![0u8; (b.volume() as usize) * src.dtype().size()];
-    fill.fill_region(src, b, &mut tensor);
-    let grid = BlockGrid::new(q.quant.scheme, &b.extent).map_err(named)?;
-    let out = quantize_tensor(q.quant, &grid, src.dtype(), &tensor).map_err(named)?;
-    Ok((out.values, out.scales))
+
+    /// gate and up of 32x16 from TP2 into one fused gate_up buffer of fp8 on two other
+    /// ranks, blocks of 8x8: the check passes on what the batch wrote, and names the tensor
+    /// and the byte of a corrupted value and of a corrupted scale.
+    #[test]
+    fn verify_catches_a_corrupted_value_and_scale() {
+        let tensor = |name: &str| {
+            let src = layout("mesh=2 place=S(0)", &[32, 16], DType::Bf16, 0);
+            let dst = layout("mesh=2 place=S(0)", &[32, 16], DType::Fp8E4M3, 2);
+            let request = QuantRequest {
+                scheme: "block:8x8".parse().unwrap(),
+                scale_dtype: None,
+            };
+            let quant = QuantPlan::new(request, &src, &dst).unwrap();
+            Tensor {
+                quant: Some(quant),
+                ..Tensor::new(name, src, dst)
+            }
+        };
+        let fused = Fusion {
+            name: "gate_up".into(),
+            side: Side::Dst,
+            dim: 0,
+            members: vec![0, 1],
+        };
+        let batch = Batch::new(
+            vec![tensor("gate"), tensor("up")],
+            vec![fused],
+            BatchOptions::default(),
+        )
+        .unwrap();
+        let fill = |i: usize| Fill::Normal { seed: i as u64 };
+        let (mut src, mut dst, mut scales) = (BTreeMap::new(), BTreeMap::new(), BTreeMap::new());
+        for r in 0..batch.world() {
+            let rb = batch.rank_batch(r).unwrap();
+            let mut bufs: Vec<Vec<u8>> = rb.src.iter().map(|b| vec![0u8; b.len]).collect();
+            for (b, bytes) in rb.src.iter().zip(&mut bufs) {
+                for p in &b.pieces {
+                    let l = &batch.tensors()[p.tensor].src;
+                    fill(p.tensor).fill_region(l, &p.region, &mut bytes[p.bytes.clone()]);
+                }
+            }
+            src.insert(r, bufs);
+            dst.insert(r, rb.dst.iter().map(|b| vec![0u8; b.len]).collect());
+            scales.insert(r, QuantCheck::scale_buffers(&rb).unwrap());
+        }
+        run_local_batch(&batch, &src, &mut dst, &mut scales, &ExecOptions::default()).unwrap();
+        let rank = 3;
+        let rb = batch.rank_batch(rank).unwrap();
+        let check = QuantCheck::new(&batch, rank, fill).unwrap();
+        check
+            .verify(&batch, &rb, &dst[&rank], &scales[&rank])
+            .unwrap();
+        // up's first scale sits after gate's 2x2 blocks of f32 in the fused scale buffer
+        let mut bad = scales[&rank].clone();
+        bad[0][16] ^= 1;
+        let err = check
+            .verify(&batch, &rb, &dst[&rank], &bad)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("up") && err.contains("rank 3"), "{err}");
+        assert!(err.contains("16"), "{err}");
+        assert!(matches!(
+            check.verify(&batch, &rb, &dst[&rank], &bad).unwrap_err(),
+            Error::Batch { ref reason, .. } if reason.contains("scale")
+        ));
+        let mut bad = dst[&rank].clone();
+        bad[0][5] ^= 0x40;
+        let err = check
+            .verify(&batch, &rb, &bad, &scales[&rank])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("gate") && err.contains("rank 3"), "{err}");
+    }
 }

@@ -20,9 +20,8 @@ use reshard::{Error, Layout, PlanOptions, Side};
 use super::Failure;
 use super::exec_args::{ExecArgs, TransportKind, check_memory};
 use super::measure::{Measured, Method, MethodJson, conclude};
-use super::refit_quant::QuantRank;
+use super::refit_quant::QuantCheck;
 use super::units::{bytes, parse_bytes};
-use reshard::batch::quant::QuantTensor;
 
 #[derive(Args, Debug)]
 pub struct RefitRunArgs {
@@ -45,9 +44,10 @@ pub struct RefitRunArgs {
 }
 
 /// The batch of a refit's tensors that `keep` takes, with the fused buffers whose members it
-/// all takes, and the refit index of each of its tensors. With `source_dtype`, every
-/// destination holds the source's dtype (what gather+broadcast moves when the refit
-/// quantizes).
+/// all takes, and the refit index of each of its tensors. The fp8 weights of a refit into an
+/// fp8 engine are quantized in flight, their scales fused like their weights; with
+/// `source_dtype`, every destination holds the source's dtype instead (what
+/// gather+broadcast moves when the refit quantizes).
 pub fn batch_of(
     refit: &Refit,
     plan: PlanOptions,
@@ -73,10 +73,13 @@ pub fn batch_of(
                 )?,
                 false => t.dst.clone(),
             };
+            let quant = match source_dtype {
+                true => None,
+                false => refit.quant_plan(i).cloned(),
+            };
             Ok(Tensor {
-                name: t.name.clone(),
-                src: t.src.clone(),
-                dst,
+                quant,
+                ..Tensor::new(t.name.clone(), t.src.clone(), dst)
             })
         })
         .collect::<Result<Vec<_>, reshard::error::LayoutError>>()
@@ -122,9 +125,9 @@ pub struct RunJson {
     speedup: f64,
 }
 
-/// What every rank of a `refit --run` runs: the batch of the tensors moved in their own
-/// dtype, the quantized tensors beside it, and gather+broadcast's batch (every tensor in its
-/// source dtype: the same batch when nothing is quantized).
+/// What every rank of a `refit --run` runs: the batch of every tensor (the fp8 weights
+/// quantized in flight), and gather+broadcast's batch (every tensor in its source dtype: the
+/// same batch when nothing is quantized).
 struct Work {
     batch: Batch,
     /// Refit index of each of the batch's tensors.
@@ -132,9 +135,6 @@ struct Work {
     /// Gather+broadcast's own batch, when the refit quantizes.
     full: Option<(Batch, Vec<usize>)>,
     baseline: BatchBaseline,
-    quant: Vec<QuantTensor>,
-    /// Refit index of each quantized tensor.
-    quant_ids: Vec<usize>,
     /// Every tensor's fill, by refit index.
     fills: Vec<Fill>,
 }
@@ -161,19 +161,12 @@ pub fn main(
     let pack_below = parse_bytes(Field::Flag("--pack-below"), &args.pack_below)?;
     let options = args.exec.options()?;
     let fingerprint = fingerprint.with("--min-split-bytes", plan.min_split_bytes);
-    let (batch, ids) = batch_of(
-        refit,
-        plan,
-        pack_below,
-        |i| refit.quant_plan(i).is_none(),
-        false,
-    )?;
+    let (batch, ids) = batch_of(refit, plan, pack_below, |_| true, false)?;
     let full = match refit.quant.is_some() {
         true => Some(batch_of(refit, plan, pack_below, |_| true, true)?),
         false => None,
     };
-    let (quant_ids, quant) = super::refit_quant::tensors(refit, plan)?;
-    let fingerprint = agreed(args, &batch, &quant, &options, pack_below, fingerprint);
+    let fingerprint = agreed(args, &batch, &options, pack_below, fingerprint);
     let baseline = BatchBaseline::new(full.as_ref().map_or(&batch, |f| &f.0))?;
     let fills = (0..refit.tensors.len())
         .map(|i| fill_of(i, refit.quant_plan(i).is_some()))
@@ -183,8 +176,6 @@ pub fn main(
         ids,
         full,
         baseline,
-        quant,
-        quant_ids,
         fills,
     };
     let kind = args.exec.transport;
@@ -210,12 +201,11 @@ pub fn main(
     run_processes(args, &work, pack_below, &options, &world)
 }
 
-/// `fingerprint` with the batch (every tensor's name, shape, dtype and both layouts, and
-/// the fused buffers, as one digest), the quantized tensors, and the run's options.
+/// `fingerprint` with the batch (every tensor's name, shape, dtype, both layouts and
+/// quantization, and the fused buffers, as one digest) and the run's options.
 fn agreed(
     args: &RefitRunArgs,
     batch: &Batch,
-    quant: &[QuantTensor],
     options: &ExecOptions,
     pack_below: u64,
     fingerprint: Fingerprint,
@@ -232,15 +222,11 @@ fn agreed(
             dst.dtype()
         )
     };
-    let tensors = batch
-        .tensors()
-        .iter()
-        .map(|t| describe(&t.name, &t.src, &t.dst));
-    let quantized = quant.iter().map(|t| {
-        let scheme = t.plan.quant().map(|q| q.quant.scheme.to_string());
+    let tensors = batch.tensors().iter().map(|t| {
+        let scheme = t.quant.as_ref().map(|q| q.quant.scheme.to_string());
         format!(
             "{} {}",
-            describe(&t.name, t.plan.src(), t.plan.dst()),
+            describe(&t.name, &t.src, &t.dst),
             scheme.unwrap_or_default()
         )
     });
@@ -249,8 +235,8 @@ fn agreed(
         .iter()
         .map(|f| format!("{} {:?} {} {:?}", f.name, f.side, f.dim, f.members));
     let fingerprint = fingerprint
-        .with("tensors", batch.tensors().len() + quant.len())
-        .with_digest("tensor layouts", tensors.chain(quantized).chain(fusions))
+        .with("tensors", batch.tensors().len())
+        .with_digest("tensor layouts", tensors.chain(fusions))
         .with("--pack-below", pack_below)
         .with("--iters", args.iters)
         .with("--warmup", args.warmup);
@@ -280,7 +266,8 @@ fn poison<'b>(bufs: impl IntoIterator<Item = &'b mut Vec<u8>>) {
 }
 
 /// Checks every piece of this rank's destination buffers against its tensor's fill (`ids`:
-/// the refit index of each of the batch's tensors).
+/// the refit index of each of the batch's tensors); the quantized tensors' pieces are
+/// [`QuantCheck`]'s.
 fn verify(
     batch: &Batch,
     ids: &[usize],
@@ -290,7 +277,11 @@ fn verify(
 ) -> Result<(), Error> {
     for (buffer, bytes) in rb.dst.iter().zip(dst) {
         for p in &buffer.pieces {
-            let layout = &batch.tensors()[p.tensor].dst;
+            let t = &batch.tensors()[p.tensor];
+            if t.quant.is_some() {
+                continue;
+            }
+            let layout = &t.dst;
             let piece = &bytes[p.bytes.clone()];
             fills[ids[p.tensor]].verify_region(
                 layout,
@@ -391,8 +382,10 @@ fn run_rank(
     };
     let mine = work.baseline.for_rank(rank)?;
     let full_len = work.baseline.full_bytes(rank);
-    let sizes =
-        |rb: &RankBatch| -> u64 { rb.src.iter().chain(&rb.dst).map(|b| b.len as u64).sum() };
+    let sizes = |rb: &RankBatch| -> u64 {
+        let buffers = rb.src.iter().chain(&rb.dst).chain(&rb.scales);
+        buffers.map(|b| b.len as u64).sum()
+    };
     let shape = batch
         .tensors()
         .first()
@@ -407,9 +400,8 @@ fn run_rank(
         Some(b) => Some(buffers(base_batch, base_ids, &work.fills, b)?),
         None => None,
     };
-    let fills = |k: usize| work.fills[work.quant_ids[k]];
-    let mut quant = QuantRank::new(work.quant.clone(), rank, fills, true)?;
-    let (_, quant_dst, quant_scales) = quant.bytes();
+    let mut scales = QuantCheck::scale_buffers(&rb)?;
+    let quant = QuantCheck::new(batch, rank, |i| work.fills[work.ids[i]])?;
     let mut full = reshard::memory::zeroed(full_len as u64, || {
         format!("rank {rank}'s full-tensor buffer")
     })?;
@@ -421,15 +413,10 @@ fn run_rank(
             .tensors()
             .iter()
             .map(|t| &t.src)
-            .chain(quant.plans().map(|p| p.src()))
             .chain(base_batch.tensors().iter().map(|t| &t.src))
     };
     job.barrier()?;
-    let mut links = Links::of_batch(&rb);
-    let theirs = Links::of_quant(quant.parts());
-    links.senders.extend(theirs.senders);
-    links.receivers.extend(theirs.receivers);
-    let reshard_transport = world.connect(&links, layouts(), None)?;
+    let reshard_transport = world.connect(&Links::of_batch(&rb), layouts(), None)?;
     job.barrier()?;
     let mut links = Links::default();
     for p in mine.parts.iter().flat_map(|(g, b)| [g, b]).flatten() {
@@ -446,19 +433,24 @@ fn run_rank(
         for method in Method::order(i) {
             match method {
                 Method::Reshard => {
-                    poison(&mut dst);
-                    quant.poison();
+                    poison(dst.iter_mut().chain(&mut scales));
                     reshard.repeat(job, timed, 0, || {
                         let mut dsts: Vec<&mut [u8]> =
                             dst.iter_mut().map(Vec::as_mut_slice).collect();
-                        let transport = &*reshard_transport;
-                        let mut stats =
-                            run_rank_batch(batch, &rb, &srcs, &mut dsts, transport, options)?;
-                        stats.absorb(&quant.run(transport, options)?);
-                        Ok(stats)
+                        let mut scale_bufs: Vec<&mut [u8]> =
+                            scales.iter_mut().map(Vec::as_mut_slice).collect();
+                        run_rank_batch(
+                            batch,
+                            &rb,
+                            &srcs,
+                            &mut dsts,
+                            &mut scale_bufs,
+                            &*reshard_transport,
+                            options,
+                        )
                     })?;
                     verify(batch, &work.ids, &work.fills, &rb, &dst)?;
-                    quant.verify()?;
+                    quant.verify(batch, &rb, &dst, &scales)?;
                 }
                 Method::GatherBroadcast => {
                     let (b_rb, b_src, b_dst) = match (&base_rb, &mut base) {
@@ -490,12 +482,12 @@ fn run_rank(
             checked += 1;
         }
     }
-    let dst_len: u64 = rb.dst.iter().map(|b| b.len as u64).sum::<u64>() + quant_dst;
+    let total = |b: &[reshard::batch::Buffer]| b.iter().map(|b| b.len as u64).sum::<u64>();
     Ok(serde_json::json!({
         "transport": reshard_transport.name(),
         "verified": checked == 2 * (args.warmup + args.iters),
-        "dst_bytes": dst_len,
-        "scale_bytes": quant_scales,
+        "dst_bytes": total(&rb.dst),
+        "scale_bytes": total(&rb.scales),
         "reshard": reshard.report(),
         "gather_broadcast": gather_broadcast.report(),
     }))

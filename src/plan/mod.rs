@@ -377,6 +377,34 @@ pub fn rank_plan_on(
     Ok(rank_part(src, dst, rank, options, topology))
 }
 
+/// [`rank_plan`] of a quantizing reshard into an fp8 destination: the same result as
+/// `Plan::quantized(src, dst, options, quant).rank_part(rank)`, from this rank's pieces only.
+/// `quant` is checked against both layouts first ([`QuantPlan::new`] with its own request), as
+/// a plain cast into fp8 is refused by [`rank_plan`].
+pub fn rank_plan_quantized(
+    src: &Layout,
+    dst: &Layout,
+    rank: Rank,
+    options: &PlanOptions,
+    quant: &QuantPlan,
+) -> Result<RankPlan> {
+    if src.shape() != dst.shape() {
+        return Err(Error::ShapeMismatch {
+            src: Dims(src.shape().to_vec()),
+            dst: Dims(dst.shape().to_vec()),
+        });
+    }
+    QuantPlan::new(
+        QuantRequest {
+            scheme: quant.quant.scheme,
+            scale_dtype: Some(quant.quant.scale_dtype),
+        },
+        src,
+        dst,
+    )?;
+    Ok(rank_part(src, dst, rank, options, None))
+}
+
 /// [`rank_plan_on`] of layouts already checked (by a [`Plan`]'s constructor).
 fn rank_part(
     src: &Layout,

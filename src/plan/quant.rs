@@ -253,6 +253,28 @@ mod tests {
         assert_eq!(pairs, [(0, 1), (1, 0), (1, 2), (2, 1)]);
     }
 
+    /// One rank's part of a quantizing plan, computed alone, is the whole plan's part; a
+    /// quantization whose blocks the destination cuts is refused as by the whole plan.
+    #[test]
+    fn a_rank_plans_its_quantized_part_alone() {
+        let shape = [256, 384];
+        let src = layout("mesh=3 place=S(0)", &shape, DType::Bf16, 0);
+        let dst = layout("mesh=3 place=S(1)", &shape, DType::Fp8E4M3, 2);
+        let q = QuantPlan::new(request("block:128x128"), &src, &dst).unwrap();
+        let options = Default::default();
+        let plan = Plan::quantized(src.clone(), dst.clone(), options, q.clone()).unwrap();
+        for rank in 0..5 {
+            let alone = super::super::rank_plan_quantized(&src, &dst, rank, &options, &q);
+            assert_eq!(alone.unwrap(), plan.rank_part(rank), "rank {rank}");
+        }
+        let cut = layout("mesh=3 place=S(0)", &shape, DType::Fp8E4M3, 2);
+        let err = super::super::rank_plan_quantized(&src, &cut, 2, &options, &q).unwrap_err();
+        assert!(
+            err.to_string().contains("cuts a quantization block"),
+            "{err}"
+        );
+    }
+
     #[test]
     fn destinations_that_cut_a_block_are_refused() {
         let shape = [256, 256];

@@ -78,16 +78,10 @@ impl Links {
         links
     }
 
-    /// The peers of one rank's parts of a refit's quantized tensors.
-    pub fn of_quant(rq: &crate::batch::quant::RankQuant) -> Links {
-        let (senders, receivers) = rq.peers();
-        Links { senders, receivers }
-    }
-
-    /// The peers of one rank's part of a batch.
+    /// The peers of one rank's part of a batch: its moves' and its partial amax exchanges'.
     pub fn of_batch(rb: &RankBatch) -> Links {
         let mut links = Links::default();
-        for m in rb.moves.iter().filter(|m| m.from != m.to) {
+        for m in rb.moves.iter().chain(&rb.amax).filter(|m| m.from != m.to) {
             if m.to == rb.rank {
                 links.senders.insert(m.from);
             } else {
@@ -197,7 +191,8 @@ impl World {
 
     /// Runs `batch` (a whole-model refit) for this process's ranks: `sources` and
     /// `destinations` hold their buffers in the order of [`Batch::buffers`]. Every rank of
-    /// the job calls it alike. Returns the stats of this process's ranks.
+    /// the job calls it alike. Returns the stats of this process's ranks. A batch that
+    /// quantizes writes scales too, and is refused: [`World::run_batch_quantized`] runs it.
     pub fn run_batch(
         &self,
         batch: &Batch,
@@ -205,9 +200,39 @@ impl World {
         destinations: &mut BTreeMap<Rank, Vec<Vec<u8>>>,
         options: &RunOptions,
     ) -> Result<RunStats> {
+        let quantized = batch
+            .tensors()
+            .iter()
+            .find_map(|t| Some((t, t.quant.as_ref()?)));
+        if let Some((t, q)) = quantized {
+            return Err(Error::InvalidOption {
+                field: Field::Quant,
+                value: q.quant.scheme.to_string(),
+                reason: format!(
+                    "the batch quantizes `{}`, which writes scales too: run it with World::run_batch_quantized",
+                    t.name
+                ),
+            });
+        }
+        self.run_batch_quantized(batch, sources, destinations, &mut BTreeMap::new(), options)
+    }
+
+    /// [`World::run_batch`] of a batch with quantized tensors: `scales` holds the scale
+    /// buffers of this process's ranks in the order of [`Batch::scale_buffers`] (fused like
+    /// their weights), written in place like the destinations. The quantized tensors' source
+    /// ranks exchange partial amax first, on the same links, then every value and scale moves
+    /// in one schedule ([`crate::batch::quant`]).
+    pub fn run_batch_quantized(
+        &self,
+        batch: &Batch,
+        sources: &BTreeMap<Rank, Vec<Vec<u8>>>,
+        destinations: &mut BTreeMap<Rank, Vec<Vec<u8>>>,
+        scales: &mut BTreeMap<Rank, Vec<Vec<u8>>>,
+        options: &RunOptions,
+    ) -> Result<RunStats> {
         let exec_options = self.exec_options(options);
         let Some(job) = self.job() else {
-            return run_local_batch(batch, sources, destinations, &exec_options);
+            return run_local_batch(batch, sources, destinations, scales, &exec_options);
         };
         exec_options.validate()?;
         let rank = job.rank();
@@ -216,21 +241,25 @@ impl World {
         let layouts = batch.tensors().iter().map(|t| &t.src);
         let transport = self.connect(&Links::of_batch(&rb), layouts, None)?;
         let started = Instant::now();
-        let none = Vec::new();
+        fn mine(m: &mut BTreeMap<Rank, Vec<Vec<u8>>>, rank: Rank) -> Vec<&mut [u8]> {
+            m.get_mut(&rank)
+                .map(|b| b.iter_mut().map(Vec::as_mut_slice).collect())
+                .unwrap_or_default()
+        }
         let src: Vec<&[u8]> = sources
             .get(&rank)
-            .unwrap_or(&none)
-            .iter()
-            .map(Vec::as_slice)
-            .collect();
-        let mut none = Vec::new();
-        let mut dst: Vec<&mut [u8]> = destinations
-            .get_mut(&rank)
-            .unwrap_or(&mut none)
-            .iter_mut()
-            .map(Vec::as_mut_slice)
-            .collect();
-        let stats = run_rank_batch(batch, &rb, &src, &mut dst, &*transport, &exec_options)?;
+            .map(|b| b.iter().map(Vec::as_slice).collect())
+            .unwrap_or_default();
+        let (mut dst, mut scale) = (mine(destinations, rank), mine(scales, rank));
+        let stats = run_rank_batch(
+            batch,
+            &rb,
+            &src,
+            &mut dst,
+            &mut scale,
+            &*transport,
+            &exec_options,
+        )?;
         Ok(RunStats {
             elapsed: started.elapsed(),
             ranks: vec![stats],

@@ -229,16 +229,8 @@ fn one_rank_per_member_runs_a_plan_its_baseline_and_a_batch() {
     let plan = plan("mesh=2 place=S(0)", "mesh=2x2 ranks=0..4 place=S(1),R");
     let fill = Fill::Hash { seed: 11 };
     let tensors = vec![
-        Tensor {
-            name: "a".into(),
-            src: plan.src().clone(),
-            dst: plan.dst().clone(),
-        },
-        Tensor {
-            name: "b".into(),
-            src: plan.dst().clone(),
-            dst: plan.src().clone(),
-        },
+        Tensor::new("a", plan.src().clone(), plan.dst().clone()),
+        Tensor::new("b", plan.dst().clone(), plan.src().clone()),
     ];
     let batch = Batch::new(tensors, Vec::new(), BatchOptions::default()).unwrap();
     let batch_buffers = |rank: Rank, side: crate::Side, filled: bool| -> Vec<Vec<u8>> {
@@ -447,6 +439,117 @@ fn a_quantizing_plan_runs_between_processes_with_its_scales() {
                 }
                 None => assert!(values.is_empty() && scales.is_empty()),
             }
+        }
+    }
+}
+
+/// A batch that quantizes (two tensors fused on the destination side, colocated ranks, row
+/// shards that cut the blocks) runs with one call per member, `World::run_batch_quantized`,
+/// over tcp and shm, and lands what the ranks as threads of one process land, every value
+/// and scale the naive reference's; `World::run_batch` refuses it before any byte moves.
+#[test]
+fn one_rank_per_member_runs_a_quantizing_batch() {
+    use crate::batch::{Batch, BatchOptions, Fusion, Tensor};
+    use crate::convert::reference::quantize_tensor;
+    use crate::plan::{QuantPlan, QuantRequest};
+    let shape = [32u64, 16];
+    let layout = |spec: &str, dtype, first| {
+        LayoutSpec::parse(spec)
+            .unwrap()
+            .resolve(&shape, dtype, first)
+            .unwrap()
+    };
+    // source rows 0..11, 11..22, 22..32 cut the 8-row blocks; destinations on ranks 1 and 2
+    let (src, dst) = (
+        layout("mesh=3 place=S(0)", DType::Bf16, 0),
+        layout("mesh=2 place=S(1)", DType::Fp8E4M3, 1),
+    );
+    let request = QuantRequest {
+        scheme: "block:8x8".parse().unwrap(),
+        scale_dtype: None,
+    };
+    let quant = QuantPlan::new(request, &src, &dst).unwrap();
+    let tensor = |name: &str| Tensor {
+        quant: Some(quant.clone()),
+        ..Tensor::new(name, src.clone(), dst.clone())
+    };
+    let fused = Fusion {
+        name: "ab".into(),
+        side: crate::Side::Dst,
+        dim: 0,
+        members: vec![0, 1],
+    };
+    let batch = Batch::new(
+        vec![tensor("a"), tensor("b")],
+        vec![fused],
+        BatchOptions::default(),
+    )
+    .unwrap();
+    assert!(!batch.rank_batch(1).unwrap().amax.is_empty());
+    let fill = |i: usize| Fill::Normal { seed: i as u64 };
+    let buffers = |rank: Rank| -> [Vec<Vec<u8>>; 3] {
+        let rb = batch.rank_batch(rank).unwrap();
+        let zeroed = |b: &[crate::batch::Buffer]| b.iter().map(|b| vec![0u8; b.len]).collect();
+        let mut src: Vec<Vec<u8>> = zeroed(&rb.src);
+        for (b, bytes) in rb.src.iter().zip(&mut src) {
+            for p in &b.pieces {
+                let l = &batch.tensors()[p.tensor].src;
+                fill(p.tensor).fill_region(l, &p.region, &mut bytes[p.bytes.clone()]);
+            }
+        }
+        [src, zeroed(&rb.dst), zeroed(&rb.scales)]
+    };
+    let threads = World::join_env(None, JoinOptions::default()).unwrap();
+    let [mut all_src, mut all_dst, mut all_scales] =
+        [BTreeMap::new(), BTreeMap::new(), BTreeMap::new()];
+    for r in 0..3 {
+        let [s, d, sc] = buffers(r);
+        all_src.insert(r, s);
+        all_dst.insert(r, d);
+        all_scales.insert(r, sc);
+    }
+    let run = RunOptions::default();
+    threads
+        .run_batch_quantized(&batch, &all_src, &mut all_dst, &mut all_scales, &run)
+        .unwrap();
+    for r in 1..3 {
+        let rb = batch.rank_batch(r).unwrap();
+        let box_ = dst.local_region(r).unwrap();
+        for (i, piece) in rb.dst[0].pieces.iter().enumerate() {
+            let whole = fill(i)
+                .shard(&layout("mesh=1 place=R", DType::Bf16, 0), 0)
+                .unwrap()
+                .unwrap();
+            let want = quantize_tensor(quant.quant, &quant.grid, DType::Bf16, &whole).unwrap();
+            assert!(want.values_of(&box_) == all_dst[&r][0][piece.bytes.clone()]);
+            let scales = &rb.scales[0].pieces[i];
+            let got = &all_scales[&r][0][scales.bytes.clone()];
+            assert!(want.scales_of(&scales.region) == got, "rank {r}");
+        }
+    }
+    for transport in [TransportKind::Tcp, TransportKind::Shm] {
+        let landed = job_on_hosts(&["here"; 3], transport, |world| {
+            let rank = world.rank().unwrap();
+            let [s, d, sc] = buffers(rank);
+            let src = BTreeMap::from([(rank, s)]);
+            let (mut dst, mut scales) = (BTreeMap::from([(rank, d)]), BTreeMap::from([(rank, sc)]));
+            let refused = world.run_batch(&batch, &src, &mut dst, &run).unwrap_err();
+            assert!(
+                refused.to_string().contains("World::run_batch_quantized"),
+                "{refused}"
+            );
+            world
+                .run_batch_quantized(&batch, &src, &mut dst, &mut scales, &run)
+                .unwrap();
+            world.finish(Ok(serde_json::json!(rank))).unwrap();
+            (dst, scales)
+        });
+        for (rank, (dst, scales)) in landed.into_iter().enumerate() {
+            assert_eq!(dst[&rank], all_dst[&rank], "{transport:?} rank {rank}");
+            assert_eq!(
+                scales[&rank], all_scales[&rank],
+                "{transport:?} rank {rank}"
+            );
         }
     }
 }
