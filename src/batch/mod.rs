@@ -575,6 +575,8 @@ impl RankBatch {
                 dst_at: m.dst_at.clone(),
                 // refit moves every tensor in its own dtype
                 cast: None,
+                // a batch's buffers are its own, never offered to senders to write into
+                lands: crate::transport::Lands::Aside,
             };
             if m.from == m.to {
                 steps.locals.push(step);
