@@ -905,3 +905,26 @@ fn quantized_runs_over_mpi_match_the_reference() {
         c
     });
 }
+
+/// `shm` under `mpirun`: the notices go as MPI messages, the values straight into the
+/// destination shards, the partial amax and scales through the rings.
+#[cfg(feature = "mpi")]
+#[test]
+fn quantized_runs_over_shm_under_mpi_match_the_reference() {
+    let reports = cli_cases_over("shm", |n| {
+        let mut c = common::mpirun(n);
+        c.arg(EXE).env_remove("MASTER_PORT");
+        c
+    });
+    for ((report, planned), case) in reports
+        .iter()
+        .zip(planned_remote_value_bytes())
+        .zip(CLI_CASES)
+    {
+        assert_eq!(
+            report["bytes_direct"].as_u64(),
+            Some(planned),
+            "{case:?}: {report}"
+        );
+    }
+}

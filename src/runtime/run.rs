@@ -326,8 +326,8 @@ impl World {
         // same-host senders write the values straight into the shard, quantizing as they
         // write; what lands beside it (partial amax, scales) takes the rings, each chunk
         // marked by the executor ([`crate::transport::Lands`]). A rank whose part relays keeps
-        // rings, as before: its rounds stage hops and forward them, and were built around
-        // rings only.
+        // rings, as before: its rounds mix hops into its staging with legs into its shard,
+        // a mix checked over rings only.
         let destination = dst_box
             .as_ref()
             .and_then(|b| shard.as_ref().map(|s| (s, b)))
