@@ -138,8 +138,16 @@ impl Incoming<'_> {
             || out.lands != self.lands
         {
             return Err(format!(
-                "expected bytes {:?} of {} from rank {}, got bytes {:?} of {} from rank {}",
-                self.range, self.region, self.from, out.range, out.region, out.from
+                "expected bytes {:?} of {} from rank {} (landing {:?}), got bytes {:?} of {} \
+                 from rank {} (landing {:?})",
+                self.range,
+                self.region,
+                self.from,
+                self.lands,
+                out.range,
+                out.region,
+                out.from,
+                out.lands
             ));
         }
         out.geometry(Place::Within(self.dst_box))
@@ -384,7 +392,47 @@ pub fn recv_in_order<'buf, T: Transport<'buf> + ?Sized>(
 
 #[cfg(test)]
 mod tests {
-    use super::Chunking;
+    use super::{Chunking, Incoming, Lands, Outgoing};
+    use crate::region::Region;
+
+    /// Both ends of a transfer must agree on where it lands: a sender's chunk for the
+    /// receiver's shard is not the one the receiver expects beside it (its scales, say).
+    #[test]
+    fn a_chunk_that_lands_elsewhere_than_expected_is_refused() {
+        let region = Region::full(&[2, 4]);
+        let src = [7u8; 8];
+        let mut dst = [0u8; 8];
+        let out = Outgoing {
+            from: 0,
+            to: 1,
+            src: &src,
+            src_box: &region,
+            region: &region,
+            elem_bytes: 1,
+            range: 0..8,
+            cast: None,
+            lands: Lands::Shard,
+        };
+        let mut inc = Incoming {
+            from: 0,
+            to: 1,
+            dst: &mut dst,
+            dst_box: &region,
+            src_box: &region,
+            region: &region,
+            elem_bytes: 1,
+            range: 0..8,
+            lands: Lands::Aside,
+        };
+        let err = inc.copy_from(&out).unwrap_err();
+        assert!(
+            err.contains("landing Aside") && err.contains("landing Shard"),
+            "{err}"
+        );
+        inc.lands = Lands::Shard;
+        inc.copy_from(&out).unwrap();
+        assert_eq!(dst, src);
+    }
 
     #[test]
     fn chunking_rules_cut_transfers_alike_at_both_ends() {
