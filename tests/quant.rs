@@ -572,8 +572,10 @@ fn scheme_of(text: &str) -> Scheme {
     }
 }
 
-/// Runs every CLI case with `launch` (`transport` tcp or shm), or with `wrap` (mpirun).
-pub fn cli_cases_over(transport: &str, wrap: impl Fn(u64) -> Command) {
+/// Runs every CLI case with `launch` (`transport` tcp or shm), or with `wrap` (mpirun);
+/// returns each case's `run --json` report, in order.
+pub fn cli_cases_over(transport: &str, wrap: impl Fn(u64) -> Command) -> Vec<serde_json::Value> {
+    let mut reports = Vec::new();
     for (shape, from, to, scheme, src, dst) in CLI_CASES {
         let dir = temp_dir("quant");
         let d = dir.path().to_str().unwrap();
@@ -617,7 +619,40 @@ pub fn cli_cases_over(transport: &str, wrap: impl Fn(u64) -> Command) {
         let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
         assert_eq!(j["verified"], true, "{what}: {j}");
         check_dumps(dir.path(), shape, from, to, scheme, src, dst, &what);
+        reports.push(j);
     }
+    reports
+}
+
+/// The remote bytes of each CLI case's values (fp8, one byte each), from `plan --json`.
+fn planned_remote_value_bytes() -> Vec<u64> {
+    CLI_CASES
+        .iter()
+        .map(|(shape, from, to, scheme, src, dst)| {
+            let out = Command::new(EXE)
+                .args([
+                    "plan",
+                    "--json",
+                    "--shape",
+                    shape,
+                    "--dtype",
+                    from,
+                    "--dst-dtype",
+                    to,
+                    "--quant",
+                    scheme,
+                    "--src",
+                    src,
+                    "--dst",
+                    dst,
+                ])
+                .output()
+                .unwrap();
+            assert!(out.status.success(), "{}", text(&out.stderr));
+            let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+            j["totals"]["bytes_remote"].as_u64().unwrap()
+        })
+        .collect()
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -686,9 +721,42 @@ fn quantized_runs_over_tcp_match_the_reference() {
     cli_cases_over("tcp", launch);
 }
 
+/// Over shm the senders quantize as they write straight into the receivers' destination
+/// shards: every remote value byte goes that way (`bytes_direct`), the partial amax and the
+/// scales through the rings.
 #[test]
 fn quantized_runs_over_shm_match_the_reference() {
-    cli_cases_over("shm", launch);
+    let reports = cli_cases_over("shm", launch);
+    for ((report, planned), case) in reports
+        .iter()
+        .zip(planned_remote_value_bytes())
+        .zip(CLI_CASES)
+    {
+        assert!(planned > 0, "{case:?}");
+        assert_eq!(
+            report["bytes_direct"].as_u64(),
+            Some(planned),
+            "{case:?}: {report}"
+        );
+    }
+}
+
+/// The same through the rings alone (`RESHARD_SHM_DIRECT=0`): nothing written directly, the
+/// same bytes landed.
+#[test]
+fn quantized_runs_over_shm_rings_match_the_reference() {
+    let reports = cli_cases_over("shm", |n| {
+        let mut c = launch(n);
+        c.env("RESHARD_SHM_DIRECT", "0");
+        c
+    });
+    for (report, case) in reports.iter().zip(CLI_CASES) {
+        assert_eq!(
+            report["bytes_direct"].as_u64(),
+            Some(0),
+            "{case:?}: {report}"
+        );
+    }
 }
 
 #[test]
@@ -836,4 +904,27 @@ fn quantized_runs_over_mpi_match_the_reference() {
         c.arg(EXE);
         c
     });
+}
+
+/// `shm` under `mpirun`: the notices go as MPI messages, the values straight into the
+/// destination shards, the partial amax and scales through the rings.
+#[cfg(feature = "mpi")]
+#[test]
+fn quantized_runs_over_shm_under_mpi_match_the_reference() {
+    let reports = cli_cases_over("shm", |n| {
+        let mut c = common::mpirun(n);
+        c.arg(EXE).env_remove("MASTER_PORT");
+        c
+    });
+    for ((report, planned), case) in reports
+        .iter()
+        .zip(planned_remote_value_bytes())
+        .zip(CLI_CASES)
+    {
+        assert_eq!(
+            report["bytes_direct"].as_u64(),
+            Some(planned),
+            "{case:?}: {report}"
+        );
+    }
 }

@@ -976,6 +976,8 @@ impl RankBatch {
                 src_at: m.src_at.clone(),
                 dst_at: m.dst_at.clone(),
                 cast,
+                // a batch's buffers are its own, never offered to senders to write into
+                lands: crate::transport::Lands::Aside,
             };
             if m.from == m.to {
                 steps.locals.push(step);

@@ -285,6 +285,8 @@ fn exchange<'buf, T: Transport<'buf> + ?Sized>(
             src_at: m.src_at.clone(),
             dst_at: m.dst_at.clone(),
             cast: None,
+            // partial amax land in the exchange's own staging
+            lands: crate::transport::Lands::Aside,
         };
         if m.from == rb.rank {
             steps.sends.push(step);

@@ -74,6 +74,9 @@ struct RunJson {
     dst_bytes: u64,
     bytes_remote: u64,
     bytes_local: u64,
+    /// Of `bytes_remote`, those written straight into the receivers' shards by same-host
+    /// senders (shm direct writes), over the last repetition.
+    bytes_direct: u64,
     messages: u64,
     gbps: f64,
     peak_staging_bytes_per_rank: u64,
@@ -182,6 +185,7 @@ fn run_threads(
         times,
         bytes_remote: stats.bytes_remote(),
         bytes_local: stats.bytes_local(),
+        bytes_direct: stats.bytes_direct(),
         peak_staging: stats.peak_staging_bytes(),
     };
     report(args, plan, &summary, "local", verified);
@@ -266,6 +270,10 @@ fn process_report(
                 .map(|r| field(r, "bytes_remote") as u64)
                 .sum(),
             bytes_local: reports.iter().map(|r| field(r, "bytes_local") as u64).sum(),
+            bytes_direct: reports
+                .iter()
+                .map(|r| field(r, "bytes_direct") as u64)
+                .sum(),
             peak_staging: reports
                 .iter()
                 .map(|r| field(r, "peak_staging") as u64)
@@ -346,6 +354,7 @@ fn rank_part(
         "times": times,
         "bytes_remote": stats.bytes_received,
         "bytes_local": stats.bytes_local,
+        "bytes_direct": stats.bytes_direct,
         "peak_staging": stats.peak_staging_bytes,
         "verified": verified,
     }))
@@ -450,6 +459,7 @@ struct Summary {
     times: Vec<f64>,
     bytes_remote: u64,
     bytes_local: u64,
+    bytes_direct: u64,
     peak_staging: u64,
 }
 
@@ -477,6 +487,7 @@ fn report(args: &RunArgs, plan: &Plan, stats: &Summary, transport: &str, verifie
             dst_bytes,
             bytes_remote: stats.bytes_remote,
             bytes_local: stats.bytes_local,
+            bytes_direct: stats.bytes_direct,
             messages: totals.messages,
             gbps,
             peak_staging_bytes_per_rank: stats.peak_staging,
@@ -508,6 +519,12 @@ fn report(args: &RunArgs, plan: &Plan, stats: &Summary, transport: &str, verifie
         totals.messages,
         bytes(stats.bytes_local)
     );
+    if stats.bytes_direct > 0 {
+        println!(
+            "  direct  {} written straight into the receivers' shards",
+            bytes(stats.bytes_direct)
+        );
+    }
     if let (Some(topology), Some(links)) = (plan.topology(), plan.host_links()) {
         println!(
             "  hosts   {} (relay {}): busiest host link {}",

@@ -16,7 +16,7 @@ use crate::layout::{Layout, Rank};
 use crate::plan::quant::AMAX_BYTES;
 use crate::plan::{QuantPlan, QuantRankPlan};
 use crate::region::Region;
-use crate::transport::Transport;
+use crate::transport::{Lands, Transport};
 
 /// One rank's quantization job, beside its [`super::RankJob`].
 pub struct QuantJob<'buf, 'dst> {
@@ -198,6 +198,8 @@ fn exchange<'buf, T: Transport<'buf> + ?Sized>(
             src_at: Some((i, 0..len)),
             dst_at: None,
             cast: None,
+            // into the receiver's staging of partial amax
+            lands: Lands::Aside,
         };
         steps.recvs.push(Step {
             from: *peer,
@@ -246,6 +248,8 @@ pub(super) fn scale_steps<'s: 'r, 'r>(
         src_at: src_at.clone(),
         dst_at: None,
         cast: None,
+        // into the receiver's scale shard
+        lands: Lands::Aside,
     };
     ScaleSteps {
         sends: part.sends.iter().map(step).collect(),

@@ -27,7 +27,7 @@ use crate::error::{Error, Result};
 use crate::layout::Rank;
 use crate::plan::{RankPlan, Transfer};
 use crate::region::Region;
-use crate::transport::Transport;
+use crate::transport::{Lands, Transport};
 
 /// The slab size of a job: an eighth of the staging bound, so that a relaying rank's two
 /// staging buffers hold two rounds of a few hops within it. Both ends compute the same.
@@ -61,6 +61,9 @@ pub struct Leg {
     pub staged: Option<usize>,
     /// The sender forwards it out of its staging (a relayed transfer's second leg).
     pub forwarded: bool,
+    /// Where it lands on the receiver: a hop's slabs in the relaying rank's staging, every
+    /// other leg in the receiver's shard. Both ends set it alike (from [`RankPlan::is_hop`]).
+    pub lands: Lands,
 }
 
 /// One round of a rank's part.
@@ -100,6 +103,7 @@ impl Rounds {
             region: region.clone(),
             staged: None,
             forwarded: false,
+            lands: Lands::Shard,
         };
         // where each hop's slabs land here: (sender, region, slab) -> offset
         let mut staged: BTreeMap<(Rank, &Region, usize), usize> = BTreeMap::new();
@@ -118,6 +122,7 @@ impl Rounds {
                     round.staging_bytes += s.volume() as usize * elem_bytes;
                     round.recvs.push(Leg {
                         staged: Some(offset),
+                        lands: Lands::Aside,
                         ..leg(t.src, rank, s)
                     });
                     staged.insert((t.src, &t.region, j), offset);
@@ -147,7 +152,10 @@ impl Rounds {
                 }
             } else if plan.is_hop(t) {
                 for (j, s) in slabs(&t.region, elem_bytes, slab_bytes).iter().enumerate() {
-                    at(&mut rounds, j).sends.push(leg(rank, t.dst, s));
+                    at(&mut rounds, j).sends.push(Leg {
+                        lands: Lands::Aside,
+                        ..leg(rank, t.dst, s)
+                    });
                 }
             } else {
                 at(&mut rounds, 0).sends.push(leg(rank, t.dst, &t.region));
@@ -319,6 +327,7 @@ where
                 src_at: Some((1, offset..offset + bytes_of(&l.region))),
                 dst_at: None,
                 cast: None,
+                lands: l.lands,
             },
             None => Step {
                 from: l.from,
@@ -330,6 +339,7 @@ where
                 src_at: Some((0, 0..src_len)),
                 dst_at: None,
                 cast: cast.clone(),
+                lands: l.lands,
             },
         };
         steps.sends.push(step);
@@ -356,6 +366,7 @@ where
             src_at: None,
             dst_at: Some(dst_at),
             cast: if l.forwarded { None } else { cast.clone() },
+            lands: l.lands,
         });
     }
     for t in &round.locals {
@@ -369,6 +380,7 @@ where
             src_at: Some((0, 0..src_len)),
             dst_at: Some((0, 0..dst_len)),
             cast: cast.clone(),
+            lands: Lands::Shard,
         });
     }
     // both ends of every transfer cut it alike, whatever this round holds

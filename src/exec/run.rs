@@ -15,7 +15,7 @@ use crate::exec::threads::{RankThread, joined};
 use crate::layout::{Layout, Rank};
 use crate::plan::{RankPlan, Transfer};
 use crate::region::Region;
-use crate::transport::{Outgoing, Receive, Transport};
+use crate::transport::{Lands, Outgoing, Receive, Transport};
 
 /// One rank's share of a run: its plan and its shards.
 pub struct RankJob<'buf, 'dst> {
@@ -111,6 +111,8 @@ pub fn run_rank<'buf, T: Transport<'buf> + ?Sized>(
         src_at: Some((0, 0..src_len)),
         dst_at: Some((0, 0..dst_len)),
         cast: cast.clone(),
+        // the values: into the destination shard (the scales follow, aside)
+        lands: Lands::Shard,
     };
     let (src_box, dst_box) = (src.map(|s| s.0), dst.as_ref().map(|d| d.0));
     let mut steps = Steps {
@@ -214,6 +216,7 @@ pub fn run_steps<'buf, T: Transport<'buf> + ?Sized>(
                     elem_bytes: s.elem_bytes,
                     range,
                     cast: s.cast.clone(),
+                    lands: s.lands,
                 };
                 match peer_sums.as_deref_mut() {
                     // summed by the transport as it reads the bytes, where it can
@@ -261,6 +264,7 @@ pub fn run_steps<'buf, T: Transport<'buf> + ?Sized>(
                     elem_bytes: s.elem_bytes,
                     buffer,
                     bytes,
+                    lands: s.lands,
                 }
             })
             .collect();
@@ -305,6 +309,8 @@ pub fn run_steps<'buf, T: Transport<'buf> + ?Sized>(
             .collect(),
     );
     let started = std::time::Instant::now();
+    // the transport counts over its life; this run's share is the difference
+    let direct_before = transport.direct_bytes();
     let (sent, received) = if !transport.sends_block() {
         // everything is posted first, then received, on this one thread
         let sent = send_all().inspect_err(give_up_on);
@@ -349,6 +355,7 @@ pub fn run_steps<'buf, T: Transport<'buf> + ?Sized>(
     stats.bytes_sent = moved_counts.bytes_sent;
     stats.chunks_sent = moved_counts.chunks_sent;
     stats.peak_staging_bytes = transport.peak_staging_bytes();
+    stats.bytes_direct = transport.direct_bytes().saturating_sub(direct_before);
     Ok(stats)
 }
 

@@ -15,6 +15,9 @@ pub struct RankStats {
     pub chunks_sent: u64,
     pub chunks_received: u64,
     pub peak_staging_bytes: u64,
+    /// Of `bytes_sent`, those the transport wrote straight into their receivers' shards
+    /// (shm direct writes): one copy per byte instead of two.
+    pub bytes_direct: u64,
 }
 
 impl RankStats {
@@ -25,6 +28,7 @@ impl RankStats {
         self.bytes_local += other.bytes_local;
         self.chunks_sent += other.chunks_sent;
         self.chunks_received += other.chunks_received;
+        self.bytes_direct += other.bytes_direct;
         self.peak_staging_bytes = self.peak_staging_bytes.max(other.peak_staging_bytes);
     }
 }
@@ -68,6 +72,11 @@ impl RunStats {
 
     pub fn bytes_local(&self) -> u64 {
         self.ranks.iter().map(|r| r.bytes_local).sum()
+    }
+
+    /// Bytes written straight into receivers' shards, by every rank.
+    pub fn bytes_direct(&self) -> u64 {
+        self.ranks.iter().map(|r| r.bytes_direct).sum()
     }
 
     pub fn peak_staging_bytes(&self) -> u64 {

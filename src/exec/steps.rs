@@ -9,6 +9,7 @@ use crate::error::{Dims, Error, Result, Side};
 use crate::layout::{Layout, Rank};
 use crate::plan::{RankPlan, Transfer};
 use crate::region::Region;
+use crate::transport::Lands;
 
 /// One transfer as a rank runs it: the region, the boxes that hold it on both sides, and
 /// where those boxes lie in this rank's buffers.
@@ -31,6 +32,9 @@ pub struct Step<'a> {
     /// the sender while it packs, or in a local copy. Every step of a converting job carries
     /// it, the receives too, because both ends cut its transfers alike ([`cut_chunk`]).
     pub cast: Option<Cast>,
+    /// Where the transfer lands on its receiver: in its destination shard (which same-host
+    /// senders may write into directly), or beside it. Both ends of a transfer set it alike.
+    pub lands: Lands,
 }
 
 /// The chunk size a job cuts its transfers into: `requested`, or for a converting job, the

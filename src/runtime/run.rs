@@ -352,14 +352,15 @@ impl World {
             links.senders.extend(q.part.amax_peers());
             links.receivers.extend(q.part.amax_peers());
         }
-        // quantizing: the scales and partial amax travel as transfers of their own, which
-        // senders cannot write into the value shard, so same-host senders use rings; a
-        // relaying rank receives hops into its staging, which same-host senders writing
-        // straight into its shard would bypass
+        // same-host senders write the values straight into the shard, quantizing as they
+        // write; what lands beside it (partial amax, scales) takes the rings, each chunk
+        // marked by the executor ([`crate::transport::Lands`]). A rank whose part relays keeps
+        // rings, as before: its rounds mix hops into its staging with legs into its shard,
+        // a mix checked over rings only.
         let destination = dst_box
             .as_ref()
             .and_then(|b| shard.as_ref().map(|s| (s, b)))
-            .filter(|_| quant.is_none() && !mine.relays());
+            .filter(|_| !mine.relays());
         let transport = self.connect(&links, [plan.src()], destination)?;
         Ok(PlanRank {
             world: self,

@@ -553,3 +553,107 @@ fn one_rank_per_member_runs_a_quantizing_batch() {
         }
     }
 }
+
+/// A prepared quantizing plan over shm (ranks as threads of one process, joined as processes
+/// are): same-host senders quantize as they write straight into the receivers' destination
+/// shards, every remote value byte of them (`bytes_direct`), while the partial amax and the
+/// scales take the rings; values and scales are the naive reference's, bit for bit, for
+/// blocks that straddle source shards (amax exchange), power-of-two scales, MX, per-channel
+/// scales split across destinations and one scale for the tensor, run twice on the same
+/// links, the second time checksummed.
+#[test]
+fn a_prepared_quantizing_plan_writes_its_values_straight_into_the_shards_over_shm() {
+    use crate::convert::reference::quantize_tensor;
+    use crate::plan::QuantRequest;
+    let shape = [12u64, 64];
+    let layout = |spec: &str, dtype, first| {
+        LayoutSpec::parse(spec)
+            .unwrap()
+            .resolve(&shape, dtype, first)
+            .unwrap()
+    };
+    for scheme in [
+        "block:4x8",
+        "block:4x16:ue8m0",
+        "mx:32",
+        "channel",
+        "tensor",
+    ] {
+        let request = QuantRequest {
+            scheme: scheme.parse().unwrap(),
+            scale_dtype: None,
+        };
+        // source rows 0..6 and 6..12 cut the 4-row blocks; rank 1 is a source and a
+        // destination (a local copy beside its sends and receives)
+        let plan = Plan::with_quant(
+            layout("mesh=2 place=S(0)", DType::Bf16, 0),
+            layout("mesh=2 ranks=1..3 place=S(1)", DType::Fp8E4M3, 1),
+            crate::PlanOptions::default(),
+            Some(request),
+        )
+        .unwrap();
+        let q = plan.quant().unwrap();
+        let fill = Fill::Normal { seed: 9 };
+        let whole = fill
+            .shard(&layout("mesh=1 place=R", DType::Bf16, 0), 0)
+            .unwrap()
+            .unwrap();
+        let want = quantize_tensor(q.quant, &q.grid, DType::Bf16, &whole).unwrap();
+        let landed = job_on_hosts(&["here"; 3], TransportKind::Shm, |world| {
+            let rank = world.rank().unwrap();
+            let source = fill.shard(plan.src(), rank).unwrap();
+            let mut mine = world.prepare(&plan).unwrap();
+            let mut runs = Vec::new();
+            for checksum in [false, true] {
+                if let Some(d) = mine.destination_mut() {
+                    d.fill(0xA5);
+                }
+                if let Some(s) = mine.scales_mut() {
+                    s.fill(0xA5);
+                }
+                world.barrier().unwrap();
+                let run = RunOptions {
+                    checksum,
+                    chunk_bytes: 40,
+                };
+                let stats = mine.run(source.as_deref(), &run).unwrap();
+                let values = mine.destination().map(<[u8]>::to_vec);
+                let scales = mine.scales().map(<[u8]>::to_vec);
+                runs.push((stats.bytes_direct, values, scales));
+            }
+            world.finish(Ok(serde_json::json!(rank))).unwrap();
+            runs
+        });
+        for (rank, runs) in landed.into_iter().enumerate() {
+            // every remote value byte this rank sends lands by direct write; no amax or
+            // scale byte does
+            let sent: u64 = plan
+                .rank_part(rank)
+                .sends
+                .iter()
+                .map(|t| t.region.volume())
+                .sum();
+            for (i, (direct, values, scales)) in runs.into_iter().enumerate() {
+                let what = format!("{scheme}, rank {rank}, run {i}");
+                assert_eq!(direct, sent, "{what}");
+                match plan.dst().local_region(rank) {
+                    Some(b) => {
+                        assert!(values.unwrap() == want.values_of(&b), "{what}: values");
+                        let blocks = q.grid.scale_region(&b);
+                        assert!(scales.unwrap() == want.scales_of(&blocks), "{what}: scales");
+                    }
+                    None => assert!(values.is_none() && scales.is_none(), "{what}"),
+                }
+            }
+        }
+        // some rank sends values at all
+        assert!(
+            plan.src()
+                .mesh()
+                .ranks()
+                .iter()
+                .any(|&r| !plan.rank_part(r).sends.is_empty()),
+            "{scheme}"
+        );
+    }
+}

@@ -30,6 +30,17 @@ use crate::error::Result;
 use crate::layout::Rank;
 use crate::region::Region;
 
+/// Where a transfer lands on its receiver, as both ends know it from the plan: in the
+/// receiver's destination shard (the values of the tensor), or in a buffer beside it (a
+/// quantization's partial amax or scales, a relaying rank's staging). A transport that writes
+/// straight into a receiver's shard (shm) does so only for the first: the others land where
+/// the receiver alone can say.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Lands {
+    Shard,
+    Aside,
+}
+
 /// A chunk of a transfer as its sender offers it: bytes `range` of `region`'s row-major stream,
 /// read from the sender's source shard.
 #[derive(Clone, Debug)]
@@ -47,6 +58,8 @@ pub struct Outgoing<'buf> {
     /// The conversion from the source shard's dtype (`--dst-dtype`), done while packing, so
     /// that the wire carries destination bytes; `None` when both sides share one dtype.
     pub cast: Option<Cast>,
+    /// Where the transfer lands on the receiver.
+    pub lands: Lands,
 }
 
 impl Outgoing<'_> {
@@ -90,6 +103,9 @@ pub struct Incoming<'a> {
     pub region: &'a Region,
     pub elem_bytes: usize,
     pub range: Range<usize>,
+    /// Where the transfer lands: [`Lands::Shard`] when `dst` is the receiver's destination
+    /// shard.
+    pub lands: Lands,
 }
 
 impl Incoming<'_> {
@@ -119,10 +135,19 @@ impl Incoming<'_> {
             || out.region != self.region
             || out.range != self.range
             || out.elem_bytes != self.elem_bytes
+            || out.lands != self.lands
         {
             return Err(format!(
-                "expected bytes {:?} of {} from rank {}, got bytes {:?} of {} from rank {}",
-                self.range, self.region, self.from, out.range, out.region, out.from
+                "expected bytes {:?} of {} from rank {} (landing {:?}), got bytes {:?} of {} \
+                 from rank {} (landing {:?})",
+                self.range,
+                self.region,
+                self.from,
+                self.lands,
+                out.range,
+                out.region,
+                out.from,
+                out.lands
             ));
         }
         out.geometry(Place::Within(self.dst_box))
@@ -145,6 +170,8 @@ pub struct Receive<'a> {
     /// Which destination buffer holds `dst_box`, and at which bytes.
     pub buffer: usize,
     pub bytes: Range<usize>,
+    /// Whether that buffer is the receiver's destination shard.
+    pub lands: Lands,
 }
 
 impl Receive<'_> {
@@ -169,6 +196,7 @@ impl Receive<'_> {
             region: self.region,
             elem_bytes: self.elem_bytes,
             range,
+            lands: self.lands,
         }
     }
 }
@@ -299,6 +327,13 @@ pub trait Transport<'buf>: Sync {
     fn peak_staging_bytes(&self) -> u64 {
         0
     }
+
+    /// Bytes this endpoint has written straight into receivers' destination shards since it
+    /// was built (one copy per byte, no message or ring for the receiver to copy out of):
+    /// what shows a run took that path.
+    fn direct_bytes(&self) -> u64 {
+        0
+    }
 }
 
 /// How a transport cuts a transfer into chunks ([`Transport::chunking`]), applied to the
@@ -357,7 +392,47 @@ pub fn recv_in_order<'buf, T: Transport<'buf> + ?Sized>(
 
 #[cfg(test)]
 mod tests {
-    use super::Chunking;
+    use super::{Chunking, Incoming, Lands, Outgoing};
+    use crate::region::Region;
+
+    /// Both ends of a transfer must agree on where it lands: a sender's chunk for the
+    /// receiver's shard is not the one the receiver expects beside it (its scales, say).
+    #[test]
+    fn a_chunk_that_lands_elsewhere_than_expected_is_refused() {
+        let region = Region::full(&[2, 4]);
+        let src = [7u8; 8];
+        let mut dst = [0u8; 8];
+        let out = Outgoing {
+            from: 0,
+            to: 1,
+            src: &src,
+            src_box: &region,
+            region: &region,
+            elem_bytes: 1,
+            range: 0..8,
+            cast: None,
+            lands: Lands::Shard,
+        };
+        let mut inc = Incoming {
+            from: 0,
+            to: 1,
+            dst: &mut dst,
+            dst_box: &region,
+            src_box: &region,
+            region: &region,
+            elem_bytes: 1,
+            range: 0..8,
+            lands: Lands::Aside,
+        };
+        let err = inc.copy_from(&out).unwrap_err();
+        assert!(
+            err.contains("landing Aside") && err.contains("landing Shard"),
+            "{err}"
+        );
+        inc.lands = Lands::Shard;
+        inc.copy_from(&out).unwrap();
+        assert_eq!(dst, src);
+    }
 
     #[test]
     fn chunking_rules_cut_transfers_alike_at_both_ends() {

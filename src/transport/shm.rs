@@ -5,11 +5,18 @@
 //! was measured slower here: the kernel pins every page it copies.) Rings live in unnamed
 //! files, so a killed process leaves nothing behind.
 //!
+//! When a receiver's destination shard lives in shared memory
+//! ([`ShmTransport::exchange_destinations`]), a same-host sender writes the chunks that land
+//! in it ([`Lands::Shard`]) straight there instead: one copy per byte, converting or
+//! quantizing as it writes, then a short notice of the bytes written. Chunks that land beside
+//! the shard (a quantization's partial amax and scales) still take the ring.
+//!
 //! The sender announces each ring once over the job's own links (its [`Carrier`]: TCP, or MPI
 //! under `mpirun`). Peers on other hosts (with `--transport auto`) go through the carrier's
 //! data path instead.
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -23,7 +30,7 @@ use crate::region::Region;
 
 use super::ring::{Ring, RingError, SLOTS};
 use super::segment::{PeerBuffer, SharedBuffer};
-use super::{Chunking, Incoming, Outgoing, Transport};
+use super::{Chunking, Incoming, Lands, Outgoing, Transport};
 
 /// The job's links that the shm transport rides on: they carry its short notices (where a
 /// ring or a destination lives, which bytes were written) and, as a [`Transport`], the data to
@@ -91,6 +98,8 @@ pub struct ShmTransport<C> {
     targets: BTreeMap<Rank, Target>,
     /// Senders that write into this rank's shared destination shard.
     writers: std::collections::BTreeSet<Rank>,
+    /// Bytes this rank has written straight into receivers' shards.
+    written: AtomicU64,
 }
 
 impl<C: Carrier> ShmTransport<C> {
@@ -117,13 +126,15 @@ impl<C: Carrier> ShmTransport<C> {
             opened: Mutex::new(std::collections::BTreeSet::new()),
             targets: BTreeMap::new(),
             writers: std::collections::BTreeSet::new(),
+            written: AtomicU64::new(0),
         }
     }
 
     /// Lets same-host senders write straight into this rank's destination shard when it lives
     /// in a [`SharedBuffer`] (one copy per byte, by the senders), and learns the same of this
     /// rank's receivers. Call once, before the first reshard, on every rank: `senders` and
-    /// `receivers` are this rank's peers in each direction.
+    /// `receivers` are this rank's peers in each direction. Only the chunks that land in the
+    /// shard ([`Lands::Shard`]) go that way; the rest (partial amax, scales) take the ring.
     pub fn exchange_destinations(
         &mut self,
         destination: Option<(&SharedBuffer, &Region)>,
@@ -318,8 +329,9 @@ impl<C: Carrier> ShmTransport<C> {
 }
 
 impl<C: Carrier> ShmTransport<C> {
-    /// Sends a chunk: straight into the receiver's shard, through a ring, or by the carrier;
-    /// with `sum`, appends the chunk's CRC-32C to it as the bytes are copied.
+    /// Sends a chunk: straight into the receiver's shard (when it lands there and the
+    /// receiver offered it), through a ring, or by the carrier; with `sum`, appends the
+    /// chunk's CRC-32C to it as the bytes are copied.
     fn send_with<'buf>(&self, chunk: Outgoing<'buf>, mut sum: Option<&mut u32>) -> Result<()>
     where
         C: Transport<'buf>,
@@ -333,7 +345,11 @@ impl<C: Carrier> ShmTransport<C> {
                 None => self.links.send(chunk),
             };
         };
-        if let Some(target) = self.targets.get(&chunk.to) {
+        let target = match chunk.lands {
+            Lands::Shard => self.targets.get(&chunk.to),
+            Lands::Aside => None,
+        };
+        if let Some(target) = target {
             // one copy: straight from this shard into the receiver's
             if target.region.ndim() != chunk.region.ndim() || !target.region.contains(chunk.region)
             {
@@ -362,6 +378,8 @@ impl<C: Carrier> ShmTransport<C> {
                 None => g.copy(chunk.src, bytes, chunk.range.clone()),
             }
             drop(buffer);
+            self.written
+                .fetch_add(chunk.range.len() as u64, Ordering::Relaxed);
             let written = Notice::Written {
                 start: chunk.range.start as u64,
                 end: chunk.range.end as u64,
@@ -429,7 +447,7 @@ impl<'buf, C: Carrier + Transport<'buf>> Transport<'buf> for ShmTransport<C> {
         let Some(&pid) = self.local_peers.get(&peer) else {
             return self.links.recv(chunk);
         };
-        if self.writers.contains(&peer) {
+        if chunk.lands == Lands::Shard && self.writers.contains(&peer) {
             // the sender writes into this shard itself: wait for its word
             let what = format!("bytes {:?} of {}", chunk.range, chunk.region);
             loop {
@@ -523,5 +541,9 @@ impl<'buf, C: Carrier + Transport<'buf>> Transport<'buf> for ShmTransport<C> {
         let rings = self.outgoing.lock().map_or(0, |r| r.len());
         Transport::peak_staging_bytes(&self.links)
             + (rings * SLOTS as usize * self.slot_bytes) as u64
+    }
+
+    fn direct_bytes(&self) -> u64 {
+        self.written.load(Ordering::Relaxed)
     }
 }

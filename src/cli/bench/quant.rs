@@ -218,9 +218,11 @@ pub(super) fn rank<'j, J: Job + ?Sized>(
     let source = fill.shard(src, rank)?;
     let shared = |len: u64| SharedBuffer::new(len as usize);
     let mut stage = vec![0u8; part.stage_bytes(q.scale_bytes())];
+    // in shared memory, so that same-host senders quantize straight into it
     let mut values = dst_box
         .as_ref()
-        .map(|_| vec![0u8; dst.local_bytes(rank) as usize]);
+        .map(|_| shared(dst.local_bytes(rank)))
+        .transpose()?;
     let mut scales = dst_box
         .as_ref()
         .map(|_| vec![0u8; q.dst_scale_bytes(dst, rank) as usize]);
@@ -240,13 +242,19 @@ pub(super) fn rank<'j, J: Job + ?Sized>(
     let whole = Region::full(dst.shape());
 
     // The three methods' links, opened one after the other by every rank. The quantizing
-    // reshard's scales and partial amax travel as transfers of their own, which a sender
-    // cannot write into the value shard, so its same-host links use rings.
+    // reshard's same-host senders write the values straight into the value shard; its
+    // scales and partial amax travel as transfers of their own, through rings.
     job.barrier()?;
     let mut links = Links::of_plan(&mine);
     links.senders.extend(part.amax_peers());
     links.receivers.extend(part.amax_peers());
-    let ours_transport = connect(&links, None)?;
+    let ours_transport = connect(
+        &links,
+        dst_box
+            .as_ref()
+            .and_then(|b| values.as_ref().map(|v| (v, b)))
+            .filter(|_| !mine.relays()),
+    )?;
     job.barrier()?;
     let plain_transport = connect(
         &Links::of_plan(&mine_plain),

@@ -218,6 +218,8 @@ fn threads(
         times,
         bytes_remote,
         bytes_local,
+        // between threads: no shared-memory writes
+        bytes_direct: 0,
         peak_staging,
     };
     report(args, values, &summary, "local", verified);
