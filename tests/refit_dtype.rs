@@ -322,3 +322,55 @@ fn f32_into_fp8_runs_over_processes() {
         assert_eq!(bf16["reshard"]["bytes_remote"], planned["bytes_remote"]);
     }
 }
+
+/// Ranks of one `refit --run` job that disagree on a side's dtype are refused at
+/// rendezvous, every one of them with exit 2 naming the rank and the flag, before any byte
+/// moves.
+#[test]
+fn ranks_that_disagree_on_a_dtype_are_refused() {
+    let scratch = common::temp_dir("refit-dtype-agree");
+    let tiny = tiny_qwen(scratch.path());
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+        .to_string();
+    let children: Vec<_> = (0..4)
+        .map(|rank| {
+            let dtype = if rank == 1 { "f32" } else { "bf16" };
+            Command::new(EXE)
+                .args(["refit", "--model"])
+                .arg(&tiny)
+                .args(["--train", "tp=2", "--infer", "tp=2", "--train-dtype", dtype])
+                .args([
+                    "--run",
+                    "--transport",
+                    "tcp",
+                    "--iters",
+                    "1",
+                    "--timeout",
+                    "120",
+                ])
+                .env("RANK", rank.to_string())
+                .env("WORLD_SIZE", "4")
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", &port)
+                .env("RESHARD_TOKEN", "refit-dtype-test")
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    for (rank, child) in children.into_iter().enumerate() {
+        let out = wait_bounded(child, Duration::from_secs(60), "ranks that disagree");
+        let err = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "rank {rank}: {err}");
+        assert!(
+            err.contains("rank 1 runs --train-dtype"),
+            "rank {rank}: {err}"
+        );
+        assert!(err.contains("nothing was moved"), "rank {rank}: {err}");
+    }
+}
