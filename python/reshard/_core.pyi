@@ -140,6 +140,9 @@ class Refit:
         colocated: bool = False,
         overrides: Sequence[str] = (),
         min_split_bytes: Optional[int] = None,
+        infer_quant: Optional[str] = None,
+        train_dtype: Optional[Union[str, Any]] = None,
+        infer_dtype: Optional[Union[str, Any]] = None,
     ) -> None: ...
     @property
     def model(self) -> str: ...

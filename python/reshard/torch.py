@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from . import _torch_prequant as _tpq
+from . import _torch_cast as _tc
 from . import _torch_quant as _tq
 from ._core import Layout, Packing, Refit, ReshardError, crc32c, rank_plan
 from ._torch_quant import scale_tensor
@@ -678,6 +679,9 @@ def reshard_many_(
     about ``bucket_bytes`` of global tensor data, so two ranks exchange a bounded, equal number
     of messages however many tensors there are. ``checksum`` as for :func:`reshard_`.
 
+    Tensors whose ``dst_layout`` has another float dtype (f64, f32, bf16, f16: a
+    ``Refit(train_dtype=...)``) are converted by their source ranks before they move, as
+    torch's ``.to()`` converts them, so the wire carries the destination dtype.
     Tensors whose ``dst_layout`` is fp8 (and source is not) are quantized in flight as
     ``quant`` says (see :func:`reshard_`), their scale shards given by name in ``scales``
     (None where the rank holds no shard); they move after the others, in one batch for all.
@@ -716,6 +720,8 @@ def reshard_many_(
                 label = f"{name}: " if name else ""
                 raise ReshardError(f"{label}{what}: expected a reshard.Layout, got {type(layout).__name__}")
 
+    # float casts (f32 -> bf16): converted by their source ranks, then moved in one dtype
+    pairs = _tc.cast_at_source(pairs, names)
     pairs, names, entries, moves = _tq.route(pairs, names, quant, scales, scale_dtype, src_scales)
     if moves:  # already quantized: values and scales move with the plain tensors
         pairs, names = _tpq.plan(moves, pairs, names, group, quant, scale_dtype, rank, world)

@@ -73,7 +73,14 @@ impl PyRefit {
     /// (`"fp8-block"`, `"fp8-block:128x128"`, `"none"`); by default the model config's
     /// `quantization_config`, if any. Quantized weights get an fp8 inference layout and a
     /// scale tensor each (`Refit.scales`).
-    #[pyo3(signature = (model, train, infer, colocated = false, overrides = Vec::new(), min_split_bytes = None, infer_quant = None))]
+    ///
+    /// `train_dtype`, `infer_dtype`: each side's dtype (`"f32"`, `torch.float32`; float dtypes
+    /// only: f64, f32, bf16, f16), as `refit --train-dtype` / `--infer-dtype` take them; by
+    /// default the model config's. The weights move in `infer_dtype`, converted by their
+    /// senders; with `infer_quant`, the fp8 weights are quantized from `train_dtype` and the
+    /// others take `infer_dtype`.
+    #[pyo3(signature = (model, train, infer, colocated = false, overrides = Vec::new(), min_split_bytes = None, infer_quant = None, train_dtype = None, infer_dtype = None))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         model: &Bound<'_, PyAny>,
         train: &str,
@@ -82,10 +89,22 @@ impl PyRefit {
         overrides: Vec<String>,
         min_split_bytes: Option<u64>,
         infer_quant: Option<&str>,
+        train_dtype: Option<&Bound<'_, PyAny>>,
+        infer_dtype: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyRefit> {
         use reshard::model::{InferQuant, Inference, Model, Ranks, Refit, Rules, Training};
         // a str or an os.PathLike
         let model = model.str()?.to_string();
+        // a name or a torch.dtype (whose str is `torch.float32`)
+        let dtype = |field, obj: Option<&Bound<'_, PyAny>>| -> PyResult<_> {
+            obj.map(|o| {
+                let text = o.str()?.to_string();
+                reshard::model::refit_dtype(field, &text).map_err(error)
+            })
+            .transpose()
+        };
+        let train_dtype = dtype(reshard::error::Field::TrainDType, train_dtype)?;
+        let infer_dtype = dtype(reshard::error::Field::InferDType, infer_dtype)?;
         let rules = overrides
             .iter()
             .try_fold(Rules::default(), |r, o| r.with_override_text(o))
@@ -98,7 +117,9 @@ impl PyRefit {
         } else {
             Ranks::Disjoint
         };
-        let mut inner = Refit::new(&loaded, &train, &infer, &rules, ranks).map_err(error)?;
+        let mut inner = Refit::new(&loaded, &train, &infer, &rules, ranks)
+            .and_then(|r| r.with_dtypes(train_dtype, infer_dtype))
+            .map_err(error)?;
         let quant = match infer_quant {
             Some(text) => InferQuant::parse(text).map_err(error)?,
             None => loaded.quant.clone(),

@@ -1,7 +1,9 @@
 //! Gather+broadcast for a whole batch, tensor after tensor, as refits ran before reshard: each
 //! tensor is all-gathered inside one source replica and broadcast whole to the destination
 //! ranks ([`GatherBroadcast`]), which copy their boxes out into their (possibly fused)
-//! buffers. One full-tensor buffer per rank, as large as the largest tensor, is reused.
+//! buffers. One full-tensor buffer per rank, as large as the largest tensor, is reused. A
+//! tensor whose destination has another float dtype moves in its source dtype and is
+//! converted as each rank keeps its boxes, as an engine converts what it received.
 
 use super::{Batch, RankBatch};
 use crate::copy::{CopyGeometry, Place};
@@ -52,7 +54,9 @@ impl BatchBaseline {
         self.tensors
             .iter()
             .filter(|g| g.gets_tensor(rank))
-            .map(|g| g.dst().total_bytes() as usize)
+            // the tensor moves in its source dtype (a destination of its own dtype converts
+            // its boxes as it keeps them)
+            .map(|g| g.full_bytes() as usize)
             .max()
             .unwrap_or(0)
     }
@@ -166,11 +170,13 @@ where
                         rank,
                     });
                 };
-                let g = CopyGeometry::new(
+                // converted as it is kept, when the destination has a float dtype of its own
+                let g = CopyGeometry::converting(
                     &p.region,
                     Place::Within(&whole),
                     Place::Within(&p.region),
-                    elem,
+                    t.dst.dtype().size(),
+                    gb.cast(),
                 );
                 g.copy(tensor, &mut dst[k][p.bytes.clone()], 0..g.len());
                 stats.bytes_local += g.len() as u64;

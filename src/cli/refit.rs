@@ -9,6 +9,7 @@ use reshard::agreement::Fingerprint;
 use reshard::error::Field;
 use reshard::model::{
     InferQuant, Inference, Model, Ranks, Refit, RefitJson, RefitTotals, Rules, Training, Which,
+    refit_dtype,
 };
 use reshard::sim::{Cluster, Messages, SimOptions};
 use reshard::{Error, PlanOptions};
@@ -52,6 +53,15 @@ pub struct RefitArgs {
     /// Linear weights become fp8 with f32 `weight_scale_inv` block scales, as vLLM loads them.
     #[arg(long, value_name = "SCHEME")]
     pub infer_quant: Option<String>,
+    /// The dtype training holds the weights in (f64, f32, bf16, f16; default: the config's
+    /// `torch_dtype`), e.g. f32 master weights.
+    #[arg(long, value_name = "DTYPE")]
+    pub train_dtype: Option<String>,
+    /// The dtype inference receives them in (f64, f32, bf16, f16; default: the config's);
+    /// with fp8 weights (`--infer-quant`), the dtype of the tensors not quantized. Senders
+    /// convert while they pack: the wire carries this dtype.
+    #[arg(long, value_name = "DTYPE")]
+    pub infer_dtype: Option<String>,
     /// Price the refit on a cluster: h100, gb200 or a cluster JSON file (see README,
     /// "Pricing on a cluster"), as the batched executor runs it (one stream per peer pair).
     #[arg(long, value_name = "CLUSTER")]
@@ -99,6 +109,8 @@ impl RefitArgs {
             .with("--infer", infer)
             .with("--colocated", self.colocated)
             .with("--override", self.overrides.join(" "))
+            .with("--train-dtype", dtype_name(refit.train_dtype()))
+            .with("--infer-dtype", dtype_name(refit.infer_dtype()))
             .with(
                 "--infer-quant",
                 refit
@@ -116,6 +128,11 @@ impl RefitArgs {
         let train = Training::parse(&self.train)?;
         let infer = Inference::parse(&self.infer)?;
         let rules = self.rules()?;
+        let dtype = |field, text: &Option<String>| {
+            text.as_deref().map(|t| refit_dtype(field, t)).transpose()
+        };
+        let train_dtype = dtype(Field::TrainDType, &self.train_dtype)?;
+        let infer_dtype = dtype(Field::InferDType, &self.infer_dtype)?;
         let start = Instant::now();
         let model = Model::load(&self.model)?;
         tracing::debug!(
@@ -130,7 +147,8 @@ impl RefitArgs {
             Ranks::Disjoint
         };
         let start = Instant::now();
-        let mut refit = Refit::new(&model, &train, &infer, &rules, ranks)?;
+        let mut refit = Refit::new(&model, &train, &infer, &rules, ranks)?
+            .with_dtypes(train_dtype, infer_dtype)?;
         let quant = match &self.infer_quant {
             Some(text) => InferQuant::parse(text)?,
             None => model.quant.clone(),
@@ -325,6 +343,11 @@ pub fn list_layouts(refit: &Refit, rules: &Rules) -> String {
     out
 }
 
+/// A side's dtype as the reports name it: `mixed` when its tensors differ.
+fn dtype_name(dtype: Option<reshard::DType>) -> String {
+    dtype.map_or_else(|| "mixed".into(), |d| d.to_string())
+}
+
 fn ratio(a: u64, b: u64) -> String {
     if b == 0 {
         "-".into()
@@ -358,6 +381,14 @@ pub fn describe(args: &RefitArgs, refit: &Refit, t: &RefitTotals) -> String {
         refit.infer_base + refit.infer_ranks,
         if args.colocated { ", colocated" } else { "" }
     );
+    if refit.train_dtype() != refit.infer_dtype() {
+        let _ = writeln!(
+            out,
+            "precision          {} in training -> {} in inference, converted by the senders as they pack",
+            dtype_name(refit.train_dtype()),
+            dtype_name(refit.infer_dtype())
+        );
+    }
     let _ = writeln!(
         out,
         "fused buffers      {} in training, {} in inference",

@@ -46,8 +46,10 @@ pub struct RefitRunArgs {
 /// The batch of a refit's tensors that `keep` takes, with the fused buffers whose members it
 /// all takes, and the refit index of each of its tensors. The fp8 weights of a refit into an
 /// fp8 engine are quantized in flight, their scales fused like their weights; with
-/// `source_dtype`, every destination holds the source's dtype instead (what
-/// gather+broadcast moves when the refit quantizes).
+/// `source_dtype`, their destinations hold the source's dtype instead (what
+/// gather+broadcast moves when the refit quantizes). Tensors cast into another float dtype
+/// keep it either way: the batch's senders cast them as they pack, gather+broadcast's
+/// receivers as they keep them.
 pub fn batch_of(
     refit: &Refit,
     plan: PlanOptions,
@@ -64,7 +66,7 @@ pub fn batch_of(
         .iter()
         .map(|&i| {
             let t = &refit.tensors[i];
-            let dst = match source_dtype && t.dst.dtype() != t.src.dtype() {
+            let dst = match source_dtype && refit.quant_plan(i).is_some() {
                 true => Layout::new(
                     t.dst.shape().to_vec(),
                     t.src.dtype(),
@@ -283,7 +285,9 @@ fn verify(
             }
             let layout = &t.dst;
             let piece = &bytes[p.bytes.clone()];
-            fills[ids[p.tensor]].verify_region(
+            // the fill in the source dtype, cast as torch's `.to()` casts it
+            fills[ids[p.tensor]].verify_converted(
+                t.src.dtype(),
                 layout,
                 &p.region,
                 piece,

@@ -39,6 +39,10 @@ pub enum Field {
     Relay,
     /// How the inference side is quantized (`--infer-quant`).
     InferQuant,
+    /// The training side's dtype in a refit (`--train-dtype`).
+    TrainDType,
+    /// The inference side's dtype in a refit (`--infer-dtype`).
+    InferDType,
     /// An option only the command line has (`--nproc`, `--dump`): named by its flag everywhere.
     Flag(&'static str),
 }
@@ -66,6 +70,8 @@ impl Field {
             Field::Hosts => "hosts",
             Field::Relay => "relay",
             Field::InferQuant => "infer_quant",
+            Field::TrainDType => "train_dtype",
+            Field::InferDType => "infer_dtype",
             Field::Flag(flag) => flag,
         }
     }
@@ -92,6 +98,8 @@ impl Field {
             Field::Hosts => "--hosts",
             Field::Relay => "--relay",
             Field::InferQuant => "--infer-quant",
+            Field::TrainDType => "--train-dtype",
+            Field::InferDType => "--infer-dtype",
             Field::Flag(flag) => flag,
         }
     }

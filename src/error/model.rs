@@ -105,6 +105,15 @@ pub enum ModelError {
     #[error("{}: `{value}`: {reason}", Field::InferQuant)]
     InferQuant { value: String, reason: String },
 
+    /// A refit side's dtype (`field`: [`Field::TrainDType`] or [`Field::InferDType`]) that is
+    /// not a dtype, or not one a refit converts between.
+    #[error("{field}: `{value}`: {reason}")]
+    DType {
+        field: Field,
+        value: String,
+        reason: String,
+    },
+
     #[error(
         "tensor {tensor}: {} layout: a shard boundary at {boundary} along dim {dim} cuts an fp8 block of {block} (an engine loads whole blocks on each rank, as vLLM does: choose an inference parallelism whose shards are multiples of the block)",
         Field::Infer

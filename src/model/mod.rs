@@ -18,6 +18,7 @@
 //! ```
 
 mod config;
+mod dtypes;
 mod fused;
 mod load;
 mod parallel;
@@ -29,6 +30,7 @@ mod safetensors;
 
 pub use crate::error::ModelError;
 pub use config::{Architecture, ModelConfig, SHIPPED, shipped};
+pub use dtypes::{REFIT_DTYPES, refit_dtype};
 pub use fused::{Fused, megatron_fused, vllm_fused};
 pub use parallel::{Inference, Training};
 pub use params::{Heads, Model, Param, layer_of};

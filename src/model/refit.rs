@@ -493,6 +493,13 @@ pub struct RefitJson {
     pub weight_bytes: u64,
     pub train_ranks: usize,
     pub infer_ranks: usize,
+    /// The dtype training holds the weights in ([`Refit::train_dtype`]; `mixed` if they
+    /// differ): `weight_bytes` and gather+broadcast's bytes are counted in it.
+    pub train_dtype: String,
+    /// The dtype inference receives the weights it does not quantize in
+    /// ([`Refit::infer_dtype`]): reshard's bytes are wire bytes, counted in it (and in fp8
+    /// for the quantized ones).
+    pub infer_dtype: String,
     pub plan_seconds: f64,
     pub reshard: RefitReshardJson,
     pub gather_broadcast: RefitGatherBroadcastJson,
@@ -513,6 +520,8 @@ impl RefitJson {
             weight_bytes: totals.weight_bytes,
             train_ranks: refit.train_ranks,
             infer_ranks: refit.infer_ranks,
+            train_dtype: dtype_name(refit.train_dtype()),
+            infer_dtype: dtype_name(refit.infer_dtype()),
             plan_seconds: totals.plan_seconds,
             reshard: RefitReshardJson {
                 bytes_remote: totals.bytes_remote,
@@ -535,6 +544,11 @@ impl RefitJson {
             simulation: None,
         }
     }
+}
+
+/// A side's dtype in the refit JSON: `mixed` when its tensors differ.
+fn dtype_name(dtype: Option<crate::DType>) -> String {
+    dtype.map_or_else(|| "mixed".into(), |d| d.to_string())
 }
 
 #[cfg(test)]
