@@ -3,7 +3,8 @@
 //! reference (the whole tensor quantized block by block, then each side's boxes sliced out of
 //! its values and its scales): a move is either planned and delivers exactly the
 //! destination's boxes of both, or refused because a shard boundary cuts a block, which is
-//! checked independently from the layouts.
+//! checked independently from the layouts. Both tensors move in one exchange
+//! (`World::run_quantized_move`).
 
 mod common;
 
@@ -12,9 +13,10 @@ use std::collections::BTreeMap;
 use common::{Lcg, random_spec};
 use reshard::convert::reference::{QuantizedTensor, quantize_tensor, slice};
 use reshard::convert::{BlockGrid, ConvertError, Quant, QuantScheme};
-use reshard::exec::{self, ExecOptions};
+use reshard::exec;
 use reshard::layout::{Layout, LayoutSpec};
 use reshard::plan::{QuantRequest, QuantizedMove};
+use reshard::runtime::{JoinOptions, RunOptions, World};
 use reshard::{DType, Error, PlanOptions, Rank};
 
 /// The first shard boundary of `layout` (dim, boundary) that falls inside a block.
@@ -123,22 +125,41 @@ fn check(seed: u64) -> bool {
     let quant = Quant::new(scheme, DType::F32, fp8, None).unwrap();
     let grid = BlockGrid::new(scheme, &shape).unwrap();
     let q: QuantizedTensor = quantize_tensor(quant, &grid, DType::F32, &tensor).unwrap();
-    let opts = ExecOptions::default();
-    let src_values = shards(&src, &q.values, 1);
-    let src_scales = shards(mv.scales.src(), &q.scales, 4);
-    let mut values = exec::zeroed_shards(&dst).unwrap();
-    let mut scales = exec::zeroed_shards(mv.scales.dst()).unwrap();
-    exec::run_local(&mv.values, &src_values, &mut values, &opts).unwrap();
-    exec::run_local(&mv.scales, &src_scales, &mut scales, &opts).unwrap();
-    for (&r, got) in &values {
+    // both tensors in one exchange, every rank a thread of this process
+    let both = |values: BTreeMap<Rank, Vec<u8>>, scales: &BTreeMap<Rank, Vec<u8>>| {
+        values
+            .into_iter()
+            .map(|(r, v)| (r, vec![v, scales[&r].clone()]))
+            .collect::<BTreeMap<Rank, Vec<Vec<u8>>>>()
+    };
+    let sources = both(
+        shards(&src, &q.values, 1),
+        &shards(mv.scales.src(), &q.scales, 4),
+    );
+    let mut landed = both(
+        exec::zeroed_shards(&dst).unwrap(),
+        &exec::zeroed_shards(mv.scales.dst()).unwrap(),
+    );
+    let world = World::join_env(None, JoinOptions::default()).unwrap();
+    let stats = world
+        .run_quantized_move(&mv, &sources, &mut landed, &RunOptions::default())
+        .unwrap();
+    for (&r, got) in &landed {
         let b = dst.local_region(r).unwrap();
-        assert!(*got == q.values_of(&b), "{what}: values of rank {r}");
+        assert!(
+            got[QuantizedMove::VALUES] == q.values_of(&b),
+            "{what}: values of rank {r}"
+        );
         let blocks = grid.scale_region(&b);
         assert!(
-            scales[&r] == q.scales_of(&blocks),
+            got[QuantizedMove::SCALES] == q.scales_of(&blocks),
             "{what}: scales of rank {r}"
         );
     }
+    // the wire carries the two plans' bytes exactly
+    let t = mv.totals();
+    let scale_bytes = t.quant.map_or(0, |q| q.scale_bytes);
+    assert_eq!(stats.bytes_remote(), t.bytes_remote + scale_bytes, "{what}");
     true
 }
 
