@@ -483,6 +483,73 @@ fn plan_and_bench_refuse_cut_blocks_and_host_maps() {
     assert!(common::text(&out.stderr).contains("--fill"));
 }
 
+/// `run --json` of the hand-checked case with `--checksum` and tiny chunks, in threads and
+/// over tcp and shm: values and scales move in one exchange whose every chunk is summed and
+/// checked, both land verified, and the wire carries exactly the values' 256 KiB and the
+/// scales' 64 bytes.
+#[test]
+fn run_of_an_already_quantized_source_checksums_both_tensors_and_counts_their_bytes() {
+    let run = [
+        &["run", "--json", "--verify", "--checksum", "--iters", "2"][..],
+        &["--chunk-bytes", "4096"],
+        &TP4_TO_TP2,
+        &["--fill", "normal:4"],
+    ]
+    .concat();
+    for transport in ["local", "tcp", "shm"] {
+        let args = match transport {
+            "local" => run.clone(),
+            _ => [
+                &["launch", "--nproc", "6", "--"][..],
+                &run,
+                &["--transport", transport],
+            ]
+            .concat(),
+        };
+        let out = reshard(&args);
+        assert!(
+            out.status.success(),
+            "{transport}: {}",
+            common::text(&out.stderr)
+        );
+        let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(j["transport"], transport, "{j}");
+        assert_eq!(j["verified"], true, "{j}");
+        assert_eq!(j["bytes_remote"], 262144 + 64, "{j}");
+        assert_eq!(j["bytes_local"], 0, "{j}");
+    }
+}
+
+/// The same under mpirun, over MPI and over shared memory with MPI as the carrier (`auto`).
+#[cfg(feature = "mpi")]
+#[test]
+fn run_of_an_already_quantized_source_under_mpirun_checksums_both_tensors() {
+    for transport in ["mpi", "auto"] {
+        let child = common::mpirun(6)
+            .arg(common::EXE)
+            .args(["run", "--json", "--verify", "--checksum", "--iters", "2"])
+            .args(["--chunk-bytes", "4096", "--transport", transport])
+            .args(TP4_TO_TP2)
+            .args(["--fill", "normal:4"])
+            .env_remove("MASTER_PORT")
+            .spawn()
+            .unwrap();
+        let out = common::wait_bounded(
+            child,
+            std::time::Duration::from_secs(600),
+            "run under mpirun",
+        );
+        assert!(
+            out.status.success(),
+            "{transport}: {}",
+            common::text(&out.stderr)
+        );
+        let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(j["verified"], true, "{j}");
+        assert_eq!(j["bytes_remote"], 262144 + 64, "{j}");
+    }
+}
+
 /// Checks one `bench --json` report of the hand-checked case: verified, and the bytes exact
 /// (values and scales: 256 KiB + 64 B at the destinations and on the reshard's wire,
 /// 1.25 MiB + 320 B for gather+broadcast of both, 256 KiB for the values alone).
