@@ -571,3 +571,101 @@ fn an_already_quantized_move_runs_values_and_scales_in_one_call() {
         }
     }
 }
+
+/// The coupled batch of an already-quantized move over split shm links: the value chunks
+/// written straight into the receivers' shared value shards, the scale chunks through rings
+/// of their own, one schedule over both, checksummed; every destination lands its boxes of
+/// both (source and destination ranks overlapping, so local copies run beside).
+#[test]
+fn split_links_write_the_values_directly_and_carry_the_scales_beside() {
+    use crate::batch::run_rank_batch;
+    use crate::convert::reference::{quantize_tensor, slice};
+    use crate::plan::{QuantRequest, QuantizedMove};
+    use crate::transport::segment::SharedBuffer;
+    let shape = [16u64, 48];
+    let layout = |spec: &str, first| {
+        LayoutSpec::parse(spec)
+            .unwrap()
+            .resolve(&shape, DType::Fp8E4M3, first)
+            .unwrap()
+    };
+    let request = QuantRequest {
+        scheme: "block:4x8".parse().unwrap(),
+        scale_dtype: None,
+    };
+    let mv = QuantizedMove::new(
+        layout("mesh=2 place=S(0)", 0),
+        layout("mesh=3 ranks=1..4 place=S(1)", 1),
+        crate::PlanOptions::default(),
+        request,
+    )
+    .unwrap();
+    let whole = Fill::Normal { seed: 8 }
+        .shard(
+            &LayoutSpec::parse("mesh=1 place=R")
+                .unwrap()
+                .resolve(&shape, DType::F32, 0)
+                .unwrap(),
+            0,
+        )
+        .unwrap()
+        .unwrap();
+    let q = quantize_tensor(mv.quant, &mv.grid, DType::F32, &whole).unwrap();
+    let gshape = mv.grid.grid_shape();
+    let boxes = |values: &Layout, rank: Rank| -> Option<(Vec<u8>, Vec<u8>)> {
+        let b = values.local_region(rank)?;
+        let s = mv.grid.scale_region(&b);
+        Some((
+            slice(&q.values, &shape, 1, &b),
+            slice(&q.scales, &gshape, 4, &s),
+        ))
+    };
+    let (src, dst) = (mv.values.src(), mv.values.dst());
+    let batch = mv.batch().unwrap();
+    let landed = job_on_hosts(&["here"; 4], TransportKind::Shm, |world| {
+        let rank = world.rank().unwrap();
+        let rb = batch.rank_batch(rank).unwrap();
+        let links = Links::of_batch(&rb);
+        let source = boxes(src, rank);
+        let dst_box = dst.local_region(rank);
+        let mut values = SharedBuffer::new(dst.local_bytes(rank) as usize).unwrap();
+        let mut scales = vec![0u8; mv.scales.dst().local_bytes(rank) as usize];
+        let layouts = [src, mv.scales.src()];
+        let shard = dst_box.as_ref().map(|b| (&values, b));
+        let direct = world.connect(&links, layouts, shard).unwrap();
+        let rest = world.connect(&links, layouts, None).unwrap();
+        let srcs: Vec<&[u8]> = source
+            .as_ref()
+            .map(|(v, s)| vec![v.as_slice(), s.as_slice()])
+            .unwrap_or_default();
+        let split = SplitTransport::new(
+            direct,
+            rest,
+            source.as_ref().map(|(v, _)| v.as_slice()),
+            Some(&values),
+        );
+        let mut dsts: Vec<&mut [u8]> = match dst_box {
+            Some(_) => vec![&mut values[..], &mut scales[..]],
+            None => Vec::new(),
+        };
+        let run = RunOptions {
+            checksum: true,
+            chunk_bytes: 40,
+        };
+        run_rank_batch(
+            &batch,
+            &rb,
+            &srcs,
+            &mut dsts,
+            &split,
+            &world.exec_options(&run),
+        )
+        .unwrap();
+        drop(split);
+        world.finish(Ok(serde_json::json!(rank))).unwrap();
+        dst_box.map(|_| (values.to_vec(), scales))
+    });
+    for (rank, got) in landed.into_iter().enumerate() {
+        assert_eq!(got, boxes(dst, rank), "rank {rank}");
+    }
+}
