@@ -23,7 +23,7 @@ use reshard::exec::{self, ExecOptions, RankJob, RankStats};
 use reshard::fill::Fill;
 use reshard::layout::Layout;
 use reshard::plan::{GatherBroadcast, QuantizedMove};
-use reshard::runtime::{AnyTransport, Destination, Links};
+use reshard::runtime::{AnyTransport, Destination, Links, SplitTransport};
 use reshard::transport::Job;
 use reshard::transport::segment::SharedBuffer;
 use reshard::{DType, Error, Rank, Region, Side};
@@ -432,17 +432,40 @@ struct CoupledRank<'j> {
     transport: AnyTransport<'j>,
 }
 
-impl CoupledRank<'_> {
-    /// Opens the batch's links (every rank alike). Its transfers of two tensors land in two
-    /// buffers, so same-host senders use rings rather than write into one destination.
-    fn connect<'j, J: Job + ?Sized>(
+impl<'j> CoupledRank<'j> {
+    /// Opens the batch's links (every rank alike). Its transfers land in two buffers, and a
+    /// shm link writes straight into one destination box per receiver: with `direct` (shared
+    /// memory may carry some peers), the value chunks go over links that write into this
+    /// rank's value shard and the scale chunks over links of their own, one schedule over both
+    /// ([`SplitTransport`]); otherwise one link carries both.
+    fn connect<J: Job + ?Sized>(
         batch: &'j Batch,
+        values: &Tensor<'j>,
+        direct: bool,
         job: &J,
         connect: &dyn Fn(&Links, Destination<'_>) -> Result<AnyTransport<'j>, Error>,
     ) -> Result<CoupledRank<'j>, Error> {
         let part = batch.rank_batch(job.rank())?;
+        let links = Links::of_batch(&part);
         job.barrier()?;
-        let transport = connect(&Links::of_batch(&part), None)?;
+        let transport = match direct {
+            true => {
+                let shard = values
+                    .dst_box
+                    .as_ref()
+                    .and_then(|b| values.shard.as_ref().map(|s| (s, b)));
+                let into_values = connect(&links, shard)?;
+                job.barrier()?;
+                let rest = connect(&links, None)?;
+                Box::new(SplitTransport::new(
+                    into_values,
+                    rest,
+                    values.source.as_deref(),
+                    values.shard.as_deref(),
+                ))
+            }
+            false => connect(&links, None)?,
+        };
         Ok(CoupledRank {
             batch,
             part,
@@ -477,7 +500,8 @@ impl CoupledRank<'_> {
 }
 
 /// This process is one rank of a job: its share of the three methods, in turn, on the same
-/// buffers. Returns the report for rank 0 and the transport's name.
+/// buffers. With `direct`, the coupled reshard writes its values straight into same-host
+/// receivers ([`CoupledRank::connect`]). Returns the report for rank 0 and the transport's name.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn rank<'j, J: Job + ?Sized>(
     args: &BenchArgs,
@@ -487,6 +511,7 @@ pub(super) fn rank<'j, J: Job + ?Sized>(
     options: &ExecOptions,
     job: &'j J,
     connect: &dyn Fn(&Links, Destination<'_>) -> Result<AnyTransport<'j>, Error>,
+    direct: bool,
     bar: &ProgressBar,
 ) -> Result<(serde_json::Value, String), Error> {
     let rank = job.rank();
@@ -500,7 +525,7 @@ pub(super) fn rank<'j, J: Job + ?Sized>(
     let v_reshard = values.connect_reshard(job, connect)?;
     let v_baseline = values.connect_baseline(rank, job, connect, &whole_values)?;
     let s_baseline = scales.connect_baseline(rank, job, connect, &whole_scales)?;
-    let coupled = CoupledRank::connect(&c.batch, job, connect)?;
+    let coupled = CoupledRank::connect(&c.batch, &values, direct, job, connect)?;
     let fulls = values.full_bytes() + scales.full_bytes();
 
     let (mut ours, mut gb, mut alone) = (
