@@ -572,40 +572,50 @@ fn check_bench(out: &std::process::Output, transport: &str) {
     assert!(j["reshard_vs_values_only"].as_f64().unwrap() > 0.0, "{j}");
 }
 
-/// `bench` of an already-quantized source, in threads and over tcp and shm: the three
-/// methods run, every repetition verified, the report counting the scales.
+/// `bench` of an already-quantized source, in threads and over tcp, shm and auto (the last
+/// two on split links), checksummed: the three methods run, every repetition verified, the
+/// report counting the scales.
 #[test]
 fn bench_moves_an_already_quantized_source_with_its_scales() {
-    let bench = [&["bench", "--iters", "2", "--json"][..], &TP4_TO_TP2].concat();
+    let bench = [
+        &["bench", "--iters", "2", "--json", "--checksum"][..],
+        &TP4_TO_TP2,
+    ]
+    .concat();
     check_bench(&reshard(&bench), "local");
-    for transport in ["tcp", "shm"] {
+    // auto: every rank on this host, so shared memory
+    for (transport, name) in [("tcp", "tcp"), ("shm", "shm"), ("auto", "shm")] {
         let launched = [
             &["launch", "--nproc", "6", "--"][..],
             &bench,
             &["--transport", transport],
         ]
         .concat();
-        check_bench(&reshard(&launched), transport);
+        check_bench(&reshard(&launched), name);
     }
 }
 
-/// The same under mpirun, over MPI.
+/// The same under mpirun, over MPI, and over shared memory with MPI as the carrier (`auto`,
+/// whose coupled reshard writes the values directly and carries the scales beside them).
 #[cfg(feature = "mpi")]
 #[test]
 fn bench_moves_an_already_quantized_source_under_mpirun() {
-    let child = common::mpirun(6)
-        .arg(common::EXE)
-        .args(["bench", "--iters", "2", "--json", "--transport", "mpi"])
-        .args(TP4_TO_TP2)
-        .env_remove("MASTER_PORT")
-        .spawn()
-        .unwrap();
-    let out = common::wait_bounded(
-        child,
-        std::time::Duration::from_secs(600),
-        "bench under mpirun",
-    );
-    check_bench(&out, "mpi");
+    for (transport, name) in [("mpi", "mpi"), ("auto", "shm")] {
+        let child = common::mpirun(6)
+            .arg(common::EXE)
+            .args(["bench", "--iters", "2", "--json", "--checksum"])
+            .args(["--transport", transport])
+            .args(TP4_TO_TP2)
+            .env_remove("MASTER_PORT")
+            .spawn()
+            .unwrap();
+        let out = common::wait_bounded(
+            child,
+            std::time::Duration::from_secs(600),
+            "bench under mpirun",
+        );
+        check_bench(&out, name);
+    }
 }
 
 /// Ranks of one `bench` job given different scale dtypes for the already-quantized source
