@@ -246,6 +246,39 @@ impl World {
     /// size, checked before any byte moves, naming the buffer; between processes, buffers of
     /// other ranks are refused. Every rank of the job calls it alike. Returns the stats of
     /// this process's ranks: the bytes of both tensors.
+    ///
+    /// ```no_run
+    /// use std::collections::BTreeMap;
+    /// use reshard::layout::LayoutSpec;
+    /// use reshard::plan::{QuantRequest, QuantizedMove};
+    /// use reshard::runtime::{JoinOptions, RunOptions, World};
+    /// use reshard::{DType, PlanOptions, Rank};
+    /// let layout = |spec: &str, first| {
+    ///     LayoutSpec::parse(spec).unwrap().resolve(&[256, 256], DType::Fp8E4M3, first).unwrap()
+    /// };
+    /// let request = QuantRequest { scheme: "block:128x128".parse().unwrap(), scale_dtype: None };
+    /// let mv = QuantizedMove::new(
+    ///     layout("mesh=2 place=S(0)", 0),
+    ///     layout("mesh=2 place=S(1)", 2),
+    ///     PlanOptions::default(),
+    ///     request,
+    /// )
+    /// .unwrap();
+    /// let world = World::join(JoinOptions::default()).unwrap();
+    /// // [values, scales] of each rank this process runs: the source's to send, zeros to fill
+    /// let buffers = |values: &reshard::Layout, scales: &reshard::Layout| -> BTreeMap<Rank, Vec<Vec<u8>>> {
+    ///     world
+    ///         .ranks(values)
+    ///         .map(|r| {
+    ///             let zeroed = |l: &reshard::Layout| vec![0u8; l.local_bytes(r) as usize];
+    ///             (r, vec![zeroed(values), zeroed(scales)])
+    ///         })
+    ///         .collect()
+    /// };
+    /// let sources = buffers(mv.values.src(), mv.scales.src());
+    /// let mut dests = buffers(mv.values.dst(), mv.scales.dst());
+    /// world.run_quantized_move(&mv, &sources, &mut dests, &RunOptions::default()).unwrap();
+    /// ```
     pub fn run_quantized_move(
         &self,
         mv: &QuantizedMove,
