@@ -3,7 +3,8 @@
 //! reference (the whole tensor quantized block by block, then each side's boxes sliced out of
 //! its values and its scales): a move is either planned and delivers exactly the
 //! destination's boxes of both, or refused because a shard boundary cuts a block, which is
-//! checked independently from the layouts.
+//! checked independently from the layouts. Both tensors move in one exchange
+//! (`World::run_quantized_move`).
 
 mod common;
 
@@ -12,9 +13,10 @@ use std::collections::BTreeMap;
 use common::{Lcg, random_spec};
 use reshard::convert::reference::{QuantizedTensor, quantize_tensor, slice};
 use reshard::convert::{BlockGrid, ConvertError, Quant, QuantScheme};
-use reshard::exec::{self, ExecOptions};
+use reshard::exec;
 use reshard::layout::{Layout, LayoutSpec};
 use reshard::plan::{QuantRequest, QuantizedMove};
+use reshard::runtime::{JoinOptions, RunOptions, World};
 use reshard::{DType, Error, PlanOptions, Rank};
 
 /// The first shard boundary of `layout` (dim, boundary) that falls inside a block.
@@ -123,22 +125,41 @@ fn check(seed: u64) -> bool {
     let quant = Quant::new(scheme, DType::F32, fp8, None).unwrap();
     let grid = BlockGrid::new(scheme, &shape).unwrap();
     let q: QuantizedTensor = quantize_tensor(quant, &grid, DType::F32, &tensor).unwrap();
-    let opts = ExecOptions::default();
-    let src_values = shards(&src, &q.values, 1);
-    let src_scales = shards(mv.scales.src(), &q.scales, 4);
-    let mut values = exec::zeroed_shards(&dst).unwrap();
-    let mut scales = exec::zeroed_shards(mv.scales.dst()).unwrap();
-    exec::run_local(&mv.values, &src_values, &mut values, &opts).unwrap();
-    exec::run_local(&mv.scales, &src_scales, &mut scales, &opts).unwrap();
-    for (&r, got) in &values {
+    // both tensors in one exchange, every rank a thread of this process
+    let both = |values: BTreeMap<Rank, Vec<u8>>, scales: &BTreeMap<Rank, Vec<u8>>| {
+        values
+            .into_iter()
+            .map(|(r, v)| (r, vec![v, scales[&r].clone()]))
+            .collect::<BTreeMap<Rank, Vec<Vec<u8>>>>()
+    };
+    let sources = both(
+        shards(&src, &q.values, 1),
+        &shards(mv.scales.src(), &q.scales, 4),
+    );
+    let mut landed = both(
+        exec::zeroed_shards(&dst).unwrap(),
+        &exec::zeroed_shards(mv.scales.dst()).unwrap(),
+    );
+    let world = World::join_env(None, JoinOptions::default()).unwrap();
+    let stats = world
+        .run_quantized_move(&mv, &sources, &mut landed, &RunOptions::default())
+        .unwrap();
+    for (&r, got) in &landed {
         let b = dst.local_region(r).unwrap();
-        assert!(*got == q.values_of(&b), "{what}: values of rank {r}");
+        assert!(
+            got[QuantizedMove::VALUES] == q.values_of(&b),
+            "{what}: values of rank {r}"
+        );
         let blocks = grid.scale_region(&b);
         assert!(
-            scales[&r] == q.scales_of(&blocks),
+            got[QuantizedMove::SCALES] == q.scales_of(&blocks),
             "{what}: scales of rank {r}"
         );
     }
+    // the wire carries the two plans' bytes exactly
+    let t = mv.totals();
+    let scale_bytes = t.quant.map_or(0, |q| q.scale_bytes);
+    assert_eq!(stats.bytes_remote(), t.bytes_remote + scale_bytes, "{what}");
     true
 }
 
@@ -462,6 +483,73 @@ fn plan_and_bench_refuse_cut_blocks_and_host_maps() {
     assert!(common::text(&out.stderr).contains("--fill"));
 }
 
+/// `run --json` of the hand-checked case with `--checksum` and tiny chunks, in threads and
+/// over tcp and shm: values and scales move in one exchange whose every chunk is summed and
+/// checked, both land verified, and the wire carries exactly the values' 256 KiB and the
+/// scales' 64 bytes.
+#[test]
+fn run_of_an_already_quantized_source_checksums_both_tensors_and_counts_their_bytes() {
+    let run = [
+        &["run", "--json", "--verify", "--checksum", "--iters", "2"][..],
+        &["--chunk-bytes", "4096"],
+        &TP4_TO_TP2,
+        &["--fill", "normal:4"],
+    ]
+    .concat();
+    for transport in ["local", "tcp", "shm"] {
+        let args = match transport {
+            "local" => run.clone(),
+            _ => [
+                &["launch", "--nproc", "6", "--"][..],
+                &run,
+                &["--transport", transport],
+            ]
+            .concat(),
+        };
+        let out = reshard(&args);
+        assert!(
+            out.status.success(),
+            "{transport}: {}",
+            common::text(&out.stderr)
+        );
+        let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(j["transport"], transport, "{j}");
+        assert_eq!(j["verified"], true, "{j}");
+        assert_eq!(j["bytes_remote"], 262144 + 64, "{j}");
+        assert_eq!(j["bytes_local"], 0, "{j}");
+    }
+}
+
+/// The same under mpirun, over MPI and over shared memory with MPI as the carrier (`auto`).
+#[cfg(feature = "mpi")]
+#[test]
+fn run_of_an_already_quantized_source_under_mpirun_checksums_both_tensors() {
+    for transport in ["mpi", "auto"] {
+        let child = common::mpirun(6)
+            .arg(common::EXE)
+            .args(["run", "--json", "--verify", "--checksum", "--iters", "2"])
+            .args(["--chunk-bytes", "4096", "--transport", transport])
+            .args(TP4_TO_TP2)
+            .args(["--fill", "normal:4"])
+            .env_remove("MASTER_PORT")
+            .spawn()
+            .unwrap();
+        let out = common::wait_bounded(
+            child,
+            std::time::Duration::from_secs(600),
+            "run under mpirun",
+        );
+        assert!(
+            out.status.success(),
+            "{transport}: {}",
+            common::text(&out.stderr)
+        );
+        let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(j["verified"], true, "{j}");
+        assert_eq!(j["bytes_remote"], 262144 + 64, "{j}");
+    }
+}
+
 /// Checks one `bench --json` report of the hand-checked case: verified, and the bytes exact
 /// (values and scales: 256 KiB + 64 B at the destinations and on the reshard's wire,
 /// 1.25 MiB + 320 B for gather+broadcast of both, 256 KiB for the values alone).
@@ -484,40 +572,50 @@ fn check_bench(out: &std::process::Output, transport: &str) {
     assert!(j["reshard_vs_values_only"].as_f64().unwrap() > 0.0, "{j}");
 }
 
-/// `bench` of an already-quantized source, in threads and over tcp and shm: the three
-/// methods run, every repetition verified, the report counting the scales.
+/// `bench` of an already-quantized source, in threads and over tcp, shm and auto (the last
+/// two on split links), checksummed: the three methods run, every repetition verified, the
+/// report counting the scales.
 #[test]
 fn bench_moves_an_already_quantized_source_with_its_scales() {
-    let bench = [&["bench", "--iters", "2", "--json"][..], &TP4_TO_TP2].concat();
+    let bench = [
+        &["bench", "--iters", "2", "--json", "--checksum"][..],
+        &TP4_TO_TP2,
+    ]
+    .concat();
     check_bench(&reshard(&bench), "local");
-    for transport in ["tcp", "shm"] {
+    // auto: every rank on this host, so shared memory
+    for (transport, name) in [("tcp", "tcp"), ("shm", "shm"), ("auto", "shm")] {
         let launched = [
             &["launch", "--nproc", "6", "--"][..],
             &bench,
             &["--transport", transport],
         ]
         .concat();
-        check_bench(&reshard(&launched), transport);
+        check_bench(&reshard(&launched), name);
     }
 }
 
-/// The same under mpirun, over MPI.
+/// The same under mpirun, over MPI, and over shared memory with MPI as the carrier (`auto`,
+/// whose coupled reshard writes the values directly and carries the scales beside them).
 #[cfg(feature = "mpi")]
 #[test]
 fn bench_moves_an_already_quantized_source_under_mpirun() {
-    let child = common::mpirun(6)
-        .arg(common::EXE)
-        .args(["bench", "--iters", "2", "--json", "--transport", "mpi"])
-        .args(TP4_TO_TP2)
-        .env_remove("MASTER_PORT")
-        .spawn()
-        .unwrap();
-    let out = common::wait_bounded(
-        child,
-        std::time::Duration::from_secs(600),
-        "bench under mpirun",
-    );
-    check_bench(&out, "mpi");
+    for (transport, name) in [("mpi", "mpi"), ("auto", "shm")] {
+        let child = common::mpirun(6)
+            .arg(common::EXE)
+            .args(["bench", "--iters", "2", "--json", "--checksum"])
+            .args(["--transport", transport])
+            .args(TP4_TO_TP2)
+            .env_remove("MASTER_PORT")
+            .spawn()
+            .unwrap();
+        let out = common::wait_bounded(
+            child,
+            std::time::Duration::from_secs(600),
+            "bench under mpirun",
+        );
+        check_bench(&out, name);
+    }
 }
 
 /// Ranks of one `bench` job given different scale dtypes for the already-quantized source

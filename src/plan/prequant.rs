@@ -6,7 +6,12 @@
 //! error naming the tensor's side, the dim, the boundary and the block size, before any byte
 //! moves. Every shard of either side then holds whole blocks, and its scale shard is exactly
 //! the scales of those blocks ([`BlockGrid::scale_region`]).
+//!
+//! The two tensors move in one exchange ([`QuantizedMove::batch`]): one schedule over both,
+//! each peer pair's scale bytes following its value bytes on the same link, rather than a
+//! second reshard of a few kilobytes that would pay for its own links, start and end.
 
+use crate::batch::{Batch, BatchOptions, Tensor};
 use crate::convert::{BlockGrid, ConvertError, Quant, check_whole_blocks};
 use crate::dtype::DType;
 use crate::error::{Dims, Error, Result, Side};
@@ -123,6 +128,55 @@ impl QuantizedMove {
 }
 
 impl QuantizedMove {
+    /// Where a rank's values lie among its buffers of [`QuantizedMove::batch`].
+    pub const VALUES: usize = 0;
+    /// Where a rank's scales lie among its buffers of [`QuantizedMove::batch`].
+    pub const SCALES: usize = 1;
+
+    /// The move as one batch of two tensors, `values` and `scales` (in that order, so a
+    /// rank's buffers are `[values, scales]`: [`QuantizedMove::VALUES`],
+    /// [`QuantizedMove::SCALES`]), each planned as its own plan is, so that a run of the
+    /// batch moves both in one schedule: one stream per peer pair, the scales of a pair right
+    /// after its values. Small replicated tensors are not packed into broadcasts: every byte
+    /// moves as the two plans say, so the wire carries exactly their bytes (values + scales)
+    /// and [`QuantizedMove::totals`] stays what a run moves.
+    ///
+    /// ```
+    /// use reshard::layout::LayoutSpec;
+    /// use reshard::plan::{QuantRequest, QuantizedMove};
+    /// use reshard::{DType, PlanOptions, Side};
+    /// let layout = |spec: &str, first| {
+    ///     LayoutSpec::parse(spec).unwrap().resolve(&[256, 256], DType::Fp8E4M3, first).unwrap()
+    /// };
+    /// let request = QuantRequest { scheme: "block:128x128".parse().unwrap(), scale_dtype: None };
+    /// let mv = QuantizedMove::new(
+    ///     layout("mesh=2 place=S(0)", 0),
+    ///     layout("mesh=2 place=S(1)", 2),
+    ///     PlanOptions::default(),
+    ///     request,
+    /// )
+    /// .unwrap();
+    /// let batch = mv.batch().unwrap();
+    /// // rank 2 receives its 256x128 values and their 2x1 f32 scales
+    /// let lens: Vec<usize> = batch.buffers(Side::Dst, 2).unwrap().iter().map(|b| b.len).collect();
+    /// assert_eq!(lens, [256 * 128, 2 * 4]);
+    /// ```
+    pub fn batch(&self) -> Result<Batch> {
+        let tensor =
+            |name: &str, plan: &Plan| Tensor::new(name, plan.src().clone(), plan.dst().clone());
+        Batch::new(
+            vec![
+                tensor("values", &self.values),
+                tensor("scales", &self.scales),
+            ],
+            Vec::new(),
+            BatchOptions {
+                plan: self.values.options(),
+                pack_below: 0,
+            },
+        )
+    }
+
     /// The values' totals, with the scales' traffic beside them in `quant` (as a quantizing
     /// plan reports its scales): what the scale plan sends and copies, and what gather+broadcast
     /// of the scale tensor would move. No partial amax: nothing is quantized.
@@ -178,7 +232,7 @@ impl QuantizedMove {
 mod tests {
     use super::*;
     use crate::convert::QuantScheme;
-    use crate::layout::LayoutSpec;
+    use crate::layout::{LayoutSpec, Rank};
     use crate::region::Region;
     use proptest::prelude::*;
 
@@ -278,6 +332,71 @@ mod tests {
                 let got: u64 = into.iter().map(|b| b.volume()).sum();
                 prop_assert_eq!(got, want.volume(), "rank {}", r);
             }
+        }
+
+        /// The batch of a coupled move carries exactly the two plans' transfers, each as one
+        /// move between the same ranks (so the same bytes, remote and local), and every rank
+        /// sends each peer its value moves and then its scale moves, with no other peer's in
+        /// between: one stream per pair.
+        #[test]
+        fn the_batch_moves_the_two_plans_one_stream_per_pair(
+            rows in 1u64..=6, cols in 1u64..=6, br in 0u32..3, bc in 0u32..3,
+            src in spec(), dst in spec(), overlap in any::<bool>(),
+        ) {
+            let (br, bc) = (1u64 << br, 2u64 << bc);
+            let shape = [rows * br * 2, cols * bc * 2];
+            let src = layout(&src, &shape, 0);
+            let first = match overlap {
+                true => 0,
+                false => src.mesh().ranks().iter().max().map_or(0, |&r| r + 1),
+            };
+            let dst = layout(&dst, &shape, first);
+            let Ok(mv) = QuantizedMove::new(
+                src, dst, PlanOptions::default(), request(&format!("block:{br}x{bc}")),
+            ) else {
+                return Ok(());
+            };
+            let batch = mv.batch().unwrap();
+            type Key = (usize, Rank, Rank, Region);
+            let mut planned: Vec<Key> = [&mv.values, &mv.scales]
+                .iter()
+                .enumerate()
+                .flat_map(|(i, p)| {
+                    p.transfers().iter().map(move |t| (i, t.src, t.dst, t.region.clone()))
+                })
+                .filter(|k| k.3.volume() > 0)
+                .collect();
+            let mut moved: Vec<Key> = Vec::new();
+            for r in 0..batch.world() {
+                let rb = batch.rank_batch(r).unwrap();
+                prop_assert!(rb.packs.is_empty());
+                // each move once: by its receiver
+                moved.extend(
+                    rb.moves
+                        .iter()
+                        .filter(|m| m.to == r && m.region.volume() > 0)
+                        .map(|m| (m.tensor, m.from, m.to, m.region.clone())),
+                );
+                let sends: Vec<(Rank, usize)> = rb
+                    .moves
+                    .iter()
+                    .filter(|m| m.from == r && m.to != r)
+                    .map(|m| (m.to, m.tensor))
+                    .collect();
+                for (i, w) in sends.windows(2).enumerate() {
+                    if w[0].0 != w[1].0 {
+                        prop_assert!(
+                            sends[i + 1..].iter().all(|s| s.0 != w[0].0),
+                            "rank {r} sends to {} again after {}: {sends:?}", w[0].0, w[1].0
+                        );
+                    } else {
+                        prop_assert!(w[0].1 <= w[1].1, "rank {r}: scales before values: {sends:?}");
+                    }
+                }
+            }
+            planned.sort();
+            moved.sort();
+            prop_assert_eq!(moved, planned);
         }
     }
 }

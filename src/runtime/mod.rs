@@ -27,6 +27,7 @@
 
 mod connect;
 mod run;
+mod split;
 
 use crate::error::Field;
 use std::str::FromStr;
@@ -42,6 +43,7 @@ use crate::transport::group::{Group, GroupEnv};
 
 pub use connect::{AnyTransport, Destination, Links};
 pub use run::PlanRank;
+pub use split::SplitTransport;
 
 /// Which transport moves the bytes.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

@@ -11,7 +11,7 @@ use crate::error::{Dims, Error, Field, Result, Side};
 use crate::exec::baseline::{self, BaselineJob};
 use crate::exec::{self, RankJob, RankStats, RunStats};
 use crate::layout::{Layout, Rank};
-use crate::plan::{GatherBroadcast, Plan, RankPlan};
+use crate::plan::{GatherBroadcast, Plan, QuantizedMove, RankPlan};
 use crate::region::Region;
 use crate::transport::Job;
 use crate::transport::segment::SharedBuffer;
@@ -264,6 +264,65 @@ impl World {
             elapsed: started.elapsed(),
             ranks: vec![stats],
         })
+    }
+
+    /// Moves an already-quantized tensor ([`QuantizedMove`]): its fp8 values and its scales
+    /// in one exchange, as the batch [`QuantizedMove::batch`] (one schedule, one stream per
+    /// peer pair, the scales right behind the values), not as two reshards one after the
+    /// other. `sources` and `destinations` hold, for each rank this process runs that holds a
+    /// shard ([`World::ranks`]), its buffers `[values, scales]` (indices
+    /// [`QuantizedMove::VALUES`] and [`QuantizedMove::SCALES`]), each of its shard's exact
+    /// size, checked before any byte moves, naming the buffer; between processes, buffers of
+    /// other ranks are refused. Every rank of the job calls it alike. Returns the stats of
+    /// this process's ranks: the bytes of both tensors.
+    ///
+    /// ```no_run
+    /// use std::collections::BTreeMap;
+    /// use reshard::layout::LayoutSpec;
+    /// use reshard::plan::{QuantRequest, QuantizedMove};
+    /// use reshard::runtime::{JoinOptions, RunOptions, World};
+    /// use reshard::{DType, PlanOptions, Rank};
+    /// let layout = |spec: &str, first| {
+    ///     LayoutSpec::parse(spec).unwrap().resolve(&[256, 256], DType::Fp8E4M3, first).unwrap()
+    /// };
+    /// let request = QuantRequest { scheme: "block:128x128".parse().unwrap(), scale_dtype: None };
+    /// let mv = QuantizedMove::new(
+    ///     layout("mesh=2 place=S(0)", 0),
+    ///     layout("mesh=2 place=S(1)", 2),
+    ///     PlanOptions::default(),
+    ///     request,
+    /// )
+    /// .unwrap();
+    /// let world = World::join(JoinOptions::default()).unwrap();
+    /// // [values, scales] of each rank this process runs: the source's to send, zeros to fill
+    /// let buffers = |values: &reshard::Layout, scales: &reshard::Layout| -> BTreeMap<Rank, Vec<Vec<u8>>> {
+    ///     world
+    ///         .ranks(values)
+    ///         .map(|r| {
+    ///             let zeroed = |l: &reshard::Layout| vec![0u8; l.local_bytes(r) as usize];
+    ///             (r, vec![zeroed(values), zeroed(scales)])
+    ///         })
+    ///         .collect()
+    /// };
+    /// let sources = buffers(mv.values.src(), mv.scales.src());
+    /// let mut dests = buffers(mv.values.dst(), mv.scales.dst());
+    /// world.run_quantized_move(&mv, &sources, &mut dests, &RunOptions::default()).unwrap();
+    /// ```
+    pub fn run_quantized_move(
+        &self,
+        mv: &QuantizedMove,
+        sources: &BTreeMap<Rank, Vec<Vec<u8>>>,
+        destinations: &mut BTreeMap<Rank, Vec<Vec<u8>>>,
+        options: &RunOptions,
+    ) -> Result<RunStats> {
+        if let Some(rank) = self.rank() {
+            for (side, buffers) in [(Side::Src, sources), (Side::Dst, &*destinations)] {
+                if let Some(&other) = buffers.keys().find(|&&r| r != rank) {
+                    return Err(Error::UnexpectedBuffer { side, rank: other });
+                }
+            }
+        }
+        self.run_batch(&mv.batch()?, sources, destinations, options)
     }
 
     /// Moves `plan`'s tensor the way [`World::run`] does, by the baseline instead: the source

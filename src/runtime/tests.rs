@@ -657,3 +657,223 @@ fn a_prepared_quantizing_plan_writes_its_values_straight_into_the_shards_over_sh
         );
     }
 }
+
+/// An already-quantized tensor moves its values and scales in one call, between threads and
+/// between processes over tcp and shm (source and destination ranks overlapping), landing
+/// each destination's boxes of both; a scale buffer of the wrong size is refused naming it,
+/// and so is another rank's buffer given to one rank of a job.
+#[test]
+fn an_already_quantized_move_runs_values_and_scales_in_one_call() {
+    use crate::convert::reference::{quantize_tensor, slice};
+    use crate::plan::{QuantRequest, QuantizedMove};
+    let shape = [16u64, 48];
+    let layout = |spec: &str, first| {
+        LayoutSpec::parse(spec)
+            .unwrap()
+            .resolve(&shape, DType::Fp8E4M3, first)
+            .unwrap()
+    };
+    let request = QuantRequest {
+        scheme: "block:4x8".parse().unwrap(),
+        scale_dtype: None,
+    };
+    let mv = QuantizedMove::new(
+        layout("mesh=2 place=S(0)", 0),
+        layout("mesh=3 ranks=1..4 place=S(1)", 1),
+        crate::PlanOptions::default(),
+        request,
+    )
+    .unwrap();
+    let whole = Fill::Normal { seed: 3 }
+        .shard(
+            &LayoutSpec::parse("mesh=1 place=R")
+                .unwrap()
+                .resolve(&shape, DType::F32, 0)
+                .unwrap(),
+            0,
+        )
+        .unwrap()
+        .unwrap();
+    let q = quantize_tensor(mv.quant, &mv.grid, DType::F32, &whole).unwrap();
+    let gshape = mv.grid.grid_shape();
+    let boxes = |values: &Layout, rank: Rank, filled: bool| -> Option<Vec<Vec<u8>>> {
+        let b = values.local_region(rank)?;
+        let s = mv.grid.scale_region(&b);
+        Some(match filled {
+            true => vec![
+                slice(&q.values, &shape, 1, &b),
+                slice(&q.scales, &gshape, 4, &s),
+            ],
+            false => vec![
+                vec![0u8; b.volume() as usize],
+                vec![0u8; s.volume() as usize * 4],
+            ],
+        })
+    };
+    let (src, dst) = (mv.values.src(), mv.values.dst());
+    let all = |layout: &Layout, filled: bool| -> BTreeMap<Rank, Vec<Vec<u8>>> {
+        (0..4)
+            .filter_map(|r| boxes(layout, r, filled).map(|b| (r, b)))
+            .collect()
+    };
+    let want = all(dst, true);
+    let run = RunOptions::default();
+    // threads
+    let threads = World::join_env(None, JoinOptions::default()).unwrap();
+    let mut landed = all(dst, false);
+    let stats = threads
+        .run_quantized_move(&mv, &all(src, true), &mut landed, &run)
+        .unwrap();
+    assert_eq!(landed, want);
+    let t = mv.totals();
+    let scale_bytes = t.quant.as_ref().unwrap().scale_bytes;
+    assert_eq!(stats.bytes_remote(), t.bytes_remote + scale_bytes);
+    // a scale shard one byte short, named
+    let mut short = all(dst, false);
+    short.get_mut(&2).unwrap()[QuantizedMove::SCALES].pop();
+    let err = threads
+        .run_quantized_move(&mv, &all(src, true), &mut short, &run)
+        .unwrap_err();
+    assert!(err.to_string().contains("`scales`"), "{err}");
+    for transport in [TransportKind::Tcp, TransportKind::Shm] {
+        let landed = job_on_hosts(&["here"; 4], transport, |world| {
+            let rank = world.rank().unwrap();
+            let own = |layout: &Layout, filled: bool| -> BTreeMap<Rank, Vec<Vec<u8>>> {
+                boxes(layout, rank, filled)
+                    .map(|b| (rank, b))
+                    .into_iter()
+                    .collect()
+            };
+            let mut dests = own(dst, false);
+            if rank == 0 {
+                // the buffers of a rank this process does not run
+                let mut theirs = all(dst, false);
+                let err = world
+                    .run_quantized_move(&mv, &own(src, true), &mut theirs, &run)
+                    .unwrap_err();
+                assert!(
+                    matches!(
+                        err,
+                        Error::UnexpectedBuffer {
+                            side: crate::Side::Dst,
+                            rank: 1
+                        }
+                    ),
+                    "{err}"
+                );
+            }
+            world
+                .run_quantized_move(&mv, &own(src, true), &mut dests, &run)
+                .unwrap();
+            world.finish(Ok(serde_json::json!(rank))).unwrap();
+            dests
+        });
+        for (rank, got) in landed.into_iter().enumerate() {
+            let expected: BTreeMap<Rank, Vec<Vec<u8>>> = want
+                .get(&rank)
+                .map(|w| (rank, w.clone()))
+                .into_iter()
+                .collect();
+            assert_eq!(got, expected, "{transport:?}: rank {rank}");
+        }
+    }
+}
+
+/// The coupled batch of an already-quantized move over split shm links: the value chunks
+/// written straight into the receivers' shared value shards, the scale chunks through rings
+/// of their own, one schedule over both, checksummed; every destination lands its boxes of
+/// both (source and destination ranks overlapping, so local copies run beside).
+#[test]
+fn split_links_write_the_values_directly_and_carry_the_scales_beside() {
+    use crate::batch::run_rank_batch;
+    use crate::convert::reference::{quantize_tensor, slice};
+    use crate::plan::{QuantRequest, QuantizedMove};
+    use crate::transport::segment::SharedBuffer;
+    let shape = [16u64, 48];
+    let layout = |spec: &str, first| {
+        LayoutSpec::parse(spec)
+            .unwrap()
+            .resolve(&shape, DType::Fp8E4M3, first)
+            .unwrap()
+    };
+    let request = QuantRequest {
+        scheme: "block:4x8".parse().unwrap(),
+        scale_dtype: None,
+    };
+    let mv = QuantizedMove::new(
+        layout("mesh=2 place=S(0)", 0),
+        layout("mesh=3 ranks=1..4 place=S(1)", 1),
+        crate::PlanOptions::default(),
+        request,
+    )
+    .unwrap();
+    let whole = Fill::Normal { seed: 8 }
+        .shard(
+            &LayoutSpec::parse("mesh=1 place=R")
+                .unwrap()
+                .resolve(&shape, DType::F32, 0)
+                .unwrap(),
+            0,
+        )
+        .unwrap()
+        .unwrap();
+    let q = quantize_tensor(mv.quant, &mv.grid, DType::F32, &whole).unwrap();
+    let gshape = mv.grid.grid_shape();
+    let boxes = |values: &Layout, rank: Rank| -> Option<(Vec<u8>, Vec<u8>)> {
+        let b = values.local_region(rank)?;
+        let s = mv.grid.scale_region(&b);
+        Some((
+            slice(&q.values, &shape, 1, &b),
+            slice(&q.scales, &gshape, 4, &s),
+        ))
+    };
+    let (src, dst) = (mv.values.src(), mv.values.dst());
+    let batch = mv.batch().unwrap();
+    let landed = job_on_hosts(&["here"; 4], TransportKind::Shm, |world| {
+        let rank = world.rank().unwrap();
+        let rb = batch.rank_batch(rank).unwrap();
+        let links = Links::of_batch(&rb);
+        let source = boxes(src, rank);
+        let dst_box = dst.local_region(rank);
+        let mut values = SharedBuffer::new(dst.local_bytes(rank) as usize).unwrap();
+        let mut scales = vec![0u8; mv.scales.dst().local_bytes(rank) as usize];
+        let layouts = [src, mv.scales.src()];
+        let shard = dst_box.as_ref().map(|b| (&values, b));
+        let direct = world.connect(&links, layouts, shard).unwrap();
+        let rest = world.connect(&links, layouts, None).unwrap();
+        let srcs: Vec<&[u8]> = source
+            .as_ref()
+            .map(|(v, s)| vec![v.as_slice(), s.as_slice()])
+            .unwrap_or_default();
+        let split = SplitTransport::new(
+            direct,
+            rest,
+            source.as_ref().map(|(v, _)| v.as_slice()),
+            Some(&values),
+        );
+        let mut dsts: Vec<&mut [u8]> = match dst_box {
+            Some(_) => vec![&mut values[..], &mut scales[..]],
+            None => Vec::new(),
+        };
+        let run = RunOptions {
+            checksum: true,
+            chunk_bytes: 40,
+        };
+        run_rank_batch(
+            &batch,
+            &rb,
+            &srcs,
+            &mut dsts,
+            &mut [],
+            &split,
+            &world.exec_options(&run),
+        )
+        .unwrap();
+        drop(split);
+        world.finish(Ok(serde_json::json!(rank))).unwrap();
+        dst_box.map(|_| (values.to_vec(), scales))
+    });
+    for (rank, got) in landed.into_iter().enumerate() {
+        assert_eq!(got, boxes(dst, rank), "rank {rank}");
+    }
+}

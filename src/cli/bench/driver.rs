@@ -7,7 +7,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use reshard::exec::baseline::{self, BaselineJob};
 use reshard::exec::{self, ExecOptions, RankJob};
 use reshard::fill::Fill;
-use reshard::runtime::{AnyTransport, Destination, Links, World};
+use reshard::runtime::{AnyTransport, Destination, Links, TransportKind, World};
 use reshard::transport::Job;
 use reshard::transport::segment::SharedBuffer;
 use reshard::{Error, Plan, Rank, RankPlan};
@@ -162,7 +162,14 @@ pub(super) fn bench_processes(
             bar.set_message(case.name.clone());
             let (report, transport) = match (&case.coupled, &case.plain, case.plan.quant()) {
                 (Some(coupled), _, _) => {
-                    prequant::rank(args, case, coupled, fill, options, job, &connect, &bar)?
+                    // as every rank of the job was asked: shared memory may carry some peers
+                    let direct = matches!(
+                        world.options().transport,
+                        TransportKind::Shm | TransportKind::Auto
+                    );
+                    prequant::rank(
+                        args, case, coupled, fill, options, job, &connect, direct, &bar,
+                    )?
                 }
                 (None, Some(plain), Some(q)) => {
                     quant::rank(args, case, (plain, q), fill, options, job, &connect, &bar)?

@@ -1,8 +1,9 @@
 //! `bench` of an already-quantized source (an fp8 `--dtype` with `--quant`): the fp8 values
 //! and their scales move as two coupled tensors ([`QuantizedMove`]). Three methods, in turn on
-//! the same buffers: the coupled reshard (the values' plan, then the scales'), gather+broadcast
-//! of both tensors, and the reshard of the values alone, which is what the transport takes to
-//! move the bulk of the bytes and so shows what carrying the scales beside them costs.
+//! the same buffers: the coupled reshard (both tensors in one exchange, the batch of
+//! [`QuantizedMove::batch`]: one schedule, one stream per peer pair), gather+broadcast of both
+//! tensors, and the reshard of the values alone, which is what the transport takes to move the
+//! bulk of the bytes and so shows what carrying the scales beside them costs.
 //!
 //! The source is the `normal` fill quantized block by block. Every shard of either side holds
 //! whole blocks (the move is refused otherwise), so a rank's boxes of the values and scales
@@ -14,6 +15,7 @@ use std::time::Duration;
 
 use indicatif::ProgressBar;
 
+use reshard::batch::{Batch, RankBatch, run_local_batch, run_rank_batch};
 use reshard::convert::quantize_shard;
 use reshard::convert::reference::first_difference;
 use reshard::exec::baseline::{self, BaselineJob};
@@ -21,7 +23,7 @@ use reshard::exec::{self, ExecOptions, RankJob, RankStats};
 use reshard::fill::Fill;
 use reshard::layout::Layout;
 use reshard::plan::{GatherBroadcast, QuantizedMove};
-use reshard::runtime::{AnyTransport, Destination, Links};
+use reshard::runtime::{AnyTransport, Destination, Links, SplitTransport};
 use reshard::transport::Job;
 use reshard::transport::segment::SharedBuffer;
 use reshard::{DType, Error, Rank, Region, Side};
@@ -35,17 +37,23 @@ use crate::cli::measure::Measured;
 type Boxes = (Vec<u8>, Vec<u8>);
 
 /// What a case of an already-quantized source adds to its [`Case`]: the coupled move (whose
-/// values' plan is the case's `plan`) and gather+broadcast of the scale tensor (the values'
-/// is the case's `baseline`).
+/// values' plan is the case's `plan`), its batch, and gather+broadcast of the scale tensor
+/// (the values' is the case's `baseline`).
 pub(in crate::cli) struct Coupled {
     pub(in crate::cli) mv: QuantizedMove,
+    batch: Batch,
     pub(in crate::cli) scale_baseline: GatherBroadcast,
 }
 
 impl Coupled {
     pub(super) fn new(mv: QuantizedMove) -> Result<Coupled, Error> {
         let scale_baseline = GatherBroadcast::on_hosts(mv.scales.src(), mv.scales.dst(), None)?;
-        Ok(Coupled { mv, scale_baseline })
+        let batch = mv.batch()?;
+        Ok(Coupled {
+            mv,
+            batch,
+            scale_baseline,
+        })
     }
 
     /// The value layout and scale layout of `side`.
@@ -96,7 +104,7 @@ impl Coupled {
 /// The three methods of a case.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Method {
-    /// The values' reshard, then the scales'.
+    /// Both tensors in one exchange.
     Reshard,
     /// Gather+broadcast of the values, then of the scales.
     GatherBroadcast,
@@ -137,6 +145,37 @@ fn verify(rank: Rank, expected: &Boxes, values: &[u8], scales: Option<&[u8]>) ->
         });
     }
     Ok(())
+}
+
+/// Rank -> local buffer.
+type Shards = BTreeMap<Rank, Vec<u8>>;
+
+/// Runs the coupled batch between threads on the value and scale shards, lent to it as each
+/// rank's buffers `[values, scales]` and back in place on return, also on error.
+fn run_coupled_threads(
+    batch: &Batch,
+    src: (&mut Shards, &mut Shards),
+    dst: (&mut Shards, &mut Shards),
+    options: &ExecOptions,
+) -> Result<reshard::exec::RunStats, Error> {
+    fn join(values: &mut Shards, scales: &mut Shards) -> BTreeMap<Rank, Vec<Vec<u8>>> {
+        std::mem::take(values)
+            .into_iter()
+            .map(|(r, v)| (r, vec![v, scales.remove(&r).unwrap_or_default()]))
+            .collect()
+    }
+    fn split(joined: BTreeMap<Rank, Vec<Vec<u8>>>, values: &mut Shards, scales: &mut Shards) {
+        for (r, mut both) in joined {
+            scales.insert(r, both.pop().unwrap_or_default());
+            values.insert(r, both.pop().unwrap_or_default());
+        }
+    }
+    let sources = join(src.0, src.1);
+    let mut dests = join(dst.0, dst.1);
+    let stats = run_local_batch(batch, &sources, &mut dests, &mut BTreeMap::new(), options);
+    split(sources, src.0, src.1);
+    split(dests, dst.0, dst.1);
+    stats
 }
 
 /// Bytes of the full-tensor buffers of a baseline, when it needs any.
@@ -193,15 +232,14 @@ pub(super) fn threads(
             let (elapsed, wire, peak, measured, extra): (Duration, u64, u64, &mut Measured, u64) =
                 match method {
                     Method::Reshard => {
-                        let a = exec::run_local(values, &src_values, &mut dst_values, options)?;
-                        let b = exec::run_local(scales, &src_scales, &mut dst_scales, options)?;
-                        (
-                            a.elapsed + b.elapsed,
-                            a.bytes_remote() + b.bytes_remote(),
-                            a.peak_staging_bytes().max(b.peak_staging_bytes()),
-                            &mut ours,
-                            0,
-                        )
+                        let a = run_coupled_threads(
+                            &c.batch,
+                            (&mut src_values, &mut src_scales),
+                            (&mut dst_values, &mut dst_scales),
+                            options,
+                        )?;
+                        let peak = a.peak_staging_bytes();
+                        (a.elapsed, a.bytes_remote(), peak, &mut ours, 0)
                     }
                     Method::GatherBroadcast => {
                         let a = baseline::run_local_gather_broadcast(
@@ -302,32 +340,40 @@ impl<'j> Tensor<'j> {
         })
     }
 
-    /// Opens the reshard's links, then the baseline's (every rank alike), with this rank's
-    /// shard (or full-tensor buffer) as the destination same-host senders may write into.
-    fn connect<'t, J: Job + ?Sized>(
-        &'t self,
-        rank: Rank,
+    /// Opens the reshard's links (every rank alike), with this rank's shard as the
+    /// destination same-host senders may write into.
+    fn connect_reshard<J: Job + ?Sized>(
+        &self,
         job: &J,
         connect: &dyn Fn(&Links, Destination<'_>) -> Result<AnyTransport<'j>, Error>,
-        whole: &'t Region,
-    ) -> Result<(AnyTransport<'j>, AnyTransport<'j>), Error> {
+    ) -> Result<AnyTransport<'j>, Error> {
         job.barrier()?;
         let shard = self
             .dst_box
             .as_ref()
             .and_then(|b| self.shard.as_ref().map(|s| (s, b)));
-        let reshard = connect(
+        connect(
             &Links::of_plan(&self.mine),
             shard.filter(|_| !self.mine.relays()),
-        )?;
+        )
+    }
+
+    /// Opens the baseline's links (every rank alike), with this rank's full-tensor buffer (or
+    /// shard) as the destination same-host senders may write into.
+    fn connect_baseline<'t, J: Job + ?Sized>(
+        &'t self,
+        rank: Rank,
+        job: &J,
+        connect: &dyn Fn(&Links, Destination<'_>) -> Result<AnyTransport<'j>, Error>,
+        whole: &'t Region,
+    ) -> Result<AnyTransport<'j>, Error> {
         job.barrier()?;
         let links = Links::of_plans([&self.gather, &self.broadcast].into_iter().flatten());
         let tensor = self
             .full
             .as_ref()
             .or(self.shard.as_ref().filter(|_| self.gb.gets_tensor(rank)));
-        let baseline = connect(&links, tensor.map(|f| (f, whole)))?;
-        Ok((reshard, baseline))
+        connect(&links, tensor.map(|f| (f, whole)))
     }
 
     fn poison(&mut self, full: bool) {
@@ -379,8 +425,84 @@ impl<'j> Tensor<'j> {
     }
 }
 
+/// This rank's part of the coupled batch, over links of its own.
+struct CoupledRank<'j> {
+    batch: &'j Batch,
+    part: RankBatch,
+    transport: AnyTransport<'j>,
+}
+
+impl<'j> CoupledRank<'j> {
+    /// Opens the batch's links (every rank alike). Its transfers land in two buffers, and a
+    /// shm link writes straight into one destination box per receiver: with `direct` (shared
+    /// memory may carry some peers), the value chunks go over links that write into this
+    /// rank's value shard and the scale chunks over links of their own, one schedule over both
+    /// ([`SplitTransport`]); otherwise one link carries both.
+    fn connect<J: Job + ?Sized>(
+        batch: &'j Batch,
+        values: &Tensor<'j>,
+        direct: bool,
+        job: &J,
+        connect: &dyn Fn(&Links, Destination<'_>) -> Result<AnyTransport<'j>, Error>,
+    ) -> Result<CoupledRank<'j>, Error> {
+        let part = batch.rank_batch(job.rank())?;
+        let links = Links::of_batch(&part);
+        job.barrier()?;
+        let transport = match direct {
+            true => {
+                let shard = values
+                    .dst_box
+                    .as_ref()
+                    .and_then(|b| values.shard.as_ref().map(|s| (s, b)));
+                let into_values = connect(&links, shard)?;
+                job.barrier()?;
+                let rest = connect(&links, None)?;
+                Box::new(SplitTransport::new(
+                    into_values,
+                    rest,
+                    values.source.as_deref(),
+                    values.shard.as_deref(),
+                ))
+            }
+            false => connect(&links, None)?,
+        };
+        Ok(CoupledRank {
+            batch,
+            part,
+            transport,
+        })
+    }
+
+    /// Moves the values and the scales, from and into this rank's buffers of them.
+    fn run(
+        &self,
+        values: &mut Tensor<'_>,
+        scales: &mut Tensor<'_>,
+        options: &ExecOptions,
+    ) -> Result<RankStats, Error> {
+        let src: Vec<&[u8]> = [values.source.as_deref(), scales.source.as_deref()]
+            .into_iter()
+            .flatten()
+            .collect();
+        let mut dst: Vec<&mut [u8]> = [values.shard.as_deref_mut(), scales.shard.as_deref_mut()]
+            .into_iter()
+            .flatten()
+            .collect();
+        run_rank_batch(
+            self.batch,
+            &self.part,
+            &src,
+            &mut dst,
+            &mut [],
+            &*self.transport,
+            options,
+        )
+    }
+}
+
 /// This process is one rank of a job: its share of the three methods, in turn, on the same
-/// buffers. Returns the report for rank 0 and the transport's name.
+/// buffers. With `direct`, the coupled reshard writes its values straight into same-host
+/// receivers ([`CoupledRank::connect`]). Returns the report for rank 0 and the transport's name.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn rank<'j, J: Job + ?Sized>(
     args: &BenchArgs,
@@ -390,6 +512,7 @@ pub(super) fn rank<'j, J: Job + ?Sized>(
     options: &ExecOptions,
     job: &'j J,
     connect: &dyn Fn(&Links, Destination<'_>) -> Result<AnyTransport<'j>, Error>,
+    direct: bool,
     bar: &ProgressBar,
 ) -> Result<(serde_json::Value, String), Error> {
     let rank = job.rank();
@@ -399,9 +522,11 @@ pub(super) fn rank<'j, J: Job + ?Sized>(
     let mut scales = Tensor::new(&c.mv.scales, &c.scale_baseline, rank, source_scales)?;
     let whole_values = Region::full(c.mv.values.dst().shape());
     let whole_scales = Region::full(c.mv.scales.dst().shape());
-    // the four links, opened one after the other by every rank
-    let (v_reshard, v_baseline) = values.connect(rank, job, connect, &whole_values)?;
-    let (s_reshard, s_baseline) = scales.connect(rank, job, connect, &whole_scales)?;
+    // the links, opened one after the other by every rank
+    let v_reshard = values.connect_reshard(job, connect)?;
+    let v_baseline = values.connect_baseline(rank, job, connect, &whole_values)?;
+    let s_baseline = scales.connect_baseline(rank, job, connect, &whole_scales)?;
+    let coupled = CoupledRank::connect(&c.batch, &values, direct, job, connect)?;
     let fulls = values.full_bytes() + scales.full_bytes();
 
     let (mut ours, mut gb, mut alone) = (
@@ -418,9 +543,7 @@ pub(super) fn rank<'j, J: Job + ?Sized>(
             scales.poison(full);
             match method {
                 Method::Reshard => ours.repeat(job, timed, 0, || {
-                    let mut stats = values.reshard(&*v_reshard, options)?;
-                    stats.absorb(&scales.reshard(&*s_reshard, options)?);
-                    Ok(stats)
+                    coupled.run(&mut values, &mut scales, options)
                 })?,
                 Method::GatherBroadcast => gb.repeat(job, timed, fulls, || {
                     let mut stats = values.gather_broadcast(rank, &*v_baseline, options)?;

@@ -1,5 +1,6 @@
 //! `run` of an already-quantized source (an fp8 `--dtype` with `--quant`): the fp8 values and
-//! their scales move together as two coupled reshards ([`QuantizedMove`]). The source is the
+//! their scales move together as two coupled tensors ([`QuantizedMove`]), in one exchange
+//! ([`World::run_quantized_move`]: one schedule, one stream per peer pair). The source is the
 //! `normal` fill, made in f32 and quantized naively ([`quantize_tensor`]): every source rank
 //! holds its boxes of those values and scales, and `--verify` checks every destination's
 //! boxes of both, after every repetition. `--dump` writes `rank<R>.bin` and
@@ -11,7 +12,7 @@ use std::time::Instant;
 
 use reshard::convert::reference::{QuantizedTensor, first_difference, quantize_tensor, slice};
 use reshard::error::Field;
-use reshard::exec::{self, ExecOptions};
+use reshard::exec::ExecOptions;
 use reshard::fill::Fill;
 use reshard::layout::{Layout, LayoutSpec};
 use reshard::plan::QuantizedMove;
@@ -105,31 +106,100 @@ fn verify(
     Ok(())
 }
 
-/// Rank -> local buffer.
-type Shards = BTreeMap<Rank, Vec<u8>>;
+/// Rank -> its buffers `[values, scales]` ([`QuantizedMove::batch`]).
+type Shards = BTreeMap<Rank, Vec<Vec<u8>>>;
 
-/// The value and scale shards of the source ranks among `ranks`, cut from the quantized
+/// A rank's buffer of `which` ([`QuantizedMove::VALUES`] or [`QuantizedMove::SCALES`]).
+fn part(buffers: &[Vec<u8>], which: usize) -> &[u8] {
+    buffers.get(which).map_or(&[][..], Vec::as_slice)
+}
+
+/// Every rank's buffer of `which`, for the dumps.
+fn parts(shards: &Shards, which: usize) -> impl Iterator<Item = (Rank, &[u8])> {
+    shards.iter().map(move |(&r, b)| (r, part(b, which)))
+}
+
+/// The value and scale buffers of the source ranks among `ranks`, cut from the quantized
 /// source `q`, and dumped with `--dump-src` (`src<R>.bin`, `src<R>.scale.bin`).
 fn source_shards(
     args: &RunArgs,
     mv: &QuantizedMove,
     q: &QuantizedTensor,
     ranks: impl IntoIterator<Item = Rank>,
-) -> Result<(Shards, Shards), Error> {
-    let (mut values, mut scales) = (BTreeMap::new(), BTreeMap::new());
-    for r in ranks {
-        if let Some((v, s)) = boxes(q, mv.values.src(), mv.scales.src(), r) {
-            values.insert(r, v);
-            scales.insert(r, s);
-        }
-    }
+) -> Result<Shards, Error> {
+    let shards: Shards = ranks
+        .into_iter()
+        .filter_map(|r| boxes(q, mv.values.src(), mv.scales.src(), r).map(|(v, s)| (r, vec![v, s])))
+        .collect();
     if let Some(dir) = &args.dump_src {
-        dump_named(dir, "src", values.iter().map(|(&r, b)| (r, b.as_slice())))?;
-        for (rank, buf) in &scales {
+        dump_named(dir, "src", parts(&shards, QuantizedMove::VALUES))?;
+        for (rank, buf) in parts(&shards, QuantizedMove::SCALES) {
             write_whole(dir, &format!("src{rank}.scale.bin"), |f| f.write_all(buf))?;
         }
     }
-    Ok((values, scales))
+    Ok(shards)
+}
+
+/// Zeroed destination buffers `[values, scales]` for the destination ranks among `ranks`.
+fn destination_shards(
+    mv: &QuantizedMove,
+    ranks: impl IntoIterator<Item = Rank>,
+) -> Result<Shards, Error> {
+    let (values, scales) = (mv.values.dst(), mv.scales.dst());
+    ranks
+        .into_iter()
+        .filter(|&r| values.local_region(r).is_some())
+        .map(|r| {
+            let zeroed = |layout: &Layout, what: &str| {
+                reshard::memory::zeroed(layout.local_bytes(r), || {
+                    format!("rank {r}'s destination {what}")
+                })
+            };
+            Ok((r, vec![zeroed(values, "shard")?, zeroed(scales, "scales")?]))
+        })
+        .collect()
+}
+
+/// Poisons every destination buffer (so that `--verify` sees what a run did not write),
+/// runs the move once, and checks every destination rank's values and scales. Returns the
+/// run's stats and the seconds of the call (links, when it opens them, included; the checks
+/// not).
+fn once(
+    args: &RunArgs,
+    mv: &QuantizedMove,
+    q: &QuantizedTensor,
+    sources: &Shards,
+    dests: &mut Shards,
+    options: &ExecOptions,
+    world: &World,
+) -> Result<(reshard::exec::RunStats, f64), Error> {
+    if args.verify {
+        dests.values_mut().flatten().for_each(|s| poison(s));
+    }
+    let started = Instant::now();
+    let stats = world.run_quantized_move(mv, sources, dests, &run_options(options))?;
+    let seconds = started.elapsed().as_secs_f64();
+    if args.verify {
+        for (&r, b) in dests.iter() {
+            verify(
+                mv,
+                q,
+                r,
+                part(b, QuantizedMove::VALUES),
+                part(b, QuantizedMove::SCALES),
+            )?;
+        }
+    }
+    Ok((stats, seconds))
+}
+
+/// Writes every destination rank's values and scales (`--dump`).
+fn dump_destinations(args: &RunArgs, dests: &Shards) -> Result<(), Error> {
+    if let Some(dir) = &args.dump {
+        dump(dir, parts(dests, QuantizedMove::VALUES))?;
+        dump_scales(dir, parts(dests, QuantizedMove::SCALES))?;
+    }
+    Ok(())
 }
 
 pub(super) fn main(
@@ -142,7 +212,7 @@ pub(super) fn main(
     // the fill is checked before any byte moves, on every process alike
     check_fill(fill)?;
     match world.job() {
-        None => threads(args, mv, fill, options),
+        None => threads(args, mv, fill, options, world),
         Some(_) => {
             let rank = world.rank().unwrap_or(0);
             let highest = mv.values.ranks().last().copied().unwrap_or(0);
@@ -174,45 +244,29 @@ fn threads(
     mv: &QuantizedMove,
     fill: Fill,
     options: &ExecOptions,
+    world: &World,
 ) -> Result<(), Failure> {
-    let (values, scales) = (&mv.values, &mv.scales);
+    let values = &mv.values;
     check_memory(
         values.src().shard_bytes() + values.dst().shard_bytes(),
         values.src().shape(),
     )?;
     let q = source(mv, fill)?;
-    let (src_values, src_scales) =
-        source_shards(args, mv, &q, values.src().mesh().ranks().iter().copied())?;
-    let mut dst_values = exec::zeroed_shards(values.dst())?;
-    let mut dst_scales = exec::zeroed_shards(scales.dst())?;
-    let (mut times, mut summary, mut verified) = (Vec::new(), None, false);
+    let sources = source_shards(args, mv, &q, values.src().mesh().ranks().iter().copied())?;
+    let mut dests = destination_shards(mv, values.dst().mesh().ranks().iter().copied())?;
+    let (mut times, mut summary) = (Vec::new(), None);
     for i in 0..args.warmup + args.iters {
-        if args.verify {
-            dst_values.values_mut().for_each(|s| poison(s));
-            dst_scales.values_mut().for_each(|s| poison(s));
-        }
-        let a = exec::run_local(values, &src_values, &mut dst_values, options)?;
-        let b = exec::run_local(scales, &src_scales, &mut dst_scales, options)?;
+        let (stats, _) = once(args, mv, &q, &sources, &mut dests, options, world)?;
         if i >= args.warmup {
-            times.push((a.elapsed + b.elapsed).as_secs_f64());
+            times.push(stats.elapsed.as_secs_f64());
         }
         summary = Some((
-            a.bytes_remote() + b.bytes_remote(),
-            a.bytes_local() + b.bytes_local(),
-            a.peak_staging_bytes().max(b.peak_staging_bytes()),
+            stats.bytes_remote(),
+            stats.bytes_local(),
+            stats.peak_staging_bytes(),
         ));
-        if args.verify {
-            for (&r, v) in &dst_values {
-                let s = dst_scales.get(&r).map_or(&[][..], Vec::as_slice);
-                verify(mv, &q, r, v, s)?;
-            }
-            verified = true;
-        }
     }
-    if let Some(dir) = &args.dump {
-        dump(dir, dst_values.iter().map(|(&r, b)| (r, b.as_slice())))?;
-        dump_scales(dir, dst_scales.iter().map(|(&r, b)| (r, b.as_slice())))?;
-    }
+    dump_destinations(args, &dests)?;
     let (bytes_remote, bytes_local, peak_staging) = summary.unwrap_or_default();
     let summary = Summary {
         times,
@@ -222,11 +276,11 @@ fn threads(
         bytes_direct: 0,
         peak_staging,
     };
-    report(args, values, &summary, "local", verified);
+    report(args, values, &summary, "local", args.verify);
     Ok(())
 }
 
-/// This rank's share between processes: both reshards, its checks and dumps.
+/// This rank's share between processes: the move, its checks and dumps.
 fn rank_part(
     args: &RunArgs,
     mv: &QuantizedMove,
@@ -235,53 +289,27 @@ fn rank_part(
     world: &World,
 ) -> Result<serde_json::Value, Error> {
     let rank = world.rank().unwrap_or(0);
-    let (values, scales) = (&mv.values, &mv.scales);
     let q = source(mv, fill)?;
-    let own = |layout: &Layout| -> BTreeMap<Rank, Vec<u8>> {
-        layout
-            .local_region(rank)
-            .map(|_| (rank, vec![0u8; layout.local_bytes(rank) as usize]))
-            .into_iter()
-            .collect()
-    };
-    let (src_values, src_scales) = source_shards(args, mv, &q, [rank])?;
-    let (mut dst_values, mut dst_scales) = (own(values.dst()), own(scales.dst()));
-    let run = run_options(options);
+    let sources = source_shards(args, mv, &q, [rank])?;
+    let mut dests = destination_shards(mv, [rank])?;
     let mut times = Vec::new();
     let mut last = None;
-    let mut verified = args.verify && dst_values.is_empty();
     for i in 0..args.warmup + args.iters {
-        if args.verify {
-            dst_values.values_mut().for_each(|s| poison(s));
-            dst_scales.values_mut().for_each(|s| poison(s));
-        }
         world.barrier()?;
-        let started = Instant::now();
-        let a = world.run(values, &src_values, &mut dst_values, &run)?;
-        let b = world.run(scales, &src_scales, &mut dst_scales, &run)?;
+        let (stats, seconds) = once(args, mv, &q, &sources, &mut dests, options, world)?;
         if i >= args.warmup {
-            times.push(started.elapsed().as_secs_f64());
+            times.push(seconds);
         }
-        last = Some((a, b));
-        if args.verify {
-            for (&r, v) in &dst_values {
-                let s = dst_scales.get(&r).map_or(&[][..], Vec::as_slice);
-                verify(mv, &q, r, v, s)?;
-                verified = true;
-            }
-        }
+        last = Some(stats);
     }
-    if let Some(dir) = &args.dump {
-        dump(dir, dst_values.iter().map(|(&r, b)| (r, b.as_slice())))?;
-        dump_scales(dir, dst_scales.iter().map(|(&r, b)| (r, b.as_slice())))?;
-    }
-    let (a, b) = last.expect("at least one iteration");
+    dump_destinations(args, &dests)?;
+    let stats = last.expect("at least one iteration");
     Ok(serde_json::json!({
         "transport": world.options().transport.name(),
         "times": times,
-        "bytes_remote": a.bytes_remote() + b.bytes_remote(),
-        "bytes_local": a.bytes_local() + b.bytes_local(),
-        "peak_staging": a.peak_staging_bytes().max(b.peak_staging_bytes()),
-        "verified": verified,
+        "bytes_remote": stats.bytes_remote(),
+        "bytes_local": stats.bytes_local(),
+        "peak_staging": stats.peak_staging_bytes(),
+        "verified": args.verify,
     }))
 }
