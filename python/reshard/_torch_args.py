@@ -109,10 +109,11 @@ def refuse(problem: str, pairs, group, rank: int) -> NoReturn:
     these layouts, through the group's agreement on every other rank, naming this one."""
     from .torch import _agree
 
+    # raised while the caller handles the check's own error: that one is the same problem
     layouts = _layouts(pairs)
     if layouts is not None and (group, layouts) in _PASSED:
         # the others skip the agreement on layouts they have run: none would hear of it
-        raise ReshardError(problem)
+        raise ReshardError(problem) from None
 
     def prepare():
         raise ReshardError(problem)
@@ -120,6 +121,8 @@ def refuse(problem: str, pairs, group, rank: int) -> NoReturn:
     try:
         # a fingerprint that no group ever agrees on, so the exchange always happens
         _agree([("command", "refused"), ("problem", problem)], prepare, group, rank)
+    except ReshardError as e:
+        raise e from None
     except RuntimeError as e:
         # the group broke while this rank told the others; its own problem comes first
         raise ReshardError(problem) from e
