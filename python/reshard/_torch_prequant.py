@@ -71,13 +71,12 @@ def plan(
     from .torch import _agree, _check_ranks, _check_tensor, _fingerprint
 
     order = sorted(moves)
-    for name in order:
-        if _SCALES.format(name) in pairs or _SCALES.format(name) in moves:
-            raise ReshardError(f"{name}: the name {_SCALES.format(name)!r} is taken by another tensor")
 
     def prepare():
         out = {}
         for name in order:
+            if _SCALES.format(name) in pairs or _SCALES.format(name) in moves:
+                raise ReshardError(f"{name}: the name {_SCALES.format(name)!r} is taken by another tensor")
             src_local, dst_local, src_layout, dst_layout, src_scale, scale = moves[name]
             label = f"{name}: " if name else ""
             for what, layout in (("src_layout", src_layout), ("dst_layout", dst_layout)):

@@ -42,7 +42,9 @@ def packing_of(label: str, src: Layout, dst: Layout, rank: int, quant: str, scal
     try:
         return _packing(src, dst, rank, quant, scale_dtype)
     except ReshardError as e:
-        raise ReshardError(f"{label}{e}") from None
+        # the core says "tensor: ..." where it has no name; the caller's name says which
+        text = str(e)
+        raise ReshardError(label + text.removeprefix("tensor: ") if label else text) from None
 
 
 def check_scale(label: str, scale, packing: QuantPacking, rank: int) -> None:
@@ -394,6 +396,8 @@ def refit_scales(refit, dst, rank: int):
         tensor = dst.pop(buffer, None)
         if tensor is None:
             continue
+        if not isinstance(tensor, torch.Tensor):
+            raise ReshardError(f"dst: {buffer}: expected a tensor, got {type(tensor).__name__}")
         for weight, dim, offset, extent in members:
             if tensor.dim() <= dim or tensor.shape[dim] < offset + extent:
                 raise ReshardError(

@@ -32,8 +32,8 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 import torch
 import torch.distributed as dist
 
+from . import _torch_args as _args
 from . import _torch_prequant as _tpq
-from . import _torch_cast as _tc
 from . import _torch_quant as _tq
 from ._core import Layout, Packing, Refit, ReshardError, crc32c, rank_plan
 from ._torch_quant import scale_tensor
@@ -561,10 +561,11 @@ def reshard_(
     device the process group's backend uses. ``dst_local`` may be strided but must not share
     memory with ``src_local``. Raises :class:`reshard.ReshardError` on bad input, before any
     byte moves. The first call with given layouts (and tensor names) also checks, through
-    the group, that every rank was given the same ones: a rank with other layouts, or whose
-    tensors do not fit them, makes every rank raise, naming the rank and what differs,
-    instead of waiting for the backend's timeout. Later calls with the same layouts skip
-    the check.
+    the group, that every rank was given the same ones: a rank with other layouts, tensors
+    that do not fit them or any other bad argument (a ``scale`` without ``quant``, say) makes
+    every rank raise, naming the rank and what differs, instead of waiting for the backend's
+    timeout. Later calls with the same layouts skip the check: a bad argument then raises on
+    its own rank only (see :mod:`reshard._torch_args`).
 
     With NCCL, ``batch_isend_irecv`` wants the group's communicator to exist before a batch
     that not every rank of the group joins: run one collective on the group first (a barrier).
@@ -614,7 +615,8 @@ def _views(refit: Refit, tensors: Mapping[str, torch.Tensor], rank: int, side: s
                 if tensor.dim() <= dim or tensor.shape[dim] < offset + extent:
                     raise ReshardError(
                         f"{what}: {name}: rank {rank}'s fused buffer has shape "
-                        f"{tuple(tensor.shape)}, but {member} lies at {offset}..{offset + extent} of dim {dim}"
+                        f"{tuple(tensor.shape)}, but {member} lies at {offset}..{offset + extent} "
+                        f"of dim {dim}"
                     )
                 views[member] = tensor.narrow(dim, offset, extent)
         else:
@@ -695,40 +697,20 @@ def reshard_many_(
     rank, world = _group_rank(group)
     if rank < 0:
         return  # not a member of the group: nothing to send or receive
-    if isinstance(pairs, Refit):
-        if pairs.quant is not None:
-            if quant is not None and quant != pairs.quant:
-                raise ReshardError(f"quant: {quant} differs from the refit's {pairs.quant}")
-            if scales is not None:
-                raise ReshardError("scales: with a reshard.Refit, the scale shards come in dst")
-            quant = pairs.quant
-            dst, scales = _tq.refit_scales(pairs, dst, rank)
-        pairs = _refit_pairs(pairs, src, dst, rank)
-    elif src is not None or dst is not None:
-        raise ReshardError("src, dst: given only with a reshard.Refit (pairs carry their tensors)")
-    if bucket_bytes <= 0:
-        raise ReshardError(f"bucket_bytes: {bucket_bytes} is invalid: it must be positive")
-    names = sorted(pairs)
-    for name in names:
-        item = pairs[name]
-        if not isinstance(item, (tuple, list)) or len(item) != 4:
-            raise ReshardError(
-                f"{name}: expected (src_local, dst_local, src_layout, dst_layout), got {item!r:.80}"
-            )
-        for what, layout in (("src_layout", item[2]), ("dst_layout", item[3])):
-            if not isinstance(layout, Layout):
-                label = f"{name}: " if name else ""
-                raise ReshardError(f"{label}{what}: expected a reshard.Layout, got {type(layout).__name__}")
-
-    # float casts (f32 -> bf16): converted by their source ranks, then moved in one dtype
-    pairs = _tc.cast_at_source(pairs, names)
-    pairs, names, entries, moves = _tq.route(pairs, names, quant, scales, scale_dtype, src_scales)
+    given = pairs
+    try:
+        pairs, names, entries, moves, quant = _args.read(
+            pairs, rank, bucket_bytes, src, dst, quant, scales, scale_dtype, src_scales
+        )
+    except ReshardError as e:
+        _args.refuse(str(e), given, group, rank)  # on every rank, as the checks below
     if moves:  # already quantized: values and scales move with the plain tensors
         pairs, names = _tpq.plan(moves, pairs, names, group, quant, scale_dtype, rank, world)
     if names or not (entries or moves):
         _reshard_plain(pairs, names, group, bucket_bytes, checksum, rank, world)
     if entries:
         _tq.reshard(entries, group, quant, scale_dtype, rank, world, checksum)
+    _args.passed(given, group)
 
 
 def _reshard_plain(pairs, names, group, bucket_bytes: int, checksum: bool, rank: int, world: int) -> None:

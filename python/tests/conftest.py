@@ -15,14 +15,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank, world, port, fn, args):
+def _entry(rank, world, port, fn, args, timeout=None):
+    import datetime
+
     import torch
     import torch.distributed as dist
 
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    options = {} if timeout is None else {"timeout": datetime.timedelta(seconds=timeout)}
+    dist.init_process_group("gloo", rank=rank, world_size=world, **options)
     try:
         fn(rank, world, *args)
         dist.barrier()
@@ -30,12 +33,14 @@ def _entry(rank, world, port, fn, args):
         dist.destroy_process_group()
 
 
-def run_ranks(fn, world, *args):
+def run_ranks(fn, world, *args, timeout=None):
     """Runs ``fn(rank, world, *args)`` in ``world`` processes joined by a gloo process group
-    on loopback; a failure in any process fails the test with its traceback."""
+    on loopback; a failure in any process fails the test with its traceback. ``timeout`` (in
+    seconds) bounds every collective of the group: a rank left waiting for a peer that gave
+    up then fails instead of hanging the test until gloo's default of 30 minutes."""
     import torch.multiprocessing as mp
 
-    mp.spawn(_entry, args=(world, free_port(), fn, args), nprocs=world, join=True)
+    mp.spawn(_entry, args=(world, free_port(), fn, args, timeout), nprocs=world, join=True)
 
 
 def random_mesh(rng: random.Random, max_ranks: int = 8):
