@@ -48,6 +48,7 @@ use crate::plan::{
     rank_plan_quantized,
 };
 use crate::region::Region;
+use crate::transport::Lands;
 
 /// One tensor of the batch: its name and both layouts (over one rank numbering).
 #[derive(Clone, Debug)]
@@ -120,6 +121,16 @@ pub struct BatchOptions {
     /// Tensors smaller than this (in bytes) whose source is fully replicated go in one packed
     /// broadcast per source root; 0 turns packing off.
     pub pack_below: u64,
+    /// The tensor (index into the batch's tensors) whose destination shard same-host senders
+    /// may write straight into: its value moves land in the receiver's shard
+    /// ([`crate::transport::Lands::Shard`]), so a shm link offered that shard (a
+    /// [`crate::transport::segment::SharedBuffer`], see [`crate::runtime::Destination`])
+    /// copies each byte once, by the sender, instead of twice through a ring. A shm link
+    /// knows one destination box per receiver, so one tensor at most; its destination must be
+    /// a buffer of its own (not fused), and it must not be packed (a packed tensor moves in a
+    /// blob). Every other move, its scales included, lands aside. Both ends of a transfer
+    /// read it from the batch, so they agree on where each chunk lands.
+    pub direct: Option<usize>,
 }
 
 impl Default for BatchOptions {
@@ -127,6 +138,7 @@ impl Default for BatchOptions {
         BatchOptions {
             plan: PlanOptions::default(),
             pack_below: DEFAULT_PACK_BELOW,
+            direct: None,
         }
     }
 }
@@ -157,6 +169,43 @@ fn batch_error(what: &'static str, name: &str, reason: impl Into<String>) -> Err
         name: name.to_string(),
         reason: reason.into(),
     }
+}
+
+/// Checks that tensor `direct` can take direct writes ([`BatchOptions::direct`]): it exists,
+/// its destination is not fused, and it is not packed.
+fn check_direct(
+    direct: usize,
+    tensors: &[Tensor],
+    fusions: &[Fusion],
+    packs: &BTreeMap<Rank, Vec<usize>>,
+) -> Result<()> {
+    let Some(t) = tensors.get(direct) else {
+        return Err(batch_error(
+            "direct writes into tensor",
+            &direct.to_string(),
+            format!(
+                "it is not a tensor of the batch ({} tensors)",
+                tensors.len()
+            ),
+        ));
+    };
+    let refused = |reason: String| batch_error("direct writes into tensor", &t.name, reason);
+    if let Some(f) = fusions
+        .iter()
+        .find(|f| f.side == Side::Dst && f.members.contains(&direct))
+    {
+        return Err(refused(format!(
+            "its destination is fused into `{}`, which holds other tensors too",
+            f.name
+        )));
+    }
+    if packs.values().any(|p| p.contains(&direct)) {
+        return Err(refused(
+            "it is packed into a broadcast (small and replicated); set pack_below at most its size"
+                .into(),
+        ));
+    }
+    Ok(())
 }
 
 impl Batch {
@@ -277,6 +326,9 @@ impl Batch {
             {
                 packs.entry(t.src.mesh().ranks()[0]).or_default().push(i);
             }
+        }
+        if let Some(d) = options.direct {
+            check_direct(d, &tensors, &fusions, &packs)?;
         }
         let world = tensors
             .iter()
@@ -618,6 +670,7 @@ impl Batch {
             packs: Vec::new(),
             src_buffers: src.len(),
             dst_buffers: dst.len(),
+            direct: self.options.direct,
             src,
             dst,
             scales: Vec::new(),
@@ -928,6 +981,8 @@ pub struct RankBatch {
     pub amax: Vec<Move>,
     src_buffers: usize,
     dst_buffers: usize,
+    /// [`BatchOptions::direct`]: the tensor whose value moves land in the receiver's shard.
+    direct: Option<usize>,
 }
 
 impl RankBatch {
@@ -976,8 +1031,7 @@ impl RankBatch {
                 src_at: m.src_at.clone(),
                 dst_at: m.dst_at.clone(),
                 cast,
-                // a batch's buffers are its own, never offered to senders to write into
-                lands: crate::transport::Lands::Aside,
+                lands: self.lands(m),
             };
             if m.from == m.to {
                 steps.locals.push(step);
@@ -988,6 +1042,20 @@ impl RankBatch {
             }
         }
         Ok(steps)
+    }
+
+    /// Where move `m` lands on its receiver: in its shard when it carries values of the
+    /// batch's direct tensor ([`BatchOptions::direct`]), aside otherwise (other tensors,
+    /// scales, partial amax), as both ends compute it from the same batch.
+    pub fn lands(&self, m: &Move) -> Lands {
+        let values = matches!(
+            m.kind,
+            MoveKind::Copy | MoveKind::Cast(..) | MoveKind::Quantize(..)
+        );
+        match values && self.direct == Some(m.tensor) {
+            true => Lands::Shard,
+            false => Lands::Aside,
+        }
     }
 
     /// Zeroed blobs for the packs this rank roots (to follow its source buffers) and receives

@@ -265,6 +265,87 @@ fn bad_fusions_are_named() {
     assert!(e.contains("buffer `ab`") && e.contains("rank 3"), "{e}");
 }
 
+/// With a direct tensor, exactly its value moves land in the receivers' shards, as every
+/// rank computes them (its scales, the other tensors and the packed ones land aside); a
+/// direct tensor that is not a tensor of the batch, is fused on the destination side or is
+/// packed is refused, naming it.
+#[test]
+fn only_the_direct_tensors_values_land_in_the_shard() {
+    let tensors = vec![
+        tensor(
+            "o",
+            layout("mesh=2 place=S(1)", &[16, 8], 0),
+            layout("mesh=2 place=S(0)", &[16, 8], 2),
+        ),
+        quantized(
+            "w",
+            &[16, 16],
+            "mesh=2 place=S(0)",
+            "mesh=2 place=S(1)",
+            1,
+            "block:8x8",
+        ),
+        tensor(
+            "norm",
+            layout("mesh=2 place=R", &[16], 0),
+            layout("mesh=2 place=R", &[16], 2),
+        ),
+    ];
+    let direct = |d| BatchOptions {
+        direct: Some(d),
+        ..BatchOptions::default()
+    };
+    let batch = Batch::new(tensors.clone(), Vec::new(), direct(1)).unwrap();
+    let mut kinds = BTreeSet::new();
+    for r in 0..batch.world() {
+        let rb = batch.rank_batch(r).unwrap();
+        for m in rb.moves.iter().chain(&rb.amax) {
+            let values = m.tensor == 1 && m.kind != MoveKind::Scales && m.kind != MoveKind::Amax;
+            let want = if values { Lands::Shard } else { Lands::Aside };
+            assert_eq!(rb.lands(m), want, "rank {r}: {m:?}");
+            kinds.insert((m.tensor, format!("{:?}", rb.lands(m))));
+        }
+    }
+    // both kinds of the direct tensor's moves, and the other tensor's, were seen
+    assert!(kinds.contains(&(1, "Shard".into())), "{kinds:?}");
+    assert!(kinds.contains(&(1, "Aside".into())), "{kinds:?}");
+    assert!(kinds.contains(&(0, "Aside".into())), "{kinds:?}");
+    // without the option, nothing lands in a shard
+    let plain = Batch::new(tensors.clone(), Vec::new(), BatchOptions::default()).unwrap();
+    for r in 0..plain.world() {
+        let rb = plain.rank_batch(r).unwrap();
+        assert!(rb.moves.iter().all(|m| rb.lands(m) == Lands::Aside));
+    }
+
+    let err = |fusions, options| {
+        Batch::new(tensors.clone(), fusions, options)
+            .unwrap_err()
+            .to_string()
+    };
+    let e = err(Vec::new(), direct(7));
+    assert!(e.contains("tensor `7`") && e.contains("3 tensors"), "{e}");
+    let e = err(Vec::new(), direct(2));
+    assert!(e.contains("tensor `norm`") && e.contains("packed"), "{e}");
+    let twins = vec![
+        tensors[0].clone(),
+        Tensor {
+            name: "p".into(),
+            ..tensors[0].clone()
+        },
+    ];
+    let fused = vec![Fusion {
+        name: "op".into(),
+        side: Side::Dst,
+        dim: 1,
+        members: vec![0, 1],
+    }];
+    let e = Batch::new(twins, fused, direct(1)).unwrap_err().to_string();
+    assert!(
+        e.contains("tensor `p`") && e.contains("fused into `op`"),
+        "{e}"
+    );
+}
+
 /// A tensor of `shape` quantized into fp8 with `scheme`, from `src` (bf16) on ranks from
 /// `first_src` to `dst` on ranks from `first_dst`.
 fn quantized(

@@ -107,7 +107,15 @@ pub fn batch_of(
         .filter_map(fusion(Side::Src))
         .chain(refit.dst_fused.iter().filter_map(fusion(Side::Dst)))
         .collect();
-    let batch = Batch::new(tensors, fusions, BatchOptions { plan, pack_below })?;
+    let batch = Batch::new(
+        tensors,
+        fusions,
+        BatchOptions {
+            plan,
+            pack_below,
+            direct: None,
+        },
+    )?;
     Ok((batch, ids))
 }
 

@@ -139,7 +139,10 @@ impl QuantizedMove {
     /// batch moves both in one schedule: one stream per peer pair, the scales of a pair right
     /// after its values. Small replicated tensors are not packed into broadcasts: every byte
     /// moves as the two plans say, so the wire carries exactly their bytes (values + scales)
-    /// and [`QuantizedMove::totals`] stays what a run moves.
+    /// and [`QuantizedMove::totals`] stays what a run moves. The values may be written
+    /// straight into their receivers' shards ([`BatchOptions::direct`]): over a shm link
+    /// offered a rank's value shard, same-host senders copy the values there themselves,
+    /// while the scales (another buffer) go through rings.
     ///
     /// ```
     /// use reshard::layout::LayoutSpec;
@@ -173,6 +176,7 @@ impl QuantizedMove {
             BatchOptions {
                 plan: self.values.options(),
                 pack_below: 0,
+                direct: Some(Self::VALUES),
             },
         )
     }

@@ -27,7 +27,6 @@
 
 mod connect;
 mod run;
-mod split;
 
 use crate::error::Field;
 use std::str::FromStr;
@@ -43,7 +42,6 @@ use crate::transport::group::{Group, GroupEnv};
 
 pub use connect::{AnyTransport, Destination, Links};
 pub use run::PlanRank;
-pub use split::SplitTransport;
 
 /// Which transport moves the bytes.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

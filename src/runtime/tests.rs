@@ -779,12 +779,16 @@ fn an_already_quantized_move_runs_values_and_scales_in_one_call() {
     }
 }
 
-/// The coupled batch of an already-quantized move over split shm links: the value chunks
-/// written straight into the receivers' shared value shards, the scale chunks through rings
-/// of their own, one schedule over both, checksummed; every destination lands its boxes of
-/// both (source and destination ranks overlapping, so local copies run beside).
+/// The coupled batch of an already-quantized move over one shm link offered each rank's
+/// shared value shard: the batch marks its value moves direct ([`BatchOptions::direct`]), so
+/// every remote value byte is written straight into its receiver's shard by its sender
+/// (`bytes_direct`), while the scale chunks (another buffer) go through rings, in one
+/// schedule, checksummed or not; every destination lands its boxes of both (source and
+/// destination ranks overlapping, so local copies run beside).
+///
+/// [`BatchOptions::direct`]: crate::batch::BatchOptions::direct
 #[test]
-fn split_links_write_the_values_directly_and_carry_the_scales_beside() {
+fn a_direct_batch_writes_the_values_into_shared_shards_and_rings_the_scales() {
     use crate::batch::run_rank_batch;
     use crate::convert::reference::{quantize_tensor, slice};
     use crate::plan::{QuantRequest, QuantizedMove};
@@ -839,41 +843,61 @@ fn split_links_write_the_values_directly_and_carry_the_scales_beside() {
         let mut scales = vec![0u8; mv.scales.dst().local_bytes(rank) as usize];
         let layouts = [src, mv.scales.src()];
         let shard = dst_box.as_ref().map(|b| (&values, b));
-        let direct = world.connect(&links, layouts, shard).unwrap();
-        let rest = world.connect(&links, layouts, None).unwrap();
+        let transport = world.connect(&links, layouts, shard).unwrap();
         let srcs: Vec<&[u8]> = source
             .as_ref()
             .map(|(v, s)| vec![v.as_slice(), s.as_slice()])
             .unwrap_or_default();
-        let split = SplitTransport::new(
-            direct,
-            rest,
-            source.as_ref().map(|(v, _)| v.as_slice()),
-            Some(&values),
-        );
-        let mut dsts: Vec<&mut [u8]> = match dst_box {
-            Some(_) => vec![&mut values[..], &mut scales[..]],
-            None => Vec::new(),
-        };
-        let run = RunOptions {
-            checksum: true,
-            chunk_bytes: 40,
-        };
-        run_rank_batch(
-            &batch,
-            &rb,
-            &srcs,
-            &mut dsts,
-            &mut [],
-            &split,
-            &world.exec_options(&run),
-        )
-        .unwrap();
-        drop(split);
+        let mut runs = Vec::new();
+        for checksum in [false, true] {
+            values.fill(0xA5);
+            scales.fill(0xA5);
+            world.barrier().unwrap();
+            let mut dsts: Vec<&mut [u8]> = match dst_box {
+                Some(_) => vec![&mut values[..], &mut scales[..]],
+                None => Vec::new(),
+            };
+            let run = RunOptions {
+                checksum,
+                chunk_bytes: 40,
+            };
+            let stats = run_rank_batch(
+                &batch,
+                &rb,
+                &srcs,
+                &mut dsts,
+                &mut [],
+                &*transport,
+                &world.exec_options(&run),
+            )
+            .unwrap();
+            world.barrier().unwrap();
+            runs.push((
+                stats.bytes_direct,
+                dst_box.as_ref().map(|_| (values.to_vec(), scales.clone())),
+            ));
+        }
+        drop(transport);
         world.finish(Ok(serde_json::json!(rank))).unwrap();
-        dst_box.map(|_| (values.to_vec(), scales))
+        runs
     });
-    for (rank, got) in landed.into_iter().enumerate() {
-        assert_eq!(got, boxes(dst, rank), "rank {rank}");
+    for (rank, runs) in landed.into_iter().enumerate() {
+        // every value byte this rank sends to another rank, and no scale byte
+        let sent: u64 = mv
+            .values
+            .rank_part(rank)
+            .sends
+            .iter()
+            .map(|t| t.region.volume())
+            .sum();
+        for (i, (direct, got)) in runs.into_iter().enumerate() {
+            assert_eq!(direct, sent, "rank {rank}, run {i}: bytes written directly");
+            assert!(
+                got == boxes(dst, rank),
+                "rank {rank}, run {i}: values and scales"
+            );
+        }
     }
+    // the values cross between ranks at all
+    assert!((0..4).any(|r| !mv.values.rank_part(r).sends.is_empty()));
 }

@@ -23,7 +23,7 @@ use reshard::exec::{self, ExecOptions, RankJob, RankStats};
 use reshard::fill::Fill;
 use reshard::layout::Layout;
 use reshard::plan::{GatherBroadcast, QuantizedMove};
-use reshard::runtime::{AnyTransport, Destination, Links, SplitTransport};
+use reshard::runtime::{AnyTransport, Destination, Links};
 use reshard::transport::Job;
 use reshard::transport::segment::SharedBuffer;
 use reshard::{DType, Error, Rank, Region, Side};
@@ -433,11 +433,11 @@ struct CoupledRank<'j> {
 }
 
 impl<'j> CoupledRank<'j> {
-    /// Opens the batch's links (every rank alike). Its transfers land in two buffers, and a
-    /// shm link writes straight into one destination box per receiver: with `direct` (shared
-    /// memory may carry some peers), the value chunks go over links that write into this
-    /// rank's value shard and the scale chunks over links of their own, one schedule over both
-    /// ([`SplitTransport`]); otherwise one link carries both.
+    /// Opens the batch's links (every rank alike). With `direct` (shared memory may carry
+    /// some peers), the link is offered this rank's value shard, so that same-host senders
+    /// write the values straight into it (the batch marks its value moves to land there,
+    /// [`reshard::batch::BatchOptions::direct`]) while the scales go through rings; otherwise
+    /// every chunk takes the link's usual way.
     fn connect<J: Job + ?Sized>(
         batch: &'j Batch,
         values: &Tensor<'j>,
@@ -448,24 +448,12 @@ impl<'j> CoupledRank<'j> {
         let part = batch.rank_batch(job.rank())?;
         let links = Links::of_batch(&part);
         job.barrier()?;
-        let transport = match direct {
-            true => {
-                let shard = values
-                    .dst_box
-                    .as_ref()
-                    .and_then(|b| values.shard.as_ref().map(|s| (s, b)));
-                let into_values = connect(&links, shard)?;
-                job.barrier()?;
-                let rest = connect(&links, None)?;
-                Box::new(SplitTransport::new(
-                    into_values,
-                    rest,
-                    values.source.as_deref(),
-                    values.shard.as_deref(),
-                ))
-            }
-            false => connect(&links, None)?,
-        };
+        let shard = values
+            .dst_box
+            .as_ref()
+            .and_then(|b| values.shard.as_ref().map(|s| (s, b)))
+            .filter(|_| direct);
+        let transport = connect(&links, shard)?;
         Ok(CoupledRank {
             batch,
             part,
