@@ -552,7 +552,9 @@ fn run_of_an_already_quantized_source_under_mpirun_checksums_both_tensors() {
 
 /// Checks one `bench --json` report of the hand-checked case: verified, and the bytes exact
 /// (values and scales: 256 KiB + 64 B at the destinations and on the reshard's wire,
-/// 1.25 MiB + 320 B for gather+broadcast of both, 256 KiB for the values alone).
+/// 1.25 MiB + 320 B for gather+broadcast of both, 256 KiB for the values alone). Over shared
+/// memory, the reshard's values are written straight into the receivers' shards, every byte
+/// of them, and its scales are not (`bytes_direct`); elsewhere nothing is.
 fn check_bench(out: &std::process::Output, transport: &str) {
     assert!(
         out.status.success(),
@@ -570,10 +572,12 @@ fn check_bench(out: &std::process::Output, transport: &str) {
     assert_eq!(j["gather_broadcast"]["wire_bytes"], 1310720 + 320, "{j}");
     assert_eq!(j["values_only"]["wire_bytes"], 262144, "{j}");
     assert!(j["reshard_vs_values_only"].as_f64().unwrap() > 0.0, "{j}");
+    let direct = (transport == "shm").then_some(262144);
+    assert_eq!(j["reshard"]["bytes_direct"].as_u64(), direct, "{j}");
 }
 
 /// `bench` of an already-quantized source, in threads and over tcp, shm and auto (the last
-/// two on split links), checksummed: the three methods run, every repetition verified, the
+/// two writing the values directly), checksummed: the three methods run, every repetition verified, the
 /// report counting the scales.
 #[test]
 fn bench_moves_an_already_quantized_source_with_its_scales() {

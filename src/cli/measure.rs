@@ -25,6 +25,9 @@ pub struct Measured {
     pub times: Vec<f64>,
     pub wire_bytes: u64,
     pub peak_extra: u64,
+    /// Of `wire_bytes`, those same-host senders wrote straight into the receivers' shards
+    /// (shm direct writes), counted by the senders.
+    pub bytes_direct: u64,
 }
 
 impl Measured {
@@ -45,6 +48,7 @@ impl Measured {
             self.times.push(started.elapsed().as_secs_f64());
             self.wire_bytes = stats.bytes_received;
             self.peak_extra = stats.peak_staging_bytes.saturating_add(extra);
+            self.bytes_direct = stats.bytes_direct;
         }
         Ok(())
     }
@@ -55,6 +59,7 @@ impl Measured {
             "times": self.times,
             "wire_bytes": self.wire_bytes,
             "peak_extra": self.peak_extra,
+            "bytes_direct": self.bytes_direct,
         })
     }
 
@@ -81,6 +86,7 @@ impl Measured {
                 .map(|v| u(v, "peak_extra"))
                 .max()
                 .unwrap_or(0),
+            bytes_direct: per_rank.iter().map(|v| u(v, "bytes_direct")).sum(),
         }
     }
 }
@@ -113,6 +119,10 @@ pub struct MethodJson {
     pub wire_bytes: u64,
     pub gbps: f64,
     pub peak_extra_bytes_per_rank: u64,
+    /// Of `wire_bytes`, those written straight into the receivers' shards by same-host
+    /// senders (shm), when any: absent when every byte went through rings or sockets.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bytes_direct: Option<u64>,
     /// Across hosts (`--hosts`): the most bytes into or out of one host.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub busiest_link_bytes: Option<u64>,
@@ -132,6 +142,7 @@ impl MethodJson {
             wire_bytes: m.wire_bytes,
             gbps: dst_bytes as f64 / median_s.max(1e-12) / 1e9,
             peak_extra_bytes_per_rank: m.peak_extra,
+            bytes_direct: (m.bytes_direct > 0).then_some(m.bytes_direct),
             busiest_link_bytes: None,
             predicted_s: None,
         }
