@@ -102,12 +102,15 @@ impl Method {
     /// The order of the two in repetition `i`: each goes first every other time, so that
     /// neither always inherits the machine from the other.
     pub fn order(i: u32) -> [Method; 2] {
-        if i.is_multiple_of(2) {
-            [Method::Reshard, Method::GatherBroadcast]
-        } else {
-            [Method::GatherBroadcast, Method::Reshard]
-        }
+        in_turn([Method::Reshard, Method::GatherBroadcast], i)
     }
+}
+
+/// The methods of a comparison in the order of repetition `i`: each goes first in turn
+/// (rotated by `i`), so that none always runs on the caches the one before left.
+pub fn in_turn<T, const N: usize>(mut methods: [T; N], i: u32) -> [T; N] {
+    methods.rotate_left(i as usize % N);
+    methods
 }
 
 /// One method's line of a bench or refit report.
@@ -178,4 +181,25 @@ pub fn conclude(
     }
     let ranks = world.finish(outcome)?;
     Ok(ranks.map(|ranks| Reports { ranks }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::in_turn;
+
+    /// Over N repetitions every method goes first once, and each order keeps the cycle.
+    #[test]
+    fn every_method_goes_first_in_turn() {
+        let orders: Vec<[char; 3]> = (0..4).map(|i| in_turn(['a', 'b', 'c'], i)).collect();
+        assert_eq!(
+            orders,
+            [
+                ['a', 'b', 'c'],
+                ['b', 'c', 'a'],
+                ['c', 'a', 'b'],
+                ['a', 'b', 'c']
+            ]
+        );
+        assert_eq!(in_turn([1, 2], 1), [2, 1]);
+    }
 }

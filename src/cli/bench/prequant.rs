@@ -115,11 +115,7 @@ enum Method {
 /// The order in repetition `i`: each method goes first, second and third in turn.
 fn order(i: u32) -> [Method; 3] {
     use Method::*;
-    match i % 3 {
-        0 => [Reshard, GatherBroadcast, ValuesOnly],
-        1 => [GatherBroadcast, ValuesOnly, Reshard],
-        _ => [ValuesOnly, Reshard, GatherBroadcast],
-    }
+    crate::cli::measure::in_turn([Reshard, GatherBroadcast, ValuesOnly], i)
 }
 
 /// Checks `rank`'s values (and its scales, unless `scales` is `None`) against `expected`.

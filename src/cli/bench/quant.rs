@@ -41,11 +41,7 @@ enum Method {
 /// The order in repetition `i`: each method goes first, second and third in turn.
 fn order(i: u32) -> [Method; 3] {
     use Method::*;
-    match i % 3 {
-        0 => [Reshard, ReshardThenQuantize, GatherBroadcast],
-        1 => [ReshardThenQuantize, GatherBroadcast, Reshard],
-        _ => [GatherBroadcast, Reshard, ReshardThenQuantize],
-    }
+    crate::cli::measure::in_turn([Reshard, ReshardThenQuantize, GatherBroadcast], i)
 }
 
 fn convert_error(source: reshard::convert::ConvertError) -> Error {

@@ -283,24 +283,14 @@ fn quant_lines(j: &CaseJson, scheme: &str, then: &MethodJson) {
         "{} -> {} {scheme}: quantize in flight vs on the receivers after moving {} (their times include it)",
         j.dtype, j.dst_dtype, j.dtype
     );
-    println!(
-        "  {:<34} {:>10} {:>12} {:>9} {:>9} {:>11}",
-        "method", "ms", "wire", "GB/s", "vs ours", "extra mem"
+    method_table(
+        j,
+        &[
+            ("reshard, quantizing in flight", &j.reshard),
+            ("(a) reshard, then quantize", then),
+            ("(b) gather+broadcast, then quantize", &j.gather_broadcast),
+        ],
     );
-    let line = |name: &str, m: &MethodJson| {
-        println!(
-            "  {:<34} {:>10.2} {:>12} {:>9.2} {:>8.2}x {:>11}",
-            name,
-            m.median_s * 1e3,
-            bytes(m.wire_bytes),
-            m.gbps,
-            m.median_s / j.reshard.median_s.max(1e-12),
-            bytes(m.peak_extra_bytes_per_rank),
-        );
-    };
-    line("reshard, quantizing in flight", &j.reshard);
-    line("(a) reshard, then quantize", then);
-    line("(b) gather+broadcast, then quantize", &j.gather_broadcast);
 }
 
 /// An already-quantized case: the three methods, one a line.
@@ -311,11 +301,23 @@ fn prequant_lines(j: &CaseJson, scheme: &str, alone: &MethodJson) {
         j.scale_dtype.as_deref().unwrap_or("f32"),
         bytes(j.dst_scale_bytes.unwrap_or(0))
     );
+    method_table(
+        j,
+        &[
+            ("reshard, values and scales", &j.reshard),
+            ("gather+broadcast, values and scales", &j.gather_broadcast),
+            ("reshard, the values alone", alone),
+        ],
+    );
+}
+
+/// The methods of a three-way case, one a line, timed against the reshard.
+fn method_table(j: &CaseJson, methods: &[(&str, &MethodJson)]) {
     println!(
         "  {:<34} {:>10} {:>12} {:>9} {:>9} {:>11}",
         "method", "ms", "wire", "GB/s", "vs ours", "extra mem"
     );
-    let line = |name: &str, m: &MethodJson| {
+    for (name, m) in methods {
         println!(
             "  {:<34} {:>10.2} {:>12} {:>9.2} {:>8.2}x {:>11}",
             name,
@@ -325,8 +327,5 @@ fn prequant_lines(j: &CaseJson, scheme: &str, alone: &MethodJson) {
             m.median_s / j.reshard.median_s.max(1e-12),
             bytes(m.peak_extra_bytes_per_rank),
         );
-    };
-    line("reshard, values and scales", &j.reshard);
-    line("gather+broadcast, values and scales", &j.gather_broadcast);
-    line("reshard, the values alone", alone);
+    }
 }
