@@ -218,10 +218,11 @@ def _plan_of(name: str, src_layout, dst_layout, rank: int, world: int) -> _Local
     for what, layout in (("src_layout", src_layout), ("dst_layout", dst_layout)):
         _check_ranks(label, what, layout, world)
     if src_layout.dtype != dst_layout.dtype:
-        # the core converts float dtypes in flight (`--dst-dtype`); this executor does not yet
+        # float casts were turned into moves of one dtype before (_torch_cast); what is left
+        # is a conversion no engine loads (integers, bool, fp8 without quant)
         raise ReshardError(
             f"{label}dst_layout: dtype {dst_layout.dtype} differs from src_layout's {src_layout.dtype}, "
-            "and the torch executor moves tensors in one dtype"
+            "and only float dtypes (f64, f32, bf16, f16) convert into each other"
         )
     try:
         return _local_plan(src_layout, dst_layout, rank)
