@@ -566,7 +566,9 @@ def reshard_(
     that do not fit them or any other bad argument (a ``scale`` without ``quant``, say) makes
     every rank raise, naming the rank and what differs, instead of waiting for the backend's
     timeout. Later calls with the same layouts skip the check: a bad argument then raises on
-    its own rank only (see :mod:`reshard._torch_args`).
+    its own rank only (see :mod:`reshard._torch_args`). ``dst_layout`` may have another float
+    dtype than ``src_layout`` (f64, f32, bf16, f16): the source ranks convert as torch's
+    ``.to()`` does, and the wire carries the destination dtype.
 
     With NCCL, ``batch_isend_irecv`` wants the group's communicator to exist before a batch
     that not every rank of the group joins: run one collective on the group first (a barrier).
