@@ -39,9 +39,22 @@ pub fn verify(
     let (Some(q), Some(shard)) = (plan.quant(), plan.dst().local_region(rank)) else {
         return Ok(());
     };
-    if let Some((offset, expected, found, mismatches)) =
-        first_difference(&reference.values_of(&shard), values)
-    {
+    let blocks = q.grid.scale_region(&shard);
+    compare(
+        rank,
+        (&reference.values_of(&shard), values),
+        Some((&reference.scales_of(&blocks), scales)),
+    )
+}
+
+/// `rank`'s values against the expected ones, then its scales if given (`(expected, got)`
+/// each): the first difference fails, as values or as scales.
+pub fn compare(
+    rank: Rank,
+    values: (&[u8], &[u8]),
+    scales: Option<(&[u8], &[u8])>,
+) -> Result<(), Error> {
+    if let Some((offset, expected, found, mismatches)) = first_difference(values.0, values.1) {
         return Err(Error::VerifyFailed {
             rank,
             offset,
@@ -50,9 +63,8 @@ pub fn verify(
             mismatches,
         });
     }
-    let blocks = q.grid.scale_region(&shard);
     if let Some((offset, expected, found, mismatches)) =
-        first_difference(&reference.scales_of(&blocks), scales)
+        scales.and_then(|(want, got)| first_difference(want, got))
     {
         return Err(Error::ScalesVerifyFailed {
             rank,

@@ -17,7 +17,6 @@ use indicatif::ProgressBar;
 
 use reshard::batch::{Batch, RankBatch, run_local_batch, run_rank_batch};
 use reshard::convert::quantize_shard;
-use reshard::convert::reference::first_difference;
 use reshard::exec::baseline::{self, BaselineJob};
 use reshard::exec::{self, ExecOptions, RankJob, RankStats};
 use reshard::fill::Fill;
@@ -120,27 +119,11 @@ fn order(i: u32) -> [Method; 3] {
 
 /// Checks `rank`'s values (and its scales, unless `scales` is `None`) against `expected`.
 fn verify(rank: Rank, expected: &Boxes, values: &[u8], scales: Option<&[u8]>) -> Result<(), Error> {
-    if let Some((offset, expected, found, mismatches)) = first_difference(&expected.0, values) {
-        return Err(Error::VerifyFailed {
-            rank,
-            offset,
-            expected,
-            found,
-            mismatches,
-        });
-    }
-    if let Some(scales) = scales
-        && let Some((offset, expected, found, mismatches)) = first_difference(&expected.1, scales)
-    {
-        return Err(Error::ScalesVerifyFailed {
-            rank,
-            offset,
-            expected,
-            found,
-            mismatches,
-        });
-    }
-    Ok(())
+    crate::cli::quant_check::compare(
+        rank,
+        (&expected.0, values),
+        scales.map(|s| (&expected.1[..], s)),
+    )
 }
 
 /// Rank -> local buffer.

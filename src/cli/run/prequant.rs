@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 use std::io::Write;
 use std::time::Instant;
 
-use reshard::convert::reference::{QuantizedTensor, first_difference, quantize_tensor, slice};
+use reshard::convert::reference::{QuantizedTensor, quantize_tensor, slice};
 use reshard::error::Field;
 use reshard::exec::ExecOptions;
 use reshard::fill::Fill;
@@ -85,25 +85,7 @@ fn verify(
     let Some((want_values, want_scales)) = boxes(q, mv.values.dst(), mv.scales.dst(), rank) else {
         return Ok(());
     };
-    if let Some((offset, expected, found, mismatches)) = first_difference(&want_values, values) {
-        return Err(Error::VerifyFailed {
-            rank,
-            offset,
-            expected,
-            found,
-            mismatches,
-        });
-    }
-    if let Some((offset, expected, found, mismatches)) = first_difference(&want_scales, scales) {
-        return Err(Error::ScalesVerifyFailed {
-            rank,
-            offset,
-            expected,
-            found,
-            mismatches,
-        });
-    }
-    Ok(())
+    crate::cli::quant_check::compare(rank, (&want_values, values), Some((&want_scales, scales)))
 }
 
 /// Rank -> its buffers `[values, scales]` ([`QuantizedMove::batch`]).
