@@ -114,6 +114,21 @@ pub struct Buffer {
     pub pieces: Vec<Piece>,
 }
 
+impl Buffer {
+    /// A buffer holding one tensor's box `region` whole, `len` bytes.
+    fn whole(name: &str, tensor: usize, region: Region, len: usize) -> Buffer {
+        Buffer {
+            name: name.to_string(),
+            len,
+            pieces: vec![Piece {
+                tensor,
+                region,
+                bytes: 0..len,
+            }],
+        }
+    }
+}
+
 /// Knobs of a batch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct BatchOptions {
@@ -386,15 +401,19 @@ impl Batch {
         self.packs.values().any(|p| p.contains(&i))
     }
 
-    /// `rank`'s buffers on `side`, in a fixed order: tensors in batch order, a fused buffer
-    /// where its first member comes. Fails if a fusion's members disagree on this rank.
-    pub fn buffers(&self, side: Side, rank: Rank) -> Result<Vec<Buffer>> {
-        let fusion_of: BTreeMap<usize, &Fusion> = self
-            .fusions
+    /// Each member of a fusion on `side`, with its fusion.
+    fn fusion_of(&self, side: Side) -> BTreeMap<usize, &Fusion> {
+        self.fusions
             .iter()
             .filter(|f| f.side == side)
             .flat_map(|f| f.members.iter().map(move |&m| (m, f)))
-            .collect();
+            .collect()
+    }
+
+    /// `rank`'s buffers on `side`, in a fixed order: tensors in batch order, a fused buffer
+    /// where its first member comes. Fails if a fusion's members disagree on this rank.
+    pub fn buffers(&self, side: Side, rank: Rank) -> Result<Vec<Buffer>> {
+        let fusion_of = self.fusion_of(side);
         let mut out = Vec::new();
         for (i, t) in self.tensors.iter().enumerate() {
             match fusion_of.get(&i) {
@@ -408,15 +427,7 @@ impl Batch {
                     let l = t.layout(side);
                     if let Some(region) = l.local_region(rank) {
                         let len = l.local_bytes(rank) as usize;
-                        out.push(Buffer {
-                            name: t.name.clone(),
-                            len,
-                            pieces: vec![Piece {
-                                tensor: i,
-                                region,
-                                bytes: 0..len,
-                            }],
-                        });
+                        out.push(Buffer::whole(&t.name, i, region, len));
                     }
                 }
             }
@@ -443,12 +454,7 @@ impl Batch {
     /// member but the last must hold whole blocks along the fused dim, or the blocks of the
     /// fused buffer would straddle two members: an error naming the fusion and the member.
     pub fn scale_buffers(&self, rank: Rank) -> Result<Vec<Buffer>> {
-        let fusion_of: BTreeMap<usize, &Fusion> = self
-            .fusions
-            .iter()
-            .filter(|f| f.side == Side::Dst)
-            .flat_map(|f| f.members.iter().map(move |&m| (m, f)))
-            .collect();
+        let fusion_of = self.fusion_of(Side::Dst);
         let mut out = Vec::new();
         for (i, t) in self.tensors.iter().enumerate() {
             let Some(q) = &t.quant else { continue };
@@ -471,15 +477,7 @@ impl Batch {
                 None => {
                     if let Some(region) = q.dst_scale_box(&t.dst, rank) {
                         let len = region.volume() as usize * q.scale_bytes();
-                        out.push(Buffer {
-                            name: t.name.clone(),
-                            len,
-                            pieces: vec![Piece {
-                                tensor: i,
-                                region,
-                                bytes: 0..len,
-                            }],
-                        });
+                        out.push(Buffer::whole(&t.name, i, region, len));
                     }
                 }
             }
