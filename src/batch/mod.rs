@@ -922,6 +922,24 @@ pub struct Move {
     pub dst_at: Option<(usize, Range<usize>)>,
 }
 
+impl Move {
+    /// The executor's step of this move, converting with `cast` and landing where `lands` says.
+    pub fn step(&self, cast: Option<Cast>, lands: crate::transport::Lands) -> Step<'_> {
+        Step {
+            from: self.from,
+            to: self.to,
+            region: &self.region,
+            elem_bytes: self.elem_bytes,
+            src_box: &self.src_box,
+            dst_box: &self.dst_box,
+            src_at: self.src_at.clone(),
+            dst_at: self.dst_at.clone(),
+            cast,
+            lands,
+        }
+    }
+}
+
 /// A quantized tensor this rank holds a source shard of: it computes the amax of the blocks
 /// its shard touches, exchanges partial amax where a block straddles source shards, and
 /// stages those blocks' scales for its scale moves.
@@ -1019,18 +1037,7 @@ impl RankBatch {
                     })?)
                 }
             };
-            let step = Step {
-                from: m.from,
-                to: m.to,
-                region: &m.region,
-                elem_bytes: m.elem_bytes,
-                src_box: &m.src_box,
-                dst_box: &m.dst_box,
-                src_at: m.src_at.clone(),
-                dst_at: m.dst_at.clone(),
-                cast,
-                lands: self.lands(m),
-            };
+            let step = m.step(cast, self.lands(m));
             if m.from == m.to {
                 steps.locals.push(step);
             } else if m.from == self.rank {

@@ -44,7 +44,7 @@ use super::{Batch, MoveKind, RankBatch};
 use crate::convert::{AmaxGrid, Scales};
 use crate::copy::{Cast, Quantizer};
 use crate::error::{Error, Result};
-use crate::exec::{ExecOptions, Step, Steps, run_steps};
+use crate::exec::{ExecOptions, Steps, run_steps};
 use crate::plan::QuantPlan;
 use crate::plan::quant::AMAX_BYTES;
 use crate::transport::Transport;
@@ -275,19 +275,8 @@ fn exchange<'buf, T: Transport<'buf> + ?Sized>(
         ..Steps::default()
     };
     for m in rb.amax.iter().filter(|m| m.kind == MoveKind::Amax) {
-        let step = Step {
-            from: m.from,
-            to: m.to,
-            region: &m.region,
-            elem_bytes: m.elem_bytes,
-            src_box: &m.src_box,
-            dst_box: &m.dst_box,
-            src_at: m.src_at.clone(),
-            dst_at: m.dst_at.clone(),
-            cast: None,
-            // partial amax land in the exchange's own staging
-            lands: crate::transport::Lands::Aside,
-        };
+        // partial amax land in the exchange's own staging
+        let step = m.step(None, crate::transport::Lands::Aside);
         if m.from == rb.rank {
             steps.sends.push(step);
         } else {
