@@ -2,25 +2,18 @@
 //! ranks in another, sending every destination exactly the regions of the source shards that
 //! overlap its own, point to point, instead of all-gathering the tensor and broadcasting it.
 //!
-//! The crate is a pure core with thin edges:
-//! - [`region`], [`copy`] and [`checksum`], the bottom layer: boxes of a tensor, the strided
-//!   copy kernels that move a box between buffers and messages (converting on the way), and
-//!   the CRC-32C of a box's bytes;
-//! - [`layout`]: meshes, placements and the `torch.chunk` rule: which box each rank holds;
-//! - [`plan`]: the transfers between two layouts, computed without communication;
-//! - [`exec`]: runs a plan over a [`transport::Transport`], in bounded chunks;
-//! - [`transport`]: moves chunks (`local`: ranks as threads of one process);
-//! - [`runtime`]: a [`runtime::World`] joins a job of processes (torchrun variables, `mpirun`)
-//!   or runs the ranks as threads, picks the transports, and runs a plan or a batch for its
-//!   ranks with one call;
-//! - [`convert`]: precision in flight: float casts, fp8, quantization schemes and their scales;
-//! - [`fill`]: deterministic contents for running and verifying reshards;
-//! - [`model`]: whole models (HF configs, checkpoint headers), training and inference
-//!   parallelism, the per-parameter layout rules, and the plan of a whole-model refit;
-//! - [`topology`]: which host each rank runs on, for plans that mind the links between hosts;
-//! - [`sim`]: a cluster cost model that prices plans at scales this machine cannot run;
-//! - [`topology`]: which host each rank runs on ([`topology::HostMap`]);
-//! - [`limits`]: every bound on the size of the input, and why.
+//! This crate is the facade: it re-exports the layers, each a crate of its own that depends
+//! only on those below it:
+//! - `reshard-core`, the pure core: [`region`], [`copy`], [`checksum`], [`layout`],
+//!   [`topology`], [`plan`], [`convert`], [`fill`], [`agreement`], [`sim`], [`limits`] and
+//!   the [`error`]s;
+//! - `reshard-model`: whole models ([`model`]): HF configs, checkpoint headers, parallelism
+//!   configs, the per-parameter layout rules and the plan of a whole-model refit;
+//! - `reshard-transport`: the [`transport`]s behind one trait, rendezvous and the job's
+//!   control protocol;
+//! - `reshard-runtime`: the executor ([`exec`]), many tensors in one run ([`batch`]), and the
+//!   [`runtime`]: a [`runtime::World`] joins a job of processes (torchrun variables,
+//!   `mpirun`) or runs the ranks as threads, and runs a plan or a batch for its ranks.
 //!
 //! ```
 //! use reshard::{DType, Plan, layout::LayoutSpec};
@@ -32,32 +25,19 @@
 //! assert_eq!(totals.gather_broadcast_bytes, 640); // all-gather, then 4 full copies
 //! ```
 
-pub mod agreement;
-pub mod batch;
-pub mod checksum;
-pub mod convert;
-pub mod copy;
-pub mod dtype;
-pub mod error;
-pub mod exec;
-pub mod fill;
-pub mod layout;
-pub mod limits;
-pub mod memory;
-pub mod model;
-pub mod plan;
-mod rank;
-pub mod region;
-pub mod runtime;
-pub mod sim;
-pub mod topology;
-pub mod transport;
+pub use reshard_core::{
+    DType, Error, Layout, Mesh, Placement, Plan, PlanOptions, Rank, RankPlan, Region, Result, Side,
+    Transfer,
+};
+pub use reshard_core::{
+    agreement, checksum, convert, copy, dtype, error, fill, layout, limits, memory, plan, region,
+    sim, topology,
+};
+pub use reshard_model as model;
+pub use reshard_runtime::{batch, exec};
+pub use reshard_transport as transport;
 
-#[cfg(test)]
-mod testing;
-
-pub use dtype::DType;
-pub use error::{Error, Result, Side};
-pub use layout::{Layout, Mesh, Placement, Rank};
-pub use plan::{Plan, PlanOptions, RankPlan, Transfer};
-pub use region::Region;
+/// Joining a job and running this process's ranks ([`runtime::World`]).
+pub mod runtime {
+    pub use reshard_runtime::*;
+}

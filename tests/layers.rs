@@ -1,97 +1,132 @@
-//! The crate's layers point one way: the bottom (ranks, regions, copy kernels, checksums,
-//! errors, layouts) never imports the executor, transports or the model, the transports never
-//! import the executor that drives them, so that each can be read, tested and reused without
-//! the layers above it. Checked on the source text, since the compiler accepts a cycle between
-//! modules of one crate without complaint.
+//! The crates are the layers, and they point one way: the pure core depends on no other
+//! crate of the workspace; the model rules and the transports on the core alone; the runtime
+//! (executor and runtime) on those three; the command line and the Python package on top, the
+//! Python package without the transports or the runtime. Cargo refuses a cycle between crates,
+//! but not a new edge that skips or inverts a layer, so the graph is checked here, read from
+//! each crate's manifest.
 
+use std::collections::{BTreeMap, BTreeSet};
 use std::fs;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
-/// Every `.rs` file of `path` (a file, or a folder searched recursively).
-fn sources(path: &Path) -> Vec<PathBuf> {
-    if path.is_file() {
-        return vec![path.to_path_buf()];
-    }
-    let mut files = Vec::new();
-    for entry in fs::read_dir(path).unwrap_or_else(|e| panic!("{}: {e}", path.display())) {
-        let entry = entry.unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-        let p = entry.path();
-        if p.is_dir() {
-            files.extend(sources(&p));
-        } else if p.extension().is_some_and(|x| x == "rs") {
-            files.push(p);
-        }
-    }
-    files
+/// The workspace's crates, by package name, and the manifest each lives in.
+const CRATES: [(&str, &str); 7] = [
+    ("reshard-core", "crates/core/Cargo.toml"),
+    ("reshard-model", "crates/model/Cargo.toml"),
+    ("reshard-transport", "crates/transport/Cargo.toml"),
+    ("reshard-runtime", "crates/runtime/Cargo.toml"),
+    ("reshard", "Cargo.toml"),
+    ("reshard-cli", "crates/cli/Cargo.toml"),
+    ("reshard-python", "python/Cargo.toml"),
+];
+
+/// What each crate may depend on (its `[dependencies]`, among the workspace's crates).
+fn allowed() -> BTreeMap<&'static str, BTreeSet<&'static str>> {
+    let set = |names: &[&'static str]| names.iter().copied().collect::<BTreeSet<_>>();
+    BTreeMap::from([
+        ("reshard-core", set(&[])),
+        ("reshard-model", set(&["reshard-core"])),
+        ("reshard-transport", set(&["reshard-core"])),
+        (
+            "reshard-runtime",
+            set(&["reshard-core", "reshard-model", "reshard-transport"]),
+        ),
+        (
+            "reshard",
+            set(&[
+                "reshard-core",
+                "reshard-model",
+                "reshard-transport",
+                "reshard-runtime",
+            ]),
+        ),
+        ("reshard-cli", set(&["reshard"])),
+        ("reshard-python", set(&["reshard-core", "reshard-model"])),
+    ])
 }
 
-/// The lines of `module` (relative to `src/`) outside comments that name any of `forbidden`.
-fn offending_lines(module: &str, forbidden: &[&str]) -> Vec<String> {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
-    let mut found = Vec::new();
-    for file in sources(&root.join(module)) {
-        let text = fs::read_to_string(&file).unwrap_or_else(|e| panic!("{}: {e}", file.display()));
-        for (n, line) in text.lines().enumerate() {
-            if line.trim_start().starts_with("//") {
-                continue;
-            }
-            if let Some(path) = forbidden.iter().find(|p| line.contains(*p)) {
-                found.push(format!("{}:{}: imports {path}", file.display(), n + 1));
-            }
+/// The names in the `[dependencies]` table of `manifest` (not the dev-dependencies: tests
+/// and benchmarks may use any layer below or beside them).
+fn dependency_names(manifest: &str) -> BTreeSet<String> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let text =
+        fs::read_to_string(root.join(manifest)).unwrap_or_else(|e| panic!("{manifest}: {e}"));
+    let mut in_deps = false;
+    let mut found = BTreeSet::new();
+    for line in text.lines() {
+        let line = line.trim();
+        if line.starts_with('[') {
+            in_deps = line == "[dependencies]";
+            continue;
+        }
+        if !in_deps || line.starts_with('#') {
+            continue;
+        }
+        if let Some((name, _)) = line.split_once('=') {
+            found.insert(name.trim().to_string());
         }
     }
     found
 }
 
+/// The workspace crates among the dependencies of `manifest`.
+fn dependencies(manifest: &str) -> BTreeSet<String> {
+    dependency_names(manifest)
+        .into_iter()
+        .filter(|name| CRATES.iter().any(|(c, _)| c == name))
+        .collect()
+}
+
 #[test]
-fn the_bottom_modules_import_nothing_above_them() {
-    let above = [
-        "crate::exec",
-        "crate::transport",
-        "crate::runtime",
-        "crate::model",
-    ];
-    let rules: [(&str, &[&str]); 11] = [
-        ("rank.rs", &["crate::"]),
-        ("region.rs", &above),
-        ("copy.rs", &above),
-        ("checksum.rs", &above),
-        ("memory.rs", &above),
-        ("convert", &above),
-        // the executor drives the transports, never the other way around
-        (
-            "transport",
-            &["crate::exec", "crate::runtime", "crate::model"],
-        ),
-        ("layout", &above),
-        ("fill.rs", &above),
-        // errors sit below layouts and models: both return them
-        (
-            "error.rs",
-            &[
-                "crate::layout",
-                "crate::model",
-                "crate::plan",
-                "crate::exec",
-            ],
-        ),
-        (
-            "error",
-            &[
-                "crate::layout",
-                "crate::model",
-                "crate::plan",
-                "crate::exec",
-            ],
-        ),
-    ];
-    let found: Vec<String> = rules
-        .iter()
-        .flat_map(|(module, forbidden)| offending_lines(module, forbidden))
-        .collect();
+fn every_crate_depends_only_on_the_layers_below_it() {
+    let allowed = allowed();
+    let mut wrong = Vec::new();
+    for (name, manifest) in CRATES {
+        for dep in dependencies(manifest) {
+            if !allowed[name].contains(dep.as_str()) {
+                wrong.push(format!("{name} ({manifest}) depends on {dep}"));
+            }
+        }
+    }
     assert!(
-        found.is_empty(),
-        "imports against the layers:\n{}",
-        found.join("\n")
+        wrong.is_empty(),
+        "edges against the layers:\n{}",
+        wrong.join("\n")
     );
+}
+
+/// The command line's dependencies (argument parsing, progress bars, the log subscriber, the
+/// allocator) stay out of the library crates, so a program that depends on `reshard` does not
+/// compile them.
+#[test]
+fn only_the_command_line_carries_the_binary_dependencies() {
+    let binary_only = ["clap", "indicatif", "tracing-subscriber", "mimalloc"];
+    for (name, manifest) in CRATES {
+        if name == "reshard-cli" {
+            continue;
+        }
+        let names = dependency_names(manifest);
+        for dep in binary_only {
+            assert!(!names.contains(dep), "{name} ({manifest}) depends on {dep}");
+        }
+    }
+}
+
+/// The workspace lists every crate, so none is left out of `cargo test`.
+#[test]
+fn the_workspace_holds_every_crate() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let text = fs::read_to_string(root.join("Cargo.toml")).unwrap();
+    for (name, manifest) in CRATES {
+        let dir = manifest
+            .trim_end_matches("Cargo.toml")
+            .trim_end_matches('/');
+        if dir.is_empty() {
+            continue;
+        }
+        assert!(
+            text.contains(&format!("\"{dir}\"")),
+            "{name} ({dir}) is not a workspace member"
+        );
+    }
 }

@@ -40,6 +40,6 @@ pub(crate) fn crc32c(tensor: &Bound<'_, PyAny>, pieces: Vec<(usize, usize)>) -> 
     let bytes = unsafe { std::slice::from_raw_parts(ptr as *const u8, len) };
     Ok(pieces
         .iter()
-        .map(|&(start, n)| reshard::checksum::bytes_sum(&bytes[start..start + n]))
+        .map(|&(start, n)| reshard_core::checksum::bytes_sum(&bytes[start..start + n]))
         .collect())
 }

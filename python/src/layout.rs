@@ -5,8 +5,8 @@ use std::hash::{Hash, Hasher};
 
 use pyo3::prelude::*;
 use pyo3::types::{PyString, PyTuple};
-use reshard::layout::{LayoutSpec, PlacementSpec};
-use reshard::{DType, Layout, Mesh, Placement};
+use reshard_core::layout::{LayoutSpec, PlacementSpec};
+use reshard_core::{DType, Layout, Mesh, Placement};
 
 use crate::error;
 use crate::values::*;

@@ -18,7 +18,7 @@ use std::fmt::Display;
 use pyo3::create_exception;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use reshard::PlanOptions;
+use reshard_core::PlanOptions;
 
 create_exception!(
     reshard,

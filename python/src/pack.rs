@@ -7,14 +7,14 @@
 //! it holds (which tensor, where in it, where in the message), and the local copies. Each call
 //! then reads the tensors' addresses and strides, checks them, and copies every region of every
 //! message with the GIL released, with the core's strided copy kernels
-//! ([`reshard::copy::CopyGeometry`]) wherever a tensor is a box of a dense row-major
+//! ([`reshard_core::copy::CopyGeometry`]) wherever a tensor is a box of a dense row-major
 //! array (contiguous tensors, and the slices of one, such as vLLM's fused buffers), and an
 //! element-strided walk otherwise (a transposed tensor).
 
 use pyo3::prelude::*;
 use pyo3::types::PyList;
-use reshard::copy::{CopyGeometry, Place};
-use reshard::region::Region;
+use reshard_core::copy::{CopyGeometry, Place};
+use reshard_core::region::Region;
 
 use crate::error;
 

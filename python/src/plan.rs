@@ -2,8 +2,8 @@
 
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
-use reshard::plan::{PlanJson, rank_plan as core_rank_plan};
-use reshard::{Plan, RankPlan, Transfer};
+use reshard_core::plan::{PlanJson, rank_plan as core_rank_plan};
+use reshard_core::{Plan, RankPlan, Transfer};
 
 use crate::layout::*;
 use crate::values::*;

@@ -1,5 +1,5 @@
 //! Quantizing in flight for `reshard.torch`: one rank's part of a reshard into fp8 with
-//! scales, with the core's arithmetic (`reshard::convert`) and plan (`QuantPlan`).
+//! scales, with the core's arithmetic (`reshard_core::convert`) and plan (`QuantPlan`).
 //!
 //! A [`QuantPacking`] is computed once per layouts, scheme and rank. Its calls, in order:
 //! [`QuantPacking::amax`] (the local amax of the source shard, and the partial amax this rank
@@ -12,10 +12,10 @@
 
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList};
-use reshard::convert::{AmaxGrid, BlockGrid, QuantScheme, ScaleDType, Scales};
-use reshard::plan::{QuantPlan, QuantRankPlan, QuantRequest, QuantizedMove};
-use reshard::region::Region;
-use reshard::{DType, Layout, Plan, Rank, Transfer};
+use reshard_core::convert::{AmaxGrid, BlockGrid, QuantScheme, ScaleDType, Scales};
+use reshard_core::plan::{QuantPlan, QuantRankPlan, QuantRequest, QuantizedMove};
+use reshard_core::region::Region;
+use reshard_core::{DType, Layout, Plan, Rank, Transfer};
 
 use crate::layout::PyLayout;
 use crate::{error, plan_options};

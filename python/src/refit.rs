@@ -2,7 +2,7 @@
 
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
-use reshard::PlanOptions;
+use reshard_core::PlanOptions;
 
 use crate::layout::*;
 use crate::{ReshardError, error, plan_options};
@@ -11,14 +11,14 @@ use crate::{ReshardError, error, plan_options};
 /// inference (vLLM) layouts, and the fused buffers of both sides, from the core's model rules.
 #[pyclass(frozen, module = "reshard", name = "Refit")]
 pub(crate) struct PyRefit {
-    pub(crate) inner: reshard::model::Refit,
+    pub(crate) inner: reshard_model::Refit,
     /// Tensor index by name.
     pub(crate) index: std::collections::HashMap<String, usize>,
     pub(crate) options: PlanOptions,
 }
 
 impl PyRefit {
-    fn tensor(&self, name: &str) -> PyResult<&reshard::model::RefitTensor> {
+    fn tensor(&self, name: &str) -> PyResult<&reshard_model::RefitTensor> {
         self.index
             .get(name)
             .map(|&i| &self.inner.tensors[i])
@@ -33,13 +33,13 @@ impl PyRefit {
     /// `fused`'s members on `rank` of one side: (member name, dim, offset, extent).
     fn members(
         &self,
-        fused: &reshard::model::Fused,
-        side: reshard::Side,
+        fused: &reshard_model::Fused,
+        side: reshard_core::Side,
         rank: usize,
     ) -> Option<Vec<(String, usize, u64, u64)>> {
         let layouts = self.inner.member_layouts(fused, |t| match side {
-            reshard::Side::Src => &t.src,
-            reshard::Side::Dst => &t.dst,
+            reshard_core::Side::Src => &t.src,
+            reshard_core::Side::Dst => &t.dst,
         });
         let offsets = fused.local_offsets(&layouts, rank)?;
         Some(
@@ -92,19 +92,19 @@ impl PyRefit {
         train_dtype: Option<&Bound<'_, PyAny>>,
         infer_dtype: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyRefit> {
-        use reshard::model::{InferQuant, Inference, Model, Ranks, Refit, Rules, Training};
+        use reshard_model::{InferQuant, Inference, Model, Ranks, Refit, Rules, Training};
         // a str or an os.PathLike
         let model = model.str()?.to_string();
         // a name or a torch.dtype (whose str is `torch.float32`)
         let dtype = |field, obj: Option<&Bound<'_, PyAny>>| -> PyResult<_> {
             obj.map(|o| {
                 let text = o.str()?.to_string();
-                reshard::model::refit_dtype(field, &text).map_err(error)
+                reshard_model::refit_dtype(field, &text).map_err(error)
             })
             .transpose()
         };
-        let train_dtype = dtype(reshard::error::Field::TrainDType, train_dtype)?;
-        let infer_dtype = dtype(reshard::error::Field::InferDType, infer_dtype)?;
+        let train_dtype = dtype(reshard_core::error::Field::TrainDType, train_dtype)?;
+        let infer_dtype = dtype(reshard_core::error::Field::InferDType, infer_dtype)?;
         let rules = overrides
             .iter()
             .try_fold(Rules::default(), |r, o| r.with_override_text(o))
@@ -204,8 +204,8 @@ impl PyRefit {
     #[pyo3(signature = (rank, side = "infer"))]
     fn fused<'py>(&self, py: Python<'py>, rank: usize, side: &str) -> PyResult<Bound<'py, PyDict>> {
         let (side, all) = match side {
-            "infer" => (reshard::Side::Dst, &self.inner.dst_fused),
-            "train" => (reshard::Side::Src, &self.inner.src_fused),
+            "infer" => (reshard_core::Side::Dst, &self.inner.dst_fused),
+            "train" => (reshard_core::Side::Src, &self.inner.src_fused),
             other => {
                 return Err(ReshardError::new_err(format!(
                     "side: `{other}` is invalid: expected `train` or `infer`"
@@ -254,11 +254,11 @@ impl PyRefit {
         };
         let block = q.spec.block;
         for f in &self.inner.dst_fused {
-            let name = reshard::model::scale_name(&f.name);
+            let name = reshard_model::scale_name(&f.name);
             if !q.fused.iter().any(|g| g.name == name) {
                 continue;
             }
-            let Some(members) = self.members(f, reshard::Side::Dst, rank) else {
+            let Some(members) = self.members(f, reshard_core::Side::Dst, rank) else {
                 continue;
             };
             let ndim = self.inner.tensors[f.members[0]].dst.ndim();
@@ -279,7 +279,7 @@ impl PyRefit {
     /// The numbers of `reshard refit --json` (bytes, messages, both methods, planning time).
     fn totals<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
         let totals = self.inner.summary(&self.options).map_err(error)?;
-        let json = serde_json::to_string(&reshard::model::RefitJson::of(&self.inner, &totals))
+        let json = serde_json::to_string(&reshard_model::RefitJson::of(&self.inner, &totals))
             .map_err(error)?;
         py.import("json")?.call_method1("loads", (json,))
     }

@@ -4,8 +4,8 @@ use std::fmt::Display;
 
 use pyo3::prelude::*;
 use pyo3::types::{PyString, PyTuple};
-use reshard::DType;
-use reshard::layout::PlacementSpec;
+use reshard_core::DType;
+use reshard_core::layout::PlacementSpec;
 
 use crate::error;
 use crate::layout::*;

@@ -1,0 +1,144 @@
+//! The inputs an error can name, and the words it names them with.
+//!
+//! The library takes `src`, `dst`, `chunk_bytes`; the command line takes `--src`, `--dst`,
+//! `--chunk-bytes`. A message is written once, with a [`Field`] where the input's name goes,
+//! and each front end renders it in its own vocabulary: the library's names by default, the
+//! command line's flags once the binary calls [`Vocabulary::Flags`]`.speak()` at start-up.
+//!
+//! ```
+//! use reshard_core::error::{Field, Vocabulary};
+//! assert_eq!(Field::DstDType.name(), "dst_dtype");
+//! assert_eq!(Field::DstDType.flag(), "--dst-dtype");
+//! assert_eq!(Vocabulary::current(), Vocabulary::Library);
+//! assert_eq!(Field::ChunkBytes.to_string(), "chunk_bytes");
+//! ```
+
+use std::fmt;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+/// An input of a reshard, a refit or a job: what an error points at.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Field {
+    Src,
+    Dst,
+    Shape,
+    DType,
+    DstDType,
+    Quant,
+    ScaleDType,
+    Fill,
+    ChunkBytes,
+    Timeout,
+    Transport,
+    Checksum,
+    Model,
+    Train,
+    Infer,
+    Override,
+    Hosts,
+    Relay,
+    /// How the inference side is quantized (`--infer-quant`).
+    InferQuant,
+    /// The training side's dtype in a refit (`--train-dtype`).
+    TrainDType,
+    /// The inference side's dtype in a refit (`--infer-dtype`).
+    InferDType,
+    /// An option only the command line has (`--nproc`, `--dump`): named by its flag everywhere.
+    Flag(&'static str),
+}
+
+impl Field {
+    /// The name the library (and the Python package) uses: a keyword argument's name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Field::Src => "src",
+            Field::Dst => "dst",
+            Field::Shape => "shape",
+            Field::DType => "dtype",
+            Field::DstDType => "dst_dtype",
+            Field::Quant => "quant",
+            Field::ScaleDType => "scale_dtype",
+            Field::Fill => "fill",
+            Field::ChunkBytes => "chunk_bytes",
+            Field::Timeout => "timeout",
+            Field::Transport => "transport",
+            Field::Checksum => "checksum",
+            Field::Model => "model",
+            Field::Train => "train",
+            Field::Infer => "infer",
+            Field::Override => "overrides",
+            Field::Hosts => "hosts",
+            Field::Relay => "relay",
+            Field::InferQuant => "infer_quant",
+            Field::TrainDType => "train_dtype",
+            Field::InferDType => "infer_dtype",
+            Field::Flag(flag) => flag,
+        }
+    }
+
+    /// The command line's flag for the same input.
+    pub fn flag(self) -> &'static str {
+        match self {
+            Field::Src => "--src",
+            Field::Dst => "--dst",
+            Field::Shape => "--shape",
+            Field::DType => "--dtype",
+            Field::DstDType => "--dst-dtype",
+            Field::Quant => "--quant",
+            Field::ScaleDType => "--scale-dtype",
+            Field::Fill => "--fill",
+            Field::ChunkBytes => "--chunk-bytes",
+            Field::Timeout => "--timeout",
+            Field::Transport => "--transport",
+            Field::Checksum => "--checksum",
+            Field::Model => "--model",
+            Field::Train => "--train",
+            Field::Infer => "--infer",
+            Field::Override => "--override",
+            Field::Hosts => "--hosts",
+            Field::Relay => "--relay",
+            Field::InferQuant => "--infer-quant",
+            Field::TrainDType => "--train-dtype",
+            Field::InferDType => "--infer-dtype",
+            Field::Flag(flag) => flag,
+        }
+    }
+}
+
+impl fmt::Display for Field {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match Vocabulary::current() {
+            Vocabulary::Library => self.name(),
+            Vocabulary::Flags => self.flag(),
+        })
+    }
+}
+
+/// How messages name their [`Field`]s in this process.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Vocabulary {
+    /// `src`, `chunk_bytes`: the library's argument names (the default).
+    Library,
+    /// `--src`, `--chunk-bytes`: the command line's flags.
+    Flags,
+}
+
+/// One process is one front end, so the choice is process-wide and made once, before any
+/// message is rendered.
+static FLAGS: AtomicBool = AtomicBool::new(false);
+
+impl Vocabulary {
+    /// Renders every later message in this vocabulary.
+    pub fn speak(self) {
+        FLAGS.store(self == Vocabulary::Flags, Ordering::Relaxed);
+    }
+
+    /// The vocabulary messages are rendered in now.
+    pub fn current() -> Vocabulary {
+        if FLAGS.load(Ordering::Relaxed) {
+            Vocabulary::Flags
+        } else {
+            Vocabulary::Library
+        }
+    }
+}

@@ -1,0 +1,605 @@
+//! Which box of a tensor each rank holds: meshes, placements, and the `torch.chunk` rule.
+//!
+//! Pure geometry, no I/O. The semantics are DTensor's: a mesh axis with `Shard(d)` splits
+//! tensor dim `d` with `torch.chunk` (trailing shards short or empty), axes sharding the same
+//! dim apply in mesh-axis order (nested chunking), `Replicate()` copies.
+
+mod buffers;
+mod spec;
+
+use std::fmt;
+use std::ops::Range;
+
+pub use spec::{LayoutSpec, PlacementSpec, RankList, parse_shape};
+
+use crate::dtype::DType;
+use crate::error::{Dims, LayoutError};
+use crate::region::Region;
+
+pub use crate::rank::Rank;
+
+/// Ranks are below 2^31, so that rank arithmetic never overflows (see [`crate::limits`]).
+pub const MAX_RANK: Rank = crate::limits::MAX_RANK;
+
+/// How one mesh axis lays the tensor out.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Placement {
+    /// Split tensor dim `0` across the ranks of this axis.
+    Shard(usize),
+    /// Every rank along this axis holds the same data.
+    Replicate,
+}
+
+impl fmt::Display for Placement {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Placement::Shard(d) => write!(f, "S({d})"),
+            Placement::Replicate => f.write_str("R"),
+        }
+    }
+}
+
+/// Shard `index` of a dim of size `n` split over `parts` ranks, exactly as `torch.chunk` and
+/// DTensor do it: chunks of `ceil(n / parts)`, the last ones short or empty.
+///
+/// ```
+/// use reshard_core::layout::chunk;
+/// let sizes: Vec<u64> = (0..4).map(|i| { let r = chunk(10, 4, i); r.end - r.start }).collect();
+/// assert_eq!(sizes, [3, 3, 3, 1]);
+/// assert_eq!(chunk(3, 4, 3), 3..3); // empty shards are legal
+/// ```
+pub fn chunk(n: u64, parts: u64, index: u64) -> Range<u64> {
+    debug_assert!(parts > 0 && index < parts);
+    let size = n.div_ceil(parts);
+    let start = index.saturating_mul(size).min(n);
+    let end = (index + 1).saturating_mul(size).min(n);
+    start..end
+}
+
+/// An n-dimensional array of global ranks, row-major.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Mesh {
+    dims: Vec<usize>,
+    ranks: Vec<Rank>,
+    /// `(rank, position)` sorted by rank, for lookups.
+    positions: Vec<(Rank, usize)>,
+}
+
+impl Mesh {
+    /// A mesh of shape `dims` over `ranks`, listed in row-major order.
+    ///
+    /// ```
+    /// use reshard_core::layout::Mesh;
+    /// let mesh = Mesh::new(vec![2, 4], (8..16).collect()).unwrap();
+    /// assert_eq!(mesh.rank_at(&[1, 0]), 12);
+    /// ```
+    pub fn new(dims: Vec<usize>, ranks: Vec<Rank>) -> Result<Mesh, LayoutError> {
+        let dims_u64 = || Dims(dims.iter().map(|&d| d as u64).collect());
+        if dims.is_empty() {
+            return Err(LayoutError::EmptyMesh);
+        }
+        if let Some(axis) = dims.iter().position(|&d| d == 0) {
+            return Err(LayoutError::ZeroSizeAxis {
+                axis,
+                mesh: dims_u64(),
+            });
+        }
+        let expected = dims
+            .iter()
+            .try_fold(1u64, |acc, &d| acc.checked_mul(d as u64))
+            .unwrap_or(u64::MAX);
+        if expected > crate::limits::MAX_MESH_RANKS as u64 {
+            return Err(LayoutError::TooManyRanks {
+                mesh: dims_u64(),
+                positions: expected,
+            });
+        }
+        if expected != ranks.len() as u64 {
+            return Err(LayoutError::MeshSizeMismatch {
+                mesh: dims_u64(),
+                expected,
+                got: ranks.len(),
+            });
+        }
+        if let Some(&rank) = ranks.iter().find(|&&r| r >= MAX_RANK) {
+            return Err(LayoutError::RankTooLarge { rank });
+        }
+        let mut positions: Vec<(Rank, usize)> =
+            ranks.iter().enumerate().map(|(i, &r)| (r, i)).collect();
+        positions.sort_unstable();
+        if let Some(w) = positions.windows(2).find(|w| w[0].0 == w[1].0) {
+            return Err(LayoutError::DuplicateRank { rank: w[0].0 });
+        }
+        Ok(Mesh {
+            dims,
+            ranks,
+            positions,
+        })
+    }
+
+    pub fn dims(&self) -> &[usize] {
+        &self.dims
+    }
+
+    /// The ranks in row-major mesh order.
+    pub fn ranks(&self) -> &[Rank] {
+        &self.ranks
+    }
+
+    pub fn size(&self) -> usize {
+        self.ranks.len()
+    }
+
+    /// Row-major position of `rank` in the mesh, if it belongs to it.
+    pub fn position(&self, rank: Rank) -> Option<usize> {
+        self.positions
+            .binary_search_by_key(&rank, |&(r, _)| r)
+            .ok()
+            .map(|i| self.positions[i].1)
+    }
+
+    pub fn contains(&self, rank: Rank) -> bool {
+        self.position(rank).is_some()
+    }
+
+    /// Mesh coordinates of a row-major position.
+    pub fn coords(&self, mut position: usize) -> Vec<usize> {
+        let mut coords = vec![0; self.dims.len()];
+        for axis in (0..self.dims.len()).rev() {
+            coords[axis] = position % self.dims[axis];
+            position /= self.dims[axis];
+        }
+        coords
+    }
+
+    /// The coordinate along `axis` of a row-major position (one entry of [`Mesh::coords`]).
+    pub fn coord(&self, position: usize, axis: usize) -> usize {
+        let stride: usize = self.dims[axis + 1..].iter().product();
+        position / stride % self.dims[axis]
+    }
+
+    /// The rank at mesh coordinates `coords`.
+    pub fn rank_at(&self, coords: &[usize]) -> Rank {
+        let position = coords
+            .iter()
+            .zip(&self.dims)
+            .fold(0, |acc, (&c, &d)| acc * d + c);
+        self.ranks[position]
+    }
+}
+
+/// A tensor laid out over a mesh: which box every rank of the mesh holds.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Layout {
+    shape: Vec<u64>,
+    dtype: DType,
+    mesh: Mesh,
+    placements: Vec<Placement>,
+    /// For every tensor dim, the mesh axes that shard it, in mesh-axis order.
+    shard_axes: Vec<Vec<usize>>,
+    /// For every tensor dim, the pieces the shard axes cut it into, indexed by the mixed-radix
+    /// number of the coordinates along those axes (first axis most significant). They tile the
+    /// dim in order; some may be empty.
+    pieces: Vec<Vec<Range<u64>>>,
+}
+
+impl Layout {
+    /// Validates and builds a layout. Errors name the offending value.
+    ///
+    /// ```
+    /// use reshard_core::{DType, Layout, Mesh, Placement, Region};
+    /// let mesh = Mesh::new(vec![2], vec![0, 1]).unwrap();
+    /// let rows = Layout::new(vec![8, 8], DType::Bf16, mesh, vec![Placement::Shard(0)]).unwrap();
+    /// assert_eq!(rows.local_region(1), Some(Region::from_ranges(&[4..8, 0..8])));
+    /// ```
+    pub fn new(
+        shape: Vec<u64>,
+        dtype: DType,
+        mesh: Mesh,
+        placements: Vec<Placement>,
+    ) -> Result<Layout, LayoutError> {
+        let elements = shape
+            .iter()
+            .try_fold(1u64, |acc, &e| acc.checked_mul(e))
+            .and_then(|n| n.checked_mul(dtype.size() as u64));
+        if elements.is_none() {
+            return Err(LayoutError::ShapeTooLarge {
+                shape: Dims(shape),
+                dtype: dtype.to_string(),
+            });
+        }
+        if placements.len() != mesh.dims().len() {
+            return Err(LayoutError::PlacementCount {
+                mesh_ndim: mesh.dims().len(),
+                got: placements.len(),
+            });
+        }
+        let mut shard_axes = vec![Vec::new(); shape.len()];
+        for (axis, p) in placements.iter().enumerate() {
+            if let Placement::Shard(d) = *p {
+                if d >= shape.len() {
+                    return Err(LayoutError::ShardDimOutOfRange {
+                        dim: d as i64,
+                        ndim: shape.len(),
+                    });
+                }
+                shard_axes[d].push(axis);
+            }
+        }
+        let pieces = shard_axes
+            .iter()
+            .zip(&shape)
+            .map(|(axes, &n)| {
+                let sizes: Vec<u64> = axes.iter().map(|&a| mesh.dims()[a] as u64).collect();
+                nested_chunks(n, &sizes)
+            })
+            .collect();
+        Ok(Layout {
+            shape,
+            dtype,
+            mesh,
+            placements,
+            shard_axes,
+            pieces,
+        })
+    }
+
+    pub fn shape(&self) -> &[u64] {
+        &self.shape
+    }
+
+    pub fn ndim(&self) -> usize {
+        self.shape.len()
+    }
+
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    pub fn mesh(&self) -> &Mesh {
+        &self.mesh
+    }
+
+    pub fn placements(&self) -> &[Placement] {
+        &self.placements
+    }
+
+    /// Total bytes of the global tensor.
+    pub fn total_bytes(&self) -> u64 {
+        Region::full(&self.shape).volume() * self.dtype.size() as u64
+    }
+
+    /// The pieces tensor dim `dim` is cut into (see [`Layout::piece_index`]).
+    pub fn dim_pieces(&self, dim: usize) -> &[Range<u64>] {
+        &self.pieces[dim]
+    }
+
+    /// Per tensor dim, the index into [`Layout::dim_pieces`] of the piece the rank at mesh
+    /// `coords` holds.
+    pub fn piece_index(&self, coords: &[usize]) -> Vec<usize> {
+        self.shard_axes
+            .iter()
+            .map(|axes| {
+                axes.iter()
+                    .fold(0, |acc, &a| acc * self.mesh.dims()[a] + coords[a])
+            })
+            .collect()
+    }
+
+    /// The box held by the rank at row-major mesh `position`.
+    pub fn region_at(&self, position: usize) -> Region {
+        let index = self.piece_index(&self.mesh.coords(position));
+        let ranges: Vec<Range<u64>> = index
+            .iter()
+            .enumerate()
+            .map(|(d, &i)| self.pieces[d][i].clone())
+            .collect();
+        Region::from_ranges(&ranges)
+    }
+
+    /// The box `rank` holds, or `None` if the rank is not in the mesh. An empty box is a
+    /// legal (empty) shard.
+    pub fn local_region(&self, rank: Rank) -> Option<Region> {
+        self.mesh.position(rank).map(|p| self.region_at(p))
+    }
+
+    /// Bytes of `rank`'s local buffer (0 if it holds nothing).
+    pub fn local_bytes(&self, rank: Rank) -> u64 {
+        self.local_region(rank)
+            .map_or(0, |r| r.volume() * self.dtype.size() as u64)
+    }
+
+    /// Bytes of all the ranks' local buffers together (replicas counted each time).
+    pub fn shard_bytes(&self) -> u64 {
+        (0..self.mesh.size()).fold(0u64, |acc, p| {
+            acc.saturating_add(
+                self.region_at(p)
+                    .volume()
+                    .saturating_mul(self.dtype.size() as u64),
+            )
+        })
+    }
+
+    /// The ranks that hold the box with per-dim piece indices `index`, in mesh order: the
+    /// replicas of that box. A rank can compute this for any box, without communication.
+    pub fn holders(&self, index: &[usize]) -> Vec<Rank> {
+        let dims = self.mesh.dims();
+        let mut fixed: Vec<Option<usize>> = vec![None; dims.len()];
+        for (d, axes) in self.shard_axes.iter().enumerate() {
+            let mut rest = index[d];
+            for &a in axes.iter().rev() {
+                fixed[a] = Some(rest % dims[a]);
+                rest /= dims[a];
+            }
+        }
+        let free: Vec<usize> = (0..dims.len()).filter(|&a| fixed[a].is_none()).collect();
+        let count: usize = free.iter().map(|&a| dims[a]).product();
+        let mut coords: Vec<usize> = fixed.iter().map(|c| c.unwrap_or(0)).collect();
+        let mut out = Vec::with_capacity(count);
+        for mut k in 0..count {
+            for &a in free.iter().rev() {
+                coords[a] = k % dims[a];
+                k /= dims[a];
+            }
+            out.push(self.mesh.rank_at(&coords));
+        }
+        out
+    }
+
+    /// Whether `rank` holds the box with per-dim piece indices `index`: the same answer as
+    /// `holders(index).contains(&rank)`, in constant time (a lookup of the rank's position)
+    /// rather than a scan of every replica, which made a plan with many replicas quadratic.
+    pub fn holds(&self, rank: Rank, index: &[usize]) -> bool {
+        let Some(position) = self.mesh.position(rank) else {
+            return false;
+        };
+        // piece_index of the rank's coordinates, without allocating: the planner asks for
+        // every piece of every destination
+        let dims = self.mesh.dims();
+        self.shard_axes.iter().zip(index).all(|(axes, &i)| {
+            axes.iter()
+                .fold(0, |acc, &a| acc * dims[a] + self.mesh.coord(position, a))
+                == i
+        })
+    }
+
+    /// Which replica of its box the rank at row-major mesh `position` holds: the mixed-radix
+    /// number of its coordinates along the replicated axes (first axis most significant), in
+    /// `0..replication()`.
+    pub fn replica_index(&self, position: usize) -> usize {
+        self.mixed_radix(position, |p| *p == Placement::Replicate)
+    }
+
+    /// The rank's position among the ranks of one replica: the mixed-radix number of its
+    /// coordinates along the sharding axes. Without replicated axes, the mesh position itself.
+    pub fn shard_position(&self, position: usize) -> usize {
+        self.mixed_radix(position, |p| *p != Placement::Replicate)
+    }
+
+    fn mixed_radix(&self, position: usize, axis: impl Fn(&Placement) -> bool) -> usize {
+        let coords = self.mesh.coords(position);
+        self.placements
+            .iter()
+            .zip(self.mesh.dims())
+            .zip(coords)
+            .filter(|((p, _), _)| axis(p))
+            .fold(0, |acc, ((_, &d), c)| acc * d + c)
+    }
+
+    /// Number of replicas of every box (product of the replicated mesh axes).
+    pub fn replication(&self) -> usize {
+        self.placements
+            .iter()
+            .zip(self.mesh.dims())
+            .filter(|(p, _)| **p == Placement::Replicate)
+            .map(|(_, &d)| d)
+            .product()
+    }
+
+    /// A stable number for the box with per-dim piece indices `index` (mixed radix).
+    pub fn box_id(&self, index: &[usize]) -> usize {
+        index
+            .iter()
+            .zip(&self.pieces)
+            .fold(0, |acc, (&i, p)| acc * p.len() + i)
+    }
+}
+
+/// Nested `torch.chunk`: split `0..n` over `sizes[0]`, each piece over `sizes[1]`, and so on.
+/// Returns the leaves in order (first axis most significant).
+fn nested_chunks(n: u64, sizes: &[u64]) -> Vec<Range<u64>> {
+    let mut pieces: Vec<Range<u64>> = std::iter::once(0..n).collect();
+    for &k in sizes {
+        pieces = pieces
+            .iter()
+            .flat_map(|p| {
+                let len = p.end - p.start;
+                (0..k).map(move |i| {
+                    let c = chunk(len, k, i);
+                    p.start + c.start..p.start + c.end
+                })
+            })
+            .collect();
+    }
+    pieces
+}
+
+impl fmt::Display for Layout {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mesh: Vec<String> = self.mesh.dims().iter().map(usize::to_string).collect();
+        let place: Vec<String> = self.placements.iter().map(Placement::to_string).collect();
+        write!(
+            f,
+            "mesh={} ranks={} place={}",
+            mesh.join("x"),
+            RankList::describe(self.mesh.ranks()),
+            place.join(",")
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sizes(n: u64, k: u64) -> Vec<u64> {
+        (0..k)
+            .map(|i| {
+                let r = chunk(n, k, i);
+                r.end - r.start
+            })
+            .collect()
+    }
+
+    /// Local sizes DTensor reports for `distribute_tensor` of a 1-D tensor.
+    #[test]
+    fn chunk_matches_dtensor() {
+        assert_eq!(sizes(10, 4), [3, 3, 3, 1]);
+        assert_eq!(sizes(3, 4), [1, 1, 1, 0]);
+        assert_eq!(sizes(5, 4), [2, 2, 1, 0]);
+        assert_eq!(sizes(7, 3), [3, 3, 1]);
+        assert_eq!(sizes(8, 3), [3, 3, 2]);
+        assert_eq!(sizes(0, 2), [0, 0]);
+        assert_eq!(sizes(1, 3), [1, 0, 0]);
+        assert_eq!(sizes(8, 2), [4, 4]);
+        // Empty shards sit at the end of the dim, as DTensor's offsets put them.
+        assert_eq!(chunk(5, 4, 3), 5..5);
+        assert_eq!(chunk(1, 3, 2), 1..1);
+    }
+
+    /// `[Shard(0), Shard(0)]` on a 2x2 mesh: 10 -> 5,5 -> (3,2),(3,2), as DTensor.
+    #[test]
+    fn nested_chunking_in_mesh_axis_order() {
+        assert_eq!(nested_chunks(10, &[2, 2]), vec![0..3, 3..5, 5..8, 8..10]);
+        // 7 over 2 then 3: (4 -> 2,2,0), (3 -> 1,1,1)
+        assert_eq!(
+            nested_chunks(7, &[2, 3]),
+            vec![0..2, 2..4, 4..4, 4..5, 5..6, 6..7]
+        );
+        let mesh = Mesh::new(vec![2, 2], vec![0, 1, 2, 3]).unwrap();
+        let l = Layout::new(
+            vec![10],
+            DType::F32,
+            mesh,
+            vec![Placement::Shard(0), Placement::Shard(0)],
+        )
+        .unwrap();
+        let got: Vec<Region> = (0..4).map(|r| l.local_region(r).unwrap()).collect();
+        assert_eq!(
+            got[1],
+            Region {
+                offset: vec![3],
+                extent: vec![2]
+            }
+        );
+        assert_eq!(
+            got[2],
+            Region {
+                offset: vec![5],
+                extent: vec![3]
+            }
+        );
+    }
+
+    #[test]
+    fn holders_enumerate_replicas() {
+        // DP2 x TP2 [R, S(0)] on ranks 10..14: box 1 is held by mesh (0,1) and (1,1).
+        let mesh = Mesh::new(vec![2, 2], (10..14).collect()).unwrap();
+        let l = Layout::new(
+            vec![8, 4],
+            DType::Bf16,
+            mesh,
+            vec![Placement::Replicate, Placement::Shard(0)],
+        )
+        .unwrap();
+        assert_eq!(l.holders(&[1, 0]), vec![11, 13]);
+        assert_eq!(l.replication(), 2);
+        assert_eq!(l.local_region(13), Some(Region::from_ranges(&[4..8, 0..4])));
+        assert_eq!(l.local_region(3), None);
+    }
+
+    #[test]
+    fn replica_numbers_and_holding() {
+        // DP2 x TP2 [R, S(0)] on ranks 10..14: position 3 is (1, 1), replica 1, shard 1
+        let mesh = Mesh::new(vec![2, 2], (10..14).collect()).unwrap();
+        let l = Layout::new(
+            vec![8, 4],
+            DType::Bf16,
+            mesh,
+            vec![Placement::Replicate, Placement::Shard(0)],
+        )
+        .unwrap();
+        assert_eq!((l.replica_index(3), l.shard_position(3)), (1, 1));
+        assert_eq!((l.replica_index(1), l.shard_position(1)), (0, 1));
+        assert_eq!((l.replica_index(2), l.shard_position(2)), (1, 0));
+        for index in [[0, 0], [1, 0]] {
+            for rank in 8..16 {
+                assert_eq!(l.holds(rank, &index), l.holders(&index).contains(&rank));
+            }
+        }
+    }
+
+    #[test]
+    fn mesh_errors_name_the_value() {
+        assert_eq!(
+            Mesh::new(vec![2, 2], vec![0, 1, 2])
+                .unwrap_err()
+                .to_string(),
+            "mesh 2x2 has 4 positions but ranks lists 3"
+        );
+        assert_eq!(
+            Mesh::new(vec![2], vec![3, 3]).unwrap_err().to_string(),
+            "rank 3 appears more than once in ranks"
+        );
+        assert_eq!(
+            Mesh::new(vec![2, 0], vec![]).unwrap_err().to_string(),
+            "mesh axis 1 has size 0 (mesh 2x0)"
+        );
+    }
+
+    #[test]
+    fn meshes_beyond_the_rank_limit_are_refused() {
+        let err = Mesh::new(vec![4096, 4097], vec![]).unwrap_err().to_string();
+        assert_eq!(
+            err,
+            "mesh 4096x4097 has 16781312 positions, more than the 16777216 ranks a side may have"
+        );
+        let err = Mesh::new(vec![1 << 40, 1 << 40], vec![])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("has more than 2^64 positions"), "{err}");
+    }
+
+    #[test]
+    fn shard_dim_out_of_range() {
+        let mesh = Mesh::new(vec![2], vec![0, 1]).unwrap();
+        let err = Layout::new(vec![8, 8], DType::Bf16, mesh, vec![Placement::Shard(2)]);
+        assert_eq!(
+            err.unwrap_err().to_string(),
+            "Shard(2) is out of range for a 2-D tensor (dims 0..2)"
+        );
+    }
+
+    #[test]
+    fn huge_shapes_do_not_overflow() {
+        // DeepSeek-V3's stacked experts: 256 x 7168 x 2048, over 2^32 elements.
+        let mesh = Mesh::new(vec![16], (0..16).collect()).unwrap();
+        let l = Layout::new(
+            vec![256, 7168, 2048],
+            DType::Bf16,
+            mesh,
+            vec![Placement::Shard(0)],
+        )
+        .unwrap();
+        assert_eq!(l.total_bytes(), 256 * 7168 * 2048 * 2);
+        assert_eq!(l.local_bytes(15), 16 * 7168 * 2048 * 2);
+        let mesh = Mesh::new(vec![1], vec![0]).unwrap();
+        let err = Layout::new(
+            vec![1 << 40, 1 << 30],
+            DType::F32,
+            mesh,
+            vec![Placement::Replicate],
+        );
+        assert!(matches!(err, Err(LayoutError::ShapeTooLarge { .. })));
+    }
+}

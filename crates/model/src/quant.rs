@@ -1,0 +1,525 @@
+//! A refit into an fp8 inference engine: which parameters the engine keeps in fp8, their
+//! block scales under the engine's names, and the checks that the inference layout keeps
+//! every block whole.
+//!
+//! The engine's rule (vLLM's `Fp8LinearMethod` and `Fp8MoEMethod` with `weight_block_size`):
+//! the weights of linear layers are fp8 with one f32 scale per `R x C` block
+//! (`X.weight_scale_inv`, shape `[ceil(rows/R), ceil(cols/C)]`, a grid per expert for the
+//! stacked `[E, rows, cols]` experts): attention projections, dense MLPs, routed and shared
+//! experts. Norms, embeddings, the router (`mlp.gate`), `lm_head` and any module named by
+//! the config's `modules_to_not_convert` stay in the checkpoint's dtype. Fused buffers fuse
+//! their scales like their weights (`qkv_proj.weight_scale_inv`,
+//! `gate_up_proj.weight_scale_inv`, `w13_weight_scale_inv`); the stacked `down_proj` experts
+//! are vLLM's `w2_weight` and their scales `w2_weight_scale_inv`.
+//!
+//! ```
+//! use reshard_model::{InferQuant, Inference, Model, Ranks, Refit, Rules, Training};
+//! let model = Model::load("qwen3-0.6b").unwrap();
+//! let refit = Refit::new(&model, &Training::parse("tp=2").unwrap(),
+//!     &Inference::parse("tp=2").unwrap(), &Rules::default(), Ranks::Disjoint).unwrap();
+//! let fp8 = InferQuant::parse("fp8-block").unwrap().unwrap();
+//! let refit = refit.quantized(&fp8).unwrap();
+//! let q = refit.quant.as_ref().unwrap();
+//! // 7 linear weights in each of 28 layers
+//! assert_eq!(q.scales.len(), 7 * 28);
+//! let down = q.scales.iter().find(|s| s.name == "model.layers.0.mlp.down_proj.weight_scale_inv").unwrap();
+//! assert_eq!(down.shape, [8, 24]); // [1024, 3072] in blocks of 128x128
+//! assert!(q.fused.iter().any(|f| f.name == "model.layers.0.self_attn.qkv_proj.weight_scale_inv"));
+//! ```
+
+use std::fmt;
+
+use globset::{Glob, GlobMatcher};
+
+use super::fused::Fused;
+use super::refit::Refit;
+use reshard_core::convert::{ConvertError, QuantScheme};
+use reshard_core::dtype::DType;
+use reshard_core::error::{ModelError, Side};
+use reshard_core::layout::{Layout, Rank};
+use reshard_core::plan::{QuantPlan, QuantRequest};
+use reshard_core::region::Region;
+
+/// The block of `fp8-block` without a size: DeepSeek-V3's and vLLM's default.
+pub const DEFAULT_BLOCK: [u64; 2] = [128, 128];
+
+/// How the inference side holds its fp8 weights: the fp8 format, the block, and the
+/// modules left unconverted.
+#[derive(Clone, Debug)]
+pub struct InferQuant {
+    /// [`DType::Fp8E4M3`] or [`DType::Fp8E5M2`].
+    pub fp8: DType,
+    /// Rows x cols of one block of the last two dims.
+    pub block: [u64; 2],
+    /// `modules_to_not_convert`: name fragments (a module whose name contains one stays
+    /// unconverted) or globs (`*` and `?`, matched against the whole module name).
+    pub not_convert: Vec<String>,
+    globs: Vec<Option<GlobMatcher>>,
+}
+
+impl PartialEq for InferQuant {
+    fn eq(&self, other: &InferQuant) -> bool {
+        (self.fp8, self.block, &self.not_convert) == (other.fp8, other.block, &other.not_convert)
+    }
+}
+
+impl fmt::Display for InferQuant {
+    /// `fp8-block:128x128` (with `:e5m2` for e5m2 values).
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "fp8-block:{}x{}", self.block[0], self.block[1])?;
+        if self.fp8 == DType::Fp8E5M2 {
+            f.write_str(":e5m2")?;
+        }
+        Ok(())
+    }
+}
+
+impl InferQuant {
+    /// A block quantization with nothing left unconverted beyond the engine's rule.
+    pub fn new(fp8: DType, block: [u64; 2]) -> InferQuant {
+        InferQuant {
+            fp8,
+            block,
+            not_convert: Vec::new(),
+            globs: Vec::new(),
+        }
+    }
+
+    /// Leaves the modules matching `patterns` unconverted (see [`InferQuant::not_convert`]).
+    pub fn with_not_convert(mut self, patterns: Vec<String>) -> Result<InferQuant, String> {
+        self.globs = patterns
+            .iter()
+            .map(|p| {
+                if p.contains(['*', '?']) {
+                    Glob::new(p)
+                        .map(|g| Some(g.compile_matcher()))
+                        .map_err(|e| format!("`{p}` is not a valid glob: {e}"))
+                } else {
+                    Ok(None)
+                }
+            })
+            .collect::<Result<_, _>>()?;
+        self.not_convert = patterns;
+        Ok(self)
+    }
+
+    /// `--infer-quant`: `fp8-block` (128x128, e4m3), `fp8-block:RxC`, either with `:e5m2`
+    /// (or `:e4m3`), or `none` (`Ok(None)`: the inference side keeps the checkpoint's
+    /// dtype, whatever the config says).
+    ///
+    /// ```
+    /// use reshard_model::InferQuant;
+    /// assert_eq!(InferQuant::parse("fp8-block:64x32").unwrap().unwrap().block, [64, 32]);
+    /// assert!(InferQuant::parse("none").unwrap().is_none());
+    /// assert!(InferQuant::parse("fp8-block:0x128").is_err());
+    /// ```
+    pub fn parse(text: &str) -> Result<Option<InferQuant>, ModelError> {
+        let bad = |reason: &str| ModelError::InferQuant {
+            value: text.to_string(),
+            reason: reason.to_string(),
+        };
+        let t = text.trim();
+        if t == "none" {
+            return Ok(None);
+        }
+        let mut parts = t.split(':');
+        if parts.next() != Some("fp8-block") {
+            return Err(bad(
+                "expected `fp8-block`, `fp8-block:RxC` (e.g. `fp8-block:128x128`), optionally followed by `:e4m3` or `:e5m2`, or `none`",
+            ));
+        }
+        let mut q = InferQuant::new(DType::Fp8E4M3, DEFAULT_BLOCK);
+        for part in parts {
+            match part {
+                "e4m3" => q.fp8 = DType::Fp8E4M3,
+                "e5m2" => q.fp8 = DType::Fp8E5M2,
+                size => {
+                    let dims: Vec<Option<u64>> =
+                        size.split('x').map(|n| n.parse::<u64>().ok()).collect();
+                    match dims[..] {
+                        [Some(r), Some(c)] if r > 0 && c > 0 => q.block = [r, c],
+                        _ => {
+                            return Err(bad(&format!(
+                                "`{size}` is not a block size of positive rows x cols (e.g. 128x128) nor e4m3/e5m2"
+                            )));
+                        }
+                    }
+                }
+            }
+        }
+        Ok(Some(q))
+    }
+
+    /// An HF config's `quantization_config` (`path` names the config in errors):
+    /// `quant_method: fp8` with `weight_block_size: [R, C]`, `fmt` `e4m3` (the default) or
+    /// `e5m2`, and `modules_to_not_convert`; `activation_scheme` concerns activations and is
+    /// not read.
+    pub fn from_config(value: &serde_json::Value, path: &str) -> Result<InferQuant, ModelError> {
+        let invalid =
+            |field: &'static str, value: String, reason: &str| ModelError::InvalidConfig {
+                path: path.to_string(),
+                field,
+                value,
+                reason: reason.to_string(),
+            };
+        let method = value.get("quant_method").and_then(|m| m.as_str());
+        if method != Some("fp8") {
+            return Err(invalid(
+                "quantization_config.quant_method",
+                value
+                    .get("quant_method")
+                    .map_or("missing".into(), |m| m.to_string()),
+                "only `fp8` (block-wise, with weight_block_size) is supported",
+            ));
+        }
+        let fp8 = match value.get("fmt").map(|f| f.as_str()) {
+            None | Some(Some("e4m3")) => DType::Fp8E4M3,
+            Some(Some("e5m2")) => DType::Fp8E5M2,
+            Some(_) => {
+                return Err(invalid(
+                    "quantization_config.fmt",
+                    value["fmt"].to_string(),
+                    "expected \"e4m3\" or \"e5m2\"",
+                ));
+            }
+        };
+        let block = value.get("weight_block_size");
+        let dims: Option<Vec<u64>> = block
+            .and_then(|b| b.as_array())
+            .map(|a| a.iter().filter_map(|n| n.as_u64()).collect());
+        let block = match (block, dims.as_deref()) {
+            (Some(_), Some(&[r, c])) if r > 0 && c > 0 => [r, c],
+            (None, _) | (Some(serde_json::Value::Null), _) => {
+                return Err(invalid(
+                    "quantization_config.weight_block_size",
+                    "missing".into(),
+                    "only block-wise fp8 is supported (per-tensor fp8 has no weight_block_size)",
+                ));
+            }
+            (Some(b), _) => {
+                return Err(invalid(
+                    "quantization_config.weight_block_size",
+                    b.to_string(),
+                    "expected [rows, cols], both positive",
+                ));
+            }
+        };
+        let skip = match value.get("modules_to_not_convert") {
+            None | Some(serde_json::Value::Null) => Vec::new(),
+            Some(serde_json::Value::Array(list)) => list
+                .iter()
+                .map(|m| {
+                    m.as_str().map(str::to_string).ok_or_else(|| {
+                        invalid(
+                            "quantization_config.modules_to_not_convert",
+                            m.to_string(),
+                            "expected module names (strings)",
+                        )
+                    })
+                })
+                .collect::<Result<_, _>>()?,
+            Some(other) => {
+                return Err(invalid(
+                    "quantization_config.modules_to_not_convert",
+                    other.to_string(),
+                    "expected a list of module names",
+                ));
+            }
+        };
+        InferQuant::new(fp8, block)
+            .with_not_convert(skip)
+            .map_err(|reason| {
+                invalid(
+                    "quantization_config.modules_to_not_convert",
+                    value["modules_to_not_convert"].to_string(),
+                    &reason,
+                )
+            })
+    }
+
+    /// The reshard's quantization scheme: `block:RxC`, f32 scales.
+    pub fn scheme(&self) -> QuantScheme {
+        QuantScheme::Block {
+            rows: self.block[0],
+            cols: self.block[1],
+            ue8m0: false,
+        }
+    }
+
+    pub fn request(&self) -> QuantRequest {
+        QuantRequest {
+            scheme: self.scheme(),
+            scale_dtype: None,
+        }
+    }
+
+    /// Whether the engine keeps parameter `name` (of `ndim` dims) in fp8: a linear layer's
+    /// weight (attention, MLP, experts), not a norm, embedding, router or `lm_head`, and not
+    /// a module of `modules_to_not_convert`.
+    pub fn quantizes(&self, name: &str, ndim: usize) -> bool {
+        let Some(module) = name.strip_suffix(".weight") else {
+            return false;
+        };
+        let linear = ndim >= 2
+            && (module.contains(".self_attn.") || module.contains(".mlp."))
+            && !module.ends_with(".mlp.gate")
+            && !module
+                .rsplit('.')
+                .next()
+                .is_some_and(|m| m.contains("norm"));
+        let skipped = self
+            .not_convert
+            .iter()
+            .zip(self.globs.iter().chain(std::iter::repeat(&None)))
+            .any(|(p, g)| match g {
+                Some(g) => g.is_match(module),
+                None => module.contains(p.as_str()),
+            });
+        linear && !skipped && !module.contains("embed_tokens") && !module.contains("lm_head")
+    }
+}
+
+/// The engine's name of the scales of weight (or fused buffer) `weight`: `X.weight` ->
+/// `X.weight_scale_inv`, `w13_weight` -> `w13_weight_scale_inv`, and the stacked
+/// `mlp.experts.down_proj.weight` -> `mlp.experts.w2_weight_scale_inv`.
+pub fn scale_name(weight: &str) -> String {
+    if let Some(p) = weight.strip_suffix(".mlp.experts.down_proj.weight") {
+        return format!("{p}.mlp.experts.w2_weight_scale_inv");
+    }
+    format!("{weight}_scale_inv")
+}
+
+/// The scale tensor of one quantized weight.
+#[derive(Clone, Debug)]
+pub struct RefitScale {
+    /// The engine's name ([`scale_name`]).
+    pub name: String,
+    /// The weight (an index into the refit's tensors).
+    pub tensor: usize,
+    /// The block grid: `[..., ceil(rows/R), ceil(cols/C)]`.
+    pub shape: Vec<u64>,
+}
+
+/// The quantization of a refit ([`Refit::quantized`]).
+#[derive(Clone, Debug)]
+pub struct RefitQuant {
+    pub spec: InferQuant,
+    /// For every tensor of the refit, its quantization if the engine keeps it in fp8.
+    pub plans: Vec<Option<QuantPlan>>,
+    /// One per quantized weight, in tensor order.
+    pub scales: Vec<RefitScale>,
+    /// The fused scale buffers of the inference side (members index `scales`), named after
+    /// their weights' fused buffers.
+    pub fused: Vec<Fused>,
+}
+
+impl RefitQuant {
+    /// How many weights are quantized.
+    pub fn tensors(&self) -> usize {
+        self.scales.len()
+    }
+
+    /// The box of the scale grid inference rank `rank` holds of scale tensor `scale`, if it
+    /// holds the weight: its shard's blocks, row-major in its `weight_scale_inv` shard.
+    pub fn scale_region(&self, refit: &Refit, scale: usize, rank: Rank) -> Option<Region> {
+        let s = &self.scales[scale];
+        let plan = self.plans[s.tensor].as_ref()?;
+        plan.dst_scale_box(&refit.tensors[s.tensor].dst, rank)
+    }
+}
+
+impl Refit {
+    /// The same refit into an fp8 engine: the weights `quant` converts ([`InferQuant::quantizes`])
+    /// get an fp8 inference layout and a scale tensor each; checked before anything is
+    /// planned: every inference shard boundary of a quantized weight on a block boundary, and
+    /// inside a fused buffer every member but the last a whole number of blocks along the
+    /// fused dim on every rank (else the engine's blocks of the fused buffer would straddle
+    /// two members).
+    pub fn quantized(mut self, quant: &InferQuant) -> Result<Refit, ModelError> {
+        let mut plans = Vec::with_capacity(self.tensors.len());
+        let mut scales = Vec::new();
+        let mut scale_of = vec![None; self.tensors.len()];
+        for (i, t) in self.tensors.iter_mut().enumerate() {
+            if !quant.quantizes(&t.name, t.dst.ndim()) {
+                plans.push(None);
+                continue;
+            }
+            let dst = retyped(&t.dst, quant.fp8);
+            let plan = QuantPlan::new(quant.request(), &t.src, &dst).map_err(|e| match e {
+                reshard_core::Error::Convert {
+                    source:
+                        ConvertError::CutBlock {
+                            dim,
+                            boundary,
+                            block,
+                            side: Side::Dst,
+                        },
+                    ..
+                } => ModelError::QuantCut {
+                    tensor: t.name.clone(),
+                    dim,
+                    boundary,
+                    block,
+                },
+                reshard_core::Error::Convert { source, .. } => ModelError::Quant {
+                    tensor: t.name.clone(),
+                    source,
+                },
+                other => ModelError::Plan {
+                    tensor: t.name.clone(),
+                    source: other,
+                },
+            })?;
+            t.dst = dst;
+            scale_of[i] = Some(scales.len());
+            scales.push(RefitScale {
+                name: scale_name(&t.name),
+                tensor: i,
+                shape: plan.grid.grid_shape(),
+            });
+            plans.push(Some(plan));
+        }
+        let mut fused = Vec::new();
+        for f in &self.dst_fused {
+            let members: Vec<Option<usize>> = f.members.iter().map(|&m| scale_of[m]).collect();
+            if members.iter().all(Option::is_none) {
+                continue;
+            }
+            let Some(members) = members.into_iter().collect::<Option<Vec<usize>>>() else {
+                return Err(ModelError::Fused {
+                    name: f.name.clone(),
+                    reason: "some members are quantized and some are not: one buffer holds one dtype (check modules_to_not_convert)".into(),
+                });
+            };
+            self.check_fused_blocks(f, quant)?;
+            fused.push(Fused {
+                name: scale_name(&f.name),
+                dim: f.dim,
+                members,
+            });
+        }
+        self.validate_fused()?;
+        self.quant = Some(RefitQuant {
+            spec: quant.clone(),
+            plans,
+            scales,
+            fused,
+        });
+        Ok(self)
+    }
+
+    /// Every member of `f` but the last holds whole blocks along the fused dim on every rank.
+    fn check_fused_blocks(&self, f: &Fused, quant: &InferQuant) -> Result<(), ModelError> {
+        let Some((_, leading)) = f.members.split_last() else {
+            return Ok(());
+        };
+        for &m in leading {
+            let t = &self.tensors[m];
+            let ndim = t.dst.ndim();
+            let block = match ndim - f.dim {
+                2 => quant.block[0],
+                1 => quant.block[1],
+                _ => 1,
+            };
+            if let Some(piece) = t
+                .dst
+                .dim_pieces(f.dim)
+                .iter()
+                .find(|p| !(p.end - p.start).is_multiple_of(block))
+            {
+                return Err(ModelError::Fused {
+                    name: f.name.clone(),
+                    reason: format!(
+                        "member {} holds {} elements along dim {} on some inference rank, not a multiple of the fp8 block's {block}: the buffer's blocks would straddle two members",
+                        t.name,
+                        piece.end - piece.start,
+                        f.dim
+                    ),
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+/// `layout` holding elements of `dtype` instead (fp8 elements are never larger, so the
+/// layout stays valid).
+fn retyped(layout: &Layout, dtype: DType) -> Layout {
+    Layout::new(
+        layout.shape().to_vec(),
+        dtype,
+        layout.mesh().clone(),
+        layout.placements().to_vec(),
+    )
+    .expect("a valid layout with smaller elements is valid")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_engine_keeps_linear_weights_in_fp8() {
+        let q = InferQuant::parse("fp8-block").unwrap().unwrap();
+        for name in [
+            "model.layers.0.self_attn.q_proj.weight",
+            "model.layers.0.self_attn.kv_a_proj_with_mqa.weight",
+            "model.layers.0.self_attn.kv_b_proj.weight",
+            "model.layers.0.mlp.down_proj.weight",
+            "model.layers.3.mlp.experts.gate_proj.weight",
+            "model.layers.3.mlp.shared_experts.up_proj.weight",
+        ] {
+            assert!(q.quantizes(name, 2), "{name}");
+        }
+        for (name, ndim) in [
+            ("model.embed_tokens.weight", 2),
+            ("lm_head.weight", 2),
+            ("model.layers.3.mlp.gate.weight", 2),
+            ("model.layers.3.mlp.gate.e_score_correction_bias", 1),
+            ("model.layers.0.input_layernorm.weight", 1),
+            ("model.layers.0.self_attn.q_a_layernorm.weight", 1),
+            ("model.layers.0.self_attn.q_norm.weight", 1),
+            ("model.layers.0.self_attn.q_proj.bias", 1),
+            ("model.norm.weight", 1),
+        ] {
+            assert!(!q.quantizes(name, ndim), "{name}");
+        }
+        let skip = q
+            .with_not_convert(vec![
+                "self_attn.kv_b".into(),
+                "model.layers.1?.mlp.*".into(),
+            ])
+            .unwrap();
+        assert!(!skip.quantizes("model.layers.0.self_attn.kv_b_proj.weight", 2));
+        assert!(!skip.quantizes("model.layers.12.mlp.down_proj.weight", 2));
+        assert!(skip.quantizes("model.layers.2.mlp.down_proj.weight", 2));
+    }
+
+    #[test]
+    fn configs_and_flags_parse() {
+        let config = serde_json::json!({"quant_method": "fp8", "fmt": "e5m2",
+            "weight_block_size": [64, 32], "activation_scheme": "dynamic"});
+        let q = InferQuant::from_config(&config, "c.json").unwrap();
+        assert_eq!((q.fp8, q.block), (DType::Fp8E5M2, [64, 32]));
+        assert_eq!(q.to_string(), "fp8-block:64x32:e5m2");
+        assert_eq!(InferQuant::parse(&q.to_string()).unwrap().unwrap(), q);
+        let err = InferQuant::from_config(&serde_json::json!({"quant_method": "awq"}), "c.json")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("quantization_config.quant_method"), "{err}");
+        let err = InferQuant::from_config(&serde_json::json!({"quant_method": "fp8"}), "c.json")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("weight_block_size"), "{err}");
+        let err = InferQuant::parse("int4").unwrap_err().to_string();
+        assert!(err.starts_with("infer_quant: `int4`"), "{err}");
+        assert_eq!(
+            scale_name("model.layers.3.mlp.experts.down_proj.weight"),
+            "model.layers.3.mlp.experts.w2_weight_scale_inv"
+        );
+        assert_eq!(
+            scale_name("model.layers.3.mlp.experts.w13_weight"),
+            "model.layers.3.mlp.experts.w13_weight_scale_inv"
+        );
+    }
+}

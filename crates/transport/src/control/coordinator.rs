@@ -1,0 +1,293 @@
+//! Rank 0's side of the control protocol: hears every member, decides for all, and tells
+//! waiting members it is still at work.
+
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+use reshard_core::agreement::Fingerprint;
+use reshard_core::error::Error;
+use reshard_core::layout::Rank;
+
+use super::{Action, COORDINATOR_PATIENCE, Call, Event, Lost, Msg, Step, later};
+
+/// What rank 0 learned of one member in the current call.
+#[derive(Clone, Debug)]
+enum Heard {
+    /// Nothing yet.
+    Pending,
+    /// Agreement: the member's job.
+    Job(Fingerprint),
+    /// Barrier: it got there. Finish: its report (`Null` for a member still at a barrier
+    /// this rank failed before; the verdict answers it).
+    Fine(serde_json::Value),
+    /// It failed, or was lost: why.
+    Failed(String),
+}
+
+/// Rank 0's call in progress.
+#[derive(Debug)]
+struct Collecting {
+    step: Step,
+    /// Rank 0's own job (agreement) or outcome (finish).
+    mine: Call,
+    deadline: Instant,
+    heard: Vec<Heard>,
+    /// Members still [`Heard::Pending`].
+    pending: usize,
+}
+
+/// Rank 0's side: hears every member, decides for all, and keeps waiting members informed.
+#[derive(Debug)]
+pub struct Coordinator {
+    world: usize,
+    timeout: Duration,
+    /// What each member sent that no call of rank 0 has taken yet, oldest first.
+    inbox: Vec<VecDeque<Msg>>,
+    /// Members whose link is gone, and how.
+    gone: Vec<Option<Lost>>,
+    /// Members that sent a message and wait for rank 0's answer.
+    waiting: Vec<bool>,
+    collecting: Option<Collecting>,
+    /// When waiting members are next told that rank 0 is working.
+    next_beat: Option<Instant>,
+}
+
+impl Coordinator {
+    pub fn new(world: usize, timeout: Duration) -> Coordinator {
+        Coordinator {
+            world,
+            timeout,
+            inbox: vec![VecDeque::new(); world],
+            gone: vec![None; world],
+            waiting: vec![false; world],
+            collecting: None,
+            next_beat: None,
+        }
+    }
+
+    pub fn wakeup(&self) -> Option<Instant> {
+        let deadline = self.collecting.as_ref().map(|c| c.deadline);
+        match (deadline, self.next_beat) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
+    /// Members whose link still stands.
+    fn alive(&self) -> Vec<Rank> {
+        (1..self.world)
+            .filter(|&r| self.gone[r].is_none())
+            .collect()
+    }
+
+    pub fn handle(&mut self, now: Instant, event: Event) -> Vec<Action> {
+        let mut actions = Vec::new();
+        match event {
+            Event::Call(call) => {
+                if self.collecting.is_some() {
+                    actions.push(Action::Done(Err(Error::Internal {
+                        rank: 0,
+                        detail: "a control call was made while another was in progress".into(),
+                    })));
+                    return actions;
+                }
+                let heard = vec![Heard::Pending; self.world];
+                self.collecting = Some(Collecting {
+                    step: Step::of(&call),
+                    mine: call,
+                    deadline: later(now, self.timeout.saturating_mul(COORDINATOR_PATIENCE)),
+                    heard,
+                    pending: self.world.saturating_sub(1),
+                });
+                for r in 1..self.world {
+                    self.take(r);
+                }
+            }
+            Event::Message { from, msg } => {
+                // members have no reason to send heartbeats: one is dropped, not answered
+                let member = (1..self.world).contains(&from) && self.gone[from].is_none();
+                if member && msg != Msg::Working {
+                    self.waiting[from] = true;
+                    if self.next_beat.is_none() {
+                        self.next_beat = Some(later(now, self.timeout));
+                    }
+                    self.inbox[from].push_back(msg);
+                    self.take(from);
+                }
+            }
+            Event::Gone { peer, lost } => {
+                if (1..self.world).contains(&peer) && self.gone[peer].is_none() {
+                    self.gone[peer] = Some(lost);
+                    self.waiting[peer] = false;
+                    self.take(peer);
+                }
+            }
+            Event::Tick => {}
+        }
+        self.expire(now);
+        if self.collecting.as_ref().is_some_and(|c| c.pending == 0) {
+            self.decide(&mut actions);
+        }
+        self.beat(now, &mut actions);
+        actions
+    }
+
+    /// Takes what member `r` sent (or its loss) into the call in progress, if it has nothing
+    /// from `r` yet.
+    fn take(&mut self, r: Rank) {
+        let Some(c) = self.collecting.as_mut() else {
+            return;
+        };
+        if !matches!(c.heard[r], Heard::Pending) {
+            return;
+        }
+        let heard = if let Some(msg) = self.inbox[r].pop_front() {
+            match (c.step, msg) {
+                (Step::Agree, Msg::Agree { fingerprint }) => Heard::Job(fingerprint),
+                (Step::Barrier, Msg::Barrier) => Heard::Fine(serde_json::Value::Null),
+                (
+                    Step::Finish,
+                    Msg::Status {
+                        error: None,
+                        report,
+                    },
+                ) => Heard::Fine(report),
+                // still waiting at the barrier this rank failed before: it hears the verdict
+                (Step::Finish, Msg::Barrier) => Heard::Fine(serde_json::Value::Null),
+                (step, Msg::Status { error, .. }) => Heard::Failed(error.unwrap_or_else(|| {
+                    match step {
+                        Step::Agree => "reported before the plan agreement",
+                        _ => "reported before the barrier",
+                    }
+                    .into()
+                })),
+                (Step::Agree, other) => Heard::Failed(format!("sent {other:?} instead of its job")),
+                (Step::Barrier, other) => Heard::Failed(format!("sent {other:?} at the barrier")),
+                (Step::Finish, other) => {
+                    Heard::Failed(format!("sent {other:?} instead of a report"))
+                }
+            }
+        } else if let Some(lost) = &self.gone[r] {
+            Heard::Failed(match (lost, c.step) {
+                (Lost::Closed, Step::Finish) => "exited without reporting (killed?)".into(),
+                (Lost::Closed, _) => "exited (killed?)".into(),
+                (Lost::Stalled, _) => {
+                    format!("stopped reading its control link during {}", c.step.what())
+                }
+                (Lost::Broken(detail), _) => detail.clone(),
+            })
+        } else {
+            return;
+        };
+        c.heard[r] = heard;
+        c.pending -= 1;
+    }
+
+    /// Members still silent at the deadline count as failed.
+    fn expire(&mut self, now: Instant) {
+        let timeout = self.timeout;
+        let Some(c) = self.collecting.as_mut().filter(|c| now >= c.deadline) else {
+            return;
+        };
+        for (peer, h) in c.heard.iter_mut().enumerate().skip(1) {
+            if matches!(h, Heard::Pending) {
+                let waited = timeout.saturating_mul(COORDINATOR_PATIENCE);
+                *h = Heard::Failed(
+                    Error::Timeout {
+                        rank: 0,
+                        peer,
+                        waited,
+                        detail: format!("{} did not complete", c.step.what()),
+                    }
+                    .to_string(),
+                );
+                c.pending -= 1;
+            }
+        }
+    }
+
+    /// Tells waiting members that rank 0 is alive, once a timeout.
+    fn beat(&mut self, now: Instant, actions: &mut Vec<Action>) {
+        let Some(at) = self.next_beat.filter(|&at| now >= at) else {
+            return;
+        };
+        let to: Vec<Rank> = (1..self.world)
+            .filter(|&r| self.waiting[r] && self.gone[r].is_none())
+            .collect();
+        if to.is_empty() {
+            self.next_beat = None;
+            return;
+        }
+        actions.push(Action::Send {
+            to,
+            msg: Msg::Working,
+        });
+        // from the beat that was due, not from a late wake: beats keep their pace
+        let mut next = later(at, self.timeout);
+        if next <= now {
+            next = later(now, self.timeout);
+        }
+        self.next_beat = Some(next);
+    }
+
+    /// Every member is heard from (or given up on): answers them all and settles the call.
+    fn decide(&mut self, actions: &mut Vec<Action>) {
+        let Some(c) = self.collecting.take() else {
+            return;
+        };
+        let to = self.alive();
+        for &r in &to {
+            self.waiting[r] = false;
+        }
+        if !self.waiting.iter().any(|&w| w) {
+            self.next_beat = None;
+        }
+        let mut failures = Vec::new();
+        let mut reports = vec![serde_json::Value::Null; self.world];
+        let mut jobs = Vec::new();
+        if let Call::Finish(mine) = c.mine.clone() {
+            match mine {
+                Ok(r) => reports[0] = r,
+                Err(e) => failures.push((0, e)),
+            }
+        }
+        for (r, h) in c.heard.into_iter().enumerate().skip(1) {
+            match h {
+                Heard::Job(f) => jobs.push((r, f)),
+                Heard::Fine(report) => reports[r] = report,
+                Heard::Failed(why) => failures.push((r, why)),
+                Heard::Pending => {}
+            }
+        }
+        if let Call::Agree(mine) = &c.mine {
+            let first = Fingerprint::first_disagreement(mine, jobs.iter().map(|(r, f)| (*r, f)));
+            if let Some((rank, difference)) = first {
+                actions.push(Action::Send {
+                    to,
+                    msg: Msg::Disagree {
+                        rank,
+                        difference: difference.clone(),
+                    },
+                });
+                actions.push(Action::Done(Err(difference.into_error(rank))));
+                return;
+            }
+        }
+        let failed = !failures.is_empty();
+        let answer = if failed || c.step == Step::Finish {
+            Msg::Verdict {
+                failures: failures.clone(),
+            }
+        } else {
+            Msg::Go
+        };
+        actions.push(Action::Send { to, msg: answer });
+        actions.push(Action::Done(if failed {
+            Err(Error::JobFailed { rank: 0, failures })
+        } else if c.step == Step::Finish {
+            Ok(reports)
+        } else {
+            Ok(Vec::new())
+        }));
+    }
+}

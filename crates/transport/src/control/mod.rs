@@ -1,0 +1,196 @@
+//! The control protocol of a job of processes, as a state machine without I/O or clocks.
+//!
+//! After rendezvous every member (rank 1 and up) holds one control link to rank 0, the
+//! coordinator; the protocol runs over these links alone. A rank's code makes three calls,
+//! in this order: [`Call::Agree`] once, [`Call::Barrier`] any number of times, and
+//! [`Call::Finish`] once. Each call is one exchange:
+//!
+//! | call | a member sends | rank 0 answers every member, once it has heard all of them |
+//! |---|---|---|
+//! | agree | [`Msg::Agree`] (its job's fingerprint) | [`Msg::Go`], [`Msg::Disagree`] (the first rank whose job differs) or [`Msg::Verdict`] |
+//! | barrier | [`Msg::Barrier`] | [`Msg::Go`] or [`Msg::Verdict`] (the ranks that failed) |
+//! | finish | [`Msg::Status`] (its report, or its error) | [`Msg::Verdict`] (empty when all went well) |
+//!
+//! A member that fails between two calls skips the barriers and goes straight to finish:
+//! rank 0, at its barrier, takes that member's [`Msg::Status`] for its failure and tells
+//! every member at once, so nobody waits for a rank that will never come.
+//!
+//! **Deadlines.** Rank 0 gives all members together two timeouts from the moment it makes
+//! its own call ([`Coordinator`]): a member that is alive gets there within a timeout of
+//! noticing a failure, and noticing may itself take a timeout. A member that stays silent
+//! past that counts as failed, and so does one whose link closes. A member waits for rank 0's
+//! answer until rank 0 has been silent for four timeouts ([`MEMBER_PATIENCE`]): rank 0's
+//! own part may end a timeout after a failure, then it waits up to two for the others.
+//!
+//! **Heartbeats.** Rank 0 may reach a call long after its members: its own share of the data
+//! (a large local copy) can take longer than any timeout. So while a member waits on it,
+//! rank 0 sends that member [`Msg::Working`] every timeout ([`Coordinator::wakeup`] says
+//! when); a member's patience counts rank 0's silence, not rank 0's work. A rank 0 that dies
+//! or stops (SIGSTOP) stops beating, and its members give up four timeouts later.
+//!
+//! Both sides are fed [`Event`]s (the rank's own call, a message, a lost link, the passing
+//! of time) with the current instant, and answer with [`Action`]s: messages to send and,
+//! when the call is settled, its outcome. A driver carries out what the machine says: over
+//! tcp, `driver`'s thread polls the control links that `super::group` opened; under
+//! `mpirun`, the MPI job feeds it MPI's blocking receives (with no deadlines: `mpirun` ends a
+//! job whose rank dies). The tests replay failure orders against the machine alone.
+
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+
+use reshard_core::agreement::{Difference, Fingerprint};
+use reshard_core::error::Result;
+use reshard_core::layout::Rank;
+
+mod coordinator;
+pub mod driver;
+mod member;
+#[cfg(test)]
+mod tests;
+
+pub use coordinator::Coordinator;
+pub use member::Member;
+
+/// How many timeouts of rank 0's silence a waiting member bears before it gives up.
+pub const MEMBER_PATIENCE: u32 = 4;
+
+/// How many timeouts rank 0 gives its members, all together, to make the call it makes.
+pub const COORDINATOR_PATIENCE: u32 = 2;
+
+/// `d` after `now`, or a century after it where `d` is longer than a clock can count: a
+/// library caller may pass any timeout, and none may make the protocol panic.
+pub fn later(now: Instant, d: Duration) -> Instant {
+    now.checked_add(d)
+        .or_else(|| now.checked_add(Duration::from_secs(100 * 365 * 86_400)))
+        .unwrap_or(now)
+}
+
+/// Control messages after rendezvous.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum Msg {
+    /// A member's description of the job it is about to run, right after rendezvous.
+    Agree { fingerprint: Fingerprint },
+    /// Rank 0's answer when a rank's job differs from its own.
+    Disagree { rank: Rank, difference: Difference },
+    /// A member has reached a barrier.
+    Barrier,
+    /// Rank 0's all-clear: every rank reached the agreement or the barrier.
+    Go,
+    /// A member's outcome: its report, or its error.
+    Status {
+        error: Option<String>,
+        report: serde_json::Value,
+    },
+    /// Rank 0's decision for the job: the ranks that failed, and why (none: success).
+    Verdict { failures: Vec<(Rank, String)> },
+    /// Rank 0 is alive and on its way to answer.
+    Working,
+}
+
+/// A rank's own call into the protocol.
+#[derive(Clone, Debug)]
+pub enum Call {
+    /// Compare this rank's job with every other rank's, before any byte moves.
+    Agree(Fingerprint),
+    /// Wait until every rank got here.
+    Barrier,
+    /// This rank's part is over: its report, or its error.
+    Finish(std::result::Result<serde_json::Value, String>),
+}
+
+/// How a control link was lost.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Lost {
+    /// The other side closed it (exited, or was killed).
+    Closed,
+    /// The other side stopped reading: a message could not be written within the timeout.
+    Stalled,
+    /// It sent something that is not a control message; what the driver found.
+    Broken(String),
+}
+
+/// What happens to a rank's side of the protocol.
+#[derive(Clone, Debug)]
+pub enum Event {
+    /// The rank makes a call.
+    Call(Call),
+    /// A message arrived from rank `from`.
+    Message { from: Rank, msg: Msg },
+    /// The link to `peer` is gone; nothing more comes from it.
+    Gone { peer: Rank, lost: Lost },
+    /// Time passed (the driver woke at [`Machine::wakeup`]).
+    Tick,
+}
+
+/// What the driver must do, in order.
+#[derive(Debug)]
+pub enum Action {
+    /// Send `msg` to each of `to`.
+    Send { to: Vec<Rank>, msg: Msg },
+    /// The call is settled: every rank's report on rank 0 after finish (indexed by rank),
+    /// nothing otherwise, or the error that every rank returns alike.
+    Done(Result<Vec<serde_json::Value>>),
+}
+
+/// One rank's side of the protocol: rank 0 coordinates, the others are members.
+#[derive(Debug)]
+pub enum Machine {
+    Coordinator(Coordinator),
+    Member(Member),
+}
+
+impl Machine {
+    /// The side of `rank` in a job of `world` ranks whose waits are bounded by `timeout`.
+    pub fn new(rank: Rank, world: usize, timeout: Duration) -> Machine {
+        if rank == 0 {
+            Machine::Coordinator(Coordinator::new(world, timeout))
+        } else {
+            Machine::Member(Member::new(rank, timeout))
+        }
+    }
+
+    /// Feeds one event that happened at `now`; returns what to do about it.
+    pub fn handle(&mut self, now: Instant, event: Event) -> Vec<Action> {
+        match self {
+            Machine::Coordinator(c) => c.handle(now, event),
+            Machine::Member(m) => m.handle(now, event),
+        }
+    }
+
+    /// When the driver must feed [`Event::Tick`] at the latest (a deadline, a heartbeat);
+    /// `None` while nothing is due, however long that lasts.
+    pub fn wakeup(&self) -> Option<Instant> {
+        match self {
+            Machine::Coordinator(c) => c.wakeup(),
+            Machine::Member(m) => m.wakeup(),
+        }
+    }
+}
+
+/// Which call a rank is in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Step {
+    Agree,
+    Barrier,
+    Finish,
+}
+
+impl Step {
+    fn of(call: &Call) -> Step {
+        match call {
+            Call::Agree(_) => Step::Agree,
+            Call::Barrier => Step::Barrier,
+            Call::Finish(_) => Step::Finish,
+        }
+    }
+
+    /// What the rank waits for, as error messages say it.
+    fn what(self) -> &'static str {
+        match self {
+            Step::Agree => "the plan agreement",
+            Step::Barrier => "the barrier",
+            Step::Finish => "the verdict",
+        }
+    }
+}
