@@ -28,6 +28,7 @@
 pub mod batch;
 mod connect;
 pub mod exec;
+pub mod refit;
 mod run;
 
 use reshard_core::error::Field;
