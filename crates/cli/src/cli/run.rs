@@ -1,26 +1,37 @@
 //! `reshard run`: execute a reshard on filled buffers; verify and dump the result.
+//!
+//! A run is a comparison of one method ([`reshard::runtime::refit::harness`]): the harness
+//! repeats it, poisons the destinations before and checks every byte after each repetition
+//! with `--verify`, and times only the move, every rank's clock started from a barrier after
+//! the poison. Ranks are threads of this process ([`Threads`]) or this process is one rank of
+//! a job ([`OwnRank`]); an already-quantized source moves its values and scales together
+//! ([`prequant`]).
 
-use std::io::Write;
-use std::path::{Path, PathBuf};
-use std::time::Instant;
+use std::path::PathBuf;
 
 use clap::Args;
 use serde::Serialize;
 
 use reshard::agreement::Fingerprint;
-use reshard::error::Field;
+use reshard::convert::reference::QuantizedTensor;
 use reshard::exec::{self, ExecOptions};
 use reshard::fill::Fill;
-use reshard::runtime::World;
+use reshard::runtime::refit::check;
+use reshard::runtime::refit::harness::{
+    Checked, Compare, Measured, Repeat, Sample, compare, spread,
+};
+use reshard::runtime::{PlanRank, RunOptions, World};
 use reshard::{Error, Plan, Rank};
 
 use super::exec_args::{ExecArgs, check_memory, run_options, with_plan};
 use super::measure::conclude;
 use super::units::bytes;
-use super::{Failure, TensorArgs, quant_check};
+use super::{Failure, TensorArgs};
 
+mod dump;
 mod prequant;
 
+pub(super) use dump::{check_dump_dir, dump, dump_named, dump_scales, write_whole};
 pub(super) use prequant::check_fill as check_quantized_fill;
 
 #[derive(Args, Debug)]
@@ -122,6 +133,98 @@ pub fn main(args: &RunArgs) -> Result<(), Failure> {
     }
 }
 
+impl RunArgs {
+    /// The repetitions the harness runs.
+    fn repeat(&self) -> Repeat {
+        Repeat {
+            warmup: self.warmup,
+            iters: self.iters,
+            verify: self.verify,
+        }
+    }
+}
+
+/// The one method of a run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Move;
+
+/// The reference a destination is checked against: the fill itself, or, for a quantizing
+/// plan, the fill quantized whole.
+struct Reference {
+    fill: Fill,
+    quantized: Option<QuantizedTensor>,
+}
+
+impl Reference {
+    /// With `--verify` (and, between processes, on a destination rank only: `needed`).
+    fn new(args: &RunArgs, plan: &Plan, fill: Fill, needed: bool) -> Result<Reference, Error> {
+        let quantized = match args.verify && needed {
+            true => check::reference(plan, fill)?,
+            false => None,
+        };
+        Ok(Reference { fill, quantized })
+    }
+
+    /// Checks `rank`'s destination shard (and its scales, for a quantizing plan); returns the
+    /// bytes checked.
+    fn verify(&self, plan: &Plan, rank: Rank, values: &[u8], scales: &[u8]) -> Result<u64, Error> {
+        if let Some(reference) = &self.quantized {
+            return check::verify_quantized(plan, reference, rank, values, scales);
+        }
+        let Some(region) = plan.dst().local_region(rank) else {
+            return Ok(0);
+        };
+        let from = plan.src().dtype();
+        self.fill
+            .verify_converted(from, plan.dst(), &region, values, (rank, 0))?;
+        Ok(values.len() as u64)
+    }
+}
+
+/// Every rank a thread of this process: every rank's shards.
+struct Threads<'a> {
+    plan: &'a Plan,
+    options: &'a ExecOptions,
+    reference: Reference,
+    sources: std::collections::BTreeMap<Rank, Vec<u8>>,
+    shards: std::collections::BTreeMap<Rank, Vec<u8>>,
+    scales: std::collections::BTreeMap<Rank, Vec<u8>>,
+}
+
+impl Compare for Threads<'_> {
+    type Method = Move;
+    fn methods(&self) -> Vec<Move> {
+        vec![Move]
+    }
+    fn poison(&mut self, _: Move) {
+        self.shards.values_mut().for_each(|s| poison(s));
+        self.scales.values_mut().for_each(|s| poison(s));
+    }
+    fn run(&mut self, _: Move) -> Result<Sample, Error> {
+        let (plan, options) = (self.plan, self.options);
+        let stats = match plan.quant() {
+            Some(_) => exec::run_local_quantized(
+                plan,
+                &self.sources,
+                &mut self.shards,
+                &mut self.scales,
+                options,
+            )?,
+            None => exec::run_local(plan, &self.sources, &mut self.shards, options)?,
+        };
+        Ok(Sample::of_run(&stats))
+    }
+    fn verify(&mut self, _: Move) -> Result<Checked, Error> {
+        let mut checked = Checked::default();
+        for (&r, values) in &self.shards {
+            let scales = self.scales.get(&r).map_or(&[][..], Vec::as_slice);
+            let bytes = self.reference.verify(self.plan, r, values, scales)?;
+            checked = checked + Checked::new(bytes, (values.len() + scales.len()) as u64);
+        }
+        Ok(checked)
+    }
+}
+
 /// Every rank a thread of this process.
 fn run_threads(
     args: &RunArgs,
@@ -139,56 +242,25 @@ fn run_threads(
     if let Some(dir) = &args.dump_src {
         dump_named(dir, "src", sources.iter().map(|(&r, b)| (r, b.as_slice())))?;
     }
-    let mut shards = exec::zeroed_shards(plan.dst())?;
-    let mut scales = exec::zeroed_scale_shards(plan)?;
-    let reference = match args.verify {
-        true => quant_check::reference(plan, fill)?,
-        false => None,
+    let mut threads = Threads {
+        plan,
+        options,
+        reference: Reference::new(args, plan, fill, true)?,
+        sources,
+        shards: exec::zeroed_shards(plan.dst())?,
+        scales: exec::zeroed_scale_shards(plan)?,
     };
-    let mut times = Vec::new();
-    let mut last = None;
-    let mut verified = false;
-    for i in 0..args.warmup + args.iters {
-        if args.verify {
-            shards.values_mut().for_each(|s| poison(s));
-            scales.values_mut().for_each(|s| poison(s));
-        }
-        let stats = match plan.quant() {
-            Some(_) => {
-                exec::run_local_quantized(plan, &sources, &mut shards, &mut scales, options)?
-            }
-            None => exec::run_local(plan, &sources, &mut shards, options)?,
-        };
-        if i >= args.warmup {
-            times.push(stats.elapsed.as_secs_f64());
-        }
-        last = Some(stats);
-        if args.verify {
-            match &reference {
-                Some(reference) => {
-                    for (&r, values) in &shards {
-                        let scale = scales.get(&r).map_or(&[][..], Vec::as_slice);
-                        quant_check::verify(plan, reference, r, values, scale)?;
-                    }
-                }
-                None => fill.verify_shards_converted(plan.src().dtype(), plan.dst(), &shards)?,
-            }
-            verified = true;
-        }
-    }
-    let stats = last.expect("at least one iteration");
+    let found = compare(
+        &mut threads,
+        args.repeat(),
+        None::<&dyn reshard::transport::Job>,
+        &mut || {},
+    )?;
     if let Some(dir) = &args.dump {
-        dump(dir, shards.iter().map(|(&r, b)| (r, b.as_slice())))?;
-        dump_scales(dir, scales.iter().map(|(&r, b)| (r, b.as_slice())))?;
+        dump(dir, threads.shards.iter().map(|(&r, b)| (r, b.as_slice())))?;
+        dump_scales(dir, threads.scales.iter().map(|(&r, b)| (r, b.as_slice())))?;
     }
-    let summary = Summary {
-        times,
-        bytes_remote: stats.bytes_remote(),
-        bytes_local: stats.bytes_local(),
-        bytes_direct: stats.bytes_direct(),
-        peak_staging: stats.peak_staging_bytes(),
-    };
-    report(args, plan, &summary, "local", verified);
+    report(args, plan, &found.of(Move), "local", found.verified);
     Ok(())
 }
 
@@ -205,7 +277,8 @@ fn run_process(
         .check_size(highest(plan))
         .and_then(|()| check_memory(rank_bytes(plan, rank), plan.src().shape()));
     world.agree("run", ready, || fingerprint(args, plan, fill, options))?;
-    process_rank(args, plan, fill, options, world)
+    let outcome = rank_part(args, plan, fill, options, world);
+    process_report(args, plan, world, outcome)
 }
 
 /// What every rank of the job must run alike.
@@ -230,19 +303,9 @@ fn rank_bytes(plan: &Plan, rank: Rank) -> u64 {
         .saturating_add(plan.dst().local_bytes(rank))
 }
 
-/// Runs this rank's part of the job, then reports; rank 0 prints the job's report.
-fn process_rank(
-    args: &RunArgs,
-    plan: &Plan,
-    fill: Fill,
-    options: &ExecOptions,
-    world: &World,
-) -> Result<(), Failure> {
-    let outcome = rank_part(args, plan, fill, options, world);
-    process_report(args, plan, world, outcome)
-}
-
-/// Hands this rank's outcome to rank 0, which prints the job's report.
+/// Hands this rank's outcome to rank 0, which prints the job's report: per repetition the
+/// slowest rank's time, the bytes of every rank, verified if every rank's checks covered
+/// every byte it holds.
 fn process_report(
     args: &RunArgs,
     plan: &Plan,
@@ -251,42 +314,69 @@ fn process_report(
 ) -> Result<(), Failure> {
     if let Some(reports) = conclude(world, outcome)? {
         let name = reports.transport();
-        let reports = reports.ranks;
-        let field = |r: &serde_json::Value, k: &str| r[k].as_f64().unwrap_or(0.0);
-        // per repetition, the slowest rank's time
-        let iters = args.iters as usize;
-        let times = (0..iters)
-            .map(|i| {
-                reports
-                    .iter()
-                    .map(|r| r["times"][i].as_f64().unwrap_or(0.0))
-                    .fold(0.0, f64::max)
-            })
-            .collect();
-        let summary = Summary {
-            times,
-            bytes_remote: reports
-                .iter()
-                .map(|r| field(r, "bytes_remote") as u64)
-                .sum(),
-            bytes_local: reports.iter().map(|r| field(r, "bytes_local") as u64).sum(),
-            bytes_direct: reports
-                .iter()
-                .map(|r| field(r, "bytes_direct") as u64)
-                .sum(),
-            peak_staging: reports
-                .iter()
-                .map(|r| field(r, "peak_staging") as u64)
-                .max()
-                .unwrap_or(0),
-        };
-        // what every rank's own check found (a failed check fails the job before this)
+        let per_rank: Vec<&serde_json::Value> = reports.ranks.iter().map(|r| &r["run"]).collect();
+        let measured = Measured::combine(&per_rank);
         let verified = reports
+            .ranks
             .iter()
             .all(|r| r["verified"].as_bool() == Some(true));
-        report(args, plan, &summary, &name, verified);
+        report(args, plan, &measured, &name, verified);
     }
     Ok(())
+}
+
+/// This process's rank: its own shards, over links opened once ([`World::prepare`]).
+struct OwnRank<'a, 'w> {
+    plan: &'a Plan,
+    world: &'w World,
+    run: RunOptions,
+    reference: Reference,
+    source: Option<Vec<u8>>,
+    /// Its destination shard in shared memory, so that senders on this host write into it.
+    mine: Option<PlanRank<'w>>,
+}
+
+impl Compare for OwnRank<'_, '_> {
+    type Method = Move;
+    fn methods(&self) -> Vec<Move> {
+        vec![Move]
+    }
+    fn connect(&mut self, _: Move) -> Result<(), Error> {
+        self.mine = Some(self.world.prepare(self.plan)?);
+        Ok(())
+    }
+    fn poison(&mut self, _: Move) {
+        if let Some(s) = self.mine.as_mut().and_then(PlanRank::destination_mut) {
+            poison(s);
+        }
+        if let Some(s) = self.mine.as_mut().and_then(PlanRank::scales_mut) {
+            poison(s);
+        }
+    }
+    fn run(&mut self, _: Move) -> Result<Sample, Error> {
+        let rank = self.world.rank().unwrap_or(0);
+        let mine = self.mine.as_mut().ok_or_else(|| Error::Internal {
+            rank,
+            detail: "the run started before its links were opened".into(),
+        })?;
+        Ok(Sample::of_rank(
+            &mine.run(self.source.as_deref(), &self.run)?,
+        ))
+    }
+    fn verify(&mut self, _: Move) -> Result<Checked, Error> {
+        let Some(mine) = self.mine.as_ref() else {
+            return Ok(Checked::default());
+        };
+        let Some(values) = mine.destination() else {
+            // no destination shard: nothing to check, nothing held
+            return Ok(Checked::default());
+        };
+        let scales = mine.scales().unwrap_or_default();
+        let bytes = self
+            .reference
+            .verify(self.plan, mine.rank(), values, scales)?;
+        Ok(Checked::new(bytes, (values.len() + scales.len()) as u64))
+    }
 }
 
 /// This rank's share of a multi-process run: its shards, its links, its transfers, its check.
@@ -298,51 +388,27 @@ fn rank_part(
     options: &ExecOptions,
     world: &World,
 ) -> Result<serde_json::Value, Error> {
-    // its destination shard in shared memory, so that senders on this host write into it
-    let mut mine = world.prepare(plan)?;
-    let rank = mine.rank();
-    let reference = match args.verify && mine.destination().is_some() {
-        true => quant_check::reference(plan, fill)?,
-        false => None,
-    };
+    let rank = world.rank().unwrap_or(0);
     let source = fill.shard(plan.src(), rank)?;
-    let run = run_options(options);
     if let (Some(dir), Some(buf)) = (&args.dump_src, &source) {
         dump_named(dir, "src", [(rank, &buf[..])])?;
     }
-
-    // Only the data phase is timed: every rank starts each repetition together.
-    let mut times = Vec::new();
-    let mut stats = None;
-    // a rank with no destination shard has nothing to check: its part of the check passes
-    let mut verified = args.verify && mine.destination().is_none();
-    for i in 0..args.warmup + args.iters {
-        if let (true, Some(s)) = (args.verify, mine.destination_mut()) {
-            poison(s);
-        }
-        if let (true, Some(s)) = (args.verify, mine.scales_mut()) {
-            poison(s);
-        }
-        world.barrier()?;
-        let started = Instant::now();
-        stats = Some(mine.run(source.as_deref(), &run)?);
-        if i >= args.warmup {
-            times.push(started.elapsed().as_secs_f64());
-        }
-        if let (true, Some(b), Some(buf)) =
-            (args.verify, mine.destination_box(), mine.destination())
-        {
-            match &reference {
-                Some(reference) => {
-                    let scales = mine.scales().unwrap_or_default();
-                    quant_check::verify(plan, reference, rank, buf, scales)?;
-                }
-                None => fill.verify_converted(plan.src().dtype(), plan.dst(), b, buf, (rank, 0))?,
-            }
-            verified = true;
-        }
-    }
-    let stats = stats.expect("at least one iteration");
+    let is_destination = plan.dst().local_region(rank).is_some();
+    let mut own = OwnRank {
+        plan,
+        world,
+        run: run_options(options),
+        reference: Reference::new(args, plan, fill, is_destination)?,
+        source,
+        mine: None,
+    };
+    let found = compare(&mut own, args.repeat(), world.job(), &mut || {})?;
+    let Some(mine) = own.mine.as_ref() else {
+        return Err(Error::Internal {
+            rank,
+            detail: "the run ended without links".into(),
+        });
+    };
     if let (Some(dir), Some(buf)) = (&args.dump, mine.destination()) {
         dump(dir, [(rank, buf)])?;
     }
@@ -351,12 +417,8 @@ fn rank_part(
     }
     Ok(serde_json::json!({
         "transport": mine.transport_name(),
-        "times": times,
-        "bytes_remote": stats.bytes_received,
-        "bytes_local": stats.bytes_local,
-        "bytes_direct": stats.bytes_direct,
-        "peak_staging": stats.peak_staging_bytes,
-        "verified": verified,
+        "run": found.of(Move).report(),
+        "verified": found.verified,
     }))
 }
 
@@ -366,113 +428,13 @@ fn poison(buf: &mut [u8]) {
     reshard::memory::fill_around_caches(buf, 0xA5);
 }
 
-/// Makes sure `--dump DIR` can take the files before any byte moves: creates DIR when it is
-/// missing, and refuses a path that is not a directory or one where no file can be created
-/// (checked by creating one: permission bits alone miss read-only mounts and root).
-pub(super) fn check_dump_dir(dir: &Path) -> Result<(), Error> {
-    let refuse = |reason: String| Error::InvalidOption {
-        field: Field::Flag("--dump"),
-        value: dir.display().to_string(),
-        reason,
-    };
-    match std::fs::metadata(dir) {
-        Ok(meta) if !meta.is_dir() => {
-            return Err(refuse("it exists and is not a directory".into()));
-        }
-        Ok(_) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => std::fs::create_dir_all(dir)
-            .map_err(|e| refuse(format!("the directory cannot be created: {e}")))?,
-        Err(e) => return Err(refuse(format!("it cannot be read: {e}"))),
-    }
-    // removed again when dropped
-    tempfile::Builder::new()
-        .prefix(".reshard-probe-")
-        .tempfile_in(dir)
-        .map_err(|e| refuse(format!("no file can be created in it: {e}")))?;
-    Ok(())
-}
-
-/// Writes `DIR/rank<R>.bin` for every shard (DIR checked by [`check_dump_dir`]).
-pub(super) fn dump<'a>(
-    dir: &Path,
-    shards: impl IntoIterator<Item = (Rank, &'a [u8])>,
-) -> Result<(), Error> {
-    dump_named(dir, "rank", shards)
-}
-
-/// Writes `DIR/rank<R>.scale.bin` for every scale shard (row-major, in the scale dtype).
-pub(super) fn dump_scales<'a>(
-    dir: &Path,
-    shards: impl IntoIterator<Item = (Rank, &'a [u8])>,
-) -> Result<(), Error> {
-    for (rank, buf) in shards {
-        write_whole(dir, &format!("rank{rank}.scale.bin"), |file| {
-            file.write_all(buf)
-        })?;
-    }
-    Ok(())
-}
-
-/// Writes `DIR/<prefix><R>.bin` for every shard: `rank` for destinations, `src` for sources.
-pub(super) fn dump_named<'a>(
-    dir: &Path,
-    prefix: &str,
-    shards: impl IntoIterator<Item = (Rank, &'a [u8])>,
-) -> Result<(), Error> {
-    for (rank, buf) in shards {
-        write_whole(dir, &format!("{prefix}{rank}.bin"), |file| {
-            file.write_all(buf)
-        })?;
-    }
-    Ok(())
-}
-
-/// Writes `DIR/name` whole or not at all: `write` fills a temporary file in the same directory
-/// (so that the rename cannot cross file systems), which is flushed to disk and then renamed
-/// over `name`. On any error (a full disk), the temporary is removed and `name` is untouched.
-fn write_whole(
-    dir: &Path,
-    name: &str,
-    write: impl FnOnce(&mut std::fs::File) -> std::io::Result<()>,
-) -> Result<(), Error> {
-    let path = dir.join(name);
-    let io = |source| Error::Io {
-        path: path.display().to_string(),
-        source,
-    };
-    let mut temp = tempfile::Builder::new()
-        .prefix(&format!(".{name}."))
-        .suffix(".tmp")
-        .tempfile_in(dir)
-        .map_err(io)?;
-    // a write error, or one the file system only reports on flushing, drops (removes) `temp`
-    write(temp.as_file_mut())
-        .and_then(|()| temp.as_file().sync_all())
-        .map_err(io)?;
-    temp.persist(&path).map_err(|e| io(e.error))?;
-    Ok(())
-}
-
-/// What a run did, from one process or summed over all.
-struct Summary {
-    /// Seconds of every timed repetition (the slowest rank's, between processes).
-    times: Vec<f64>,
-    bytes_remote: u64,
-    bytes_local: u64,
-    bytes_direct: u64,
-    peak_staging: u64,
-}
-
-fn report(args: &RunArgs, plan: &Plan, stats: &Summary, transport: &str, verified: bool) {
+/// Prints what a run did, from one process or combined over all (`stats.peak_extra` is the
+/// staging: a run holds nothing else); `verified` as the harness found it.
+fn report(args: &RunArgs, plan: &Plan, stats: &Measured, transport: &str, verified: bool) {
     let totals = plan.totals();
     let dst_bytes = plan.dst().shard_bytes();
-    let mut sorted = stats.times.clone();
-    sorted.sort_by(f64::total_cmp);
-    let seconds = sorted.get(sorted.len() / 2).copied().unwrap_or(0.0);
-    let (min_s, max_s) = (
-        sorted.first().copied().unwrap_or(0.0),
-        sorted.last().copied().unwrap_or(0.0),
-    );
+    let (seconds, min_s, max_s) = spread(&stats.times);
+    let repetitions = stats.times.len();
     let gbps = dst_bytes as f64 / seconds.max(1e-12) / 1e9;
     if args.json {
         let json = RunJson {
@@ -480,17 +442,17 @@ fn report(args: &RunArgs, plan: &Plan, stats: &Summary, transport: &str, verifie
             dtype: plan.src().dtype().to_string(),
             dst_dtype: plan.dst().dtype().to_string(),
             transport: transport.to_string(),
-            iters: sorted.len(),
+            iters: repetitions,
             seconds,
             min_s,
             max_s,
             dst_bytes,
-            bytes_remote: stats.bytes_remote,
+            bytes_remote: stats.wire_bytes,
             bytes_local: stats.bytes_local,
             bytes_direct: stats.bytes_direct,
             messages: totals.messages,
             gbps,
-            peak_staging_bytes_per_rank: stats.peak_staging,
+            peak_staging_bytes_per_rank: stats.peak_extra,
             verified,
             hosts: plan.topology().map(|t| t.hosts.to_string()),
             relay: plan.topology().map(|t| t.relay),
@@ -515,7 +477,7 @@ fn report(args: &RunArgs, plan: &Plan, stats: &Summary, transport: &str, verifie
     );
     println!(
         "  moved   {} remote in {} messages, {} by local copy",
-        bytes(stats.bytes_remote),
+        bytes(stats.wire_bytes),
         totals.messages,
         bytes(stats.bytes_local)
     );
@@ -533,10 +495,10 @@ fn report(args: &RunArgs, plan: &Plan, stats: &Summary, transport: &str, verifie
             bytes(links.busiest())
         );
     }
-    let spread = if sorted.len() > 1 {
+    let spread = if repetitions > 1 {
         format!(
             " (median of {}; min {:.3} ms, max {:.3} ms)",
-            sorted.len(),
+            repetitions,
             min_s * 1e3,
             max_s * 1e3
         )
@@ -548,7 +510,7 @@ fn report(args: &RunArgs, plan: &Plan, stats: &Summary, transport: &str, verifie
         seconds * 1e3,
         bytes(dst_bytes)
     );
-    println!("  staging {} per rank at most", bytes(stats.peak_staging));
+    println!("  staging {} per rank at most", bytes(stats.peak_extra));
     if args.exec.checksum {
         println!("  checksum every chunk landed as its sender summed it (crc32c)");
     }
@@ -564,77 +526,5 @@ fn report(args: &RunArgs, plan: &Plan, stats: &Summary, transport: &str, verifie
             plan.dst().mesh().size(),
             dir.display()
         );
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn scratch(name: &str) -> tempfile::TempDir {
-        tempfile::Builder::new()
-            .prefix(&format!("reshard-{name}-"))
-            .tempdir()
-            .unwrap()
-    }
-
-    fn names(dir: &Path) -> Vec<String> {
-        let mut names: Vec<String> = std::fs::read_dir(dir)
-            .unwrap()
-            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-            .collect();
-        names.sort();
-        names
-    }
-
-    #[test]
-    fn dumps_leave_whole_files_and_no_temporaries() {
-        let dir = scratch("dump");
-        dump(dir.path(), [(2, &[1u8, 2][..]), (3, &[3u8][..])]).unwrap();
-        assert_eq!(names(dir.path()), ["rank2.bin", "rank3.bin"]);
-        assert_eq!(std::fs::read(dir.path().join("rank2.bin")).unwrap(), [1, 2]);
-        // a second dump replaces the first
-        dump(dir.path(), [(2, &[9u8][..])]).unwrap();
-        assert_eq!(std::fs::read(dir.path().join("rank2.bin")).unwrap(), [9]);
-    }
-
-    /// A write that fails half-way (as on a full disk) leaves neither the file nor its
-    /// temporary, and an older file of that name untouched.
-    #[test]
-    fn a_failed_write_leaves_nothing_partial() {
-        let dir = scratch("full");
-        std::fs::write(dir.path().join("rank5.bin"), b"old").unwrap();
-        for name in ["rank4.bin", "rank5.bin"] {
-            let err = write_whole(dir.path(), name, |file| {
-                file.write_all(&[7; 4096])?;
-                Err(std::io::Error::from_raw_os_error(libc::ENOSPC))
-            })
-            .unwrap_err();
-            assert!(
-                matches!(&err, Error::Io { path, .. } if path.ends_with(name)),
-                "{err}"
-            );
-        }
-        assert_eq!(names(dir.path()), ["rank5.bin"]);
-        assert_eq!(std::fs::read(dir.path().join("rank5.bin")).unwrap(), b"old");
-    }
-
-    #[test]
-    fn the_dump_dir_is_created_or_refused_by_name() {
-        let dir = scratch("check");
-        let nested = dir.path().join("a/b");
-        check_dump_dir(&nested).unwrap();
-        assert!(nested.is_dir());
-        assert!(names(&nested).is_empty(), "the probe is removed");
-        let file = dir.path().join("file");
-        std::fs::write(&file, b"x").unwrap();
-        for bad in [file.clone(), file.join("below")] {
-            let err = check_dump_dir(&bad).unwrap_err();
-            let text = err.to_string();
-            assert!(
-                text.starts_with(&format!("--dump: {} is invalid", bad.display())),
-                "{text}"
-            );
-        }
     }
 }

@@ -1,38 +1,27 @@
-//! Running both methods of `reshard bench`, in turn on the same buffers, either with every
-//! rank a thread of this process or with this process one rank of a job; rank 0 gathers what
-//! every rank measured.
+//! Running the methods of `reshard bench` on every case, either with every rank a thread of
+//! this process or with this process one rank of a job; rank 0 gathers what every rank
+//! measured. Each variant describes its methods to the harness
+//! ([`reshard::runtime::refit::harness`]): the plain reshard against gather+broadcast here,
+//! the quantizing ones in [`super::quant`], an already-quantized source in [`super::prequant`].
 
 use indicatif::{ProgressBar, ProgressStyle};
 
 use reshard::exec::baseline::{self, BaselineJob};
 use reshard::exec::{self, ExecOptions, RankJob};
 use reshard::fill::Fill;
+use reshard::plan::GatherBroadcast;
+use reshard::runtime::refit::harness::{Checked, Compare, Repeat, Sample, compare};
 use reshard::runtime::{AnyTransport, Destination, Links, TransportKind, World};
 use reshard::transport::Job;
 use reshard::transport::segment::SharedBuffer;
-use reshard::{Error, Plan, Rank, RankPlan};
+use reshard::{Error, Plan, Rank, RankPlan, Region};
 
 use super::BenchArgs;
+use super::result::{CaseResult, Method, poison};
 use super::suite::Case;
 use super::{prequant, quant};
 use crate::cli::Failure;
-use crate::cli::measure::{Measured, Method, conclude};
-
-/// One case's outcome on one run: both methods measured, both verified.
-#[derive(Clone, Debug, Default)]
-pub(super) struct CaseResult {
-    pub(super) reshard: Measured,
-    pub(super) gather_broadcast: Measured,
-    /// With `--quant`: the reshard in the source's dtype, then quantized on the receivers
-    /// (`gather_broadcast` then quantizes on the receivers too).
-    pub(super) reshard_then_quantize: Option<Measured>,
-    /// With an already-quantized source: the reshard of the values alone (`reshard` and
-    /// `gather_broadcast` then move the values and the scales).
-    pub(super) values_only: Option<Measured>,
-    /// Whether every repetition of both methods was checked and matched the fill (on every
-    /// rank); a mismatch fails the bench, so a report says false only if nothing was checked.
-    pub(super) verified: bool,
-}
+use crate::cli::measure::conclude;
 
 /// A progress bar on a terminal, over every repetition of every case and method.
 fn progress(args: &BenchArgs, cases: usize) -> ProgressBar {
@@ -47,13 +36,69 @@ fn progress(args: &BenchArgs, cases: usize) -> ProgressBar {
     bar
 }
 
-/// A pattern no fill produces everywhere: a destination that is not written fails to verify.
-/// Written over the destination shards before every repetition, and over the baseline's
-/// full-tensor buffers before each of its repetitions, so that no repetition can pass on the
-/// bytes of the one before. Written around the caches, so that no repetition starts with the
-/// poison dirty in them.
-pub(super) fn poison(buf: &mut [u8]) {
-    reshard::memory::fill_around_caches(buf, 0xA5);
+impl BenchArgs {
+    /// Every repetition of every method is checked.
+    fn repeat(&self) -> Repeat {
+        Repeat {
+            warmup: self.warmup,
+            iters: self.iters,
+            verify: true,
+        }
+    }
+}
+
+/// The two methods of a plain case, in the order of the first repetition.
+fn methods() -> Vec<Method> {
+    vec![Method::Reshard, Method::GatherBroadcast]
+}
+
+/// A plain case between threads: every rank's buffers.
+struct Threads<'a> {
+    plan: &'a Plan,
+    gb: &'a GatherBroadcast,
+    fill: Fill,
+    options: &'a ExecOptions,
+    sources: std::collections::BTreeMap<Rank, Vec<u8>>,
+    shards: std::collections::BTreeMap<Rank, Vec<u8>>,
+    full: std::collections::BTreeMap<Rank, Vec<u8>>,
+}
+
+impl Compare for Threads<'_> {
+    type Method = Method;
+    fn methods(&self) -> Vec<Method> {
+        methods()
+    }
+    fn poison(&mut self, m: Method) {
+        self.shards.values_mut().for_each(|s| poison(s));
+        if m == Method::GatherBroadcast {
+            self.full.values_mut().for_each(|f| poison(f));
+        }
+    }
+    fn run(&mut self, m: Method) -> Result<Sample, Error> {
+        let stats = match m {
+            Method::GatherBroadcast => baseline::run_local_gather_broadcast(
+                self.gb,
+                &mut self.sources,
+                &mut self.shards,
+                &mut self.full,
+                self.options,
+            )?,
+            _ => exec::run_local(self.plan, &self.sources, &mut self.shards, self.options)?,
+        };
+        Ok(Sample::of_run(&stats))
+    }
+    fn verify(&mut self, _: Method) -> Result<Checked, Error> {
+        let (from, dst) = (self.plan.src().dtype(), self.plan.dst());
+        self.fill.verify_shards_converted(from, dst, &self.shards)?;
+        let held: u64 = self.shards.values().map(|s| s.len() as u64).sum();
+        Ok(Checked::new(held, held))
+    }
+    fn extra_bytes(&self, m: Method) -> u64 {
+        match (m, self.full.is_empty()) {
+            (Method::GatherBroadcast, false) => self.gb.full_bytes(),
+            _ => 0,
+        }
+    }
 }
 
 /// Every rank a thread of this process.
@@ -67,60 +112,39 @@ pub(super) fn bench_threads(
         case.check_memory(None)?;
     }
     let bar = progress(args, cases.len());
+    let repeat = args.repeat();
     let mut results = Vec::new();
     for case in cases {
         bar.set_message(case.name.clone());
         if let Some(coupled) = &case.coupled {
-            results.push(prequant::threads(args, case, coupled, fill, options, &bar)?);
+            results.push(prequant::threads(
+                repeat, case, coupled, fill, options, &bar,
+            )?);
             continue;
         }
         if let (Some(plain), Some(q)) = (&case.plain, case.plan.quant()) {
-            results.push(quant::threads(args, case, (plain, q), fill, options, &bar)?);
+            results.push(quant::threads(
+                repeat,
+                case,
+                (plain, q),
+                fill,
+                options,
+                &bar,
+            )?);
             continue;
         }
         let (plan, gb) = (&case.plan, &case.baseline);
-        let mut sources = fill.shards(plan.src())?;
-        let mut shards = exec::zeroed_shards(plan.dst())?;
-        let mut full = baseline::full_buffers(gb)?;
-        let mut result = CaseResult::default();
-        let mut checked = 0;
-        for i in 0..args.repetitions() {
-            let timed = i >= args.warmup;
-            for method in Method::order(i) {
-                shards.values_mut().for_each(|s| poison(s));
-                if method == Method::GatherBroadcast {
-                    full.values_mut().for_each(|f| poison(f));
-                }
-                let (stats, measured, extra) = match method {
-                    Method::Reshard => (
-                        exec::run_local(plan, &sources, &mut shards, options)?,
-                        &mut result.reshard,
-                        0,
-                    ),
-                    Method::GatherBroadcast => (
-                        baseline::run_local_gather_broadcast(
-                            gb,
-                            &mut sources,
-                            &mut shards,
-                            &mut full,
-                            options,
-                        )?,
-                        &mut result.gather_broadcast,
-                        if full.is_empty() { 0 } else { gb.full_bytes() },
-                    ),
-                };
-                bar.inc(1);
-                fill.verify_shards_converted(plan.src().dtype(), plan.dst(), &shards)?;
-                checked += 1;
-                if timed {
-                    measured.times.push(stats.elapsed.as_secs_f64());
-                    measured.wire_bytes = stats.bytes_remote();
-                    measured.peak_extra = stats.peak_staging_bytes().saturating_add(extra);
-                }
-            }
-        }
-        result.verified = checked == 2 * args.repetitions();
-        results.push(result);
+        let mut subject = Threads {
+            plan,
+            gb,
+            fill,
+            options,
+            sources: fill.shards(plan.src())?,
+            shards: exec::zeroed_shards(plan.dst())?,
+            full: baseline::full_buffers(gb)?,
+        };
+        let found = compare(&mut subject, repeat, None::<&dyn Job>, &mut || bar.inc(1))?;
+        results.push(CaseResult::of(&found));
     }
     bar.finish_and_clear();
     Ok(Some(("local".into(), results)))
@@ -155,6 +179,7 @@ pub(super) fn bench_processes(
     } else {
         ProgressBar::hidden()
     };
+    let repeat = args.repeat();
     let mut name = String::new();
     let outcome: Result<Vec<serde_json::Value>, Error> = cases
         .iter()
@@ -168,13 +193,13 @@ pub(super) fn bench_processes(
                         TransportKind::Shm | TransportKind::Auto
                     );
                     prequant::rank(
-                        args, case, coupled, fill, options, job, &connect, direct, &bar,
+                        repeat, case, coupled, fill, options, job, &connect, direct, &bar,
                     )?
                 }
                 (None, Some(plain), Some(q)) => {
-                    quant::rank(args, case, (plain, q), fill, options, job, &connect, &bar)?
+                    quant::rank(repeat, case, (plain, q), fill, options, job, &connect, &bar)?
                 }
-                _ => bench_rank(args, case, fill, options, job, &connect, &bar)?,
+                _ => bench_rank(repeat, case, fill, options, job, &connect, &bar)?,
             };
             name = transport;
             Ok(report)
@@ -186,155 +211,191 @@ pub(super) fn bench_processes(
         return Ok(None);
     };
     let name = reports.transport();
-    let reports = reports.ranks;
     let results = (0..cases.len())
         .map(|c| {
-            let method = |key: &str| {
-                let per_rank: Vec<&serde_json::Value> =
-                    reports.iter().map(|r| &r["cases"][c][key]).collect();
-                Measured::combine(&per_rank)
-            };
-            CaseResult {
-                reshard: method("reshard"),
-                gather_broadcast: method("gather_broadcast"),
-                reshard_then_quantize: cases[c]
-                    .plain
-                    .as_ref()
-                    .map(|_| method("reshard_then_quantize")),
-                values_only: cases[c].coupled.as_ref().map(|_| method("values_only")),
-                verified: reports
-                    .iter()
-                    .all(|r| r["cases"][c]["verified"].as_bool() == Some(true)),
-            }
+            let per_rank: Vec<&serde_json::Value> =
+                reports.ranks.iter().map(|r| &r["cases"][c]).collect();
+            CaseResult::combine(&per_rank)
         })
         .collect();
     Ok(Some((name, results)))
 }
 
+/// Connects a rank's links to its peers ([`World::connect`]).
+type Connect<'c, 'j> = &'c dyn Fn(&Links, Destination<'_>) -> Result<AnyTransport<'j>, Error>;
+
+/// This process's rank of a plain case: its shards and both methods' links.
+struct OwnRank<'a, 'j> {
+    rank: Rank,
+    plan: &'a Plan,
+    gb: &'a GatherBroadcast,
+    fill: Fill,
+    options: &'a ExecOptions,
+    connect: Connect<'a, 'j>,
+    mine: RankPlan,
+    gather: Option<RankPlan>,
+    broadcast: Option<RankPlan>,
+    src_box: Option<Region>,
+    dst_box: Option<Region>,
+    source: Option<Vec<u8>>,
+    shard: Option<SharedBuffer>,
+    full: Option<SharedBuffer>,
+    whole: Region,
+    reshard: Option<AnyTransport<'j>>,
+    baseline: Option<AnyTransport<'j>>,
+}
+
+impl Compare for OwnRank<'_, '_> {
+    type Method = Method;
+    fn methods(&self) -> Vec<Method> {
+        methods()
+    }
+    fn connect(&mut self, m: Method) -> Result<(), Error> {
+        match m {
+            Method::GatherBroadcast => {
+                let links = Links::of_plans([&self.gather, &self.broadcast].into_iter().flatten());
+                // the whole tensor lands in the full buffer, or in the shard of a rank that
+                // keeps it all (not where a phase relays: its hops land in staging, past the
+                // shared buffer)
+                let tensor = self.full.as_ref().or(self
+                    .shard
+                    .as_ref()
+                    .filter(|_| self.gb.gets_tensor(self.rank)));
+                let relays = [&self.gather, &self.broadcast]
+                    .into_iter()
+                    .flatten()
+                    .any(RankPlan::relays);
+                let destination = tensor.map(|f| (f, &self.whole)).filter(|_| !relays);
+                self.baseline = Some((self.connect)(&links, destination)?);
+            }
+            _ => {
+                let links = Links {
+                    senders: self.mine.senders(),
+                    receivers: self.mine.receivers(),
+                };
+                // a relaying rank receives hops into its staging: senders must not write into
+                // its shard
+                let destination = self
+                    .dst_box
+                    .as_ref()
+                    .and_then(|b| self.shard.as_ref().map(|s| (s, b)))
+                    .filter(|_| !self.mine.relays());
+                self.reshard = Some((self.connect)(&links, destination)?);
+            }
+        }
+        Ok(())
+    }
+    fn poison(&mut self, m: Method) {
+        if let Some(s) = self.shard.as_deref_mut() {
+            poison(s);
+        }
+        if let (Method::GatherBroadcast, Some(f)) = (m, self.full.as_deref_mut()) {
+            poison(f);
+        }
+    }
+    fn run(&mut self, m: Method) -> Result<Sample, Error> {
+        let rank = self.rank;
+        let not_connected = || Error::Internal {
+            rank,
+            detail: "a bench method ran before its links were opened".into(),
+        };
+        let (src, dst) = (self.plan.src(), self.plan.dst());
+        let stats = match m {
+            Method::GatherBroadcast => {
+                let transport = self.baseline.as_ref().ok_or_else(not_connected)?;
+                let work = BaselineJob {
+                    baseline: self.gb,
+                    gather: self.gather.as_ref(),
+                    broadcast: self.broadcast.as_ref(),
+                    src: self.src_box.as_ref().zip(self.source.as_deref()),
+                    full: self.full.as_deref_mut(),
+                    dst: self.dst_box.as_ref().zip(self.shard.as_deref_mut()),
+                };
+                baseline::run_rank_gather_broadcast(rank, work, &**transport, self.options)?
+            }
+            _ => {
+                let transport = self.reshard.as_ref().ok_or_else(not_connected)?;
+                let work = RankJob {
+                    plan: &self.mine,
+                    src_layout: src,
+                    src: self.src_box.as_ref().zip(self.source.as_deref()),
+                    dst: self.dst_box.as_ref().zip(self.shard.as_deref_mut()),
+                    dst_dtype: dst.dtype(),
+                    quant: None,
+                };
+                exec::run_rank_any(work, &**transport, self.options)?
+            }
+        };
+        Ok(Sample::of_rank(&stats))
+    }
+    fn verify(&mut self, _: Method) -> Result<Checked, Error> {
+        let (plan, rank) = (self.plan, self.rank);
+        let held = self.shard.as_ref().map_or(0, |s| s.len() as u64);
+        match (plan.dst().local_region(rank), self.shard.as_deref()) {
+            (Some(region), Some(buf)) => {
+                let from = plan.src().dtype();
+                self.fill
+                    .verify_converted(from, plan.dst(), &region, buf, (rank, 0))?;
+                Ok(Checked::new(buf.len() as u64, held))
+            }
+            _ => Ok(Checked::new(0, held)),
+        }
+    }
+    fn extra_bytes(&self, m: Method) -> u64 {
+        match m {
+            Method::GatherBroadcast => self.full.as_ref().map_or(0, |f| f.len() as u64),
+            _ => 0,
+        }
+    }
+}
+
 /// This rank's share of one case: both methods, in turn, on the same buffers. Returns the
 /// report for rank 0 and the transport's name.
 fn bench_rank<'j, J: Job + ?Sized>(
-    args: &BenchArgs,
+    repeat: Repeat,
     case: &Case,
     fill: Fill,
     options: &ExecOptions,
     job: &'j J,
-    connect: &dyn Fn(&Links, Destination<'_>) -> Result<AnyTransport<'j>, Error>,
+    connect: Connect<'_, 'j>,
     bar: &ProgressBar,
 ) -> Result<(serde_json::Value, String), Error> {
     let rank = job.rank();
     let (plan, gb) = (&case.plan, &case.baseline);
     let (src, dst) = (plan.src(), plan.dst());
-    let mine = plan.rank_part(rank);
     let (gather, broadcast) = gb.rank_parts(rank);
-
-    let src_box = src.local_region(rank);
     let dst_box = dst.local_region(rank);
-    let source = fill.shard(src, rank)?;
     let shared = |len: u64| SharedBuffer::new(len as usize);
-    let mut shard = dst_box
-        .as_ref()
-        .map(|_| shared(dst.local_bytes(rank)))
-        .transpose()?;
-    let mut full = gb
-        .needs_full_buffer(rank)
-        .then(|| shared(gb.full_bytes()))
-        .transpose()?;
-    let whole = reshard::Region::full(dst.shape());
-
-    // Both methods' links, opened one after the other by every rank.
-    job.barrier()?;
-    let reshard_links = Links {
-        senders: mine.senders(),
-        receivers: mine.receivers(),
-    };
-    // a relaying rank receives hops into its staging: senders must not write into its shard
-    let reshard_transport = connect(
-        &reshard_links,
-        dst_box
+    let mut subject = OwnRank {
+        rank,
+        plan,
+        gb,
+        fill,
+        options,
+        connect,
+        mine: plan.rank_part(rank),
+        gather,
+        broadcast,
+        src_box: src.local_region(rank),
+        source: fill.shard(src, rank)?,
+        shard: dst_box
             .as_ref()
-            .and_then(|b| shard.as_ref().map(|s| (s, b)))
-            .filter(|_| !mine.relays()),
-    )?;
-    job.barrier()?;
-    let baseline_links = Links::of_plans([&gather, &broadcast].into_iter().flatten());
-    // the whole tensor lands in the full buffer, or in the shard of a rank that keeps it all
-    let tensor = full
+            .map(|_| shared(dst.local_bytes(rank)))
+            .transpose()?,
+        dst_box,
+        full: gb
+            .needs_full_buffer(rank)
+            .then(|| shared(gb.full_bytes()))
+            .transpose()?,
+        whole: Region::full(dst.shape()),
+        reshard: None,
+        baseline: None,
+    };
+    let found = compare(&mut subject, repeat, Some(job), &mut || bar.inc(1))?;
+    let name = subject
+        .reshard
         .as_ref()
-        .or(shard.as_ref().filter(|_| gb.gets_tensor(rank)));
-    // (not where a phase relays: its hops land in staging, past the shared buffer)
-    let relays = [&gather, &broadcast]
-        .into_iter()
-        .flatten()
-        .any(RankPlan::relays);
-    let baseline_transport = connect(
-        &baseline_links,
-        tensor.map(|f| (f, &whole)).filter(|_| !relays),
-    )?;
-
-    let mut reshard = Measured::default();
-    let mut gather_broadcast = Measured::default();
-    let mut checked = 0;
-    for i in 0..args.repetitions() {
-        let timed = i >= args.warmup;
-        for method in Method::order(i) {
-            if let Some(s) = shard.as_deref_mut() {
-                poison(s);
-            }
-            if let (Method::GatherBroadcast, Some(f)) = (method, full.as_deref_mut()) {
-                poison(f);
-            }
-            match method {
-                Method::Reshard => reshard.repeat(job, timed, 0, || {
-                    let work = RankJob {
-                        plan: &mine,
-                        src_layout: src,
-                        src: src_box.as_ref().zip(source.as_deref()),
-                        dst: dst_box.as_ref().zip(shard.as_deref_mut()),
-                        dst_dtype: dst.dtype(),
-                        quant: None,
-                    };
-                    exec::run_rank_any(work, &*reshard_transport, options)
-                })?,
-                Method::GatherBroadcast => {
-                    let full_bytes = full.as_ref().map_or(0, |f| f.len() as u64);
-                    gather_broadcast.repeat(job, timed, full_bytes, || {
-                        let work = BaselineJob {
-                            baseline: gb,
-                            gather: gather.as_ref(),
-                            broadcast: broadcast.as_ref(),
-                            src: src_box.as_ref().zip(source.as_deref()),
-                            full: full.as_deref_mut(),
-                            dst: dst_box.as_ref().zip(shard.as_deref_mut()),
-                        };
-                        baseline::run_rank_gather_broadcast(
-                            rank,
-                            work,
-                            &*baseline_transport,
-                            options,
-                        )
-                    })?
-                }
-            }
-            bar.inc(1);
-            verify(fill, plan, rank, shard.as_deref())?;
-            checked += 1;
-        }
-    }
-    let report = serde_json::json!({
-        "reshard": reshard.report(),
-        "gather_broadcast": gather_broadcast.report(),
-        "verified": checked == 2 * args.repetitions(),
-    });
-    Ok((report, reshard_transport.name().to_string()))
-}
-
-/// Checks this rank's destination shard against the fill.
-fn verify(fill: Fill, plan: &Plan, rank: Rank, shard: Option<&[u8]>) -> Result<(), Error> {
-    match (plan.dst().local_region(rank), shard) {
-        (Some(region), Some(buf)) => {
-            fill.verify_converted(plan.src().dtype(), plan.dst(), &region, buf, (rank, 0))
-        }
-        _ => Ok(()),
-    }
+        .map_or("?", |t| t.name())
+        .to_string();
+    Ok((CaseResult::rank_report(&found), name))
 }

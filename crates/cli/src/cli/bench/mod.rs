@@ -5,10 +5,12 @@
 //! [`driver`] runs both methods on them (ranks as threads or as processes) and collects what
 //! every rank measured, and [`report`] prints the comparison as text or JSON.
 
+mod coupled;
 mod driver;
 mod prequant;
 mod quant;
 mod report;
+mod result;
 mod suite;
 
 use clap::{Args, ValueEnum};

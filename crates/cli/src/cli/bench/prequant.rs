@@ -1,129 +1,60 @@
 //! `bench` of an already-quantized source (an fp8 `--dtype` with `--quant`): the fp8 values
-//! and their scales move as two coupled tensors ([`QuantizedMove`]). Three methods, in turn on
+//! and their scales move as two coupled tensors ([`reshard::plan::QuantizedMove`]). Three methods, in turn on
 //! the same buffers: the coupled reshard (both tensors in one exchange, the batch of
-//! [`QuantizedMove::batch`]: one schedule, one stream per peer pair), gather+broadcast of both
+//! [`reshard::plan::QuantizedMove::batch`]: one schedule, one stream per peer pair), gather+broadcast of both
 //! tensors, and the reshard of the values alone, which is what the transport takes to move the
 //! bulk of the bytes and so shows what carrying the scales beside them costs.
 //!
 //! The source is the `normal` fill quantized block by block. Every shard of either side holds
 //! whole blocks (the move is refused otherwise), so a rank's boxes of the values and scales
 //! are its box of the fill quantized on its own: no rank materializes the whole tensor. Every
-//! repetition of every method is verified, values and (but for the values alone) scales.
+//! repetition of every method is verified, values and (but for the values alone) scales, by
+//! the harness ([`reshard::runtime::refit::harness`]).
 
 use std::collections::BTreeMap;
-use std::time::Duration;
 
 use indicatif::ProgressBar;
 
 use reshard::batch::{Batch, RankBatch, run_local_batch, run_rank_batch};
-use reshard::convert::quantize_shard;
 use reshard::exec::baseline::{self, BaselineJob};
 use reshard::exec::{self, ExecOptions, RankJob, RankStats};
 use reshard::fill::Fill;
 use reshard::layout::Layout;
-use reshard::plan::{GatherBroadcast, QuantizedMove};
+use reshard::plan::GatherBroadcast;
+use reshard::runtime::refit::check;
+use reshard::runtime::refit::harness::{Checked, Compare, Repeat, Sample, compare};
 use reshard::runtime::{AnyTransport, Destination, Links};
 use reshard::transport::Job;
 use reshard::transport::segment::SharedBuffer;
-use reshard::{DType, Error, Rank, Region, Side};
+use reshard::{Error, Rank, Region, Side};
 
-use super::BenchArgs;
-use super::driver::{CaseResult, poison};
+use super::coupled::{Boxes, Coupled};
+use super::result::{CaseResult, Method, poison};
 use super::suite::Case;
-use crate::cli::measure::Measured;
 
-/// A rank's boxes of the values and of the scales.
-type Boxes = (Vec<u8>, Vec<u8>);
-
-/// What a case of an already-quantized source adds to its [`Case`]: the coupled move (whose
-/// values' plan is the case's `plan`), its batch, and gather+broadcast of the scale tensor
-/// (the values' is the case's `baseline`).
-pub(in crate::cli) struct Coupled {
-    pub(in crate::cli) mv: QuantizedMove,
-    batch: Batch,
-    pub(in crate::cli) scale_baseline: GatherBroadcast,
+/// The three methods, in the order of the first repetition.
+fn methods() -> Vec<Method> {
+    vec![Method::Reshard, Method::GatherBroadcast, Method::ValuesOnly]
 }
 
-impl Coupled {
-    pub(super) fn new(mv: QuantizedMove) -> Result<Coupled, Error> {
-        let scale_baseline = GatherBroadcast::on_hosts(mv.scales.src(), mv.scales.dst(), None)?;
-        let batch = Batch::quantized(&mv)?;
-        Ok(Coupled {
-            mv,
-            batch,
-            scale_baseline,
-        })
-    }
-
-    /// The value layout and scale layout of `side`.
-    fn layouts(&self, side: Side) -> (&Layout, &Layout) {
-        match side {
-            Side::Src => (self.mv.values.src(), self.mv.scales.src()),
-            Side::Dst => (self.mv.values.dst(), self.mv.scales.dst()),
-        }
-    }
-
-    /// `rank`'s boxes of the values and of the scales on `side`, if it holds a shard there:
-    /// its box of the fill, made in f32 and quantized. Since the shard holds whole blocks,
-    /// that is its slice of the whole tensor quantized block by block.
-    fn boxes(&self, fill: Fill, side: Side, rank: Rank) -> Result<Option<Boxes>, Error> {
-        let (values, scales) = self.layouts(side);
-        let Some(region) = values.local_region(rank) else {
-            return Ok(None);
-        };
-        let mut v = vec![0u8; values.local_bytes(rank) as usize];
-        let mut s = vec![0u8; scales.local_bytes(rank) as usize];
-        if region.volume() == 0 {
-            return Ok(Some((v, s)));
-        }
-        let f32_layout = Layout::new(
-            values.shape().to_vec(),
-            DType::F32,
-            values.mesh().clone(),
-            values.placements().to_vec(),
-        )
-        .map_err(|source| Error::Layout { side, source })?;
-        let x = fill.shard(&f32_layout, rank)?.unwrap_or_default();
-        let (quant, grid) = (self.mv.quant, &self.mv.grid);
-        quantize_shard(quant, grid, &region, DType::F32, &x, &mut v, &mut s).map_err(|source| {
-            Error::Convert {
-                tensor: "tensor".into(),
-                source,
-            }
-        })?;
-        Ok(Some((v, s)))
-    }
-
-    /// Bytes of the scale shards of every destination rank.
-    pub(super) fn dst_scale_bytes(&self) -> u64 {
-        self.mv.scales.dst().shard_bytes()
-    }
-}
-
-/// The three methods of a case.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Method {
-    /// Both tensors in one exchange.
-    Reshard,
-    /// Gather+broadcast of the values, then of the scales.
-    GatherBroadcast,
-    /// The values' reshard alone.
-    ValuesOnly,
-}
-
-/// The order in repetition `i`: each method goes first, second and third in turn.
-fn order(i: u32) -> [Method; 3] {
-    use Method::*;
-    crate::cli::measure::in_turn([Reshard, GatherBroadcast, ValuesOnly], i)
-}
-
-/// Checks `rank`'s values (and its scales, unless `scales` is `None`) against `expected`.
-fn verify(rank: Rank, expected: &Boxes, values: &[u8], scales: Option<&[u8]>) -> Result<(), Error> {
-    crate::cli::quant_check::compare(
+/// Checks `rank`'s values (and its scales, unless `scales` is `None`) against `expected`, or
+/// nothing where it has no boxes; returns what the check covered of the buffers.
+fn verify(
+    rank: Rank,
+    expected: Option<&Boxes>,
+    values: &[u8],
+    scales: Option<&[u8]>,
+) -> Result<Checked, Error> {
+    let held = (values.len() + scales.map_or(0, <[u8]>::len)) as u64;
+    let Some(expected) = expected else {
+        return Ok(Checked::new(0, held));
+    };
+    let bytes = check::compare(
         rank,
         (&expected.0, values),
         scales.map(|s| (&expected.1[..], s)),
-    )
+    )?;
+    Ok(Checked::new(bytes, held))
 }
 
 /// Rank -> local buffer.
@@ -162,9 +93,90 @@ fn full_bytes(gb: &GatherBroadcast, full: &BTreeMap<Rank, Vec<u8>>) -> u64 {
     if full.is_empty() { 0 } else { gb.full_bytes() }
 }
 
+/// Every rank a thread of this process: every rank's buffers of both tensors.
+struct Threads<'a> {
+    case: &'a Case,
+    c: &'a Coupled,
+    options: &'a ExecOptions,
+    src: (Shards, Shards),
+    dst: (Shards, Shards),
+    full: (Shards, Shards),
+    expected: BTreeMap<Rank, Boxes>,
+}
+
+impl Compare for Threads<'_> {
+    type Method = Method;
+    fn methods(&self) -> Vec<Method> {
+        methods()
+    }
+    fn poison(&mut self, m: Method) {
+        for buf in self.dst.0.values_mut().chain(self.dst.1.values_mut()) {
+            poison(buf);
+        }
+        if m == Method::GatherBroadcast {
+            for buf in self.full.0.values_mut().chain(self.full.1.values_mut()) {
+                poison(buf);
+            }
+        }
+    }
+    fn run(&mut self, m: Method) -> Result<Sample, Error> {
+        let (src, dst, full, options) =
+            (&mut self.src, &mut self.dst, &mut self.full, self.options);
+        Ok(match m {
+            Method::GatherBroadcast => {
+                let a = baseline::run_local_gather_broadcast(
+                    &self.case.baseline,
+                    &mut src.0,
+                    &mut dst.0,
+                    &mut full.0,
+                    options,
+                )?;
+                let b = baseline::run_local_gather_broadcast(
+                    &self.c.scale_baseline,
+                    &mut src.1,
+                    &mut dst.1,
+                    &mut full.1,
+                    options,
+                )?;
+                Sample::of_run(&a).then(Sample::of_run(&b))
+            }
+            Method::ValuesOnly => Sample::of_run(&exec::run_local(
+                &self.c.mv.values,
+                &src.0,
+                &mut dst.0,
+                options,
+            )?),
+            _ => Sample::of_run(&run_coupled_threads(
+                &self.c.batch,
+                (&mut src.0, &mut src.1),
+                (&mut dst.0, &mut dst.1),
+                options,
+            )?),
+        })
+    }
+    fn verify(&mut self, m: Method) -> Result<Checked, Error> {
+        let mut checked = Checked::default();
+        for (&r, v) in &self.dst.0 {
+            let s = self.dst.1.get(&r).map_or(&[][..], Vec::as_slice);
+            let scales = (m != Method::ValuesOnly).then_some(s);
+            checked = checked + verify(r, self.expected.get(&r), v, scales)?;
+        }
+        Ok(checked)
+    }
+    fn extra_bytes(&self, m: Method) -> u64 {
+        match m {
+            Method::GatherBroadcast => {
+                full_bytes(&self.case.baseline, &self.full.0)
+                    + full_bytes(&self.c.scale_baseline, &self.full.1)
+            }
+            _ => 0,
+        }
+    }
+}
+
 /// Every rank a thread of this process: the three methods on the same buffers.
 pub(super) fn threads(
-    args: &BenchArgs,
+    repeat: Repeat,
     case: &Case,
     c: &Coupled,
     fill: Fill,
@@ -185,96 +197,28 @@ pub(super) fn threads(
             expected.insert(r, b);
         }
     }
-    let mut dst_values = exec::zeroed_shards(values.dst())?;
-    let mut dst_scales = exec::zeroed_shards(scales.dst())?;
-    let mut full_values = baseline::full_buffers(&case.baseline)?;
-    let mut full_scales = baseline::full_buffers(&c.scale_baseline)?;
-    let fulls =
-        full_bytes(&case.baseline, &full_values) + full_bytes(&c.scale_baseline, &full_scales);
-    let (mut ours, mut gb, mut alone) = (
-        Measured::default(),
-        Measured::default(),
-        Measured::default(),
-    );
-    let mut checked = 0;
-    for i in 0..args.repetitions() {
-        let timed = i >= args.warmup;
-        for method in order(i) {
-            for buf in dst_values.values_mut().chain(dst_scales.values_mut()) {
-                poison(buf);
-            }
-            if method == Method::GatherBroadcast {
-                for buf in full_values.values_mut().chain(full_scales.values_mut()) {
-                    poison(buf);
-                }
-            }
-            let (elapsed, wire, peak, measured, extra): (Duration, u64, u64, &mut Measured, u64) =
-                match method {
-                    Method::Reshard => {
-                        let a = run_coupled_threads(
-                            &c.batch,
-                            (&mut src_values, &mut src_scales),
-                            (&mut dst_values, &mut dst_scales),
-                            options,
-                        )?;
-                        let peak = a.peak_staging_bytes();
-                        (a.elapsed, a.bytes_remote(), peak, &mut ours, 0)
-                    }
-                    Method::GatherBroadcast => {
-                        let a = baseline::run_local_gather_broadcast(
-                            &case.baseline,
-                            &mut src_values,
-                            &mut dst_values,
-                            &mut full_values,
-                            options,
-                        )?;
-                        let b = baseline::run_local_gather_broadcast(
-                            &c.scale_baseline,
-                            &mut src_scales,
-                            &mut dst_scales,
-                            &mut full_scales,
-                            options,
-                        )?;
-                        (
-                            a.elapsed + b.elapsed,
-                            a.bytes_remote() + b.bytes_remote(),
-                            a.peak_staging_bytes().max(b.peak_staging_bytes()),
-                            &mut gb,
-                            fulls,
-                        )
-                    }
-                    Method::ValuesOnly => {
-                        let a = exec::run_local(values, &src_values, &mut dst_values, options)?;
-                        let peak = a.peak_staging_bytes();
-                        (a.elapsed, a.bytes_remote(), peak, &mut alone, 0)
-                    }
-                };
-            bar.inc(1);
-            for (&r, want) in &expected {
-                let v = dst_values.get(&r).map_or(&[][..], Vec::as_slice);
-                let s = dst_scales.get(&r).map_or(&[][..], Vec::as_slice);
-                verify(r, want, v, (method != Method::ValuesOnly).then_some(s))?;
-            }
-            checked += 1;
-            if timed {
-                measured.times.push(elapsed.as_secs_f64());
-                measured.wire_bytes = wire;
-                measured.peak_extra = peak.saturating_add(extra);
-            }
-        }
-    }
-    Ok(CaseResult {
-        reshard: ours,
-        gather_broadcast: gb,
-        reshard_then_quantize: None,
-        values_only: Some(alone),
-        verified: checked == 3 * args.repetitions(),
-    })
+    let mut subject = Threads {
+        case,
+        c,
+        options,
+        src: (src_values, src_scales),
+        dst: (
+            exec::zeroed_shards(values.dst())?,
+            exec::zeroed_shards(scales.dst())?,
+        ),
+        full: (
+            baseline::full_buffers(&case.baseline)?,
+            baseline::full_buffers(&c.scale_baseline)?,
+        ),
+        expected,
+    };
+    let found = compare(&mut subject, repeat, None::<&dyn Job>, &mut || bar.inc(1))?;
+    Ok(CaseResult::of(&found))
 }
 
 /// One rank's side of one tensor of the pair: its part of the reshard and of the baseline,
 /// its source shard and destination buffers ([`Tensor::connect`] opens the links of both
-/// methods).
+/// methods; each after the harness's barrier).
 struct Tensor<'j> {
     layouts: (&'j Layout, &'j Layout),
     gb: &'j GatherBroadcast,
@@ -321,12 +265,10 @@ impl<'j> Tensor<'j> {
 
     /// Opens the reshard's links (every rank alike), with this rank's shard as the
     /// destination same-host senders may write into.
-    fn connect_reshard<J: Job + ?Sized>(
+    fn connect_reshard(
         &self,
-        job: &J,
         connect: &dyn Fn(&Links, Destination<'_>) -> Result<AnyTransport<'j>, Error>,
     ) -> Result<AnyTransport<'j>, Error> {
-        job.barrier()?;
         let shard = self
             .dst_box
             .as_ref()
@@ -339,14 +281,12 @@ impl<'j> Tensor<'j> {
 
     /// Opens the baseline's links (every rank alike), with this rank's full-tensor buffer (or
     /// shard) as the destination same-host senders may write into.
-    fn connect_baseline<'t, J: Job + ?Sized>(
-        &'t self,
+    fn connect_baseline(
+        &self,
         rank: Rank,
-        job: &J,
         connect: &dyn Fn(&Links, Destination<'_>) -> Result<AnyTransport<'j>, Error>,
-        whole: &'t Region,
+        whole: &Region,
     ) -> Result<AnyTransport<'j>, Error> {
-        job.barrier()?;
         let links = Links::of_plans([&self.gather, &self.broadcast].into_iter().flatten());
         let tensor = self
             .full
@@ -417,16 +357,15 @@ impl<'j> CoupledRank<'j> {
     /// write the values straight into it (the batch marks its value moves to land there,
     /// [`reshard::batch::BatchOptions::direct`]) while the scales go through rings; otherwise
     /// every chunk takes the link's usual way.
-    fn connect<J: Job + ?Sized>(
+    fn connect(
         batch: &'j Batch,
         values: &Tensor<'j>,
         direct: bool,
-        job: &J,
+        rank: Rank,
         connect: &dyn Fn(&Links, Destination<'_>) -> Result<AnyTransport<'j>, Error>,
     ) -> Result<CoupledRank<'j>, Error> {
-        let part = batch.rank_batch(job.rank())?;
+        let part = batch.rank_batch(rank)?;
         let links = Links::of_batch(&part);
-        job.barrier()?;
         let shard = values
             .dst_box
             .as_ref()
@@ -467,73 +406,135 @@ impl<'j> CoupledRank<'j> {
     }
 }
 
+/// Connects a rank's links to its peers ([`reshard::runtime::World::connect`]).
+type Connect<'c, 'j> = &'c dyn Fn(&Links, Destination<'_>) -> Result<AnyTransport<'j>, Error>;
+
+/// This process's rank: its buffers of both tensors and every method's links.
+struct OwnRank<'j, 'c, J: ?Sized> {
+    rank: Rank,
+    job: &'j J,
+    connect: Connect<'c, 'j>,
+    options: &'c ExecOptions,
+    batch: &'j Batch,
+    direct: bool,
+    values: Tensor<'j>,
+    scales: Tensor<'j>,
+    expected: Option<Boxes>,
+    whole: (Region, Region),
+    coupled: Option<CoupledRank<'j>>,
+    baselines: Option<(AnyTransport<'j>, AnyTransport<'j>)>,
+    values_only: Option<AnyTransport<'j>>,
+}
+
+impl<J: Job + ?Sized> Compare for OwnRank<'_, '_, J> {
+    type Method = Method;
+    fn methods(&self) -> Vec<Method> {
+        methods()
+    }
+    fn connect(&mut self, m: Method) -> Result<(), Error> {
+        let (rank, connect) = (self.rank, self.connect);
+        match m {
+            Method::GatherBroadcast => {
+                let v = self.values.connect_baseline(rank, connect, &self.whole.0)?;
+                self.job.barrier()?;
+                let s = self.scales.connect_baseline(rank, connect, &self.whole.1)?;
+                self.baselines = Some((v, s));
+            }
+            Method::ValuesOnly => self.values_only = Some(self.values.connect_reshard(connect)?),
+            _ => {
+                let coupled =
+                    CoupledRank::connect(self.batch, &self.values, self.direct, rank, connect)?;
+                self.coupled = Some(coupled);
+            }
+        }
+        Ok(())
+    }
+    fn poison(&mut self, m: Method) {
+        let full = m == Method::GatherBroadcast;
+        self.values.poison(full);
+        self.scales.poison(full);
+    }
+    fn run(&mut self, m: Method) -> Result<Sample, Error> {
+        let (rank, options) = (self.rank, self.options);
+        let not_connected = || Error::Internal {
+            rank,
+            detail: "a bench method ran before its links were opened".into(),
+        };
+        let stats = match m {
+            Method::GatherBroadcast => {
+                let (v, s) = self.baselines.as_ref().ok_or_else(not_connected)?;
+                let mut stats = self.values.gather_broadcast(rank, &**v, options)?;
+                stats.absorb(&self.scales.gather_broadcast(rank, &**s, options)?);
+                stats
+            }
+            Method::ValuesOnly => {
+                let t = self.values_only.as_ref().ok_or_else(not_connected)?;
+                self.values.reshard(&**t, options)?
+            }
+            _ => {
+                let coupled = self.coupled.as_ref().ok_or_else(not_connected)?;
+                coupled.run(&mut self.values, &mut self.scales, options)?
+            }
+        };
+        Ok(Sample::of_rank(&stats))
+    }
+    fn verify(&mut self, m: Method) -> Result<Checked, Error> {
+        let Some(v) = self.values.shard.as_deref() else {
+            return Ok(Checked::default());
+        };
+        let s = self.scales.shard.as_deref().unwrap_or(&[]);
+        let scales = (m != Method::ValuesOnly).then_some(s);
+        verify(self.rank, self.expected.as_ref(), v, scales)
+    }
+    fn extra_bytes(&self, m: Method) -> u64 {
+        match m {
+            Method::GatherBroadcast => self.values.full_bytes() + self.scales.full_bytes(),
+            _ => 0,
+        }
+    }
+}
+
 /// This process is one rank of a job: its share of the three methods, in turn, on the same
 /// buffers. With `direct`, the coupled reshard writes its values straight into same-host
-/// receivers ([`CoupledRank::connect`]). Returns the report for rank 0 and the transport's name.
+/// receivers ([`CoupledRank::connect`]). Returns the report for rank 0 and the transport's
+/// name.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn rank<'j, J: Job + ?Sized>(
-    args: &BenchArgs,
+    repeat: Repeat,
     case: &'j Case,
     c: &'j Coupled,
     fill: Fill,
     options: &ExecOptions,
     job: &'j J,
-    connect: &dyn Fn(&Links, Destination<'_>) -> Result<AnyTransport<'j>, Error>,
+    connect: Connect<'_, 'j>,
     direct: bool,
     bar: &ProgressBar,
 ) -> Result<(serde_json::Value, String), Error> {
     let rank = job.rank();
     let (source_values, source_scales) = c.boxes(fill, Side::Src, rank)?.unzip();
-    let expected = c.boxes(fill, Side::Dst, rank)?;
-    let mut values = Tensor::new(&c.mv.values, &case.baseline, rank, source_values)?;
-    let mut scales = Tensor::new(&c.mv.scales, &c.scale_baseline, rank, source_scales)?;
-    let whole_values = Region::full(c.mv.values.dst().shape());
-    let whole_scales = Region::full(c.mv.scales.dst().shape());
-    // the links, opened one after the other by every rank
-    let v_reshard = values.connect_reshard(job, connect)?;
-    let v_baseline = values.connect_baseline(rank, job, connect, &whole_values)?;
-    let s_baseline = scales.connect_baseline(rank, job, connect, &whole_scales)?;
-    let coupled = CoupledRank::connect(&c.batch, &values, direct, job, connect)?;
-    let fulls = values.full_bytes() + scales.full_bytes();
-
-    let (mut ours, mut gb, mut alone) = (
-        Measured::default(),
-        Measured::default(),
-        Measured::default(),
-    );
-    let mut checked = 0;
-    for i in 0..args.repetitions() {
-        let timed = i >= args.warmup;
-        for method in order(i) {
-            let full = method == Method::GatherBroadcast;
-            values.poison(full);
-            scales.poison(full);
-            match method {
-                Method::Reshard => ours.repeat(job, timed, 0, || {
-                    coupled.run(&mut values, &mut scales, options)
-                })?,
-                Method::GatherBroadcast => gb.repeat(job, timed, fulls, || {
-                    let mut stats = values.gather_broadcast(rank, &*v_baseline, options)?;
-                    stats.absorb(&scales.gather_broadcast(rank, &*s_baseline, options)?);
-                    Ok(stats)
-                })?,
-                Method::ValuesOnly => {
-                    alone.repeat(job, timed, 0, || values.reshard(&*v_reshard, options))?
-                }
-            }
-            bar.inc(1);
-            if let (Some(want), Some(v)) = (&expected, values.shard.as_deref()) {
-                let s = scales.shard.as_deref().unwrap_or(&[]);
-                verify(rank, want, v, (method != Method::ValuesOnly).then_some(s))?;
-            }
-            checked += 1;
-        }
-    }
-    let report = serde_json::json!({
-        "reshard": ours.report(),
-        "gather_broadcast": gb.report(),
-        "values_only": alone.report(),
-        "verified": checked == 3 * args.repetitions(),
-    });
-    Ok((report, v_reshard.name().to_string()))
+    let mut subject = OwnRank {
+        rank,
+        job,
+        connect,
+        options,
+        batch: &c.batch,
+        direct,
+        values: Tensor::new(&c.mv.values, &case.baseline, rank, source_values)?,
+        scales: Tensor::new(&c.mv.scales, &c.scale_baseline, rank, source_scales)?,
+        expected: c.boxes(fill, Side::Dst, rank)?,
+        whole: (
+            Region::full(c.mv.values.dst().shape()),
+            Region::full(c.mv.scales.dst().shape()),
+        ),
+        coupled: None,
+        baselines: None,
+        values_only: None,
+    };
+    let found = compare(&mut subject, repeat, Some(job), &mut || bar.inc(1))?;
+    let name = subject
+        .values_only
+        .as_ref()
+        .map_or("?", |t| t.name())
+        .to_string();
+    Ok((CaseResult::rank_report(&found), name))
 }

@@ -3,10 +3,10 @@
 use serde::Serialize;
 
 use super::BenchArgs;
-use super::driver::CaseResult;
+use super::result::CaseResult;
 use super::suite::Case;
-use crate::cli::measure::MethodJson;
 use crate::cli::units::bytes;
+use reshard::runtime::refit::harness::MethodJson;
 
 #[derive(Serialize)]
 struct CaseJson {

@@ -7,7 +7,7 @@ use reshard::error::Field;
 use reshard::plan::GatherBroadcast;
 use reshard::{Error, Plan, Rank};
 
-use super::prequant::Coupled;
+use super::coupled::Coupled;
 use crate::cli::TensorArgs;
 use crate::cli::exec_args::check_memory;
 

@@ -3,24 +3,27 @@
 //! ([`World::run_quantized_move`]: one schedule, one stream per peer pair). The source is the
 //! `normal` fill, made in f32 and quantized naively ([`quantize_tensor`]): every source rank
 //! holds its boxes of those values and scales, and `--verify` checks every destination's
-//! boxes of both, after every repetition. `--dump` writes `rank<R>.bin` and
+//! boxes of both, after every repetition. Between processes the links are opened once,
+//! before the first repetition. `--dump` writes `rank<R>.bin` and
 //! `rank<R>.scale.bin`, `--dump-src` `src<R>.bin` and `src<R>.scale.bin`.
 
 use std::collections::BTreeMap;
 use std::io::Write;
-use std::time::Instant;
 
+use reshard::batch::{Batch, RankBatch, run_rank_batch};
 use reshard::convert::reference::{QuantizedTensor, quantize_tensor, slice};
 use reshard::error::Field;
 use reshard::exec::ExecOptions;
 use reshard::fill::Fill;
 use reshard::layout::{Layout, LayoutSpec};
 use reshard::plan::QuantizedMove;
-use reshard::runtime::World;
+use reshard::runtime::refit::check;
+use reshard::runtime::refit::harness::{Checked, Compare, Comparison, Sample, compare};
+use reshard::runtime::{AnyTransport, Links, World};
 use reshard::{DType, Error, Rank};
 
 use super::{
-    RunArgs, Summary, check_memory, dump, dump_named, dump_scales, poison, report, run_options,
+    Move, RunArgs, check_memory, dump, dump_named, dump_scales, poison, report, run_options,
     with_plan, write_whole,
 };
 use crate::cli::Failure;
@@ -74,18 +77,19 @@ fn boxes(
     ))
 }
 
-/// Checks `rank`'s values and scales against the source's boxes of them.
+/// Checks `rank`'s values and scales against the source's boxes of them; returns the bytes
+/// checked.
 fn verify(
     mv: &QuantizedMove,
     q: &QuantizedTensor,
     rank: Rank,
     values: &[u8],
     scales: &[u8],
-) -> Result<(), Error> {
+) -> Result<u64, Error> {
     let Some((want_values, want_scales)) = boxes(q, mv.values.dst(), mv.scales.dst(), rank) else {
-        return Ok(());
+        return Ok(0);
     };
-    crate::cli::quant_check::compare(rank, (&want_values, values), Some((&want_scales, scales)))
+    check::compare(rank, (&want_values, values), Some((&want_scales, scales)))
 }
 
 /// Rank -> its buffers `[values, scales]` ([`QuantizedMove::batch`]).
@@ -142,37 +146,76 @@ fn destination_shards(
         .collect()
 }
 
-/// Poisons every destination buffer (so that `--verify` sees what a run did not write),
-/// runs the move once, and checks every destination rank's values and scales. Returns the
-/// run's stats and the seconds of the call (links, when it opens them, included; the checks
-/// not).
-fn once(
-    args: &RunArgs,
-    mv: &QuantizedMove,
-    q: &QuantizedTensor,
-    sources: &Shards,
-    dests: &mut Shards,
-    options: &ExecOptions,
-    world: &World,
-) -> Result<(reshard::exec::RunStats, f64), Error> {
-    if args.verify {
-        dests.values_mut().flatten().for_each(|s| poison(s));
+/// The coupled move of this process's ranks: every rank's buffers between threads
+/// ([`World::run_quantized_move`]), or this rank's over links opened once.
+struct Moving<'a, 'w> {
+    mv: &'a QuantizedMove,
+    q: QuantizedTensor,
+    sources: Shards,
+    dests: Shards,
+    world: &'w World,
+    options: &'a ExecOptions,
+    /// Between processes: the batch, this rank's part of it, and its links.
+    own: Option<(Batch, RankBatch, AnyTransport<'w>)>,
+}
+
+impl Compare for Moving<'_, '_> {
+    type Method = Move;
+    fn methods(&self) -> Vec<Move> {
+        vec![Move]
     }
-    let started = Instant::now();
-    let stats = world.run_quantized_move(mv, sources, dests, &run_options(options))?;
-    let seconds = started.elapsed().as_secs_f64();
-    if args.verify {
-        for (&r, b) in dests.iter() {
-            verify(
-                mv,
-                q,
-                r,
+    fn connect(&mut self, _: Move) -> Result<(), Error> {
+        let Some(rank) = self.world.rank() else {
+            return Ok(());
+        };
+        let batch = Batch::quantized(self.mv)?;
+        let rb = batch.rank_batch(rank)?;
+        let layouts = [self.mv.values.src(), self.mv.scales.src()];
+        let transport = self.world.connect(&Links::of_batch(&rb), layouts, None)?;
+        self.own = Some((batch, rb, transport));
+        Ok(())
+    }
+    fn poison(&mut self, _: Move) {
+        self.dests.values_mut().flatten().for_each(|s| poison(s));
+    }
+    fn run(&mut self, _: Move) -> Result<Sample, Error> {
+        let Some((batch, rb, transport)) = &self.own else {
+            let run = run_options(self.options);
+            let stats =
+                self.world
+                    .run_quantized_move(self.mv, &self.sources, &mut self.dests, &run)?;
+            return Ok(Sample::of_run(&stats));
+        };
+        let src: Vec<&[u8]> = self.sources.values().flatten().map(Vec::as_slice).collect();
+        let mut dst: Vec<&mut [u8]> = self
+            .dests
+            .values_mut()
+            .flatten()
+            .map(Vec::as_mut_slice)
+            .collect();
+        let stats = run_rank_batch(
+            batch,
+            rb,
+            &src,
+            &mut dst,
+            &mut [],
+            &**transport,
+            self.options,
+        )?;
+        Ok(Sample::of_rank(&stats))
+    }
+    fn verify(&mut self, _: Move) -> Result<Checked, Error> {
+        let mut checked = Checked::default();
+        for (&r, b) in &self.dests {
+            let (values, scales) = (
                 part(b, QuantizedMove::VALUES),
                 part(b, QuantizedMove::SCALES),
-            )?;
+            );
+            let bytes = verify(self.mv, &self.q, r, values, scales)?;
+            checked = checked + Checked::new(bytes, (values.len() + scales.len()) as u64);
         }
+        Ok(checked)
     }
-    Ok((stats, seconds))
 }
 
 /// Writes every destination rank's values and scales (`--dump`).
@@ -193,105 +236,75 @@ pub(super) fn main(
 ) -> Result<(), Failure> {
     // the fill is checked before any byte moves, on every process alike
     check_fill(fill)?;
-    match world.job() {
-        None => threads(args, mv, fill, options, world),
-        Some(_) => {
-            let rank = world.rank().unwrap_or(0);
-            let highest = mv.values.ranks().last().copied().unwrap_or(0);
-            let bytes = |l: &Layout| l.local_bytes(rank);
-            let ready = world.check_size(highest).and_then(|()| {
-                check_memory(
-                    bytes(mv.values.src()) + bytes(mv.values.dst()),
-                    mv.values.src().shape(),
-                )
-            });
-            world.agree("run", ready, || {
-                let fp = with_plan(reshard::agreement::Fingerprint::new("run"), "", &mv.values)
-                    .with("--quant (source)", mv.quant.scheme)
-                    .with("--scale-dtype (source)", mv.quant.scale_dtype)
-                    .with("--fill", fill)
-                    .with("--iters", args.iters)
-                    .with("--warmup", args.warmup)
-                    .with("--verify", args.verify);
-                args.exec.agreed(options, fp)
-            })?;
-            let outcome = rank_part(args, mv, fill, options, world);
-            super::process_report(args, &mv.values, world, outcome)
-        }
-    }
-}
-
-fn threads(
-    args: &RunArgs,
-    mv: &QuantizedMove,
-    fill: Fill,
-    options: &ExecOptions,
-    world: &World,
-) -> Result<(), Failure> {
     let values = &mv.values;
-    check_memory(
-        values.src().shard_bytes() + values.dst().shard_bytes(),
-        values.src().shape(),
-    )?;
-    let q = source(mv, fill)?;
-    let sources = source_shards(args, mv, &q, values.src().mesh().ranks().iter().copied())?;
-    let mut dests = destination_shards(mv, values.dst().mesh().ranks().iter().copied())?;
-    let (mut times, mut summary) = (Vec::new(), None);
-    for i in 0..args.warmup + args.iters {
-        let (stats, _) = once(args, mv, &q, &sources, &mut dests, options, world)?;
-        if i >= args.warmup {
-            times.push(stats.elapsed.as_secs_f64());
-        }
-        summary = Some((
-            stats.bytes_remote(),
-            stats.bytes_local(),
-            stats.peak_staging_bytes(),
-        ));
-    }
-    dump_destinations(args, &dests)?;
-    let (bytes_remote, bytes_local, peak_staging) = summary.unwrap_or_default();
-    let summary = Summary {
-        times,
-        bytes_remote,
-        bytes_local,
-        // between threads: no shared-memory writes
-        bytes_direct: 0,
-        peak_staging,
+    let Some(rank) = world.rank().filter(|_| world.job().is_some()) else {
+        check_memory(
+            values.src().shard_bytes() + values.dst().shard_bytes(),
+            values.src().shape(),
+        )?;
+        let (moving, found) = measure(args, mv, fill, options, world, None)?;
+        dump_destinations(args, &moving.dests)?;
+        report(args, values, &found.of(Move), "local", found.verified);
+        return Ok(());
     };
-    report(args, values, &summary, "local", args.verify);
-    Ok(())
+    let highest = values.ranks().last().copied().unwrap_or(0);
+    let bytes = |l: &Layout| l.local_bytes(rank);
+    let ready = world.check_size(highest).and_then(|()| {
+        check_memory(
+            bytes(values.src()) + bytes(values.dst()),
+            values.src().shape(),
+        )
+    });
+    world.agree("run", ready, || {
+        let fp = with_plan(reshard::agreement::Fingerprint::new("run"), "", values)
+            .with("--quant (source)", mv.quant.scheme)
+            .with("--scale-dtype (source)", mv.quant.scale_dtype)
+            .with("--fill", fill)
+            .with("--iters", args.iters)
+            .with("--warmup", args.warmup)
+            .with("--verify", args.verify);
+        args.exec.agreed(options, fp)
+    })?;
+    let outcome =
+        measure(args, mv, fill, options, world, Some(rank)).and_then(|(moving, found)| {
+            dump_destinations(args, &moving.dests)?;
+            Ok(serde_json::json!({
+                "transport": world.options().transport.name(),
+                "run": found.of(Move).report(),
+                "verified": found.verified,
+            }))
+        });
+    super::process_report(args, values, world, outcome)
 }
 
-/// This rank's share between processes: the move, its checks and dumps.
-fn rank_part(
+/// The buffers of this process's ranks (every rank's between threads, `rank`'s between
+/// processes) and the harness's repetitions of the move on them.
+fn measure<'a, 'w>(
     args: &RunArgs,
-    mv: &QuantizedMove,
+    mv: &'a QuantizedMove,
     fill: Fill,
-    options: &ExecOptions,
-    world: &World,
-) -> Result<serde_json::Value, Error> {
-    let rank = world.rank().unwrap_or(0);
+    options: &'a ExecOptions,
+    world: &'w World,
+    rank: Option<Rank>,
+) -> Result<(Moving<'a, 'w>, Comparison<Move>), Error> {
     let q = source(mv, fill)?;
-    let sources = source_shards(args, mv, &q, [rank])?;
-    let mut dests = destination_shards(mv, [rank])?;
-    let mut times = Vec::new();
-    let mut last = None;
-    for i in 0..args.warmup + args.iters {
-        world.barrier()?;
-        let (stats, seconds) = once(args, mv, &q, &sources, &mut dests, options, world)?;
-        if i >= args.warmup {
-            times.push(seconds);
+    let ranks = |layout: &Layout| -> Vec<Rank> {
+        match rank {
+            Some(r) => vec![r],
+            None => layout.mesh().ranks().to_vec(),
         }
-        last = Some(stats);
-    }
-    dump_destinations(args, &dests)?;
-    let stats = last.expect("at least one iteration");
-    Ok(serde_json::json!({
-        "transport": world.options().transport.name(),
-        "times": times,
-        "bytes_remote": stats.bytes_remote(),
-        "bytes_local": stats.bytes_local(),
-        "peak_staging": stats.peak_staging_bytes(),
-        "verified": args.verify,
-    }))
+    };
+    let sources = source_shards(args, mv, &q, ranks(mv.values.src()))?;
+    let dests = destination_shards(mv, ranks(mv.values.dst()))?;
+    let mut moving = Moving {
+        mv,
+        q,
+        sources,
+        dests,
+        world,
+        options,
+        own: None,
+    };
+    let found = compare(&mut moving, args.repeat(), world.job(), &mut || {})?;
+    Ok((moving, found))
 }
