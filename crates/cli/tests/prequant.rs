@@ -669,3 +669,43 @@ fn bench_ranks_that_disagree_on_the_scales_are_refused() {
         );
     }
 }
+
+/// `verified` of an already-quantized source is what the checks found: true with `--verify`,
+/// false without, in threads and over tcp (where every rank reports its own), and the text
+/// says it verified only when it did.
+#[test]
+fn run_of_an_already_quantized_source_is_verified_only_when_checked() {
+    let run = [&["run", "--fill", "normal:4"][..], &TP4_TO_TP2].concat();
+    for transport in ["local", "tcp"] {
+        for (verify, json) in [(true, true), (false, true), (true, false), (false, false)] {
+            let mut args = match transport {
+                "local" => run.clone(),
+                _ => [
+                    &["launch", "--nproc", "6", "--"][..],
+                    &run,
+                    &["--transport", transport],
+                ]
+                .concat(),
+            };
+            if verify {
+                args.push("--verify");
+            }
+            if json {
+                args.push("--json");
+            }
+            let out = reshard(&args);
+            assert!(
+                out.status.success(),
+                "{transport}: {}",
+                common::text(&out.stderr)
+            );
+            let stdout = common::text(&out.stdout);
+            if json {
+                let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+                assert_eq!(j["verified"], verify, "{transport}: {j}");
+            } else {
+                assert_eq!(stdout.contains("verify  every"), verify, "{stdout}");
+            }
+        }
+    }
+}

@@ -928,3 +928,39 @@ fn quantized_runs_over_shm_under_mpi_match_the_reference() {
         );
     }
 }
+
+/// A quantizing `run` reports `verified` only after checking every value and scale: false
+/// without `--verify`, in threads and over tcp alike.
+#[test]
+fn a_quantizing_run_is_verified_only_when_checked() {
+    for transport in ["local", "tcp"] {
+        for verify in [true, false] {
+            let mut c = match transport {
+                "local" => Command::new(EXE),
+                _ => {
+                    let mut c = Command::new(EXE);
+                    c.args(["launch", "--nproc", "4", "--"]);
+                    c
+                }
+            };
+            c.args(["run", "--transport", transport, "--shape", "64,64"])
+                .args(["--dtype", "bf16", "--dst-dtype", "fp8e4m3"])
+                .args(["--quant", "block:32x32", "--fill", "normal:3", "--json"])
+                .args(["--src", "mesh=2 place=S(0)", "--dst", "mesh=2 place=S(1)"]);
+            if verify {
+                c.arg("--verify");
+            }
+            let what = format!("{transport}, verify {verify}");
+            let child = c
+                .stdin(Stdio::null())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap();
+            let out = wait_bounded(child, Duration::from_secs(180), &what);
+            assert!(out.status.success(), "{what}: {}", text(&out.stderr));
+            let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+            assert_eq!(j["verified"], verify, "{what}: {j}");
+        }
+    }
+}

@@ -125,3 +125,40 @@ pub fn describe(run: &RunJson) -> String {
         run.speedup
     )
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use reshard::runtime::refit::harness::Measured;
+
+    fn run(verified: bool) -> RunJson {
+        let m = MethodJson::of(
+            &Measured {
+                times: vec![1.0],
+                ..Measured::default()
+            },
+            8,
+        );
+        RunJson {
+            transport: "tcp".into(),
+            iters: 1,
+            verified,
+            pack_below: 0,
+            dst_bytes: 8,
+            scale_bytes: None,
+            reshard: m.clone(),
+            gather_broadcast: m,
+            speedup: 1.0,
+        }
+    }
+
+    /// The text says every byte was verified only when the run says so.
+    #[test]
+    fn the_text_reads_whether_the_run_verified() {
+        let yes = describe(&run(true));
+        assert!(yes.contains(", every destination byte verified"), "{yes}");
+        let no = describe(&run(false));
+        assert!(no.contains("NOT every destination byte verified"), "{no}");
+        assert!(!no.contains(", every destination byte verified"), "{no}");
+    }
+}
