@@ -4,7 +4,7 @@
 //! of the tensor materialized from the fill and quantized block by block on its own (the
 //! inference shards hold whole blocks, which the plan checked and this checks again, so the
 //! blocks of the box are the tensor's), then compared piece by piece with where the batch put
-//! it. The one-tensor checks of a quantizing plan ([`reference`], [`verify_quantized`],
+//! it. The one-tensor checks of a quantizing plan ([`reference()`], [`verify_quantized`],
 //! [`compare`]) serve `reshard run` and `reshard bench`.
 //!
 //! Every check returns the bytes it covered, so that a report says "verified" only when every

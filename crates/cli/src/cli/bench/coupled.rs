@@ -13,7 +13,7 @@ use reshard::{DType, Error, Rank, Side};
 /// A rank's boxes of the values and of the scales.
 pub(super) type Boxes = (Vec<u8>, Vec<u8>);
 
-/// What a case of an already-quantized source adds to its [`Case`]: the coupled move (whose
+/// What a case of an already-quantized source adds to its [`super::suite::Case`]: the coupled move (whose
 /// values' plan is the case's `plan`), its batch, and gather+broadcast of the scale tensor
 /// (the values' is the case's `baseline`).
 pub(in crate::cli) struct Coupled {

@@ -1,9 +1,13 @@
 //! `reshard bench`: reshard against gather+broadcast on the same transport, the same data and
 //! the same buffers, repetition after repetition in turn, every repetition's result verified.
 //!
-//! The command in three parts: [`suite`] builds the cases (one layout pair, or a named suite),
-//! [`driver`] runs both methods on them (ranks as threads or as processes) and collects what
-//! every rank measured, and [`report`] prints the comparison as text or JSON.
+//! The command in parts, each importing only those before it: [`coupled`] and [`suite`] build
+//! the cases (one layout pair, or a named suite; an already-quantized source's coupled move),
+//! [`result`] names the methods and holds a case's result, [`quant`] and [`prequant`] describe
+//! the quantizing and already-quantized cases' methods to the library's comparison harness
+//! ([`reshard::runtime::refit::harness`]), [`driver`] runs every case (ranks as threads or as
+//! processes, the plain cases' methods its own) and collects what every rank measured, and
+//! [`mod@report`] prints the comparison as text or JSON.
 
 mod coupled;
 mod driver;

@@ -1,7 +1,7 @@
 //! `bench` of an already-quantized source (an fp8 `--dtype` with `--quant`): the fp8 values
 //! and their scales move as two coupled tensors ([`reshard::plan::QuantizedMove`]). Three methods, in turn on
 //! the same buffers: the coupled reshard (both tensors in one exchange, the batch of
-//! [`reshard::plan::QuantizedMove::batch`]: one schedule, one stream per peer pair), gather+broadcast of both
+//! [`reshard::batch::Batch::quantized`]: one schedule, one stream per peer pair), gather+broadcast of both
 //! tensors, and the reshard of the values alone, which is what the transport takes to move the
 //! bulk of the bytes and so shows what carrying the scales beside them costs.
 //!
@@ -217,7 +217,7 @@ pub(super) fn threads(
 }
 
 /// One rank's side of one tensor of the pair: its part of the reshard and of the baseline,
-/// its source shard and destination buffers ([`Tensor::connect`] opens the links of both
+/// its source shard and destination buffers ([`Tensor::connect_reshard`] and [`Tensor::connect_baseline`] open the links of both
 /// methods; each after the harness's barrier).
 struct Tensor<'j> {
     layouts: (&'j Layout, &'j Layout),

@@ -92,7 +92,7 @@ fn verify(
     check::compare(rank, (&want_values, values), Some((&want_scales, scales)))
 }
 
-/// Rank -> its buffers `[values, scales]` ([`QuantizedMove::batch`]).
+/// Rank -> its buffers `[values, scales]` ([`reshard::batch::Batch::quantized`]).
 type Shards = BTreeMap<Rank, Vec<Vec<u8>>>;
 
 /// A rank's buffer of `which` ([`QuantizedMove::VALUES`] or [`QuantizedMove::SCALES`]).
