@@ -167,8 +167,13 @@ pub(super) fn report(
         }
         None => "reshard vs gather+broadcast",
     };
+    // what the checks found: every case's every byte, or not
+    let verified = match results.iter().all(|r| r.verified) {
+        true => "every",
+        false => "NOT every",
+    };
     println!(
-        "{compared} over {transport}, median of {} (after {} warm-up), every destination byte{} verified{}",
+        "{compared} over {transport}, median of {} (after {} warm-up), {verified} destination byte{} verified{}",
         args.iters,
         args.warmup,
         if args.quant.is_some() {
