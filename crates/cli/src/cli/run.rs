@@ -6,101 +6,34 @@
 //! the poison. Ranks are threads of this process ([`Threads`]) or this process is one rank of
 //! a job ([`OwnRank`]); an already-quantized source moves its values and scales together
 //! ([`prequant`]).
-
-use std::path::PathBuf;
-
-use clap::Args;
-use serde::Serialize;
+//!
+//! Its parts import one way: [`args`], [`method`] and [`dump`] stand alone, [`report`] reads
+//! the arguments, [`prequant`] uses all four, and this module dispatches to them.
 
 use reshard::agreement::Fingerprint;
 use reshard::convert::reference::QuantizedTensor;
 use reshard::exec::{self, ExecOptions};
 use reshard::fill::Fill;
 use reshard::runtime::refit::check;
-use reshard::runtime::refit::harness::{
-    Checked, Compare, Measured, Repeat, Sample, compare, spread,
-};
+use reshard::runtime::refit::harness::{Checked, Compare, Sample, compare};
 use reshard::runtime::{PlanRank, RunOptions, World};
 use reshard::{Error, Plan, Rank};
 
-use super::exec_args::{ExecArgs, check_memory, run_options, with_plan};
-use super::measure::conclude;
-use super::units::bytes;
-use super::{Failure, TensorArgs};
+use super::Failure;
+use super::exec_args::{check_memory, run_options, with_plan};
 
+mod args;
 mod dump;
+mod method;
 mod prequant;
+mod report;
 
-pub(super) use dump::{check_dump_dir, dump, dump_named, dump_scales, write_whole};
+pub use args::RunArgs;
+pub(super) use dump::check_dump_dir;
+use dump::{dump, dump_named, dump_scales};
+use method::{Move, poison};
 pub(super) use prequant::check_fill as check_quantized_fill;
-
-#[derive(Args, Debug)]
-pub struct RunArgs {
-    #[command(flatten)]
-    tensor: TensorArgs,
-    /// Contents of the global tensor: hash or hash:SEED (a hash of each element's index, so
-    /// that a block in the wrong place fails --verify, for every dtype), index (element i
-    /// holds i mod 2^bits: readable in dumps, but it repeats every 2^bits elements), or
-    /// normal or normal:SEED (float dtypes only: finite values of varied magnitude, with
-    /// all-zero and tiny rows, for conversions).
-    #[arg(long, default_value = "hash")]
-    fill: String,
-    /// Write each destination rank's local buffer, raw, to DIR/rank<R>.bin (DIR is created if
-    /// missing and checked before any byte moves; each file appears whole or not at all).
-    #[arg(long, value_name = "DIR")]
-    dump: Option<PathBuf>,
-    /// Write each source rank's local shard, raw, to DIR/src<R>.bin (as --dump does): the
-    /// input a conversion (--dst-dtype) can be checked against.
-    #[arg(long, value_name = "DIR")]
-    dump_src: Option<PathBuf>,
-    /// Check every destination byte against the fill after every repetition; exit non-zero
-    /// on any mismatch.
-    #[arg(long)]
-    verify: bool,
-    #[command(flatten)]
-    exec: ExecArgs,
-    /// Timed repetitions of the data phase (the report gives their median, min and max).
-    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
-    iters: u32,
-    /// Untimed repetitions before the timed ones (first-touch page faults, connection warm-up).
-    #[arg(long, default_value_t = 0)]
-    warmup: u32,
-    /// Print a JSON report instead of text.
-    #[arg(long)]
-    json: bool,
-}
-
-#[derive(Serialize)]
-struct RunJson {
-    shape: Vec<u64>,
-    dtype: String,
-    /// The destination's dtype (`--dst-dtype`); byte counts are in it (wire bytes).
-    dst_dtype: String,
-    transport: String,
-    iters: usize,
-    /// The median of the timed repetitions.
-    seconds: f64,
-    min_s: f64,
-    max_s: f64,
-    dst_bytes: u64,
-    bytes_remote: u64,
-    bytes_local: u64,
-    /// Of `bytes_remote`, those written straight into the receivers' shards by same-host
-    /// senders (shm direct writes), over the last repetition.
-    bytes_direct: u64,
-    messages: u64,
-    gbps: f64,
-    peak_staging_bytes_per_rank: u64,
-    verified: bool,
-    /// The host map the plan minded (`--hosts`, or learned at rendezvous), with `relay`.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    hosts: Option<String>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    relay: Option<bool>,
-    /// The most bytes into or out of one host, when the plan knows the hosts.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    busiest_link_bytes: Option<u64>,
-}
+use report::{process_report, report};
 
 pub fn main(args: &RunArgs) -> Result<(), Failure> {
     // Everything the user typed is checked before a buffer is allocated or a byte moves.
@@ -132,21 +65,6 @@ pub fn main(args: &RunArgs) -> Result<(), Failure> {
         Some(_) => run_process(args, &plan, fill, &options, &world),
     }
 }
-
-impl RunArgs {
-    /// The repetitions the harness runs.
-    fn repeat(&self) -> Repeat {
-        Repeat {
-            warmup: self.warmup,
-            iters: self.iters,
-            verify: self.verify,
-        }
-    }
-}
-
-/// The one method of a run.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) struct Move;
 
 /// The reference a destination is checked against: the fill itself, or, for a quantizing
 /// plan, the fill quantized whole.
@@ -303,28 +221,6 @@ fn rank_bytes(plan: &Plan, rank: Rank) -> u64 {
         .saturating_add(plan.dst().local_bytes(rank))
 }
 
-/// Hands this rank's outcome to rank 0, which prints the job's report: per repetition the
-/// slowest rank's time, the bytes of every rank, verified if every rank's checks covered
-/// every byte it holds.
-fn process_report(
-    args: &RunArgs,
-    plan: &Plan,
-    world: &World,
-    outcome: Result<serde_json::Value, Error>,
-) -> Result<(), Failure> {
-    if let Some(reports) = conclude(world, outcome)? {
-        let name = reports.transport();
-        let per_rank: Vec<&serde_json::Value> = reports.ranks.iter().map(|r| &r["run"]).collect();
-        let measured = Measured::combine(&per_rank);
-        let verified = reports
-            .ranks
-            .iter()
-            .all(|r| r["verified"].as_bool() == Some(true));
-        report(args, plan, &measured, &name, verified);
-    }
-    Ok(())
-}
-
 /// This process's rank: its own shards, over links opened once ([`World::prepare`]).
 struct OwnRank<'a, 'w> {
     plan: &'a Plan,
@@ -420,111 +316,4 @@ fn rank_part(
         "run": found.of(Move).report(),
         "verified": found.verified,
     }))
-}
-
-/// A pattern written over a destination shard before each verified repetition, so that only
-/// the bytes this repetition moved can make it verify, not those of the one before.
-fn poison(buf: &mut [u8]) {
-    reshard::memory::fill_around_caches(buf, 0xA5);
-}
-
-/// Prints what a run did, from one process or combined over all (`stats.peak_extra` is the
-/// staging: a run holds nothing else); `verified` as the harness found it.
-fn report(args: &RunArgs, plan: &Plan, stats: &Measured, transport: &str, verified: bool) {
-    let totals = plan.totals();
-    let dst_bytes = plan.dst().shard_bytes();
-    let (seconds, min_s, max_s) = spread(&stats.times);
-    let repetitions = stats.times.len();
-    let gbps = dst_bytes as f64 / seconds.max(1e-12) / 1e9;
-    if args.json {
-        let json = RunJson {
-            shape: plan.src().shape().to_vec(),
-            dtype: plan.src().dtype().to_string(),
-            dst_dtype: plan.dst().dtype().to_string(),
-            transport: transport.to_string(),
-            iters: repetitions,
-            seconds,
-            min_s,
-            max_s,
-            dst_bytes,
-            bytes_remote: stats.wire_bytes,
-            bytes_local: stats.bytes_local,
-            bytes_direct: stats.bytes_direct,
-            messages: totals.messages,
-            gbps,
-            peak_staging_bytes_per_rank: stats.peak_extra,
-            verified,
-            hosts: plan.topology().map(|t| t.hosts.to_string()),
-            relay: plan.topology().map(|t| t.relay),
-            busiest_link_bytes: plan.host_links().map(|l| l.busiest()),
-        };
-        println!(
-            "{}",
-            serde_json::to_string_pretty(&json).expect("run JSON serializes")
-        );
-        return;
-    }
-    let shape: Vec<String> = plan.src().shape().iter().map(u64::to_string).collect();
-    let dtypes = match (plan.src().dtype(), plan.dst().dtype()) {
-        (src, dst) if src == dst => src.to_string(),
-        (src, dst) => format!("{src} -> {dst}"),
-    };
-    println!(
-        "reshard {} {dtypes}: {} -> {} ranks over {transport}",
-        shape.join("x"),
-        plan.src().mesh().size(),
-        plan.dst().mesh().size()
-    );
-    println!(
-        "  moved   {} remote in {} messages, {} by local copy",
-        bytes(stats.wire_bytes),
-        totals.messages,
-        bytes(stats.bytes_local)
-    );
-    if stats.bytes_direct > 0 {
-        println!(
-            "  direct  {} written straight into the receivers' shards",
-            bytes(stats.bytes_direct)
-        );
-    }
-    if let (Some(topology), Some(links)) = (plan.topology(), plan.host_links()) {
-        println!(
-            "  hosts   {} (relay {}): busiest host link {}",
-            topology.hosts,
-            if topology.relay { "on" } else { "off" },
-            bytes(links.busiest())
-        );
-    }
-    let spread = if repetitions > 1 {
-        format!(
-            " (median of {}; min {:.3} ms, max {:.3} ms)",
-            repetitions,
-            min_s * 1e3,
-            max_s * 1e3
-        )
-    } else {
-        String::new()
-    };
-    println!(
-        "  time    {:.3} ms, {gbps:.2} GB/s of destination data ({}){spread}",
-        seconds * 1e3,
-        bytes(dst_bytes)
-    );
-    println!("  staging {} per rank at most", bytes(stats.peak_extra));
-    if args.exec.checksum {
-        println!("  checksum every chunk landed as its sender summed it (crc32c)");
-    }
-    if verified {
-        println!(
-            "  verify  every destination byte matches the {} fill",
-            args.fill
-        );
-    }
-    if let Some(dir) = &args.dump {
-        println!(
-            "  dump    {} files rank<R>.bin in {}",
-            plan.dst().mesh().size(),
-            dir.display()
-        );
-    }
 }

@@ -16,7 +16,7 @@ use reshard::transport::Job;
 use reshard::transport::segment::SharedBuffer;
 use reshard::{Error, Plan, Rank, RankPlan, Region};
 
-use super::BenchArgs;
+use super::args::BenchArgs;
 use super::result::{CaseResult, Method, poison};
 use super::suite::Case;
 use super::{prequant, quant};
@@ -34,17 +34,6 @@ fn progress(args: &BenchArgs, cases: usize) -> ProgressBar {
             .progress_chars("=> "),
     );
     bar
-}
-
-impl BenchArgs {
-    /// Every repetition of every method is checked.
-    fn repeat(&self) -> Repeat {
-        Repeat {
-            warmup: self.warmup,
-            iters: self.iters,
-            verify: true,
-        }
-    }
 }
 
 /// The two methods of a plain case, in the order of the first repetition.

@@ -2,7 +2,7 @@
 
 use serde::Serialize;
 
-use super::BenchArgs;
+use super::args::BenchArgs;
 use super::result::CaseResult;
 use super::suite::Case;
 use crate::cli::units::bytes;

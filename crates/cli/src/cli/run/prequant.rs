@@ -22,11 +22,12 @@ use reshard::runtime::refit::harness::{Checked, Compare, Comparison, Sample, com
 use reshard::runtime::{AnyTransport, Links, World};
 use reshard::{DType, Error, Rank};
 
-use super::{
-    Move, RunArgs, check_memory, dump, dump_named, dump_scales, poison, report, run_options,
-    with_plan, write_whole,
-};
+use super::args::RunArgs;
+use super::dump::{dump, dump_named, dump_scales, write_whole};
+use super::method::{Move, poison};
+use super::report::{process_report, report};
 use crate::cli::Failure;
+use crate::cli::exec_args::{check_memory, run_options, with_plan};
 
 /// The source: the `normal` fill in f32, quantized block by block.
 fn source(mv: &QuantizedMove, fill: Fill) -> Result<QuantizedTensor, Error> {
@@ -274,7 +275,7 @@ pub(super) fn main(
                 "verified": found.verified,
             }))
         });
-    super::process_report(args, values, world, outcome)
+    process_report(args, values, world, outcome)
 }
 
 /// The buffers of this process's ranks (every rank's between threads, `rank`'s between
