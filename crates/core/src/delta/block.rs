@@ -1,0 +1,220 @@
+//! One block: which of its elements changed, the encoding that says so in the fewest bytes,
+//! and writing and applying it.
+
+use crate::copy::CopyGeometry;
+
+use super::wire::Block;
+
+/// How a block travels, by its tag byte.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum Encoding {
+    /// No element changed: the tag alone.
+    Unchanged = 0,
+    /// A bit per element, then the changed values: for blocks where many changed.
+    Bitmask = 1,
+    /// The changed elements' 16-bit offsets, then their values: for blocks where few changed.
+    Offsets = 2,
+    /// Every value: when the others would be larger.
+    Dense = 3,
+}
+
+impl Encoding {
+    pub const ALL: [Encoding; 4] = [
+        Encoding::Unchanged,
+        Encoding::Bitmask,
+        Encoding::Offsets,
+        Encoding::Dense,
+    ];
+
+    pub fn from_tag(tag: u8) -> Option<Encoding> {
+        Encoding::ALL.get(tag as usize).copied()
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Encoding::Unchanged => "unchanged",
+            Encoding::Bitmask => "bitmask",
+            Encoding::Offsets => "offsets",
+            Encoding::Dense => "dense",
+        }
+    }
+}
+
+/// Bytes of a block of `n` elements of `elem` bytes, `changed` of them changed, in
+/// `encoding` (tag included); `None` where the encoding cannot say it (unchanged with changes).
+pub fn encoded_len(encoding: Encoding, n: usize, changed: usize, elem: usize) -> Option<usize> {
+    match encoding {
+        Encoding::Unchanged => (changed == 0).then_some(1),
+        Encoding::Bitmask => Some(1 + n.div_ceil(8) + changed * elem),
+        Encoding::Offsets => Some(1 + 2 + changed * (2 + elem)),
+        Encoding::Dense => Some(1 + n * elem),
+    }
+}
+
+/// The smallest encoding of a block; on a tie the first of unchanged, offsets, bitmask,
+/// dense (the cheapest to apply).
+pub fn choose(n: usize, changed: usize, elem: usize) -> Encoding {
+    [
+        Encoding::Unchanged,
+        Encoding::Offsets,
+        Encoding::Bitmask,
+        Encoding::Dense,
+    ]
+    .into_iter()
+    .filter_map(|e| encoded_len(e, n, changed, elem).map(|len| (len, e)))
+    .min_by_key(|&(len, _)| len)
+    .map_or(Encoding::Dense, |(_, e)| e)
+}
+
+/// Marks in `mask` (bit `i`: element `i`) the elements whose bytes differ between `new` and
+/// `old`, and counts them. Runs of 64 equal elements cost one comparison of their bytes.
+pub(super) fn diff(elem: usize, new: &[u8], old: &[u8], mask: &mut [u64]) -> usize {
+    match elem {
+        1 => diff_n::<1>(new, old, mask),
+        2 => diff_n::<2>(new, old, mask),
+        4 => diff_n::<4>(new, old, mask),
+        _ => diff_n::<8>(new, old, mask),
+    }
+}
+
+fn diff_n<const N: usize>(new: &[u8], old: &[u8], mask: &mut [u64]) -> usize {
+    let mut changed = 0;
+    for (word, (nw, ow)) in mask
+        .iter_mut()
+        .zip(new.chunks(64 * N).zip(old.chunks(64 * N)))
+    {
+        if nw == ow {
+            *word = 0;
+            continue;
+        }
+        let mut bits = 0u64;
+        for (i, (a, b)) in nw.chunks_exact(N).zip(ow.chunks_exact(N)).enumerate() {
+            bits |= u64::from(a != b) << i;
+        }
+        *word = bits;
+        changed += bits.count_ones() as usize;
+    }
+    changed
+}
+
+/// Calls `f(i)` for every set bit `i` of the first `n` bits of `mask`, in order.
+fn each_set(mask: &[u64], n: usize, mut f: impl FnMut(usize)) {
+    for (w, &word) in mask.iter().enumerate().take(n.div_ceil(64)) {
+        let mut bits = word;
+        while bits != 0 {
+            f(w * 64 + bits.trailing_zeros() as usize);
+            bits &= bits - 1;
+        }
+    }
+}
+
+/// Appends a block of `n` elements (`new`, with `changed` of them marked in `mask`) in
+/// `encoding`.
+pub(super) fn write(
+    encoding: Encoding,
+    elem: usize,
+    n: usize,
+    new: &[u8],
+    mask: &[u64],
+    changed: usize,
+    out: &mut Vec<u8>,
+) {
+    out.push(encoding as u8);
+    let values = |out: &mut Vec<u8>| {
+        each_set(mask, n, |i| {
+            out.extend_from_slice(&new[i * elem..(i + 1) * elem])
+        })
+    };
+    match encoding {
+        Encoding::Unchanged => {}
+        Encoding::Dense => out.extend_from_slice(&new[..n * elem]),
+        Encoding::Bitmask => {
+            let bytes = n.div_ceil(8);
+            for (w, word) in mask.iter().enumerate().take(bytes.div_ceil(8)) {
+                let le = word.to_le_bytes();
+                out.extend_from_slice(&le[..(bytes - w * 8).min(8)]);
+            }
+            values(out);
+        }
+        Encoding::Offsets => {
+            out.extend_from_slice(&(changed as u16).to_le_bytes());
+            each_set(mask, n, |i| {
+                out.extend_from_slice(&(i as u16).to_le_bytes())
+            });
+            values(out);
+        }
+    }
+}
+
+/// Writes a checked block into the destination shard: its values at the elements it names,
+/// through `unpack` (the region's stream into the shard).
+pub(super) fn apply(unpack: &CopyGeometry, block: &Block<'_>, dst: &mut [u8]) {
+    let elem = block.elem;
+    match block.encoding {
+        Encoding::Unchanged => {}
+        Encoding::Dense => unpack.copy(block.values, dst, block.bytes.clone()),
+        Encoding::Bitmask | Encoding::Offsets => {
+            // the changed elements in order, walked beside the block's runs in the shard
+            let mut changed = ChangedElements::new(block);
+            let mut value = 0;
+            let mut next = changed.next();
+            unpack.for_each_run(block.bytes.clone(), |s, d, len| {
+                while let Some(i) = next {
+                    let at = i * elem;
+                    if at >= s + len {
+                        break;
+                    }
+                    let to = d + (at - s);
+                    dst[to..to + elem].copy_from_slice(&block.values[value..value + elem]);
+                    value += elem;
+                    next = changed.next();
+                }
+            });
+        }
+    }
+}
+
+/// The changed elements of a checked bitmask or offsets block, in increasing order.
+struct ChangedElements<'a> {
+    block: &'a Block<'a>,
+    /// Offsets: the next offset's index; bitmask: the next bit.
+    at: usize,
+}
+
+impl<'a> ChangedElements<'a> {
+    fn new(block: &'a Block<'a>) -> Self {
+        ChangedElements { block, at: 0 }
+    }
+}
+
+impl Iterator for ChangedElements<'_> {
+    type Item = usize;
+
+    fn next(&mut self) -> Option<usize> {
+        let index = self.block.index;
+        match self.block.encoding {
+            Encoding::Offsets => {
+                let o = index.get(2 * self.at..2 * self.at + 2)?;
+                self.at += 1;
+                Some(u16::from_le_bytes([o[0], o[1]]) as usize)
+            }
+            _ => {
+                while self.at < self.block.elems {
+                    let byte = index[self.at / 8];
+                    // skip a whole zero byte at once
+                    if byte == 0 && self.at.is_multiple_of(8) {
+                        self.at += 8;
+                        continue;
+                    }
+                    let i = self.at;
+                    self.at += 1;
+                    if byte >> (i % 8) & 1 == 1 {
+                        return Some(i);
+                    }
+                }
+                None
+            }
+        }
+    }
+}
