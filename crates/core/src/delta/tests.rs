@@ -224,3 +224,29 @@ fn a_range_off_the_blocks_is_refused() {
             .is_ok()
     );
 }
+
+proptest! {
+    /// The vector comparison marks exactly the elements a byte-by-byte comparison finds.
+    #[test]
+    fn the_fast_diff_marks_what_bytes_differ(
+        elem in prop::sample::select(vec![1usize, 2, 4, 8]),
+        n in 1usize..300,
+        seed in any::<u64>(),
+        flips in prop::collection::vec((any::<usize>(), 1u8..=255), 0..40),
+    ) {
+        let old = bytes(n * elem, seed);
+        let mut new = old.clone();
+        for (at, x) in flips {
+            new[at % (n * elem)] ^= x;
+        }
+        let mut mask = vec![0u64; n.div_ceil(64)];
+        let changed = super::block::diff(elem, &new, &old, &mut mask);
+        let mut want = 0;
+        for i in 0..n {
+            let differs = new[i * elem..(i + 1) * elem] != old[i * elem..(i + 1) * elem];
+            prop_assert_eq!(mask[i / 64] >> (i % 64) & 1 == 1, differs, "element {}", i);
+            want += usize::from(differs);
+        }
+        prop_assert_eq!(changed, want);
+    }
+}
