@@ -70,6 +70,11 @@ pub fn choose(n: usize, changed: usize, elem: usize) -> Encoding {
 /// Marks in `mask` (bit `i`: element `i`) the elements whose bytes differ between `new` and
 /// `old`, and counts them. Runs of 64 equal elements cost one comparison of their bytes.
 pub(super) fn diff(elem: usize, new: &[u8], old: &[u8], mask: &mut [u64]) -> usize {
+    // most blocks of a delta are unchanged: one comparison of the whole block says so
+    if new == old {
+        mask.fill(0);
+        return 0;
+    }
     match elem {
         1 => diff_n::<1>(new, old, mask),
         2 => diff_n::<2>(new, old, mask),
@@ -114,8 +119,8 @@ fn differing<const N: usize>(new: &[u8], old: &[u8]) -> u64 {
         return differing_scalar::<8>(new, old);
     }
     let mut equal = 0u64;
-    // SAFETY: SSE2 is part of x86-64; every load reads 16 bytes inside the two slices of
-    // 64 * N bytes (16 steps of 16 * N bytes... N / 1 vectors each), checked above.
+    // SAFETY: SSE2 is part of x86-64; the loads read vectors 0..4 * N of 16 bytes, inside
+    // both slices of 64 * N bytes (checked above).
     unsafe {
         let load = |s: &[u8], v: usize| _mm_loadu_si128(s.as_ptr().add(16 * v) as *const __m128i);
         for step in 0..4 {
@@ -167,29 +172,41 @@ pub(super) fn write(
     changed: usize,
     out: &mut Vec<u8>,
 ) {
-    out.push(encoding as u8);
-    let values = |out: &mut Vec<u8>| {
+    let Some(len) = encoded_len(encoding, n, changed, elem) else {
+        unreachable!("a block with changes is never written unchanged")
+    };
+    let start = out.len();
+    out.resize(start + len, 0);
+    let block = &mut out[start..];
+    block[0] = encoding as u8;
+    let body = &mut block[1..];
+    // the changed values after `at` bytes of index
+    let values = |body: &mut [u8], at: usize| {
+        let mut to = at;
         each_set(mask, n, |i| {
-            out.extend_from_slice(&new[i * elem..(i + 1) * elem])
-        })
+            body[to..to + elem].copy_from_slice(&new[i * elem..(i + 1) * elem]);
+            to += elem;
+        });
     };
     match encoding {
         Encoding::Unchanged => {}
-        Encoding::Dense => out.extend_from_slice(&new[..n * elem]),
+        Encoding::Dense => body.copy_from_slice(&new[..n * elem]),
         Encoding::Bitmask => {
             let bytes = n.div_ceil(8);
             for (w, word) in mask.iter().enumerate().take(bytes.div_ceil(8)) {
-                let le = word.to_le_bytes();
-                out.extend_from_slice(&le[..(bytes - w * 8).min(8)]);
+                let take = (bytes - w * 8).min(8);
+                body[w * 8..w * 8 + take].copy_from_slice(&word.to_le_bytes()[..take]);
             }
-            values(out);
+            values(body, bytes);
         }
         Encoding::Offsets => {
-            out.extend_from_slice(&(changed as u16).to_le_bytes());
+            body[..2].copy_from_slice(&(changed as u16).to_le_bytes());
+            let mut to = 2;
             each_set(mask, n, |i| {
-                out.extend_from_slice(&(i as u16).to_le_bytes())
+                body[to..to + 2].copy_from_slice(&(i as u16).to_le_bytes());
+                to += 2;
             });
-            values(out);
+            values(body, 2 + 2 * changed);
         }
     }
 }
