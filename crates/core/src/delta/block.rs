@@ -181,12 +181,11 @@ pub(super) fn write(
     block[0] = encoding as u8;
     let body = &mut block[1..];
     // the changed values after `at` bytes of index
-    let values = |body: &mut [u8], at: usize| {
-        let mut to = at;
-        each_set(mask, n, |i| {
-            body[to..to + elem].copy_from_slice(&new[i * elem..(i + 1) * elem]);
-            to += elem;
-        });
+    let values = |body: &mut [u8], at: usize| match elem {
+        1 => gather::<1>(new, mask, n, &mut body[at..]),
+        2 => gather::<2>(new, mask, n, &mut body[at..]),
+        4 => gather::<4>(new, mask, n, &mut body[at..]),
+        _ => gather::<8>(new, mask, n, &mut body[at..]),
     };
     match encoding {
         Encoding::Unchanged => {}
@@ -211,6 +210,17 @@ pub(super) fn write(
     }
 }
 
+/// Copies the elements of `new` marked in `mask` to the front of `out`, in order: elements of
+/// a constant size, so each is one load and one store rather than a call.
+fn gather<const N: usize>(new: &[u8], mask: &[u64], n: usize, out: &mut [u8]) {
+    let mut to = 0;
+    each_set(mask, n, |i| {
+        let value: [u8; N] = new[i * N..(i + 1) * N].try_into().unwrap_or([0; N]);
+        out[to..to + N].copy_from_slice(&value);
+        to += N;
+    });
+}
+
 /// Writes a checked block into the destination shard: its values at the elements it names,
 /// through `unpack` (the region's stream into the shard).
 pub(super) fn apply(unpack: &CopyGeometry, block: &Block<'_>, dst: &mut [u8]) {
@@ -218,25 +228,33 @@ pub(super) fn apply(unpack: &CopyGeometry, block: &Block<'_>, dst: &mut [u8]) {
     match block.encoding {
         Encoding::Unchanged => {}
         Encoding::Dense => unpack.copy(block.values, dst, block.bytes.clone()),
-        Encoding::Bitmask | Encoding::Offsets => {
-            // the changed elements in order, walked beside the block's runs in the shard
-            let mut changed = ChangedElements::new(block);
-            let mut value = 0;
-            let mut next = changed.next();
-            unpack.for_each_run(block.bytes.clone(), |s, d, len| {
-                while let Some(i) = next {
-                    let at = i * elem;
-                    if at >= s + len {
-                        break;
-                    }
-                    let to = d + (at - s);
-                    dst[to..to + elem].copy_from_slice(&block.values[value..value + elem]);
-                    value += elem;
-                    next = changed.next();
-                }
-            });
-        }
+        Encoding::Bitmask | Encoding::Offsets => match elem {
+            1 => scatter::<1>(unpack, block, dst),
+            2 => scatter::<2>(unpack, block, dst),
+            4 => scatter::<4>(unpack, block, dst),
+            _ => scatter::<8>(unpack, block, dst),
+        },
     }
+}
+
+/// Writes a sparse block's values at its changed elements: the elements in order, walked
+/// beside the block's runs in the shard.
+fn scatter<const N: usize>(unpack: &CopyGeometry, block: &Block<'_>, dst: &mut [u8]) {
+    let mut changed = ChangedElements::new(block);
+    let mut values = block.values.chunks_exact(N);
+    let mut next = changed.next();
+    unpack.for_each_run(block.bytes.clone(), |s, d, len| {
+        while let Some(i) = next {
+            let at = i * N;
+            if at >= s + len {
+                break;
+            }
+            let to = d + (at - s);
+            let value: [u8; N] = values.next().and_then(|v| v.try_into().ok()).unwrap_or([0; N]);
+            dst[to..to + N].copy_from_slice(&value);
+            next = changed.next();
+        }
+    });
 }
 
 /// The changed elements of a checked bitmask or offsets block, in increasing order.
