@@ -29,6 +29,7 @@ pub mod agreement;
 pub mod checksum;
 pub mod convert;
 pub mod copy;
+pub mod delta;
 pub mod dtype;
 pub mod error;
 pub mod fill;
