@@ -163,8 +163,6 @@ const PYTHON_PACKAGE: &str = "python/reshard";
 /// that work lands, and with them each entry here. An entry whose crate no longer has a cycle
 /// fails the check, so that the list only shrinks.
 const CYCLES_ALLOWED: &[&str] = &[
-    "reshard-core",
-    "reshard-model",
     "reshard-python",
     "python package reshard",
     "reshard-runtime",
@@ -181,7 +179,6 @@ const MAX_LINES: usize = 600;
 const SIZE_ALLOWED: &[&str] = &[
     "crates/cli/src/cli/run.rs",
     "crates/core/src/convert/grid.rs",
-    "crates/core/src/copy.rs",
     "crates/core/src/layout/mod.rs",
     "crates/runtime/src/batch/mod.rs",
     "crates/runtime/src/run.rs",
