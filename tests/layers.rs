@@ -461,6 +461,9 @@ struct Module {
     /// Every path it names that starts with `crate`, `super` or `self` (its uses too), with
     /// the line.
     paths: Vec<(Vec<String>, usize)>,
+    /// Every identifier it mentions, with its first line: a name a glob `use` brought in is
+    /// named bare.
+    idents: BTreeMap<String, usize>,
 }
 
 /// The module tree of one crate, keyed by module path (the root is the empty path).
@@ -482,6 +485,11 @@ fn read_module(tree: &mut Tree, path: Vec<String>, file: &Path, dir: &Path, t: &
     let mut inline = Vec::new();
     let mut files = Vec::new();
     let mut i = 0;
+    for (tok, line) in t {
+        if let Tok::Ident(word) = tok {
+            module.idents.entry(word.clone()).or_insert(*line);
+        }
+    }
     while i < t.len() {
         let Tok::Ident(word) = &t[i].0 else {
             i += 1;
@@ -713,16 +721,43 @@ fn add_edge(edges: &mut Edges, from: &[String], to: &[String], place: String, sh
 
 /// The imports between siblings of the crate `name`, whose root file is `root_file`.
 fn rust_edges(name: &str, root_file: &str) -> Edges {
-    let tree = read_crate(root_file);
+    tree_edges(&read_crate(root_file), name)
+}
+
+/// The imports between siblings of the module tree `tree` of crate `name`.
+fn tree_edges(tree: &Tree, name: &str) -> Edges {
     let mut edges = Edges::new();
-    for (at, module) in &tree {
+    for (at, module) in tree {
         for (raw, line) in &module.paths {
-            let Some(path) = absolute(&tree, at, raw, 0) else {
+            let Some(path) = absolute(tree, at, raw, 0) else {
                 continue;
             };
-            let to = target(&tree, &path, 0);
+            let to = target(tree, &path, 0);
             let place = format!("{}:{line} names {}", module.file, raw.join("::"));
             add_edge(&mut edges, at, &to, place, name);
+        }
+        // `use super::*`: every name of the glob's module that this one mentions bare.
+        for glob in module.uses.iter().filter(|u| u.bind.is_none()) {
+            let Some(from) = absolute(tree, at, &glob.path, 0) else {
+                continue;
+            };
+            let Some(source) = tree.get(&from) else {
+                continue;
+            };
+            let names = source
+                .items
+                .iter()
+                .chain(source.uses.iter().filter_map(|u| u.bind.as_ref()));
+            for bare in names {
+                if let Some(line) = module.idents.get(bare) {
+                    let mut path = from.clone();
+                    path.push(bare.clone());
+                    let to = target(tree, &path, 0);
+                    let shown = format!("{}::*", glob.path.join("::"));
+                    let place = format!("{}:{line} names {bare} from {shown}", module.file);
+                    add_edge(&mut edges, at, &to, place, name);
+                }
+            }
         }
     }
     edges
@@ -984,49 +1019,64 @@ fn no_module_cycles_in_any_crate_or_the_python_package() {
     );
 }
 
-/// The checker itself, on sources written for it: a cycle through a re-export is found, an
-/// import of a module's own parent is not a cycle, and test items are left out.
-#[test]
-fn the_cycle_check_sees_re_exports_and_skips_tests() {
+/// The cycles the checker finds among toy modules: `(path, source)`, the root's path empty,
+/// its children named by their `mod` declarations.
+fn toy_cycles(modules: &[(&str, &str)]) -> Vec<String> {
     let mut tree = Tree::new();
-    let root = "mod a; mod b; pub use b::Thing;";
-    let a = "use crate::Thing; pub struct A;";
-    let b = "pub struct Thing; use super::a::A; #[cfg(test)] mod tests { use crate::c; }";
     let dir = Path::new("/nonexistent");
-    let read = |src: &str| without_test_items(&rust_tokens(src));
-    for (path, src) in [
-        (vec![], root),
-        (vec!["a".to_string()], a),
-        (vec!["b".to_string()], b),
-    ] {
-        let mut module = Module::default();
-        let t = read(src);
-        // Read the one module without following its `mod` declarations to files.
-        let flat: Vec<_> = t
-            .iter()
-            .filter(|(tok, _)| *tok != Tok::Ident("mod".into()))
-            .cloned()
+    for (name, src) in modules {
+        let path: Vec<String> = name
+            .split("::")
+            .filter(|s| !s.is_empty())
+            .map(String::from)
             .collect();
-        read_module(&mut tree, path.clone(), dir, dir, &flat);
-        module.file = format!("{path:?}");
-        tree.get_mut(&path).unwrap().file = module.file;
+        // read the one module without following its `mod` declarations to files
+        let t: Vec<_> = without_test_items(&rust_tokens(src))
+            .into_iter()
+            .filter(|(tok, _)| *tok != Tok::Ident("mod".into()))
+            .collect();
+        read_module(&mut tree, path.clone(), dir, dir, &t);
+        tree.get_mut(&path).unwrap().file = format!("{name}.rs");
     }
-    tree.get_mut(&Vec::new())
-        .unwrap()
-        .children
-        .extend(["a".to_string(), "b".to_string()]);
-    let mut edges = Edges::new();
-    for (at, module) in &tree {
-        for (raw, line) in &module.paths {
-            if let Some(path) = absolute(&tree, at, raw, 0) {
-                let to = target(&tree, &path, 0);
-                add_edge(&mut edges, at, &to, format!("{}:{line}", module.file), "x");
-            }
+    for (name, src) in modules {
+        let path: Vec<String> = name
+            .split("::")
+            .filter(|s| !s.is_empty())
+            .map(String::from)
+            .collect();
+        for child in src.split("mod ").skip(1) {
+            let child = child.split(';').next().unwrap().trim().to_string();
+            tree.get_mut(&path).unwrap().children.insert(child);
         }
     }
-    let found = cycles(&edges);
+    let edges = tree_edges(&tree, "x");
+    cycles(&edges)
+}
+
+/// The checker itself, on sources written for it: a cycle through a re-export or a glob
+/// import is found, an import of a module's own parent is not a cycle, and test items are
+/// left out.
+#[test]
+fn the_cycle_check_sees_re_exports_and_globs_and_skips_tests() {
+    let found = toy_cycles(&[
+        ("", "mod a; mod b; mod c; pub use b::Thing;"),
+        ("a", "use crate::Thing; pub struct A;"),
+        (
+            "b",
+            "pub struct Thing; use super::a::A; #[cfg(test)] mod tests { use crate::c; }",
+        ),
+        ("c", "pub struct C; use super::Thing;"),
+    ]);
     assert_eq!(found.len(), 1, "{found:?}");
     assert!(found[0].starts_with("x: a -> b -> a"), "{}", found[0]);
+    let found = toy_cycles(&[
+        ("", "mod p; mod q; pub use q::Q;"),
+        ("p", "use super::*; pub struct P; fn f(q: Q) {}"),
+        ("q", "pub struct Q; fn g(p: crate::p::P) {}"),
+    ]);
+    assert_eq!(found.len(), 1, "{found:?}");
+    assert!(found[0].starts_with("x: p -> q -> p"), "{}", found[0]);
+    assert!(toy_cycles(&[("", "mod p; pub struct R;"), ("p", "use super::R;")]).is_empty());
     let lines = python_lines("from . import (\n  a,\n  b)\nx = 'from .c import d'\n");
     assert_eq!(
         python_import(&lines[0].0, "p"),
