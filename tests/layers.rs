@@ -162,7 +162,12 @@ const PYTHON_PACKAGE: &str = "python/reshard";
 /// The executor and the command line are being reworked in parallel; their cycles go when
 /// that work lands, and with them each entry here. An entry whose crate no longer has a cycle
 /// fails the check, so that the list only shrinks.
-const CYCLES_ALLOWED: &[&str] = &["reshard-runtime", "reshard-cli"];
+const CYCLES_ALLOWED: &[&str] = &[
+    // exec: quant <-> run
+    "reshard-runtime",
+    // cli::bench: driver <-> prequant, driver <-> quant, prequant <-> suite
+    "reshard-cli",
+];
 
 /// The most lines a source file outside the tests may have: past it, a file holds more than
 /// one concept, and is split by concept.
@@ -172,8 +177,11 @@ const MAX_LINES: usize = 600;
 /// command line's); an entry that is no longer over fails the check, so that the list only
 /// shrinks.
 const SIZE_ALLOWED: &[&str] = &[
+    // 640 lines
     "crates/cli/src/cli/run.rs",
+    // 1196 lines
     "crates/runtime/src/batch/mod.rs",
+    // 620 lines
     "crates/runtime/src/run.rs",
 ];
 
@@ -981,6 +989,20 @@ fn python_edges(dir: &str) -> Edges {
         }
     }
     edges
+}
+
+/// Every crate under `crates/` has its root in [`CRATE_ROOTS`], so none escapes the checks.
+#[test]
+fn the_cycle_check_reads_every_crate() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    for krate in fs::read_dir(root.join("crates")).unwrap() {
+        let dir = krate.unwrap().path();
+        let src = dir.strip_prefix(root).unwrap().join("src");
+        let listed = CRATE_ROOTS
+            .iter()
+            .any(|(_, file)| Path::new(file).parent() == Some(src.as_path()));
+        assert!(listed, "{}: not in CRATE_ROOTS", dir.display());
+    }
 }
 
 #[test]
