@@ -5,7 +5,7 @@ A rank's arguments can be wrong on that rank alone: a ``scale`` given without ``
 malformed pair, a Refit's fused buffer of the wrong shape, a name that no tensor has. Raising
 there, on that rank only, would leave the others waiting in the group's agreement for a rank
 that gave up, until the backend's timeout. So a rank whose arguments are bad takes part in the
-agreement the others run on their first call with these layouts (:func:`reshard.torch._agree`),
+agreement the others run on their first call with these layouts (:func:`reshard._torch_common._agree`),
 as a rank whose tensors do not fit its shards does: every rank raises, the bad one with its own
 message, the others naming it, before any byte moves.
 
@@ -18,11 +18,15 @@ waiting for a collective the others do not run.
 from __future__ import annotations
 
 import collections
-from typing import Mapping, NoReturn, Optional, Tuple
+import functools
+from typing import Dict, Mapping, NoReturn, Optional, Tuple
+
+import torch
 
 from . import _torch_cast as _tc
 from . import _torch_quant as _tq
 from ._core import Layout, Refit, ReshardError
+from ._torch_common import _agree
 
 
 def read(pairs, rank: int, bucket_bytes, src, dst, quant, scales, scale_dtype, src_scales):
@@ -30,8 +34,6 @@ def read(pairs, rank: int, bucket_bytes, src, dst, quant, scales, scale_dtype, s
     entries, moves, quant)`` as :func:`reshard._torch_quant.route` gives them, with a Refit's
     parameters and scale shards taken from ``src`` and ``dst``. Raises :class:`ReshardError`
     naming the argument that is wrong."""
-    from .torch import _refit_pairs
-
     for what, given in (("scales", scales), ("src_scales", src_scales), ("src", src), ("dst", dst)):
         if given is not None and not isinstance(given, Mapping):
             raise ReshardError(f"{what}: expected a mapping of names to tensors, got {type(given).__name__}")
@@ -72,8 +74,6 @@ def _layouts(pairs) -> Optional[tuple]:
     """The names and layouts of a call, the same on every rank that runs the same job; None
     where the arguments do not say them."""
     if isinstance(pairs, Refit):
-        from .torch import _refit_layouts
-
         return _refit_layouts(pairs)
     if not isinstance(pairs, Mapping):
         return None
@@ -110,8 +110,6 @@ def passed(pairs, group) -> None:
 def refuse(problem: str, pairs, group, rank: int) -> NoReturn:
     """Raises ``problem`` (this rank's bad argument) on this rank and, on a first call with
     these layouts, through the group's agreement on every other rank, naming this one."""
-    from .torch import _agree
-
     # raised while the caller handles the check's own error: that one is the same problem
     layouts = _layouts(pairs)
     if layouts is not None and (group, layouts) in _PASSED:
@@ -130,3 +128,54 @@ def refuse(problem: str, pairs, group, rank: int) -> NoReturn:
         # the group broke while this rank told the others; its own problem comes first
         raise ReshardError(problem) from e
     raise AssertionError("an agreement on a refused call cannot pass")
+
+
+def _views(refit: Refit, tensors: Mapping[str, torch.Tensor], rank: int, side: str, what: str):
+    """The parameters' local tensors by name from a rank's own tensors by name, where a
+    fused buffer (vLLM's ``qkv_proj``, ``gate_up_proj``, ``w13``) stands for its members:
+    each member is the view of its slice of the buffer."""
+    fused = _refit_fused(refit, rank, side)
+    views: Dict[str, torch.Tensor] = {}
+    for name, tensor in tensors.items():
+        if name in fused:
+            if not isinstance(tensor, torch.Tensor):
+                raise ReshardError(f"{what}: {name}: expected a tensor, got {type(tensor).__name__}")
+            for member, dim, offset, extent in fused[name]:
+                if tensor.dim() <= dim or tensor.shape[dim] < offset + extent:
+                    raise ReshardError(
+                        f"{what}: {name}: rank {rank}'s fused buffer has shape "
+                        f"{tuple(tensor.shape)}, but {member} lies at {offset}..{offset + extent} "
+                        f"of dim {dim}"
+                    )
+                views[member] = tensor.narrow(dim, offset, extent)
+        else:
+            views[name] = tensor
+    return views
+
+
+@functools.lru_cache(maxsize=16)
+def _refit_layouts(refit: Refit) -> Tuple[Tuple[str, Layout, Layout], ...]:
+    """Every parameter of ``refit`` with its layouts, read once per refit: the same layout
+    objects at every call hash and compare fast as the key of the cached program."""
+    return tuple((name, *refit.layouts(name)) for name in refit.names)
+
+
+@functools.lru_cache(maxsize=64)
+def _refit_fused(refit: Refit, rank: int, side: str):
+    return refit.fused(rank, side)
+
+
+def _refit_pairs(refit: Refit, src, dst, rank: int):
+    """Every parameter of ``refit`` as ``reshard_many_``'s pairs, with this rank's tensors."""
+    srcs = _views(refit, src or {}, rank, "train", "src")
+    dsts = _views(refit, dst or {}, rank, "infer", "dst")
+    pairs = {}
+    for name, src_layout, dst_layout in _refit_layouts(refit):
+        pairs[name] = (srcs.pop(name, None), dsts.pop(name, None), src_layout, dst_layout)
+    for what, left in (("src", srcs), ("dst", dsts)):
+        if left:
+            raise ReshardError(
+                f"{what}: {sorted(left)[0]} is neither a parameter of {refit.model} nor a fused "
+                f"buffer that rank {rank} holds (see Refit.names and Refit.fused)"
+            )
+    return pairs

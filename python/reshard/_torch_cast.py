@@ -8,6 +8,7 @@ shard in the destination dtype (no larger than the shard when the cast narrows).
 from typing import Dict, List
 
 from ._core import Layout
+from ._torch_common import torch_dtype
 
 # the dtypes the core's float casts convert between
 FLOATS = frozenset(("f64", "f32", "bf16", "f16"))
@@ -22,8 +23,6 @@ def cast_at_source(pairs, names: List[str]) -> Dict[str, tuple]:
     """``pairs`` with every float cast turned into a move of one dtype: the source layout in
     the destination's dtype, and the rank's source shard converted into it. A source shard
     that is not of its layout's dtype is left as given, for the shard checks to name."""
-    from .torch import torch_dtype
-
     out = dict(pairs)
     for name in names:
         src_local, dst_local, src_layout, dst_layout = pairs[name]

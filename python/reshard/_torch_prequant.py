@@ -18,6 +18,7 @@ from typing import Dict, List, Mapping, Optional, Tuple
 import torch
 
 from ._core import Layout, ReshardError, quantized_scale_layouts
+from ._torch_common import _agree, _check_ranks, _check_tensor, _fingerprint
 
 # The scale tensor of ``name`` among the plain reshard's tensors.
 _SCALES = "{} (scales)"
@@ -68,8 +69,6 @@ def plan(
     dst_layout, src_scale, scale)``) through the group, as :func:`reshard_many_` checks its
     tensors, and returns the plain reshard's ``pairs`` and ``names`` with every move's values
     and scales added."""
-    from .torch import _agree, _check_ranks, _check_tensor, _fingerprint
-
     order = sorted(moves)
 
     def prepare():

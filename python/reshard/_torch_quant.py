@@ -24,6 +24,7 @@ import torch.distributed as dist
 from . import _quant_ops as _ops
 from . import _torch_prequant as _tpq
 from ._core import Layout, QuantPacking, ReshardError, crc32c, quant_scale_shape
+from ._torch_common import _agree, _check_ranks, _check_tensor, _fingerprint
 
 _SCALE_DTYPES = {"f32": torch.float32, "e8m0": torch.uint8}
 
@@ -103,15 +104,6 @@ def _peer(group, r: int) -> int:
     return r if group is None else dist.get_global_rank(group, r)
 
 
-def _native(device: torch.device) -> bool:
-    """Whether the Rust kernels quantize and unpack (CPU tensors, unless the torch executor's
-    ``_NATIVE`` is off); otherwise torch operations on the tensors' device
-    (:mod:`reshard._quant_ops`), with the same bytes on the wire."""
-    from . import torch as rt
-
-    return rt._NATIVE and device.type == "cpu"
-
-
 @functools.lru_cache(maxsize=1024)
 def _messages(packing: QuantPacking, which: str):
     return packing.messages(which)
@@ -188,7 +180,7 @@ def _agree_on(problem: Optional[str], group) -> None:
             raise ReshardError(f"nothing was moved: rank {r}: {theirs}")
 
 
-def run(items, group, checksum: bool = False) -> None:
+def run(items, group, checksum: bool = False, native: bool = True) -> None:
     """Runs the quantizing reshards ``items`` (``(label, packing, src_local, dst_local,
     scale, src_region, dst_region)`` each, in the same order on every rank): the local amax
     of every tensor, one agreement that every source was finite, one batch of partial amax
@@ -201,7 +193,10 @@ def run(items, group, checksum: bool = False) -> None:
         (t.device for it in items for t in it[2:5] if t is not None),
         torch.device("cpu"),
     )
-    native = _native(device)
+    # the Rust kernels quantize and unpack CPU tensors (unless ``native`` is off: the torch
+    # executor's ``_NATIVE``); torch operations (:mod:`reshard._quant_ops`) the others, with
+    # the same bytes on the wire
+    native = native and device.type == "cpu"
     wire = torch.device("cpu") if native else device
     me = dist.get_rank(group)
     srcs = [None if it[2] is None else (it[2].contiguous() if native else it[2]) for it in items]
@@ -311,13 +306,13 @@ def run(items, group, checksum: bool = False) -> None:
             scale.copy_(scales_)
 
 
-def reshard(entries, group, quant, scale_dtype, rank: int, world: int, checksum: bool = False) -> None:
+def reshard(
+    entries, group, quant, scale_dtype, rank: int, world: int, checksum: bool = False, native: bool = True
+) -> None:
     """Reshards ``entries`` (name -> ``(src_local, dst_local, src_layout, dst_layout,
     scale, src_scale)``, where a ``src_scale`` is refused) into fp8 with scales (see
     :mod:`reshard._torch_quant`); checked through the group before any byte moves, as
     :func:`reshard_many_`."""
-    from .torch import _agree, _check_ranks, _check_tensor, _fingerprint
-
     names = sorted(entries)
 
     def prepare():
@@ -344,7 +339,7 @@ def reshard(entries, group, quant, scale_dtype, rank: int, world: int, checksum:
     fingerprint = _fingerprint(
         "reshard quant", entries, names, quant=quant, scale_dtype=scale_dtype, checksum=bool(checksum)
     )
-    run(_agree(fingerprint, prepare, group, rank), group, bool(checksum))
+    run(_agree(fingerprint, prepare, group, rank), group, bool(checksum), native)
 
 
 def _is_fp8(layout: Layout) -> bool:

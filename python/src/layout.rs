@@ -326,3 +326,46 @@ impl PyLayout {
         h.finish()
     }
 }
+
+/// A placement given as text (`"S(0)"`, `"Shard(-1)"`, `"R"`), as this module's `Shard` /
+/// `Replicate`, or as torch's own placement objects, which are recognized by their class name
+/// so that torch need not be imported.
+pub(crate) fn placement_spec(obj: &Bound<'_, PyAny>) -> PyResult<PlacementSpec> {
+    if let Ok(text) = obj.cast::<PyString>() {
+        return PlacementSpec::parse(&text.to_cow()?)
+            .map_err(|reason| error(format!("placements: {reason}")));
+    }
+    if let Ok(shard) = obj.cast::<PyShard>() {
+        return Ok(PlacementSpec::Shard(shard.get().dim));
+    }
+    if obj.is_instance_of::<PyReplicate>() {
+        return Ok(PlacementSpec::Replicate);
+    }
+    let class = obj.get_type().name()?.to_string();
+    match class.as_str() {
+        "Replicate" => Ok(PlacementSpec::Replicate),
+        "Shard" => {
+            let dim: i64 = obj.getattr("dim").and_then(|d| d.extract()).map_err(|_| {
+                error(format!(
+                    "placements: {} has no integer `dim`",
+                    describe(obj)
+                ))
+            })?;
+            Ok(PlacementSpec::Shard(dim))
+        }
+        "_StridedShard" => Err(error(format!(
+            "placements: {} is not supported: strided sharding (FSDP x TP) interleaves shards, \
+             while reshard's Shard(d) holds one contiguous torch.chunk piece",
+            describe(obj)
+        ))),
+        "Partial" | "_Partial" | "_NormPartial" | "MaskPartial" => Err(error(format!(
+            "placements: {} is not supported: a pending reduction must be reduced \
+             (DTensor.redistribute to Replicate or Shard) before it can be resharded",
+            describe(obj)
+        ))),
+        _ => Err(error(format!(
+            "placements: {} is not a placement (expected \"S(d)\", \"R\", Shard(d) or Replicate())",
+            describe(obj)
+        ))),
+    }
+}

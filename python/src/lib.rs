@@ -3,7 +3,7 @@
 //! This module holds no logic of its own: it converts Python values (sequences, strings,
 //! torch's placement and dtype objects) into the core's types and back. The torch executor
 //! that moves the data is Python (`reshard/torch.py`) on top of these answers, with the copies
-//! of CPU tensors in Rust (`pack.rs`).
+//! of CPU tensors in Rust (`pack`).
 
 mod checksum;
 mod layout;

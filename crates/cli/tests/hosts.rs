@@ -1,5 +1,7 @@
 //! `launch --hosts`: ranks on emulated hosts (network and host-name namespaces joined by a
-//! bridge, links shaped by tc). These tests need root; without it they say so and pass.
+//! bridge, links shaped by tc). The tests that build hosts need root and iproute2's `ip` and
+//! `tc`: they are ignored by default, and `.ci/run` (root, with iproute2 installed) runs them
+//! with `--include-ignored`; run so without them, they fail saying what is missing.
 //!
 //! Every job here carries a marker in its environment, inherited by all its processes (the
 //! launcher, the namespace holders, the ranks), so that the tests find exactly its processes
@@ -23,14 +25,15 @@ const LIMIT: Duration = Duration::from_secs(120);
 
 const MARK_VAR: &str = "RESHARD_TEST_HOSTS_MARK";
 
-/// Whether the emulated hosts can be built here; prints why not otherwise.
-fn privileged(test: &str) -> bool {
+/// Fails the test, saying what is missing, unless the emulated hosts can be built here: an
+/// ignored test run without what it needs must not pass.
+fn require_privileges(test: &str) {
     // SAFETY: geteuid cannot fail.
     let root = unsafe { libc::geteuid() } == 0;
-    if !root {
-        eprintln!("skipping {test}: emulated hosts need root (network namespaces)");
-        return false;
-    }
+    assert!(
+        root,
+        "{test}: emulated hosts need root (network namespaces)"
+    );
     // iproute2 builds them; `.ci/run` installs it where it is missing
     let tools = ["ip", "tc"].iter().all(|tool| {
         Command::new(tool)
@@ -40,10 +43,7 @@ fn privileged(test: &str) -> bool {
             .status()
             .is_ok_and(|s| s.success())
     });
-    if !tools {
-        eprintln!("skipping {test}: emulated hosts need iproute2's ip and tc");
-    }
-    tools
+    assert!(tools, "{test}: emulated hosts need iproute2's ip and tc");
 }
 
 /// Whether this kernel has netem (the links' delay line); many small VM kernels do not.
@@ -194,10 +194,9 @@ const DST: &str = "mesh=4 ranks=0..4 place=S(1)";
 /// every destination byte verified, ranks of one host on shared memory (shm alone is refused
 /// for peers on the other host, so the ranks know the host map), and nothing left after.
 #[test]
+#[ignore = "needs root and iproute2's ip and tc to build emulated hosts"]
 fn two_hosts_of_two_ranks_verify_over_auto_and_leave_nothing() {
-    if !privileged("two_hosts_of_two_ranks_verify_over_auto_and_leave_nothing") {
-        return;
-    }
+    require_privileges("two_hosts_of_two_ranks_verify_over_auto_and_leave_nothing");
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let before = root_links();
     let run = |transport: &str| {
@@ -290,10 +289,9 @@ fn two_hosts_of_two_ranks_verify_over_auto_and_leave_nothing() {
 /// a bridge of its own namespace. Then `kill -9` of the launcher: every process and
 /// namespace of the job goes with it.
 #[test]
+#[ignore = "needs root and iproute2's ip and tc to build emulated hosts"]
 fn the_links_are_shaped_as_asked_and_kill_9_leaves_nothing() {
-    if !privileged("the_links_are_shaped_as_asked_and_kill_9_leaves_nothing") {
-        return;
-    }
+    require_privileges("the_links_are_shaped_as_asked_and_kill_9_leaves_nothing");
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let before = root_links();
     let root_ns = namespace(std::process::id(), "net");
@@ -452,10 +450,22 @@ fn without_privileges_the_error_says_what_is_needed() {
     .output()
     .unwrap();
     refused(out, &["--link: 2gbps", "in bits"]);
+}
 
-    if !privileged("without_privileges_the_error_says_what_is_needed (capabilities part)") {
-        return;
-    }
+/// Root without the two capabilities the emulated hosts need is refused, naming them.
+#[test]
+#[ignore = "needs root, setpriv and iproute2's ip and tc to drop the capabilities emulated hosts need"]
+fn without_the_capabilities_the_error_says_what_is_needed() {
+    let job = ["run", "--shape", "8,8", "--src", SRC, "--dst", DST];
+    let refused = |out: Output, needles: &[&str]| {
+        let err = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{err}");
+        for n in needles {
+            assert!(err.contains(n), "{n}: {err}");
+        }
+    };
+    let mark = new_mark("input");
+    require_privileges("without_the_capabilities_the_error_says_what_is_needed");
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let before = root_links();
     // root with the two capabilities dropped from its bounding set, so from the launcher
@@ -472,13 +482,9 @@ fn without_privileges_the_error_says_what_is_needed() {
         ])
         .args(&args)
         .env(MARK_VAR, &mark);
-    let out = match dropped.output() {
-        Ok(out) => out,
-        Err(e) => {
-            eprintln!("skipping the capabilities part: setpriv: {e}");
-            return;
-        }
-    };
+    let out = dropped
+        .output()
+        .unwrap_or_else(|e| panic!("setpriv (util-linux) drops the capabilities: {e}"));
     refused(out, &["--hosts", "CAP_SYS_ADMIN", "CAP_NET_ADMIN", "root"]);
     assert_nothing_left(&mark, &BTreeSet::new(), &before);
 }
@@ -488,10 +494,9 @@ fn without_privileges_the_error_says_what_is_needed() {
 /// across the link once, one of them forwarding it over shared memory; every byte verified,
 /// with checksums on every hop, and the busiest link carries half of what it does without relay.
 #[test]
+#[ignore = "needs root and iproute2's ip and tc to build emulated hosts"]
 fn ranks_on_emulated_hosts_relay_what_they_share_and_verify() {
-    if !privileged("ranks_on_emulated_hosts_relay_what_they_share_and_verify") {
-        return;
-    }
+    require_privileges("ranks_on_emulated_hosts_relay_what_they_share_and_verify");
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let before = root_links();
     let busiest = |relay: &str| {

@@ -1,11 +1,11 @@
 //! Element types. Data moves as bytes; a dtype only fixes the element size.
+//!
+//! Below the errors, which name dtypes: parsing a name into an [`Error`](crate::Error) (the
+//! `FromStr` impls) is written beside the errors, in `error::parse`.
 
 use std::fmt;
-use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
-
-use crate::error::Error;
 
 /// An element type, named as PyTorch names it (short forms).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -58,6 +58,32 @@ impl DType {
         }
     }
 
+    /// The dtype named `name`: the short names and the common long ones (`bfloat16`,
+    /// `float32`, `torch.float16`), in any case. `str::parse` wraps a miss into
+    /// [`Error::UnknownDType`](crate::Error::UnknownDType).
+    pub fn from_name(name: &str) -> Option<DType> {
+        let key = name.trim().to_ascii_lowercase();
+        let key = key.strip_prefix("torch.").unwrap_or(&key);
+        Some(match key {
+            "bool" => DType::Bool,
+            "u8" | "uint8" => DType::U8,
+            "i8" | "int8" => DType::I8,
+            "fp8e4m3" | "f8e4m3" | "float8_e4m3fn" | "fp8_e4m3" | "e4m3" => DType::Fp8E4M3,
+            "fp8e5m2" | "f8e5m2" | "float8_e5m2" | "fp8_e5m2" | "e5m2" => DType::Fp8E5M2,
+            "bf16" | "bfloat16" => DType::Bf16,
+            "f16" | "fp16" | "float16" | "half" => DType::F16,
+            "i16" | "int16" => DType::I16,
+            "u16" | "uint16" => DType::U16,
+            "f32" | "fp32" | "float32" | "float" => DType::F32,
+            "i32" | "int32" => DType::I32,
+            "u32" | "uint32" => DType::U32,
+            "f64" | "fp64" | "float64" | "double" => DType::F64,
+            "i64" | "int64" | "long" => DType::I64,
+            "u64" | "uint64" => DType::U64,
+            _ => return None,
+        })
+    }
+
     /// The canonical short name (`bf16`, `fp8e4m3`, ...).
     pub const fn name(self) -> &'static str {
         match self {
@@ -86,49 +112,54 @@ impl fmt::Display for DType {
     }
 }
 
-impl FromStr for DType {
-    type Err = Error;
-
-    /// Accepts the short names and the common long ones (`bfloat16`, `float32`, `torch.float16`).
-    fn from_str(s: &str) -> Result<Self, Error> {
-        let key = s.trim().to_ascii_lowercase();
-        let key = key.strip_prefix("torch.").unwrap_or(&key);
-        let dtype = match key {
-            "bool" => DType::Bool,
-            "u8" | "uint8" => DType::U8,
-            "i8" | "int8" => DType::I8,
-            "fp8e4m3" | "f8e4m3" | "float8_e4m3fn" | "fp8_e4m3" | "e4m3" => DType::Fp8E4M3,
-            "fp8e5m2" | "f8e5m2" | "float8_e5m2" | "fp8_e5m2" | "e5m2" => DType::Fp8E5M2,
-            "bf16" | "bfloat16" => DType::Bf16,
-            "f16" | "fp16" | "float16" | "half" => DType::F16,
-            "i16" | "int16" => DType::I16,
-            "u16" | "uint16" => DType::U16,
-            "f32" | "fp32" | "float32" | "float" => DType::F32,
-            "i32" | "int32" => DType::I32,
-            "u32" | "uint32" => DType::U32,
-            "f64" | "fp64" | "float64" | "double" => DType::F64,
-            "i64" | "int64" | "long" => DType::I64,
-            "u64" | "uint64" => DType::U64,
-            _ => {
-                return Err(Error::UnknownDType {
-                    value: s.to_string(),
-                });
-            }
-        };
-        Ok(dtype)
-    }
-}
-
-impl TryFrom<String> for DType {
-    type Error = Error;
-    fn try_from(s: String) -> Result<Self, Error> {
-        s.parse()
-    }
-}
-
 impl From<DType> for String {
     fn from(d: DType) -> String {
         d.name().to_string()
+    }
+}
+
+/// The element type of the scales (`--scale-dtype`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ScaleDType {
+    /// f32, little-endian: the scale itself.
+    F32,
+    /// e8m0: a u8 biased exponent, `2^(byte - 127)`; only for power-of-two scales.
+    E8M0,
+}
+
+impl ScaleDType {
+    /// Bytes per scale.
+    pub const fn size(self) -> usize {
+        match self {
+            ScaleDType::F32 => 4,
+            ScaleDType::E8M0 => 1,
+        }
+    }
+
+    /// The scale dtype named `name` (`f32`, `e8m0` and their long names).
+    pub fn from_name(name: &str) -> Option<ScaleDType> {
+        match name {
+            "f32" | "float32" => Some(ScaleDType::F32),
+            "e8m0" | "ue8m0" => Some(ScaleDType::E8M0),
+            _ => None,
+        }
+    }
+
+    /// The dtype the scale buffer has (`f32` or `u8`).
+    pub const fn dtype(self) -> DType {
+        match self {
+            ScaleDType::F32 => DType::F32,
+            ScaleDType::E8M0 => DType::U8,
+        }
+    }
+}
+
+impl fmt::Display for ScaleDType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            ScaleDType::F32 => "f32",
+            ScaleDType::E8M0 => "e8m0",
+        })
     }
 }
 

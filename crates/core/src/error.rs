@@ -8,11 +8,12 @@ use thiserror::Error;
 
 use crate::rank::Rank;
 
+mod convert;
 mod field;
-mod model;
+mod parse;
 
+pub use convert::ConvertError;
 pub use field::{Field, Vocabulary};
-pub use model::ModelError;
 
 /// Which side of a reshard a layout or buffer belongs to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -251,12 +252,14 @@ pub enum Error {
     Convert {
         tensor: String,
         #[source]
-        source: crate::convert::ConvertError,
+        source: ConvertError,
     },
 
-    /// A model, parallelism config or layout rule that cannot be refit.
+    /// A model, parallelism config or layout rule that cannot be refit: a
+    /// `reshard_model::ModelError`, held without this crate knowing the model layer above it
+    /// (that crate converts its errors into this variant).
     #[error(transparent)]
-    Model(Box<ModelError>),
+    Model(Box<dyn std::error::Error + Send + Sync>),
 }
 
 /// `bytes` in binary units with one decimal, e.g. `128.0 MiB`.

@@ -2,9 +2,9 @@
 //! of its own, so that every rank computes the same answer from the same inputs without
 //! talking to any other.
 //!
-//! - [`region`], [`copy`] and [`checksum`], the bottom: boxes of a tensor, the strided copy
-//!   kernels that move a box between buffers and messages (converting on the way), and the
-//!   CRC-32C of a box's bytes;
+//! - [`region`], [`crc`], [`copy`] and [`checksum`], the bottom: boxes of a tensor, the
+//!   CRC-32C of bytes, the strided copy kernels that move a box between buffers and messages
+//!   (converting and summing on the way), and the checksums of a transfer's chunks;
 //! - [`layout`]: meshes, placements and the `torch.chunk` rule: which box each rank holds;
 //! - [`topology`]: which host each rank runs on;
 //! - [`plan`]: the transfers between two layouts, computed without communication;
@@ -29,6 +29,7 @@ pub mod agreement;
 pub mod checksum;
 pub mod convert;
 pub mod copy;
+pub mod crc;
 pub mod delta;
 pub mod dtype;
 pub mod error;

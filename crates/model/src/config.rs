@@ -9,7 +9,7 @@ use serde::Deserialize;
 
 use reshard_core::dtype::DType;
 
-use reshard_core::error::ModelError;
+use crate::error::ModelError;
 
 /// The model families whose parameter lists this module knows how to derive.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -94,7 +94,7 @@ impl ModelConfig {
     /// Reads and parses a `config.json` file.
     pub fn read(path: &Path) -> Result<ModelConfig, ModelError> {
         // a regular file only: a FIFO named config.json would block the read for ever
-        let (mut file, _) = super::safetensors::open_regular(path)?;
+        let (mut file, _) = crate::file::open_regular(path)?;
         let mut text = String::new();
         std::io::Read::read_to_string(&mut file, &mut text).map_err(|source| ModelError::Io {
             path: path.display().to_string(),

@@ -9,7 +9,9 @@
 //! and each receiver converts its box afterwards).
 
 use reshard_core::dtype::DType;
-use reshard_core::error::{Field, ModelError};
+use reshard_core::error::Field;
+
+use crate::error::ModelError;
 use reshard_core::layout::Layout;
 
 use super::refit::Refit;

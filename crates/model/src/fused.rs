@@ -12,7 +12,7 @@ use std::collections::HashMap;
 
 use reshard_core::layout::{Layout, Rank};
 
-use reshard_core::error::ModelError;
+use crate::error::ModelError;
 
 /// A buffer made of several tensors (indices into a refit's tensor list) concatenated along
 /// `dim`, on every rank that holds them.

@@ -19,6 +19,8 @@
 
 mod config;
 mod dtypes;
+mod error;
+mod file;
 mod fused;
 mod load;
 mod parallel;
@@ -30,14 +32,14 @@ mod safetensors;
 
 pub use config::{Architecture, ModelConfig, SHIPPED, shipped};
 pub use dtypes::{REFIT_DTYPES, refit_dtype};
+pub use error::ModelError;
 pub use fused::{Fused, megatron_fused, vllm_fused};
 pub use parallel::{Inference, Training};
 pub use params::{Heads, Model, Param, layer_of};
-pub use quant::{DEFAULT_BLOCK, InferQuant, RefitQuant, RefitScale, scale_name};
+pub use quant::{DEFAULT_BLOCK, InferQuant, scale_name};
 pub use refit::{
-    Ranks, Refit, RefitGatherBroadcastJson, RefitJson, RefitQuantJson, RefitReshardJson,
-    RefitTensor, RefitTotals,
+    Ranks, Refit, RefitGatherBroadcastJson, RefitJson, RefitQuant, RefitQuantJson,
+    RefitReshardJson, RefitScale, RefitTensor, RefitTotals,
 };
-pub use reshard_core::error::ModelError;
 pub use rules::{DEFAULT_RULES, Kind, ModelFacts, Rules, Which};
 pub use safetensors::{read_checkpoint, read_header, stack_experts};

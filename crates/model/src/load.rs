@@ -5,7 +5,7 @@ use std::path::Path;
 use super::config::{ModelConfig, SHIPPED, shipped};
 use super::params::{Heads, Model};
 use super::safetensors::{read_checkpoint, stack_experts};
-use reshard_core::error::ModelError;
+use crate::error::ModelError;
 
 impl Model {
     /// Loads a model from what a user passes to `--model`:

@@ -6,7 +6,7 @@
 use reshard_core::error::Field;
 use std::collections::BTreeMap;
 
-use reshard_core::error::ModelError;
+use crate::error::ModelError;
 use reshard_core::limits::MAX_MESH_RANKS;
 
 /// Megatron-style training parallelism.

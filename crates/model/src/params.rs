@@ -11,7 +11,7 @@ use reshard_core::dtype::DType;
 use reshard_core::limits::MAX_LAYERS;
 
 use super::config::{Architecture, ModelConfig};
-use reshard_core::error::ModelError;
+use crate::error::ModelError;
 
 /// One named parameter tensor.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -7,6 +7,7 @@
 //! when the sender's memory is reachable, copy straight from shard to shard
 //! ([`Incoming::copy_from`]: one copy).
 
+pub mod carrier;
 pub mod control;
 pub mod frame;
 pub mod group;

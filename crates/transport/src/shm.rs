@@ -20,7 +20,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
 use reshard_core::copy::{CopyGeometry, Place};
@@ -28,21 +27,10 @@ use reshard_core::error::{Error, Result};
 use reshard_core::layout::Rank;
 use reshard_core::region::Region;
 
+pub use super::carrier::Carrier;
 use super::ring::{Ring, RingError, SLOTS};
 use super::segment::{PeerBuffer, SharedBuffer};
 use super::{Chunking, Incoming, Lands, Outgoing, Transport};
-
-/// The job's links that the shm transport rides on: they carry its short notices (where a
-/// ring or a destination lives, which bytes were written) and, as a [`Transport`], the data to
-/// peers on other hosts.
-pub trait Carrier: Sync {
-    /// This rank.
-    fn rank(&self) -> Rank;
-    /// Sends `notice` to `peer`; `what` says what it is for, in an error.
-    fn tell<T: Serialize>(&self, peer: Rank, notice: &T, what: &str) -> Result<()>;
-    /// Waits for `peer`'s next notice; `what` says what was awaited, in an error.
-    fn hear<T: DeserializeOwned>(&self, peer: Rank, what: &str) -> Result<T>;
-}
 
 /// Largest slot: measured best here (a slot's bookkeeping is noise, and the slots of a ring
 /// stay in cache between the packing core and the unpacking one).

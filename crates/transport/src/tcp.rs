@@ -121,7 +121,7 @@ impl TcpTransport {
 }
 
 /// Notices of the shm transport go as control frames on the same streams as the data.
-impl super::shm::Carrier for TcpTransport {
+impl super::carrier::Carrier for TcpTransport {
     fn rank(&self) -> Rank {
         self.rank
     }
@@ -528,11 +528,11 @@ impl<'buf> Transport<'buf> for TcpTransport {
 
     /// The sums go as a control frame on the stream, after the data frames they sum.
     fn send_sums(&self, to: Rank, sums: Vec<u32>) -> Result<()> {
-        super::shm::Carrier::tell(self, to, &sums, "the checksums of its chunks")
+        super::carrier::Carrier::tell(self, to, &sums, "the checksums of its chunks")
     }
 
     fn recv_sums(&self, from: Rank) -> Result<Vec<u32>> {
-        super::shm::Carrier::hear(self, from, "the checksums of its chunks")
+        super::carrier::Carrier::hear(self, from, "the checksums of its chunks")
     }
 
     fn abort(&self) {

@@ -11,7 +11,7 @@
 
 use std::sync::LazyLock;
 
-use crate::convert::cast::{Format, decode};
+use crate::convert::format::{Format, decode};
 use crate::dtype::DType;
 
 /// An fp8 format.
@@ -206,7 +206,7 @@ fn encode_scaled_body(fp8: Fp8, src_dtype: DType, src: &[u8], mult: f32, dst: &m
     }
     let bf16 = |s: &[u8]| f32::from_bits((u16::from_le_bytes([s[0], s[1]]) as u32) << 16);
     let f32 = |s: &[u8]| f32::from_le_bytes([s[0], s[1], s[2], s[3]]);
-    let f16 = |s: &[u8]| crate::convert::cast::f16_to_f32(u16::from_le_bytes([s[0], s[1]]));
+    let f16 = |s: &[u8]| crate::convert::format::f16_to_f32(u16::from_le_bytes([s[0], s[1]]));
     let f64 = |s: &[u8]| f64::from_le_bytes(s.try_into().expect("8 bytes")) as f32;
     match (fp8, src_dtype) {
         (Fp8::E4M3, DType::Bf16) => run::<2>((E4M3, 448.0), src, dst, bf16, mult),
@@ -218,9 +218,16 @@ fn encode_scaled_body(fp8: Fp8, src_dtype: DType, src: &[u8], mult: f32, dst: &m
         (Fp8::E4M3, DType::F64) => run::<8>((E4M3, 448.0), src, dst, f64, mult),
         (Fp8::E5M2, DType::F64) => run::<8>((E5M2, 57344.0), src, dst, f64, mult),
         _ => {
+            // What is left of the float sources are the fp8 ones (the other dtypes read as
+            // NaN, as the casts' `read_f32` reads them).
+            let read = |s: &[u8]| match src_dtype {
+                DType::Fp8E4M3 => Fp8::E4M3.decode(s[0]),
+                DType::Fp8E5M2 => Fp8::E5M2.decode(s[0]),
+                _ => f32::NAN,
+            };
             let size = src_dtype.size();
             for (s, d) in src.chunks_exact(size).zip(dst.iter_mut()) {
-                *d = fp8.encode(crate::convert::cast::read_f32(src_dtype, s) * mult);
+                *d = fp8.encode(read(s) * mult);
             }
         }
     }

@@ -24,6 +24,7 @@ use std::str::FromStr;
 use crate::convert::ConvertError;
 use crate::convert::fp8::Fp8;
 use crate::dtype::DType;
+pub use crate::dtype::ScaleDType;
 use crate::error::Error;
 
 /// Lower clamp of a block's amax for the `block`, `channel` and `tensor` schemes (DeepSeek's
@@ -45,59 +46,6 @@ pub enum QuantScheme {
     Channel,
     /// `tensor`: one scale for the whole tensor.
     Tensor,
-}
-
-/// The element type of the scales (`--scale-dtype`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum ScaleDType {
-    /// f32, little-endian: the scale itself.
-    F32,
-    /// e8m0: a u8 biased exponent, `2^(byte - 127)`; only for power-of-two scales.
-    E8M0,
-}
-
-impl ScaleDType {
-    /// Bytes per scale.
-    pub const fn size(self) -> usize {
-        match self {
-            ScaleDType::F32 => 4,
-            ScaleDType::E8M0 => 1,
-        }
-    }
-
-    /// The dtype the scale buffer has (`f32` or `u8`).
-    pub const fn dtype(self) -> DType {
-        match self {
-            ScaleDType::F32 => DType::F32,
-            ScaleDType::E8M0 => DType::U8,
-        }
-    }
-}
-
-impl fmt::Display for ScaleDType {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            ScaleDType::F32 => "f32",
-            ScaleDType::E8M0 => "e8m0",
-        })
-    }
-}
-
-impl FromStr for ScaleDType {
-    type Err = Error;
-
-    /// `f32` or `e8m0`.
-    fn from_str(s: &str) -> Result<ScaleDType, Error> {
-        match s {
-            "f32" | "float32" => Ok(ScaleDType::F32),
-            "e8m0" | "ue8m0" => Ok(ScaleDType::E8M0),
-            _ => Err(Error::InvalidOption {
-                field: Field::ScaleDType,
-                value: s.to_string(),
-                reason: "expected `f32` or `e8m0`".into(),
-            }),
-        }
-    }
 }
 
 impl fmt::Display for QuantScheme {

@@ -26,7 +26,8 @@ use std::sync::Arc;
 
 use serde::Serialize;
 
-use super::{PlanOptions, Receiver, Transfer, split_dim, split_part};
+use super::assign::{Receiver, split_dim, split_part};
+use super::{PlanOptions, Transfer};
 use crate::error::Result;
 use crate::layout::{Layout, Rank};
 use crate::region::Region;
@@ -104,7 +105,7 @@ pub(super) fn assign(
     let near = topology.on_host(holders.iter().copied(), home);
     if holds || !near.is_empty() {
         // a local copy, or served from this host: no byte crosses a link
-        super::assign(
+        super::assign::assign(
             region, &near, holds, receiver, box_id, elem_bytes, options, out,
         );
         return;

@@ -16,6 +16,7 @@
 //! a piece is one lookup, and `r` destination replicas of a box held by `h` source replicas
 //! make about `h + r` transfers, not `h x r`.
 
+mod assign;
 pub mod baseline;
 pub mod hosts;
 pub mod prequant;
@@ -27,6 +28,7 @@ mod sources;
 
 use std::ops::Range;
 
+pub use assign::{Receiver, assign, split_dim, split_part};
 pub use baseline::GatherBroadcast;
 pub use hosts::{HostLinks, Topology};
 pub use prequant::QuantizedMove;
@@ -34,7 +36,7 @@ pub use quant::{QuantPlan, QuantRankPlan, QuantRequest};
 pub use rank_plan::RankPlan;
 pub use report::{Overflow, PlanJson, Totals, TransferJson, gather_broadcast_bytes};
 pub use schedule::Schedule;
-pub use sources::{Chooser, Holders, Receiver, assign, receives, sends, split_dim, split_part};
+pub use sources::{Chooser, Holders, receives, sends};
 
 use crate::error::{Dims, Error, Result};
 use crate::layout::{Layout, Rank};

@@ -6,7 +6,7 @@ use reshard_core::layout::{Layout, Mesh, Placement, Rank};
 use super::super::params::Param;
 use super::stages::ModelFacts;
 use super::{Kind, Which};
-use reshard_core::error::ModelError;
+use crate::error::ModelError;
 
 /// One mesh axis: its size, the rank distance between neighbours along it, its placement.
 /// An axis may also run over two strides (`inner` ranks at `stride`, then the next block of

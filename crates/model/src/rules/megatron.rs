@@ -7,7 +7,7 @@ use super::super::params::Param;
 use super::axes::{Axis, build, expert_dim, stage_axis, tp_axes};
 use super::stages::{ModelFacts, check_stages, stages_of};
 use super::{Kind, Which};
-use reshard_core::error::ModelError;
+use crate::error::ModelError;
 
 /// The training layout of `param` (Megatron-LM; see the module docs).
 pub fn train_layout(

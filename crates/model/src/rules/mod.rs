@@ -77,7 +77,7 @@ use std::str::FromStr;
 
 use globset::{Glob, GlobMatcher};
 
-use reshard_core::error::ModelError;
+use crate::error::ModelError;
 
 mod axes;
 mod megatron;

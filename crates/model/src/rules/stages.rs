@@ -2,7 +2,7 @@
 
 use super::super::params::{Heads, Param};
 use super::Which;
-use reshard_core::error::ModelError;
+use crate::error::ModelError;
 
 /// What the layout rules need to know about the model besides a parameter.
 #[derive(Clone, Copy, Debug)]

@@ -8,9 +8,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
-use std::fs::File;
 use std::io::Read;
-use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
 use std::path::{Component, Path, PathBuf};
 
 use serde::Deserialize;
@@ -19,7 +17,8 @@ use serde::de::{Deserializer, MapAccess, Visitor};
 use reshard_core::dtype::DType;
 
 use super::params::Param;
-use reshard_core::error::ModelError;
+use crate::error::ModelError;
+use crate::file::open_regular;
 
 /// Headers larger than this are refused (the format's reference reader uses the same bound).
 const MAX_HEADER: u64 = 100 << 20;
@@ -79,34 +78,6 @@ fn bad(path: &Path, reason: String) -> ModelError {
         path: path.display().to_string(),
         reason,
     }
-}
-
-/// Opens `path` for reading if it is a regular file, with its length. A FIFO, a device or a
-/// folder is refused: reading one would block for ever or never end. The file is opened
-/// without blocking (opening a FIFO otherwise waits for a writer) and checked once open, so
-/// that swapping the path between a check and the open changes nothing.
-pub fn open_regular(path: &Path) -> Result<(File, u64), ModelError> {
-    let file = File::options()
-        .read(true)
-        .custom_flags(libc::O_NONBLOCK)
-        .open(path)
-        .map_err(io(path))?;
-    let meta = file.metadata().map_err(io(path))?;
-    let kind = meta.file_type();
-    let what = if kind.is_file() {
-        return Ok((file, meta.len()));
-    } else if kind.is_dir() {
-        "a folder"
-    } else if kind.is_fifo() {
-        "a FIFO"
-    } else if kind.is_char_device() || kind.is_block_device() {
-        "a device"
-    } else if kind.is_socket() {
-        "a socket"
-    } else {
-        "a special file"
-    };
-    Err(bad(path, format!("{what}, not a regular file")))
 }
 
 /// The file `name` that the index maps `tensor` to, as a path inside `dir`: relative, with no

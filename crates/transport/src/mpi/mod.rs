@@ -5,7 +5,7 @@
 //! clusters that already have MPI, InfiniBand included.
 //!
 //! The transport also carries the [`crate::shm`] transport's notices (its
-//! [`crate::shm::Carrier`]), so that under `mpirun` peers on one host can move their bytes
+//! [`crate::carrier::Carrier`]), so that under `mpirun` peers on one host can move their bytes
 //! through shared memory, which OpenMPI does not do for strided regions in one copy.
 //!
 //! Failure handling is MPI's: when a process dies, `mpirun` ends the job.
@@ -35,7 +35,7 @@ use job::{abort_job, recv_json, send_json};
 
 const DATA_TAG: i32 = 17;
 const CONTROL_TAG: i32 = 18;
-/// Notices of the shm transport riding on MPI ([`crate::shm::Carrier`]): a tag of their own,
+/// Notices of the shm transport riding on MPI ([`crate::carrier::Carrier`]): a tag of their own,
 /// so that they never match a data message or the job's reports.
 const NOTICE_TAG: i32 = 19;
 /// The checksums of a sender's chunks (`--checksum`), after its data: a tag of their own too.
@@ -136,7 +136,7 @@ impl MpiTransport<'_> {
 }
 
 /// Notices of the shm transport go as small MPI messages with their own tag.
-impl crate::shm::Carrier for MpiTransport<'_> {
+impl crate::carrier::Carrier for MpiTransport<'_> {
     fn rank(&self) -> Rank {
         self.rank
     }

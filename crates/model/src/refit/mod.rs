@@ -5,7 +5,6 @@ use reshard_core::error::Field;
 use std::time::Instant;
 
 use rayon::prelude::*;
-use serde::Serialize;
 
 use reshard_core::layout::{Layout, Rank};
 use reshard_core::plan::{self, Plan, PlanOptions, RankPlan};
@@ -13,9 +12,14 @@ use reshard_core::plan::{self, Plan, PlanOptions, RankPlan};
 use super::fused::{Fused, megatron_fused, vllm_fused};
 use super::parallel::{Inference, Training};
 use super::params::Model;
-use super::quant::RefitQuant;
 use super::rules::{ModelFacts, Rules, Which, infer_layout, train_layout};
-use reshard_core::error::ModelError;
+use crate::error::ModelError;
+
+mod json;
+mod quant;
+
+pub use json::{RefitGatherBroadcastJson, RefitJson, RefitQuantJson, RefitReshardJson};
+pub use quant::{RefitQuant, RefitScale};
 
 /// One parameter of a refit: where it is now and where it must go.
 #[derive(Clone, Debug)]
@@ -453,105 +457,6 @@ pub struct RefitTotals {
     pub scale_bytes: u64,
     /// Bytes of partial amax the source ranks exchange (quantized refits; 0 otherwise).
     pub amax_bytes: u64,
-}
-
-/// The `reshard` part of the refit JSON.
-#[derive(Clone, Debug, Serialize)]
-pub struct RefitReshardJson {
-    pub bytes_remote: u64,
-    pub bytes_local: u64,
-    pub messages: u64,
-    pub max_rank_send_bytes: u64,
-    pub max_rank_recv_bytes: u64,
-    /// Quantized refits only: scale bytes sent between ranks.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub scale_bytes: Option<u64>,
-    /// Quantized refits only: partial amax bytes exchanged between source ranks.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub amax_bytes: Option<u64>,
-}
-
-/// The `quant` part of the refit JSON: the scheme, the fp8 dtype and how many weights.
-#[derive(Clone, Debug, Serialize)]
-pub struct RefitQuantJson {
-    pub scheme: String,
-    pub dtype: String,
-    pub tensors: usize,
-}
-
-/// The `gather_broadcast` part of the refit JSON.
-#[derive(Clone, Debug, Serialize)]
-pub struct RefitGatherBroadcastJson {
-    pub bytes: u64,
-    pub logical_payload_bytes: u64,
-}
-
-/// The refit JSON of the design notes (`reshard refit --json`). `simulation` is filled by the
-/// cluster cost model when asked for, and left out otherwise.
-#[derive(Clone, Debug, Serialize)]
-pub struct RefitJson {
-    pub model: String,
-    pub tensors: usize,
-    pub params: u64,
-    pub weight_bytes: u64,
-    pub train_ranks: usize,
-    pub infer_ranks: usize,
-    /// The dtype training holds the weights in ([`Refit::train_dtype`]; `mixed` if they
-    /// differ): `weight_bytes` and gather+broadcast's bytes are counted in it.
-    pub train_dtype: String,
-    /// The dtype inference receives the weights it does not quantize in
-    /// ([`Refit::infer_dtype`]): reshard's bytes are wire bytes, counted in it (and in fp8
-    /// for the quantized ones).
-    pub infer_dtype: String,
-    pub plan_seconds: f64,
-    pub reshard: RefitReshardJson,
-    pub gather_broadcast: RefitGatherBroadcastJson,
-    /// Into an fp8 engine only.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub quant: Option<RefitQuantJson>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub simulation: Option<serde_json::Value>,
-}
-
-impl RefitJson {
-    pub fn of(refit: &Refit, totals: &RefitTotals) -> RefitJson {
-        let quantized = refit.quant.is_some();
-        RefitJson {
-            model: refit.model.clone(),
-            tensors: totals.tensors,
-            params: totals.params,
-            weight_bytes: totals.weight_bytes,
-            train_ranks: refit.train_ranks,
-            infer_ranks: refit.infer_ranks,
-            train_dtype: dtype_name(refit.train_dtype()),
-            infer_dtype: dtype_name(refit.infer_dtype()),
-            plan_seconds: totals.plan_seconds,
-            reshard: RefitReshardJson {
-                bytes_remote: totals.bytes_remote,
-                bytes_local: totals.bytes_local,
-                messages: totals.messages,
-                max_rank_send_bytes: totals.max_rank_send_bytes,
-                max_rank_recv_bytes: totals.max_rank_recv_bytes,
-                scale_bytes: quantized.then_some(totals.scale_bytes),
-                amax_bytes: quantized.then_some(totals.amax_bytes),
-            },
-            gather_broadcast: RefitGatherBroadcastJson {
-                bytes: totals.gather_broadcast_bytes,
-                logical_payload_bytes: totals.logical_payload_bytes,
-            },
-            quant: refit.quant.as_ref().map(|q| RefitQuantJson {
-                scheme: q.spec.scheme().to_string(),
-                dtype: q.spec.fp8.to_string(),
-                tensors: q.tensors(),
-            }),
-            simulation: None,
-        }
-    }
-}
-
-/// A side's dtype in the refit JSON: `mixed` when its tensors differ.
-fn dtype_name(dtype: Option<reshard_core::DType>) -> String {
-    dtype.map_or_else(|| "mixed".into(), |d| d.to_string())
 }
 
 #[cfg(test)]

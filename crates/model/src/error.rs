@@ -1,14 +1,15 @@
 //! What can go wrong between a model description and a refit plan. Every variant names the
 //! field (a config key, a parallelism key, a tensor) and the value that caused it.
 //!
-//! Defined with the crate's errors rather than in `model`: a model error wraps the plan's
-//! [`Error`] and [`Error::Model`] wraps a model error, so keeping both here lets `model` depend
-//! on the errors without the errors depending on `model`. [`crate::model::ModelError`] names
-//! the same type.
+//! The model layer's own error: it wraps the core's [`Error`] where a plan fails, and becomes
+//! one ([`Error::Model`], which holds it without the core knowing this crate) where a caller
+//! of both layers returns the core's errors.
 
-use super::{Error, Field, LayoutError};
+use reshard_core::Error;
+use reshard_core::convert::ConvertError;
+use reshard_core::error::{Dims, Field, LayoutError};
 
-/// An error of the `model` module.
+/// An error of the model layer.
 #[derive(Debug, thiserror::Error)]
 pub enum ModelError {
     #[error("{path}: {source}")]
@@ -122,17 +123,19 @@ pub enum ModelError {
         tensor: String,
         dim: usize,
         boundary: u64,
-        block: super::Dims,
+        block: Dims,
     },
 
     #[error("tensor {tensor}: {source}")]
     Quant {
         tensor: String,
         #[source]
-        source: crate::convert::ConvertError,
+        source: ConvertError,
     },
 }
 
+/// Callers that return the core's errors (the runtime, the command line) take a model error
+/// with `?`.
 impl From<ModelError> for Error {
     fn from(e: ModelError) -> Error {
         Error::Model(Box::new(e))

@@ -18,6 +18,12 @@ use reshard_core::region::Region;
 
 use crate::error;
 
+#[cfg(test)]
+mod tests;
+mod view;
+
+use view::{View, base_of, dense, overlap, strided_copy, view_of};
+
 /// One region of one message: tensor `slot`'s elements at local `offset`, `extent` long, in
 /// the message from byte `at` on (row-major).
 struct Piece {
@@ -40,187 +46,6 @@ struct LocalPiece {
 struct Slot {
     shape: Vec<u64>,
     elem: usize,
-}
-
-/// A tensor as the copies see it: where its first element is, how many bytes from there its
-/// elements reach, and its element strides. Read from the tensor at each call.
-#[derive(Clone)]
-struct View {
-    ptr: usize,
-    span: usize,
-    /// Strides in elements.
-    strides: Vec<u64>,
-    elem: usize,
-    /// The dense row-major array this tensor is a box of (starting at its first element), if
-    /// it is one: then the core's kernels copy it.
-    holder: Option<Region>,
-}
-
-impl View {
-    /// The bytes of the tensor, from its first element to its last.
-    ///
-    /// # Safety
-    /// `ptr` and `span` describe memory of a live tensor that nothing else writes during the
-    /// borrow (the caller holds the tensors for the whole call).
-    unsafe fn bytes<'a>(&self) -> &'a [u8] {
-        if self.span == 0 {
-            return &[];
-        }
-        unsafe { std::slice::from_raw_parts(self.ptr as *const u8, self.span) }
-    }
-
-    /// As [`View::bytes`], writable.
-    ///
-    /// # Safety
-    /// As [`View::bytes`], and no other slice of these bytes is alive during the borrow.
-    #[allow(clippy::mut_from_ref)]
-    unsafe fn bytes_mut<'a>(&self) -> &'a mut [u8] {
-        if self.span == 0 {
-            return &mut [];
-        }
-        unsafe { std::slice::from_raw_parts_mut(self.ptr as *mut u8, self.span) }
-    }
-}
-
-/// The dense row-major array that a tensor of `shape` and element `strides` is a box of, at
-/// the tensor's first element, or None if its strides are not those of any (transposed,
-/// broadcast). Dims of size 1 take any stride; between two longer dims, the outer one's
-/// stride must be a whole number of the inner one's rows.
-fn dense_holder(shape: &[u64], strides: &[u64]) -> Option<Region> {
-    let mut extent: Vec<u64> = shape.iter().map(|&n| n.min(1)).collect();
-    if shape.contains(&0) {
-        return Some(Region {
-            offset: vec![0; shape.len()],
-            extent: shape.to_vec(),
-        });
-    }
-    let long: Vec<usize> = (0..shape.len()).filter(|&d| shape[d] > 1).collect();
-    let Some((&first, _)) = long.split_first() else {
-        return Some(Region::full(&extent));
-    };
-    if strides[*long.last()?] != 1 {
-        return None;
-    }
-    extent[first] = shape[first];
-    for pair in long.windows(2) {
-        let (outer, inner) = (pair[0], pair[1]);
-        let (so, si) = (strides[outer], strides[inner]);
-        if si == 0 || so % si != 0 || so / si < shape[inner] {
-            return None;
-        }
-        extent[inner] = so / si;
-    }
-    Some(Region {
-        offset: vec![0; shape.len()],
-        extent,
-    })
-}
-
-/// Reads a CPU tensor's address, shape, strides and element size, checked against what its
-/// slot must hold.
-fn view_of(tensor: &Bound<'_, PyAny>, slot: &Slot, what: &str) -> PyResult<View> {
-    if tensor.is_none() {
-        return Err(error(format!(
-            "{what}: expected a tensor of shape {:?}, got None",
-            slot.shape
-        )));
-    }
-    let device = tensor
-        .getattr("device")?
-        .getattr("type")?
-        .str()?
-        .to_string();
-    if device != "cpu" {
-        return Err(error(format!(
-            "{what}: the tensor is on {device}; the packing kernels copy CPU tensors only"
-        )));
-    }
-    let elem: usize = tensor.call_method0("element_size")?.extract()?;
-    let shape: Vec<u64> = tensor.getattr("shape")?.extract()?;
-    if shape != slot.shape || elem != slot.elem {
-        return Err(error(format!(
-            "{what}: expected a tensor of shape {:?} with {}-byte elements, got shape {shape:?} \
-             with {elem}-byte elements",
-            slot.shape, slot.elem
-        )));
-    }
-    let strides: Vec<i64> = tensor.call_method0("stride")?.extract()?;
-    let strides = strides
-        .iter()
-        .map(|&s| u64::try_from(s))
-        .collect::<Result<Vec<u64>, _>>()
-        .map_err(|_| error(format!("{what}: strides {strides:?} are negative")))?;
-    let ptr: usize = tensor.call_method0("data_ptr")?.extract()?;
-    let span = if shape.contains(&0) {
-        0
-    } else {
-        let last: u64 = shape.iter().zip(&strides).map(|(&n, &s)| (n - 1) * s).sum();
-        (last as usize + 1) * elem
-    };
-    let holder = dense_holder(&shape, &strides);
-    Ok(View {
-        ptr,
-        span,
-        strides,
-        elem,
-        holder,
-    })
-}
-
-/// Row-major element strides of a dense array of `extent`.
-fn dense(extent: &[u64]) -> Vec<u64> {
-    let mut out = vec![1u64; extent.len()];
-    for d in (0..extent.len().saturating_sub(1)).rev() {
-        out[d] = out[d + 1] * extent[d + 1];
-    }
-    out
-}
-
-/// Copies a box of `extent` elements of `elem` bytes from `src` (at element `src_base`, with
-/// element strides `src_strides`) to `dst` likewise, one element or one contiguous innermost
-/// row at a time: the walk for tensors that are no box of a dense array.
-fn strided_copy(
-    (src, src_base, src_strides): (&[u8], u64, &[u64]),
-    (dst, dst_base, dst_strides): (&mut [u8], u64, &[u64]),
-    extent: &[u64],
-    elem: usize,
-) {
-    if extent.contains(&0) {
-        return;
-    }
-    let n = extent.len();
-    // the innermost dim goes as one run when it is contiguous on both sides
-    let (outer, run) = match n {
-        0 => (0, 1),
-        _ if src_strides[n - 1] == 1 && dst_strides[n - 1] == 1 => (n - 1, extent[n - 1]),
-        _ => (n, 1),
-    };
-    let bytes = run as usize * elem;
-    let mut idx = vec![0u64; outer];
-    loop {
-        let at = |base: u64, strides: &[u64]| {
-            (base + idx.iter().zip(strides).map(|(i, s)| i * s).sum::<u64>()) as usize * elem
-        };
-        let (s, d) = (at(src_base, src_strides), at(dst_base, dst_strides));
-        dst[d..d + bytes].copy_from_slice(&src[s..s + bytes]);
-        let mut k = outer;
-        loop {
-            if k == 0 {
-                return;
-            }
-            k -= 1;
-            idx[k] += 1;
-            if idx[k] < extent[k] {
-                break;
-            }
-            idx[k] = 0;
-        }
-    }
-}
-
-/// The element offset of local `offset` in a tensor of element `strides`.
-fn base_of(offset: &[u64], strides: &[u64]) -> u64 {
-    offset.iter().zip(strides).map(|(o, s)| o * s).sum()
 }
 
 /// Which way a message's bytes go.
@@ -288,11 +113,6 @@ unsafe fn message<'a>(ptr: usize, size: usize) -> &'a mut [u8] {
         return &mut [];
     }
     unsafe { std::slice::from_raw_parts_mut(ptr as *mut u8, size) }
-}
-
-/// Whether two tensors' byte spans overlap.
-fn overlap(a: &View, b: &View) -> bool {
-    a.span > 0 && b.span > 0 && a.ptr < b.ptr + b.span && b.ptr < a.ptr + a.span
 }
 
 /// The copying part of one bucket of a reshard on one rank: every message's regions and the
@@ -612,60 +432,5 @@ impl Packing {
             self.recvs.len(),
             self.locals.len()
         )
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn dense_holders_of_views() {
-        // contiguous
-        let h = dense_holder(&[4, 6], &[6, 1]).unwrap();
-        assert_eq!(h.extent, vec![4, 6]);
-        // a slice of columns of a 4x10 array
-        let h = dense_holder(&[4, 3], &[10, 1]).unwrap();
-        assert_eq!(h.extent, vec![4, 10]);
-        // a middle dim of size 1 takes any stride
-        let h = dense_holder(&[2, 1, 5], &[20, 999, 1]).unwrap();
-        assert_eq!(h.extent, vec![2, 1, 20]);
-        // transposed, broadcast, innermost not contiguous
-        assert!(dense_holder(&[3, 4], &[1, 3]).is_none());
-        assert!(dense_holder(&[3, 4], &[0, 1]).is_none());
-        assert!(dense_holder(&[3, 4], &[8, 2]).is_none());
-        // rows overlapping their outer stride
-        assert!(dense_holder(&[3, 4], &[2, 1]).is_none());
-        // empty and scalar
-        assert_eq!(dense_holder(&[0, 4], &[4, 1]).unwrap().extent, vec![0, 4]);
-        assert_eq!(dense_holder(&[], &[]).unwrap().extent, Vec::<u64>::new());
-    }
-
-    #[test]
-    fn strided_walk_copies_a_transposed_box() {
-        // a 3x4 array of u16 stored transposed (strides 1, 3); copy its box [1..3, 1..4]
-        let elem = 2;
-        let value = |r: u64, c: u64| (r * 10 + c) as u16;
-        let mut stored = vec![0u8; 12 * elem];
-        for r in 0..3 {
-            for c in 0..4 {
-                let at = (r + c * 3) as usize * elem;
-                stored[at..at + elem].copy_from_slice(&value(r, c).to_le_bytes());
-            }
-        }
-        let strides = [1, 3];
-        let extent = [2, 3];
-        let mut out = vec![0u8; 6 * elem];
-        strided_copy(
-            (&stored, base_of(&[1, 1], &strides), &strides),
-            (&mut out, 0, &dense(&extent)),
-            &extent,
-            elem,
-        );
-        let got: Vec<u16> = out
-            .chunks(2)
-            .map(|b| u16::from_le_bytes([b[0], b[1]]))
-            .collect();
-        assert_eq!(got, vec![11, 12, 13, 21, 22, 23]);
     }
 }

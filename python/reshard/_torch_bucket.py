@@ -1,0 +1,349 @@
+"""One bucket of a plain reshard on this rank: the local plans of its tensors, the messages
+to and from each peer, and the copying program that packs, exchanges and unpacks them
+(:class:`reshard._core.Packing` for CPU tensors, batched torch copies elsewhere), with the
+staging arenas it reuses between calls.
+"""
+
+from __future__ import annotations
+
+import functools
+import struct
+import threading
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from ._core import Layout, Packing, ReshardError, crc32c, rank_plan
+from ._torch_common import _check_ranks, _check_tensor, torch_dtype
+
+# Regions inside a packed buffer start at multiples of this, so that a byte buffer can be
+# viewed as any element type.
+_ALIGN = 16
+
+@dataclass(frozen=True)
+class _Piece:
+    """One region of one message: where it sits in the local tensor and in the buffer, and
+    (for errors) which transfer it is."""
+
+    local: Tuple[slice, ...]
+    shape: Tuple[int, ...]
+    nbytes: int
+    src: int
+    dst: int
+    offset: Tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class _LocalPlan:
+    """One rank's part of the reshard of one tensor, in local coordinates."""
+
+    src_shape: Optional[Tuple[int, ...]]
+    dst_shape: Optional[Tuple[int, ...]]
+    sends: Dict[int, List[_Piece]]
+    recvs: Dict[int, List[_Piece]]
+    locals: List[Tuple[Tuple[slice, ...], Tuple[slice, ...]]]
+
+
+def _relative(offset, extent, origin) -> Tuple[slice, ...]:
+    return tuple(slice(o - b, o - b + n) for o, n, b in zip(offset, extent, origin))
+
+
+@functools.lru_cache(maxsize=4096)
+def _local_plan(src: Layout, dst: Layout, rank: int) -> _LocalPlan:
+    rp = rank_plan(src, dst, rank)
+    src_region = src.local_region(rank)
+    dst_region = dst.local_region(rank)
+    # a rank sends (receives) only if it holds a source (destination) shard
+    src_origin = () if src_region is None else src_region[0]
+    dst_origin = () if dst_region is None else dst_region[0]
+    elem = src.elem_bytes
+
+    def piece(t, origin) -> _Piece:
+        n = 1
+        for e in t.extent:
+            n *= e
+        return _Piece(
+            _relative(t.offset, t.extent, origin),
+            tuple(t.extent),
+            n * elem,
+            t.src,
+            t.dst,
+            tuple(t.offset),
+        )
+
+    sends: Dict[int, List[_Piece]] = {}
+    for t in rp.sends:
+        sends.setdefault(t.dst, []).append(piece(t, src_origin))
+    recvs: Dict[int, List[_Piece]] = {}
+    for t in rp.recvs:
+        recvs.setdefault(t.src, []).append(piece(t, dst_origin))
+    locals_ = [
+        (_relative(t.offset, t.extent, src_origin), _relative(t.offset, t.extent, dst_origin))
+        for t in rp.locals
+    ]
+    return _LocalPlan(
+        src_shape=None if src_region is None else tuple(src_region[1]),
+        dst_shape=None if dst_region is None else tuple(dst_region[1]),
+        sends=sends,
+        recvs=recvs,
+        locals=locals_,
+    )
+
+
+def _check_entry(name: str, src_local, dst_local, src_layout, dst_layout, plan, rank: int) -> None:
+    """This rank's tensors fit its shards of the layouts, on one device."""
+    label = f"{name}: " if name else ""
+    _check_tensor(label, "src_local", src_local, src_layout, plan.src_shape, rank)
+    _check_tensor(label, "dst_local", dst_local, dst_layout, plan.dst_shape, rank)
+    if src_local is not None and dst_local is not None and src_local.device != dst_local.device:
+        raise ReshardError(f"{label}src_local is on {src_local.device} but dst_local on {dst_local.device}")
+
+
+def _plan_of(name: str, src_layout, dst_layout, rank: int, world: int) -> _LocalPlan:
+    label = f"{name}: " if name else ""
+    for what, layout in (("src_layout", src_layout), ("dst_layout", dst_layout)):
+        _check_ranks(label, what, layout, world)
+    if src_layout.dtype != dst_layout.dtype:
+        # float casts were turned into moves of one dtype before (_torch_cast); what is left
+        # is a conversion no engine loads (integers, bool, fp8 without quant)
+        raise ReshardError(
+            f"{label}dst_layout: dtype {dst_layout.dtype} differs from src_layout's {src_layout.dtype}, "
+            "and only float dtypes (f64, f32, bf16, f16) convert into each other"
+        )
+    try:
+        return _local_plan(src_layout, dst_layout, rank)
+    except ReshardError as e:
+        raise ReshardError(f"{label}{e}") from None
+
+
+def _aligned(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+class _Message:
+    """Everything one rank sends to (or receives from) one peer in one bucket: its regions,
+    each in a tensor slot of the bucket, and where each lies in the packed buffer."""
+
+    def __init__(self) -> None:
+        self.parts: List[Tuple[int, _Piece, torch.dtype]] = []
+        self.nbytes = 0
+        self.spans: List[Tuple[int, int]] = []
+
+    def add(self, slot: int, piece: _Piece, dtype: torch.dtype) -> None:
+        at = _aligned(self.nbytes)
+        self.parts.append((slot, piece, dtype))
+        self.spans.append((at, piece.nbytes))
+        self.nbytes = at + piece.nbytes
+
+    def direct(self, tensors: List[Optional[torch.Tensor]]) -> Optional[torch.Tensor]:
+        """The bytes of the one region this message holds, in place, if they are contiguous:
+        such a message needs no staging copy."""
+        if len(self.parts) != 1:
+            return None
+        slot, piece, _ = self.parts[0]
+        view = _given(tensors[slot])[piece.local]
+        if not view.is_contiguous():
+            return None
+        return view.reshape(-1).view(torch.uint8)
+
+    def regions(self, buffer: torch.Tensor, tensors: List[Optional[torch.Tensor]]):
+        """Each region's slot in the packed ``buffer`` and its place in its tensor."""
+        slots, places = [], []
+        for (at, nbytes), (slot, piece, dtype) in zip(self.spans, self.parts):
+            slots.append(buffer[at : at + nbytes].view(dtype).view(piece.shape))
+            places.append(_given(tensors[slot])[piece.local])
+        return slots, places
+
+    def checked_nbytes(self) -> int:
+        """The size of the message with its checksums: the packed regions, then one
+        little-endian u32 per region."""
+        return _aligned(self.nbytes) + 4 * len(self.parts)
+
+    def sums_of(self, buffer: torch.Tensor) -> List[int]:
+        """The CRC-32C of every region's bytes in the packed ``buffer``."""
+        data = buffer[: self.nbytes]
+        if data.device.type != "cpu":
+            data = data.cpu()
+        return crc32c(data, self.spans)
+
+    def seal(self, buffer: torch.Tensor) -> None:
+        """Writes the sums of the packed regions after them."""
+        sums = self.sums_of(buffer)
+        trailer = bytearray(struct.pack(f"<{len(sums)}I", *sums))
+        at = _aligned(self.nbytes)
+        buffer[at : at + len(trailer)].copy_(torch.frombuffer(trailer, dtype=torch.uint8))
+
+    def check(self, buffer: torch.Tensor, group_rank: int) -> None:
+        """Compares what arrived in ``buffer`` with the sums the sender wrote after it."""
+        at = _aligned(self.nbytes)
+        trailer = buffer[at : at + 4 * len(self.parts)]
+        sent = struct.unpack(f"<{len(self.parts)}I", bytes(trailer.cpu().tolist()))
+        landed = self.sums_of(buffer)
+        for (_, piece, _), s, got in zip(self.parts, sent, landed):
+            if s != got:
+                raise ReshardError(
+                    f"rank {group_rank}: checksum mismatch in the transfer from rank "
+                    f"{piece.src} to rank {piece.dst} at offset {list(piece.offset)} extent "
+                    f"{'x'.join(map(str, piece.shape))}: sent with crc32c {s:#010x} but "
+                    f"arrived as {got:#010x}"
+                )
+
+    def program(self) -> Tuple[int, List[Tuple[int, List[int], List[int], int]]]:
+        """The message as :class:`reshard._core.Packing` takes it."""
+        pieces = [
+            (slot, [s.start for s in piece.local], list(piece.shape), at)
+            for (at, _), (slot, piece, _) in zip(self.spans, self.parts)
+        ]
+        return self.nbytes, pieces
+
+
+def _given(tensor: Optional[torch.Tensor]) -> torch.Tensor:
+    assert tensor is not None, "checked by _check_entry"
+    return tensor
+
+
+def _peer(group, r: int) -> int:
+    return r if group is None else dist.get_global_rank(group, r)
+
+
+class _Bucket:
+    """The copying program of one bucket of tensors on this rank, computed once per model and
+    layouts: its tensors are slots ``2 j`` (source) and ``2 j + 1`` (destination) of its
+    ``j``-th tensor; a message per peer and direction; the local copies; and the same as a
+    :class:`reshard._core.Packing`, which copies CPU tensors in Rust."""
+
+    def __init__(self, members: List[int], plans: List[_LocalPlan], layouts) -> None:
+        self.members = members
+        sends: Dict[int, _Message] = {}
+        recvs: Dict[int, _Message] = {}
+        self.locals: List[Tuple[int, Tuple[slice, ...], int, Tuple[slice, ...]]] = []
+        slots = []
+        for j, (plan, (src_layout, dst_layout)) in enumerate(zip(plans, layouts)):
+            dtype = torch_dtype(src_layout)
+            slots.append(None if plan.src_shape is None else (list(plan.src_shape), src_layout.elem_bytes))
+            slots.append(None if plan.dst_shape is None else (list(plan.dst_shape), dst_layout.elem_bytes))
+            # a rank with sends (receives) has a source (destination): _check_entry sees to it
+            for peer, pieces in plan.sends.items():
+                for p in pieces:
+                    sends.setdefault(peer, _Message()).add(2 * j, p, dtype)
+            for peer, pieces in plan.recvs.items():
+                for p in pieces:
+                    recvs.setdefault(peer, _Message()).add(2 * j + 1, p, dtype)
+            for src_slices, dst_slices in plan.locals:
+                self.locals.append((2 * j, src_slices, 2 * j + 1, dst_slices))
+        self.sends = [(peer, sends[peer]) for peer in sorted(sends)]
+        self.recvs = [(peer, recvs[peer]) for peer in sorted(recvs)]
+        self.packing = Packing(
+            slots,
+            [m.program() for _, m in self.sends],
+            [m.program() for _, m in self.recvs],
+            [
+                (s, [x.start for x in ss], d, [x.start for x in ds], [x.stop - x.start for x in ss])
+                for s, ss, d, ds in self.locals
+            ],
+        )
+
+    def exchange(
+        self, tensors: List[Optional[torch.Tensor]], group, device, checksum: bool, native: bool = True
+    ) -> None:
+        """Pack, post every send and receive, copy locally, wait, unpack. With ``checksum``,
+        every message is packed with its sums, and checked before any unpacking. CPU tensors
+        are copied by the Rust program (unless ``native`` is off: the torch executor's
+        ``_NATIVE``), all messages in one call; others by one batched torch copy per message."""
+        native = native and device.type == "cpu"
+        ops = []
+        staged = _buffers(self.sends, tensors, device, checksum, "send")
+        for (peer, m), buffer in zip(self.sends, staged):
+            buffer = _given(m.direct(tensors) if buffer is None else buffer)
+            ops.append(dist.P2POp(dist.isend, buffer, _peer(group, peer), group))
+        if native:
+            self.packing.pack(tensors, staged)
+        else:
+            for (_, m), buffer in zip(self.sends, staged):
+                if buffer is not None:
+                    _copies(*m.regions(buffer, tensors))
+        if checksum:
+            for (_, m), buffer in zip(self.sends, staged):
+                m.seal(_given(buffer))
+        landing = _buffers(self.recvs, tensors, device, checksum, "recv")
+        for (peer, m), buffer in zip(self.recvs, landing):
+            buffer = _given(m.direct(tensors) if buffer is None else buffer)
+            ops.append(dist.P2POp(dist.irecv, buffer, _peer(group, peer), group))
+        requests = dist.batch_isend_irecv(ops) if ops else []
+
+        # local copies need no communication: they run while the messages travel
+        if native:
+            self.packing.copy_locals(tensors)
+        elif self.locals:
+            _copies(
+                [_given(tensors[d])[ds] for _, _, d, ds in self.locals],
+                [_given(tensors[s])[ss] for s, ss, _, _ in self.locals],
+            )
+
+        for request in requests:
+            request.wait()
+        if checksum:
+            me = dist.get_rank(group)
+            for (_, m), buffer in zip(self.recvs, landing):
+                m.check(_given(buffer), me)
+        if native:
+            self.packing.unpack(landing, tensors)
+        else:
+            for (_, m), buffer in zip(self.recvs, landing):
+                if buffer is not None:
+                    slots, places = m.regions(buffer, tensors)
+                    _copies(places, slots)
+
+
+def _buffers(messages, tensors, device, checksum: bool, way: str) -> List[Optional[torch.Tensor]]:
+    """A staging buffer for every message that cannot go in place (None for those that can).
+    In CPU memory they are cut from one arena per direction and thread, kept between calls
+    (see :func:`free_staging`): a fresh buffer of a few hundred MiB costs as much in page
+    faults and unmapping as packing it. Elsewhere each is a fresh tensor (torch's CUDA
+    allocator keeps its blocks anyway)."""
+    sizes: List[Optional[int]] = []
+    for _, m in messages:
+        inplace = not checksum and m.direct(tensors) is not None
+        sizes.append(None if inplace else (m.checked_nbytes() if checksum else m.nbytes))
+    if device.type != "cpu":
+        return [None if n is None else torch.empty(n, dtype=torch.uint8, device=device) for n in sizes]
+    total = sum(_aligned(n) for n in sizes if n is not None)
+    arena = getattr(_STAGING, way, None)
+    if arena is None or arena.numel() < total:
+        arena = None
+        setattr(_STAGING, way, None)  # the old arena goes before the new one is allocated
+        arena = torch.empty(total, dtype=torch.uint8)
+        setattr(_STAGING, way, arena)
+    out: List[Optional[torch.Tensor]] = []
+    at = 0
+    for n in sizes:
+        if n is None:
+            out.append(None)
+        else:
+            out.append(arena[at : at + n])
+            at += _aligned(n)
+    return out
+
+
+# This thread's staging arenas in CPU memory, by direction ("send", "recv").
+_STAGING = threading.local()
+
+
+def free_staging() -> None:
+    """Releases this thread's staging buffers in CPU memory, which :func:`reshard_many_` keeps
+    between calls (as large as the largest bucket's messages of this rank)."""
+    _STAGING.__dict__.clear()
+
+
+def _copies(dst: List[torch.Tensor], src: List[torch.Tensor]) -> None:
+    """``d.copy_(s)`` for every pair, in one batched torch call where torch has it."""
+    if not dst:
+        return
+    foreach = getattr(torch, "_foreach_copy_", None)
+    if foreach is not None:
+        foreach(dst, src)
+    else:
+        for d, s in zip(dst, src):
+            d.copy_(s)
