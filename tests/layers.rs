@@ -165,8 +165,6 @@ const PYTHON_PACKAGE: &str = "python/reshard";
 const CYCLES_ALLOWED: &[&str] = &[
     // exec: quant <-> run
     "reshard-runtime",
-    // cli::bench: driver <-> prequant, driver <-> quant, prequant <-> suite
-    "reshard-cli",
 ];
 
 /// The most lines a source file outside the tests may have: past it, a file holds more than
@@ -177,8 +175,6 @@ const MAX_LINES: usize = 600;
 /// command line's); an entry that is no longer over fails the check, so that the list only
 /// shrinks.
 const SIZE_ALLOWED: &[&str] = &[
-    // 640 lines
-    "crates/cli/src/cli/run.rs",
     // 1196 lines
     "crates/runtime/src/batch/mod.rs",
     // 620 lines

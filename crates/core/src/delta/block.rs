@@ -3,8 +3,6 @@
 
 use crate::copy::CopyGeometry;
 
-use super::wire::Block;
-
 /// How a block travels, by its tag byte.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[repr(u8)]
@@ -39,6 +37,21 @@ impl Encoding {
             Encoding::Dense => "dense",
         }
     }
+}
+
+/// One block of an encoding, checked: where it lies in the region's stream and its payload.
+#[derive(Clone, Debug)]
+pub(super) struct Block<'a> {
+    pub encoding: Encoding,
+    pub elem: usize,
+    /// Bytes of the region's stream the block covers.
+    pub bytes: std::ops::Range<usize>,
+    pub elems: usize,
+    pub changed: usize,
+    /// The bitmask (bitmask blocks) or the u16 offsets (offset blocks); empty otherwise.
+    pub index: &'a [u8],
+    /// The changed elements' new bytes (every element's for dense blocks).
+    pub values: &'a [u8],
 }
 
 /// Bytes of a block of `n` elements of `elem` bytes, `changed` of them changed, in
@@ -85,7 +98,10 @@ pub(super) fn diff(elem: usize, new: &[u8], old: &[u8], mask: &mut [u64]) -> usi
 
 fn diff_n<const N: usize>(new: &[u8], old: &[u8], mask: &mut [u64]) -> usize {
     let mut changed = 0;
-    for (word, (nw, ow)) in mask.iter_mut().zip(new.chunks(64 * N).zip(old.chunks(64 * N))) {
+    for (word, (nw, ow)) in mask
+        .iter_mut()
+        .zip(new.chunks(64 * N).zip(old.chunks(64 * N)))
+    {
         let bits = if nw == ow {
             0
         } else if nw.len() == 64 * N {
@@ -250,7 +266,10 @@ fn scatter<const N: usize>(unpack: &CopyGeometry, block: &Block<'_>, dst: &mut [
                 break;
             }
             let to = d + (at - s);
-            let value: [u8; N] = values.next().and_then(|v| v.try_into().ok()).unwrap_or([0; N]);
+            let value: [u8; N] = values
+                .next()
+                .and_then(|v| v.try_into().ok())
+                .unwrap_or([0; N]);
             dst[to..to + N].copy_from_slice(&value);
             next = changed.next();
         }

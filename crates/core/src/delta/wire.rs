@@ -12,7 +12,8 @@
 //! All little-endian; `n` is the block's element count ([`super::BLOCK_ELEMS`] but for a
 //! short last block); values are the changed elements' new bytes, in stream order.
 
-use super::{DeltaError, Encoding};
+use super::DeltaError;
+use super::block::{Block, Encoding};
 
 /// The version this build writes and reads.
 const VERSION: u8 = 1;
@@ -83,21 +84,6 @@ impl Header {
         check_params(header.elem as usize, header.block_elems as usize)?;
         Ok(header)
     }
-}
-
-/// One block of an encoding, checked: where it lies in the region's stream and its payload.
-#[derive(Clone, Debug)]
-pub(super) struct Block<'a> {
-    pub encoding: Encoding,
-    pub elem: usize,
-    /// Bytes of the region's stream the block covers.
-    pub bytes: std::ops::Range<usize>,
-    pub elems: usize,
-    pub changed: usize,
-    /// The bitmask (bitmask blocks) or the u16 offsets (offset blocks); empty otherwise.
-    pub index: &'a [u8],
-    /// The changed elements' new bytes (every element's for dense blocks).
-    pub values: &'a [u8],
 }
 
 /// Splits `bytes` off the front of `rest`, or says which block it cut short.
