@@ -30,8 +30,8 @@ pub use reshard_core::{
     Transfer,
 };
 pub use reshard_core::{
-    agreement, checksum, convert, copy, delta, dtype, error, fill, layout, limits, memory, plan,
-    region, sim, topology,
+    agreement, checksum, convert, copy, delta, dtype, error, evolve, fill, layout, limits, memory,
+    plan, region, sim, topology,
 };
 pub use reshard_model as model;
 pub use reshard_runtime::{batch, exec};

@@ -33,6 +33,7 @@ pub mod crc;
 pub mod delta;
 pub mod dtype;
 pub mod error;
+pub mod evolve;
 pub mod fill;
 pub mod layout;
 pub mod limits;
