@@ -102,10 +102,10 @@ fn diff_n<const N: usize>(new: &[u8], old: &[u8], mask: &mut [u64]) -> usize {
         .iter_mut()
         .zip(new.chunks(64 * N).zip(old.chunks(64 * N)))
     {
-        let bits = if nw == ow {
-            0
-        } else if nw.len() == 64 * N {
+        let bits = if nw.len() == 64 * N {
             differing::<N>(nw, ow)
+        } else if nw == ow {
+            0
         } else {
             differing_scalar::<N>(nw, ow)
         };
@@ -223,6 +223,25 @@ pub(super) fn write(
             });
             values(body, 2 + 2 * changed);
         }
+    }
+}
+
+/// Leaves the new values of a block in its base: only the changed ones when they are few
+/// (offsets: a few elements written, not the whole block), else the whole block at once.
+pub(super) fn update(
+    encoding: Encoding,
+    elem: usize,
+    n: usize,
+    new: &[u8],
+    mask: &[u64],
+    old: &mut [u8],
+) {
+    match encoding {
+        Encoding::Unchanged => {}
+        Encoding::Dense | Encoding::Bitmask => old.copy_from_slice(new),
+        Encoding::Offsets => each_set(mask, n, |i| {
+            old[i * elem..(i + 1) * elem].copy_from_slice(&new[i * elem..(i + 1) * elem])
+        }),
     }
 }
 

@@ -67,7 +67,8 @@ pub struct DeltaStats {
     pub blocks: [u64; 4],
     /// Elements covered by the blocks.
     pub elems: u64,
-    /// Elements whose bytes differ from the base.
+    /// Encoding: elements whose bytes differ from the base. Applying: elements written (a
+    /// dense block writes every element, changed or not).
     pub changed: u64,
     /// Bytes of the encoding, header included.
     pub bytes: u64,
@@ -203,9 +204,7 @@ impl DeltaEncoder {
             let changed = block::diff(elem, new, old, &mut self.mask);
             let encoding = choose(n, changed, elem);
             block::write(encoding, elem, n, new, &self.mask, changed, out);
-            if changed > 0 {
-                old.copy_from_slice(new);
-            }
+            block::update(encoding, elem, n, new, &self.mask, old);
             stats.blocks[encoding as usize] += 1;
             stats.elems += n as u64;
             stats.changed += changed as u64;

@@ -100,7 +100,9 @@ proptest! {
             let mut wire = Vec::new();
             let sent = encoder.encode(&pack, &new, &mut base, range.clone(), &mut wire).unwrap();
             let got = apply(&unpack, &wire, &mut dst).unwrap();
-            prop_assert_eq!(sent, got);
+            // the receiver counts what it wrote: a dense block writes every element
+            prop_assert_eq!((sent.blocks, sent.elems, sent.bytes), (got.blocks, got.elems, got.bytes));
+            prop_assert!(got.changed >= sent.changed);
             total.add(&sent);
             at = range.end;
         }
