@@ -1,0 +1,187 @@
+//! The one driver of many ranks as threads of this process (the `local` transport): runs
+//! every rank's [`Program`] phase by phase, each phase of every rank together, on links of
+//! its own, so that a buffer a phase writes is lent to the next one only once it is done.
+//!
+//! A rank that fails stops there: its links of the later phases open and close at once, so
+//! that its peers stop too and report exactly what did not arrive, rather than wait for it.
+
+use std::collections::BTreeSet;
+use std::time::Instant;
+
+use super::executor::RankState;
+use super::options::ExecOptions;
+use super::program::{Phase, PhaseKind, Program};
+use super::stats::{RankStats, RunStats};
+use crate::exec::threads::{RankThread, joined};
+use reshard_core::error::Result;
+use reshard_core::layout::Rank;
+use reshard_transport::{Fault, LocalFabric};
+
+/// One rank's part of a run of many: its program and the buffers the job gives it.
+pub struct RankRun<'a, 'p> {
+    pub program: Program<'p>,
+    pub src: Vec<&'a [u8]>,
+    pub dst: Vec<&'a mut [u8]>,
+}
+
+/// Where a phase falls in the run: phases of every rank with the same key run together. A
+/// plan's values and the first round of a relay plan are the same phase (a rank whose part
+/// does not relay moves everything in round 0).
+fn key(phase: &Phase<'_>) -> (usize, usize) {
+    let at = match phase.kind {
+        PhaseKind::Amax => 0,
+        PhaseKind::Values => 1,
+        PhaseKind::Round(j) => 1 + j,
+        PhaseKind::Keep => usize::MAX,
+    };
+    (phase.part, at)
+}
+
+/// A rank's state in the run, or how it failed.
+struct Runner<'a, 'p> {
+    program: Program<'p>,
+    state: Result<RankState<'a>>,
+}
+
+impl Runner<'_, '_> {
+    fn phase(&self, key_: (usize, usize)) -> Option<usize> {
+        self.program.phases.iter().position(|p| key(p) == key_)
+    }
+}
+
+/// Runs every rank's program with the ranks as threads of this process. Buffers are lent
+/// back on return, also on error; the error lists every rank that did not complete.
+pub fn run_threads(
+    runs: Vec<RankRun<'_, '_>>,
+    options: &ExecOptions,
+    faults: &[Fault],
+) -> Result<RunStats> {
+    let started = Instant::now();
+    let mut runners = Vec::with_capacity(runs.len());
+    for r in runs {
+        let state = RankState::new(&r.program, r.src, r.dst)?;
+        runners.push(Runner {
+            program: r.program,
+            state: Ok(state),
+        });
+    }
+    let keys: BTreeSet<(usize, usize)> = runners
+        .iter()
+        .flat_map(|r| r.program.phases.iter().map(key))
+        .collect();
+    for k in keys {
+        each(&mut runners, k, |state, phase| state.before(phase));
+        transfers(&mut runners, k, options, faults);
+        each(&mut runners, k, |state, phase| state.after(phase));
+    }
+    let results: Vec<Result<RankStats>> = runners
+        .into_iter()
+        .map(|r| r.state.map(|s| s.finish(&r.program)))
+        .collect();
+    RunStats::gather(started.elapsed(), results)
+}
+
+fn has_work(p: &Phase<'_>) -> bool {
+    !(p.before.is_empty() && p.after.is_empty() && p.scaling.is_empty())
+}
+
+/// Records the failures of a phase's threads.
+fn record(runners: &mut [Runner<'_, '_>], outcomes: Vec<(usize, Result<()>)>) {
+    for (i, o) in outcomes {
+        if let Err(e) = o {
+            runners[i].state = Err(e);
+        }
+    }
+}
+
+/// Runs `work` on every rank with phase `k` that has work there and has not failed, each on
+/// a thread of its own, as separate processes would.
+fn each(
+    runners: &mut [Runner<'_, '_>],
+    k: (usize, usize),
+    work: impl Fn(&mut RankState<'_>, &Phase<'_>) -> Result<()> + Sync,
+) {
+    let work = &work;
+    let outcomes: Vec<(usize, Result<()>)> = std::thread::scope(|scope| {
+        let handles: Vec<_> = runners
+            .iter_mut()
+            .enumerate()
+            .filter_map(|(i, r)| {
+                let p = r.phase(k)?;
+                let Runner { program, state } = r;
+                let phase = &program.phases[p];
+                let state = state.as_mut().ok().filter(|_| has_work(phase))?;
+                let rank = state.rank;
+                let h = std::thread::Builder::new()
+                    .name(format!("rank {rank}"))
+                    .spawn_scoped(scope, move || work(state, phase));
+                Some((i, rank, h))
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|(i, rank, h)| (i, joined(h, rank, RankThread::Rank)))
+            .collect()
+    });
+    record(runners, outcomes);
+}
+
+/// Runs the transfers of phase `k` of every rank, on links of their own. A rank that failed
+/// before has its links opened and closed at once, so that its peers stop now.
+fn transfers(
+    runners: &mut [Runner<'_, '_>],
+    k: (usize, usize),
+    options: &ExecOptions,
+    faults: &[Fault],
+) {
+    let mut ranks: Vec<Rank> = Vec::new();
+    let mut pairs: BTreeSet<(Rank, Rank)> = BTreeSet::new();
+    for r in runners.iter() {
+        if let Some(p) = r
+            .phase(k)
+            .map(|p| &r.program.phases[p])
+            .filter(|p| p.moves())
+        {
+            ranks.push(r.program.rank);
+            pairs.extend(p.pairs());
+        }
+    }
+    if ranks.is_empty() {
+        return;
+    }
+    let fabric = LocalFabric {
+        timeout: options.timeout,
+        faults: faults.to_vec(),
+    };
+    tracing::debug!(ranks = ranks.len(), links = pairs.len(), "local phase");
+    let outcomes: Vec<(usize, Result<()>)> = std::thread::scope(|scope| {
+        let mut endpoints = fabric.endpoints(&ranks, pairs);
+        let handles: Vec<_> = runners
+            .iter_mut()
+            .enumerate()
+            .filter_map(|(i, r)| {
+                let p = r.phase(k)?;
+                let Runner { program, state } = r;
+                let phase = &program.phases[p];
+                let chunk = program.chunk_bytes;
+                // the endpoint lives as long as the thread: a rank that fails closes its links
+                let endpoint = endpoints.remove(&program.rank)?;
+                let state = state.as_mut().ok()?;
+                let rank = state.rank;
+                let h = std::thread::Builder::new()
+                    .name(format!("rank {rank}"))
+                    .spawn_scoped(scope, move || {
+                        state.transfer(phase, chunk, &endpoint, options)
+                    });
+                Some((i, rank, h))
+            })
+            .collect();
+        // the links of the ranks that failed before close now
+        drop(endpoints);
+        handles
+            .into_iter()
+            .map(|(i, rank, h)| (i, joined(h, rank, RankThread::Rank)))
+            .collect()
+    });
+    record(runners, outcomes);
+}
