@@ -28,6 +28,7 @@
 pub mod batch;
 mod connect;
 pub mod exec;
+mod prepared;
 mod run;
 
 use reshard_core::error::Field;
@@ -43,7 +44,7 @@ use reshard_transport::Job;
 use reshard_transport::group::{Group, GroupEnv};
 
 pub use connect::{AnyTransport, Destination, Links};
-pub use run::PlanRank;
+pub use prepared::PlanRank;
 
 /// Which transport moves the bytes.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

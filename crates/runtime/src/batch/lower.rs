@@ -304,7 +304,7 @@ pub fn lower_batch_baseline<'p>(
             gather: gather.as_ref(),
             broadcast: broadcast.as_ref(),
             src: shard.clone(),
-            full: gets.then(|| (full, 0..total)),
+            full: gets.then_some((full, 0..total)),
             dst: None,
             whole: Cow::Owned(whole.clone()),
         };

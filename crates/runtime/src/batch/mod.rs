@@ -34,6 +34,7 @@ mod run;
 mod tests;
 
 pub use plan::{Blobs, Move, MoveKind, Pack, PackRole, QuantSource, RankBatch};
+pub(crate) use run::check_all;
 pub use run::{RankBuffers, run_local_batch, run_rank_batch};
 
 use std::collections::{BTreeMap, BTreeSet};

@@ -43,7 +43,12 @@ fn check(rank: Rank, expected: &[Buffer], what: &str, lens: &[usize]) -> Result<
 }
 
 /// Checks all three kinds of a rank's buffers.
-fn check_all(rb: &RankBatch, src: &[usize], dst: &[usize], scales: &[usize]) -> Result<()> {
+pub(crate) fn check_all(
+    rb: &RankBatch,
+    src: &[usize],
+    dst: &[usize],
+    scales: &[usize],
+) -> Result<()> {
     check(rb.rank, &rb.src, "source", src)?;
     check(rb.rank, &rb.dst, "destination", dst)?;
     check(rb.rank, &rb.scales, "scale", scales)

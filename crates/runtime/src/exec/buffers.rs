@@ -7,6 +7,9 @@ use reshard_core::copy::{CopyGeometry, Place};
 use reshard_core::error::{Error, Result};
 use reshard_core::layout::Rank;
 
+/// A phase's buffers: those it reads, those it writes.
+pub(crate) type Lent<'b> = (Vec<&'b [u8]>, Vec<&'b mut [u8]>);
+
 /// A rank's buffers during a run.
 pub(crate) struct Buffers<'a> {
     pub src: Vec<&'a [u8]>,
@@ -25,12 +28,7 @@ impl Buffers<'_> {
     /// The phase's buffers: `src` to read, `dst` to write. A source or destination buffer the
     /// job does not give is empty (the steps' checks then name what is missing); a writable
     /// buffer named twice is an internal error.
-    pub fn lend<'b>(
-        &'b mut self,
-        rank: Rank,
-        src: &[Buf],
-        dst: &[Buf],
-    ) -> Result<(Vec<&'b [u8]>, Vec<&'b mut [u8]>)> {
+    pub fn lend<'b>(&'b mut self, rank: Rank, src: &[Buf], dst: &[Buf]) -> Result<Lent<'b>> {
         let mut dsts: Vec<Option<&'b mut [u8]>> =
             self.dst.iter_mut().map(|b| Some(&mut **b)).collect();
         let mut scratch: Vec<Option<&'b mut [u8]>> = self
