@@ -525,3 +525,6 @@ pub(crate) fn baseline_phases<'p>(
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests;
