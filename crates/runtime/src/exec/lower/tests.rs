@@ -202,7 +202,7 @@ fn the_baseline_gathers_broadcasts_and_keeps() {
         let (gather, broadcast) = gb.rank_parts(rank);
         let src_box = src.local_region(rank);
         let dst_box = dst.local_region(rank);
-        let full = gb.needs_full_buffer(rank).then(|| (Buf::Dst(1), 0..256));
+        let full = gb.needs_full_buffer(rank).then_some((Buf::Dst(1), 0..256));
         let parts = BaselineParts {
             rank,
             baseline: &gb,
