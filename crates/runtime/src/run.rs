@@ -288,7 +288,7 @@ impl World {
     }
 
     /// Moves an already-quantized tensor ([`QuantizedMove`]): its fp8 values and its scales
-    /// in one exchange, as the batch [`QuantizedMove::batch`] (one schedule, one stream per
+    /// in one exchange, as the batch [`Batch::quantized`] (one schedule, one stream per
     /// peer pair, the scales right behind the values), not as two reshards one after the
     /// other. `sources` and `destinations` hold, for each rank this process runs that holds a
     /// shard ([`World::ranks`]), its buffers `[values, scales]` (indices

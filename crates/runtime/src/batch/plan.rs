@@ -420,7 +420,7 @@ pub struct RankBatch {
 
 impl RankBatch {
     /// Where move `m` lands on its receiver: in its shard when it carries values of the
-    /// batch's direct tensor ([`BatchOptions::direct`]), aside otherwise (other tensors,
+    /// batch's direct tensor ([`super::BatchOptions::direct`]), aside otherwise (other tensors,
     /// scales, partial amax), as both ends compute it from the same batch.
     pub fn lands(&self, m: &Move) -> Lands {
         let values = matches!(

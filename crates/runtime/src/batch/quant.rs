@@ -1,7 +1,7 @@
 //! The quantized tensors of a batch: a refit straight into an fp8 engine's weights and scales.
 //!
 //! A tensor with a [`Tensor::quant`](super::Tensor::quant) moves in the batch like any other,
-//! with three additions, all planned from the layouts alone ([`Batch::rank_batch`]):
+//! with three additions, all planned from the layouts alone ([`super::Batch::rank_batch`]):
 //!
 //! 1. **Amax.** Every source rank of a quantized tensor computes the amax of the blocks its
 //!    shard touches, reading its pieces in place (a fused Megatron buffer too). Where a block
@@ -12,13 +12,13 @@
 //!    source rank stages the scales of the blocks its shard touches, which its scale moves
 //!    read.
 //! 3. **Values and scales.** The value moves of a quantized tensor are in the batch's one
-//!    schedule with every other move, and carry a quantizing [`Cast`] with the scales of their
+//!    schedule with every other move, and carry a quantizing [`Cast`](reshard_core::copy::Cast) with the scales of their
 //!    source piece: the sender quantizes while it packs, straight from the source piece to the
 //!    wire (or, for a local copy, straight into the destination piece, a fused vLLM buffer
 //!    included), so there is no extra pass over the values and no full-size temporary. Each
 //!    value transfer carries the scales of the blocks it delivers
 //!    ([`reshard_core::plan::QuantPlan::scales_of`]): a scale move from the sender's staged scales
-//!    into the receiver's scale buffer, fused like its weights ([`Batch::scale_buffers`]), so
+//!    into the receiver's scale buffer, fused like its weights ([`super::Batch::scale_buffers`]), so
 //!    that every destination receives each of its scales exactly once.
 //!
 //! **Why it cannot deadlock.** In each of the two runs (the amax exchange, then all moves)
