@@ -285,11 +285,27 @@ fn relay_phases<'p>(
     let elem_bytes = job.dst_dtype.size();
     let rounds = Rounds::of(job.plan, elem_bytes, slab_bytes(options))?;
     let staging = rounds.staging_bytes();
-    let halves = [
-        Buf::Scratch(program.add_scratch(staging, "relay staging")),
-        Buf::Scratch(program.add_scratch(staging, "relay staging")),
-    ];
-    program.staging_bytes += 2 * staging as u64;
+    let [a, b] = match program.relay_staging {
+        // a part relayed before: its halves, as large as the larger of the two
+        Some([a, b]) => {
+            let before = program.scratch[a].len;
+            if staging > before {
+                program.scratch[a].len = staging;
+                program.scratch[b].len = staging;
+                program.staging_bytes += 2 * (staging - before) as u64;
+            }
+            [a, b]
+        }
+        None => {
+            program.staging_bytes += 2 * staging as u64;
+            [
+                program.add_scratch(staging, "relay staging"),
+                program.add_scratch(staging, "relay staging"),
+            ]
+        }
+    };
+    program.relay_staging = Some([a, b]);
+    let halves = [Buf::Scratch(a), Buf::Scratch(b)];
     let missing = |side| Error::MissingBuffer { side, rank };
     let src = job.src.as_ref();
     let dst = job.dst.as_ref();

@@ -267,6 +267,9 @@ pub struct Program<'p> {
     /// Staging the program holds beside the transport's (relay staging, blobs, partial
     /// amax and staged scales), added to the rank's peak.
     pub staging_bytes: u64,
+    /// The two halves of the relay staging ([`super::relay::Staging`]), shared by every
+    /// relayed part of the program (they run one after the other).
+    pub relay_staging: Option<[usize; 2]>,
 }
 
 impl<'p> Program<'p> {
@@ -277,6 +280,7 @@ impl<'p> Program<'p> {
             scratch: Vec::new(),
             phases: Vec::new(),
             staging_bytes: 0,
+            relay_staging: None,
         }
     }
 
