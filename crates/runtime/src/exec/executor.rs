@@ -155,8 +155,10 @@ impl<'a> RankState<'a> {
 /// receives on another (or all on one when the transport's sends never block). A failure on
 /// either side breaks every link; the error lists exactly what did not arrive.
 ///
-/// Steps that quantize ([`super::program::Convert::Quantize`]) need the scales of a program's amax phase:
-/// programs run them ([`run_program`]).
+/// Replaced by [`run_program`] (or [`run_transfers`] with the chunk size a program decided
+/// once): this cuts the chunk size from the steps it is given. Steps that quantize need the
+/// scales of a program's amax phase, which only programs settle.
+#[doc(hidden)]
 pub fn run_steps<'buf, T: Transport<'buf> + ?Sized>(
     steps: &'buf Steps<'_, '_>,
     src_bufs: &[&'buf [u8]],

@@ -121,7 +121,8 @@ where
     run_program(&program, &src, &mut dst, transport, options)
 }
 
-/// [`run_rank_any`] of a plan that relays (kept for callers that name it).
+/// Replaced by [`run_rank_any`], which runs every plan, relayed or not.
+#[doc(hidden)]
 pub fn run_rank_relayed<T>(
     job: RankJob<'_, '_>,
     transport: &T,

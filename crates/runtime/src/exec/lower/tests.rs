@@ -259,6 +259,32 @@ fn a_batch_is_its_amax_exchange_then_every_move_cut_alike() {
         assert_eq!(p.chunk_bytes, 8);
         assert!(!p.phases[0].moves());
     }
+    // an already-quantized move: its values and scales in one schedule, bytes as they are
+    let fp8 = |spec: &str, first| layout(spec, &[256, 256], DType::Fp8E4M3, first);
+    let request = QuantRequest {
+        scheme: "block:128x128".parse().unwrap(),
+        scale_dtype: None,
+    };
+    let mv = reshard_core::plan::QuantizedMove::new(
+        fp8("mesh=2 place=S(0)", 0),
+        fp8("mesh=2 place=S(1)", 2),
+        PlanOptions::default(),
+        request,
+    )
+    .unwrap();
+    let batch = Batch::quantized(&mv).unwrap();
+    for r in 0..batch.world() {
+        let rb = batch.rank_batch(r).unwrap();
+        let p = lower_batch(&batch, &rb, &options(13)).unwrap();
+        assert_eq!(p.kinds(), [Amax, Values], "rank {r}");
+        assert_eq!(p.chunk_bytes, 13);
+        let values = &p.phases[1];
+        let tensors: Vec<usize> = values.steps.recvs.iter().map(|s| s.elem_bytes).collect();
+        // a destination receives values (1-byte fp8) and then their scales (4-byte f32)
+        if r >= 2 {
+            assert!(tensors.contains(&1) && tensors.contains(&4), "{tensors:?}");
+        }
+    }
 }
 
 /// The programs of every rank of a plan, with their buffers.
