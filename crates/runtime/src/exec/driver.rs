@@ -85,6 +85,25 @@ fn has_work(p: &Phase<'_>) -> bool {
     !(p.before.is_empty() && p.after.is_empty() && p.scaling.is_empty())
 }
 
+/// Below this many bytes of local work in a phase, all ranks', the driver does it on its own
+/// thread: starting threads would cost more than the copies.
+const THREADED_WORK_BYTES: u64 = 1 << 20;
+
+/// About how many bytes a phase's local work reads: its copies and the shards it takes the
+/// amax of.
+fn work_bytes(p: &Phase<'_>) -> u64 {
+    let copies = p.before.iter().chain(&p.after);
+    let copied: u64 = copies
+        .map(|c| c.region.volume() * c.elem_bytes as u64)
+        .sum();
+    let scaled: u64 = p
+        .scaling
+        .iter()
+        .map(|s| s.shard.volume() * s.src_dtype.size() as u64)
+        .sum();
+    copied + scaled
+}
+
 /// Records the failures of a phase's threads.
 fn record(runners: &mut [Runner<'_, '_>], outcomes: Vec<(usize, Result<()>)>) {
     for (i, o) in outcomes {
@@ -95,13 +114,32 @@ fn record(runners: &mut [Runner<'_, '_>], outcomes: Vec<(usize, Result<()>)>) {
 }
 
 /// Runs `work` on every rank with phase `k` that has work there and has not failed, each on
-/// a thread of its own, as separate processes would.
+/// a thread of its own, as separate processes would (or one after the other on this thread
+/// when there is little of it).
 fn each(
     runners: &mut [Runner<'_, '_>],
     k: (usize, usize),
     work: impl Fn(&mut RankState<'_>, &Phase<'_>) -> Result<()> + Sync,
 ) {
     let work = &work;
+    let total: u64 = runners
+        .iter()
+        .filter_map(|r| Some(work_bytes(&r.program.phases[r.phase(k)?])))
+        .sum();
+    if total < THREADED_WORK_BYTES {
+        let outcomes = runners
+            .iter_mut()
+            .enumerate()
+            .filter_map(|(i, r)| {
+                let p = r.phase(k)?;
+                let Runner { program, state } = r;
+                let phase = &program.phases[p];
+                let state = state.as_mut().ok().filter(|_| has_work(phase))?;
+                Some((i, work(state, phase)))
+            })
+            .collect();
+        return record(runners, outcomes);
+    }
     let outcomes: Vec<(usize, Result<()>)> = std::thread::scope(|scope| {
         let handles: Vec<_> = runners
             .iter_mut()
