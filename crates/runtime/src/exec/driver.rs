@@ -70,9 +70,11 @@ pub fn run_threads(
         .flat_map(|r| r.program.phases.iter().map(key))
         .collect();
     for k in keys {
-        each(&mut runners, k, |state, phase| state.before(phase));
+        // each rank's work before the transfers runs on its transfer thread
         transfers(&mut runners, k, options, faults);
-        each(&mut runners, k, |state, phase| state.after(phase));
+        each(&mut runners, k, (has_after, after_bytes), |state, phase| {
+            state.after(phase)
+        });
     }
     let results: Vec<Result<RankStats>> = runners
         .into_iter()
@@ -81,27 +83,45 @@ pub fn run_threads(
     RunStats::gather(started.elapsed(), results)
 }
 
-fn has_work(p: &Phase<'_>) -> bool {
-    !(p.before.is_empty() && p.after.is_empty() && p.scaling.is_empty())
+/// Which side of a phase's transfers some local work is on: whether a phase has such work,
+/// and about how many bytes it touches.
+type Side = (fn(&Phase<'_>) -> bool, fn(&Phase<'_>) -> u64);
+
+fn has_before(p: &Phase<'_>) -> bool {
+    !(p.before.is_empty() && p.scaling.is_empty())
+}
+
+fn has_after(p: &Phase<'_>) -> bool {
+    !(p.after.is_empty() && p.scaling.is_empty())
 }
 
 /// Below this many bytes of local work in a phase, all ranks', the driver does it on its own
 /// thread: starting threads would cost more than the copies.
 const THREADED_WORK_BYTES: u64 = 1 << 20;
 
-/// About how many bytes a phase's local work reads: its copies and the shards it takes the
-/// amax of.
-fn work_bytes(p: &Phase<'_>) -> u64 {
-    let copies = p.before.iter().chain(&p.after);
-    let copied: u64 = copies
+fn copied_bytes(copies: &[super::program::LocalCopy<'_>]) -> u64 {
+    copies
+        .iter()
         .map(|c| c.region.volume() * c.elem_bytes as u64)
-        .sum();
+        .sum()
+}
+
+/// About how many bytes a phase's work before its transfers reads: its copies and the shards
+/// it takes the amax of.
+fn before_bytes(p: &Phase<'_>) -> u64 {
     let scaled: u64 = p
         .scaling
         .iter()
         .map(|s| s.shard.volume() * s.src_dtype.size() as u64)
         .sum();
-    copied + scaled
+    copied_bytes(&p.before) + scaled
+}
+
+/// About how many bytes a phase's work after its transfers touches: its copies and the
+/// scales it settles (a few bytes per block).
+fn after_bytes(p: &Phase<'_>) -> u64 {
+    let scales: u64 = p.scaling.iter().map(|s| s.blocks.volume() * 4).sum();
+    copied_bytes(&p.after) + scales
 }
 
 /// Records the failures of a phase's threads.
@@ -119,12 +139,13 @@ fn record(runners: &mut [Runner<'_, '_>], outcomes: Vec<(usize, Result<()>)>) {
 fn each(
     runners: &mut [Runner<'_, '_>],
     k: (usize, usize),
+    (has_work, weight): Side,
     work: impl Fn(&mut RankState<'_>, &Phase<'_>) -> Result<()> + Sync,
 ) {
     let work = &work;
     let total: u64 = runners
         .iter()
-        .filter_map(|r| Some(work_bytes(&r.program.phases[r.phase(k)?])))
+        .filter_map(|r| Some(weight(&r.program.phases[r.phase(k)?])))
         .sum();
     if total < THREADED_WORK_BYTES {
         let outcomes = runners
@@ -164,8 +185,9 @@ fn each(
     record(runners, outcomes);
 }
 
-/// Runs the transfers of phase `k` of every rank, on links of their own. A rank that failed
-/// before has its links opened and closed at once, so that its peers stop now.
+/// Runs the work before the transfers and the transfers of phase `k` of every rank, each on a
+/// thread of its own, on links of their own. A rank that failed before has its links opened
+/// and closed at once, so that its peers stop now.
 fn transfers(
     runners: &mut [Runner<'_, '_>],
     k: (usize, usize),
@@ -185,7 +207,9 @@ fn transfers(
         }
     }
     if ranks.is_empty() {
-        return;
+        return each(runners, k, (has_before, before_bytes), |state, phase| {
+            state.before(phase)
+        });
     }
     let fabric = LocalFabric {
         timeout: options.timeout,
@@ -203,13 +227,20 @@ fn transfers(
                 let phase = &program.phases[p];
                 let chunk = program.chunk_bytes;
                 // the endpoint lives as long as the thread: a rank that fails closes its links
-                let endpoint = endpoints.remove(&program.rank)?;
+                let endpoint = endpoints.remove(&program.rank);
                 let state = state.as_mut().ok()?;
+                if endpoint.is_none() && !has_before(phase) {
+                    return None;
+                }
                 let rank = state.rank;
                 let h = std::thread::Builder::new()
                     .name(format!("rank {rank}"))
                     .spawn_scoped(scope, move || {
-                        state.transfer(phase, chunk, &endpoint, options)
+                        state.before(phase)?;
+                        match endpoint {
+                            Some(endpoint) => state.transfer(phase, chunk, &endpoint, options),
+                            None => Ok(()),
+                        }
                     });
                 Some((i, rank, h))
             })
