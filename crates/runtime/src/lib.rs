@@ -7,6 +7,15 @@
 //! runs a plan, a batch (a whole-model refit) or the gather+broadcast baseline for its ranks
 //! with one call. The command line is a shell over it: arguments in, a report out.
 //!
+//! Every kind of move takes one path: the job (a plan, plain, cast or quantizing, relayed or
+//! not; a batch, quantized or already quantized; the gather+broadcast baseline of either) is
+//! lowered to one [`exec::Program`] per rank (plain data: its phases, their steps in schedule
+//! order, the chunk size both ends cut; [`exec::lower`], [`batch::lower`]), and the one
+//! executor ([`exec::run_program`]) runs a rank's program on a transport, or the one driver
+//! ([`exec::driver::run_threads`]) runs every rank's as threads of this process.
+//! [`World::run_programs`] runs this process's ranks' programs, whichever the membership; the
+//! other `World::run_*` calls build the job, lower it and run it there.
+//!
 //! Options are split by when they apply: how the ranks reach each other ([`JoinOptions`]:
 //! transport, timeout, staging bound, token) is fixed at [`World::join`]; how one run cuts
 //! and checks its bytes ([`RunOptions`]: chunk size, checksum) is given to each run.
@@ -28,6 +37,7 @@
 pub mod batch;
 mod connect;
 pub mod exec;
+mod prepared;
 pub mod refit;
 mod run;
 
@@ -44,7 +54,7 @@ use reshard_transport::Job;
 use reshard_transport::group::{Group, GroupEnv};
 
 pub use connect::{AnyTransport, Destination, Links};
-pub use run::PlanRank;
+pub use prepared::PlanRank;
 
 /// Which transport moves the bytes.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

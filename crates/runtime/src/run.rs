@@ -1,64 +1,33 @@
 //! Running this process's rank(s) of a plan or a batch: one call each, over the links the
-//! world opens.
+//! world opens. Every call lowers its job to the programs of this process's ranks and runs
+//! them with [`World::run_programs`].
 
 use std::collections::BTreeMap;
 use std::time::Instant;
 
-use super::{AnyTransport, Links, RunOptions, World};
-use crate::batch::{Batch, RankBatch, run_local_batch, run_rank_batch};
-use crate::exec::baseline::{self, BaselineJob};
-use crate::exec::{self, RankJob, RankStats, RunStats};
-use reshard_core::dtype::DType;
+use std::borrow::Cow;
+
+use super::{Links, RunOptions, World};
+use crate::batch::lower::lower_batch;
+use crate::batch::{Batch, RankBatch, check_all, run_local_batch};
+use crate::exec::baseline;
+use crate::exec::driver::RankRun;
+use crate::exec::lower::{BaselineParts, Slot, lower_gather_broadcast};
+use crate::exec::program::{Buf, Program};
+use crate::exec::{self, ExecOptions, RankJob, RunStats};
 use reshard_core::error::{Dims, Error, Field, Result, Side};
 use reshard_core::layout::{Layout, Rank};
 use reshard_core::plan::{GatherBroadcast, Plan, QuantizedMove, RankPlan};
 use reshard_core::region::Region;
-use reshard_transport::Job;
-use reshard_transport::segment::SharedBuffer;
-
-/// This process's rank of a plan between processes, and its part of it.
-struct Own<'a> {
-    plan: &'a Plan,
-    mine: &'a RankPlan,
-    rank: Rank,
-}
-
-impl Own<'_> {
-    /// Runs the rank's part over `transport` (quantizing with `quant`), from its source shard
-    /// in `sources` into its destination shard in `destinations`.
-    fn run<T>(
-        &self,
-        sources: &BTreeMap<Rank, Vec<u8>>,
-        destinations: &mut BTreeMap<Rank, Vec<u8>>,
-        quant: Option<crate::exec::QuantJob<'_, '_>>,
-        transport: &T,
-        options: &crate::exec::ExecOptions,
-    ) -> Result<RunStats>
-    where
-        T: for<'b> reshard_transport::Transport<'b> + ?Sized,
-    {
-        let (plan, rank) = (self.plan, self.rank);
-        let (src_box, dst_box) = (plan.src().local_region(rank), plan.dst().local_region(rank));
-        let started = Instant::now();
-        let work = RankJob {
-            quant,
-            plan: self.mine,
-            src_layout: plan.src(),
-            dst_dtype: plan.dst().dtype(),
-            src: src_box.as_ref().zip(sources.get(&rank).map(Vec::as_slice)),
-            dst: dst_box
-                .as_ref()
-                .zip(destinations.get_mut(&rank).map(Vec::as_mut_slice)),
-        };
-        let stats = exec::run_rank_any(work, transport, options)?;
-        Ok(RunStats {
-            elapsed: started.elapsed(),
-            ranks: vec![stats],
-        })
-    }
-}
 
 impl Links {
+    /// The peers of one rank's program: every rank it sends to or receives from in any
+    /// phase.
+    pub fn of_program(program: &Program<'_>) -> Links {
+        let (senders, receivers) = program.peers();
+        Links { senders, receivers }
+    }
+
     /// The peers of one rank's part of a plan.
     pub fn of_plan(plan: &RankPlan) -> Links {
         Links {
@@ -93,6 +62,42 @@ impl Links {
 }
 
 impl World {
+    /// Runs this process's ranks' programs (every kind of move takes this path): between
+    /// threads, every rank's, by the one driver ([`exec::driver::run_threads`]); between
+    /// processes, this rank's own, over links opened to the peers its program names
+    /// ([`Links::of_program`]). `layouts` are every tensor the links will move. Every rank of
+    /// the job calls it alike. Returns the stats of this process's ranks.
+    pub fn run_programs<'l>(
+        &self,
+        runs: Vec<RankRun<'_, '_>>,
+        layouts: impl IntoIterator<Item = &'l Layout>,
+        options: &ExecOptions,
+    ) -> Result<RunStats> {
+        let Some(rank) = self.rank() else {
+            return exec::driver::run_threads(runs, options, &[]);
+        };
+        let mut runs = runs.into_iter();
+        let (Some(mut own), None) = (runs.next(), runs.next()) else {
+            return Err(Error::Internal {
+                rank,
+                detail: "a rank of a job between processes runs one program: its own".into(),
+            });
+        };
+        if own.program.rank != rank {
+            return Err(Error::Internal {
+                rank,
+                detail: format!("given the program of rank {}", own.program.rank),
+            });
+        }
+        let transport = self.connect(&Links::of_program(&own.program), layouts, None)?;
+        let started = Instant::now();
+        let stats = exec::run_program(&own.program, &own.src, &mut own.dst, &*transport, options)?;
+        Ok(RunStats {
+            elapsed: started.elapsed(),
+            ranks: vec![stats],
+        })
+    }
+
     /// Runs `plan` for this process's ranks: `sources` and `destinations` hold the shards of
     /// the ranks it runs ([`World::ranks`]: every rank's between threads, its own between
     /// processes), checked before any byte moves; the destinations are written in place.
@@ -121,13 +126,42 @@ impl World {
         check_own(plan.src(), Side::Src, rank, sources)?;
         check_own(plan.dst(), Side::Dst, rank, destinations)?;
         let mine = plan.rank_part(rank);
-        let transport = self.connect(&Links::of_plan(&mine), [plan.src()], None)?;
-        let own = Own {
-            plan,
-            mine: &mine,
-            rank,
+        self.run_own(plan, &mine, sources, destinations, None, &exec_options)
+    }
+
+    /// Runs this rank's part `mine` of `plan` between processes: lowered, then run over the
+    /// links its program names.
+    fn run_own(
+        &self,
+        plan: &Plan,
+        mine: &RankPlan,
+        sources: &BTreeMap<Rank, Vec<u8>>,
+        destinations: &mut BTreeMap<Rank, Vec<u8>>,
+        quant: Option<crate::exec::QuantJob<'_, '_>>,
+        options: &ExecOptions,
+    ) -> Result<RunStats> {
+        let rank = mine.rank;
+        let (src_box, dst_box) = (plan.src().local_region(rank), plan.dst().local_region(rank));
+        let job = RankJob {
+            quant,
+            plan: mine,
+            src_layout: plan.src(),
+            dst_dtype: plan.dst().dtype(),
+            src: src_box.as_ref().zip(sources.get(&rank).map(Vec::as_slice)),
+            dst: dst_box
+                .as_ref()
+                .zip(destinations.get_mut(&rank).map(Vec::as_mut_slice)),
         };
-        own.run(sources, destinations, None, &*transport, &exec_options)
+        let program = job.program(options)?;
+        let mut dst = vec![job.dst.map_or(&mut [][..], |d| d.1)];
+        dst.extend(job.quant.and_then(|q| q.scales));
+        let run = RankRun {
+            program,
+            src: job.src.map(|s| s.1).into_iter().collect(),
+            dst,
+        };
+        // the scales travel as transfers of their own: same-host senders use rings
+        self.run_programs(vec![run], [plan.src()], options)
     }
 
     /// [`World::run`] of a quantizing plan ([`Plan::quantized`]): `destinations` receive the
@@ -163,11 +197,6 @@ impl World {
         let mine = plan.rank_part(rank);
         let part = q.for_rank(plan.src(), plan.dst(), &mine);
         let mut stage = vec![0u8; part.stage_bytes(q.scale_bytes())];
-        let mut links = Links::of_plan(&mine);
-        links.senders.extend(part.amax_peers());
-        links.receivers.extend(part.amax_peers());
-        // the scales travel as transfers of their own: same-host senders use rings
-        let transport = self.connect(&links, [plan.src()], None)?;
         let quant = crate::exec::QuantJob {
             tensor: "tensor",
             plan: q,
@@ -175,16 +204,12 @@ impl World {
             stage: &mut stage,
             scales: scales.get_mut(&rank).map(Vec::as_mut_slice),
         };
-        let own = Own {
+        self.run_own(
             plan,
-            mine: &mine,
-            rank,
-        };
-        own.run(
+            &mine,
             sources,
             destinations,
             Some(quant),
-            &*transport,
             &exec_options,
         )
     }
@@ -239,8 +264,6 @@ impl World {
         self.check_size(batch.world().saturating_sub(1))?;
         let rb = batch.rank_batch(rank)?;
         let layouts = batch.tensors().iter().map(|t| &t.src);
-        let transport = self.connect(&Links::of_batch(&rb), layouts, None)?;
-        let started = Instant::now();
         fn mine(m: &mut BTreeMap<Rank, Vec<Vec<u8>>>, rank: Rank) -> Vec<&mut [u8]> {
             m.get_mut(&rank)
                 .map(|b| b.iter_mut().map(Vec::as_mut_slice).collect())
@@ -250,24 +273,22 @@ impl World {
             .get(&rank)
             .map(|b| b.iter().map(Vec::as_slice).collect())
             .unwrap_or_default();
-        let (mut dst, mut scale) = (mine(destinations, rank), mine(scales, rank));
-        let stats = run_rank_batch(
-            batch,
-            &rb,
-            &src,
-            &mut dst,
-            &mut scale,
-            &*transport,
-            &exec_options,
-        )?;
-        Ok(RunStats {
-            elapsed: started.elapsed(),
-            ranks: vec![stats],
-        })
+        let (mut dst, scale) = (mine(destinations, rank), mine(scales, rank));
+        let lens = |b: &[&mut [u8]]| b.iter().map(|b| b.len()).collect::<Vec<_>>();
+        let src_lens: Vec<usize> = src.iter().map(|b| b.len()).collect();
+        check_all(&rb, &src_lens, &lens(&dst), &lens(&scale))?;
+        // a rank's destination buffers, then its scale buffers
+        dst.extend(scale);
+        let run = RankRun {
+            program: lower_batch(batch, &rb, &exec_options)?,
+            src,
+            dst,
+        };
+        self.run_programs(vec![run], layouts, &exec_options)
     }
 
     /// Moves an already-quantized tensor ([`QuantizedMove`]): its fp8 values and its scales
-    /// in one exchange, as the batch [`QuantizedMove::batch`] (one schedule, one stream per
+    /// in one exchange, as the batch [`Batch::quantized`] (one schedule, one stream per
     /// peer pair, the scales right behind the values), not as two reshards one after the
     /// other. `sources` and `destinations` hold, for each rank this process runs that holds a
     /// shard ([`World::ranks`]), its buffers `[values, scales]` (indices
@@ -354,8 +375,6 @@ impl World {
         check_own(plan.src(), Side::Src, rank, sources)?;
         check_own(plan.dst(), Side::Dst, rank, destinations)?;
         let (gather, broadcast) = gb.rank_parts(rank);
-        let links = Links::of_plans([&gather, &broadcast].into_iter().flatten());
-        let transport = self.connect(&links, [plan.src()], None)?;
         let mut full = match gb.needs_full_buffer(rank) {
             true => Some(reshard_core::memory::zeroed(
                 gb.dst().total_bytes(),
@@ -364,187 +383,37 @@ impl World {
             false => None,
         };
         let (src_box, dst_box) = (plan.src().local_region(rank), plan.dst().local_region(rank));
-        let started = Instant::now();
-        let work = BaselineJob {
+        let whole = Region::full(gb.dst().shape());
+        let src = src_box.as_ref().zip(sources.get(&rank).map(Vec::as_slice));
+        let dst = dst_box
+            .as_ref()
+            .zip(destinations.get_mut(&rank).map(Vec::as_mut_slice));
+        fn slot((region, len): (&Region, usize), buf: Buf) -> Slot<'_> {
+            Slot {
+                region: Cow::Borrowed(region),
+                buf,
+                bytes: 0..len,
+            }
+        }
+        let parts = BaselineParts {
+            rank,
             baseline: &gb,
             gather: gather.as_ref(),
             broadcast: broadcast.as_ref(),
-            src: src_box.as_ref().zip(sources.get(&rank).map(Vec::as_slice)),
-            full: full.as_deref_mut(),
-            dst: dst_box
-                .as_ref()
-                .zip(destinations.get_mut(&rank).map(Vec::as_mut_slice)),
+            src: src.map(|(b, s)| slot((b, s.len()), Buf::Src(0))),
+            full: full.as_ref().map(|f| (Buf::Dst(1), 0..f.len())),
+            dst: dst.as_ref().map(|(b, d)| slot((b, d.len()), Buf::Dst(0))),
+            whole: Cow::Borrowed(&whole),
         };
-        let stats = baseline::run_rank_gather_broadcast(rank, work, &*transport, &exec_options)?;
-        Ok(RunStats {
-            elapsed: started.elapsed(),
-            ranks: vec![stats],
-        })
-    }
-
-    /// Opens this rank's links for `plan` and its destination shard in shared memory (so
-    /// that same-host senders write straight into it), for running the plan again and again
-    /// on the same links ([`PlanRank::run`]). For processes only: between threads it is an
-    /// error, as [`World::connect`] says. Every rank of the job calls it alike.
-    pub fn prepare(&self, plan: &Plan) -> Result<PlanRank<'_>> {
-        let job = self.job();
-        let rank = job.map_or(0, Job::rank);
-        let mine = plan.rank_part(rank);
-        let src_box = plan.src().local_region(rank);
-        let dst_box = plan.dst().local_region(rank);
-        let shard = match &dst_box {
-            Some(_) => Some(SharedBuffer::new(plan.dst().local_bytes(rank) as usize)?),
-            None => None,
+        let run = RankRun {
+            program: lower_gather_broadcast(parts, &exec_options)?,
+            src: src.map(|s| s.1).into_iter().collect(),
+            dst: vec![
+                dst.map_or(&mut [][..], |d| d.1),
+                full.as_deref_mut().unwrap_or_default(),
+            ],
         };
-        let quant = plan.quant().map(|q| {
-            let part = q.for_rank(plan.src(), plan.dst(), &mine);
-            RankQuant {
-                stage: vec![0u8; part.stage_bytes(q.scale_bytes())],
-                scales: dst_box
-                    .as_ref()
-                    .map(|_| vec![0u8; q.dst_scale_bytes(plan.dst(), rank) as usize]),
-                plan: q.clone(),
-                part,
-            }
-        });
-        let mut links = Links::of_plan(&mine);
-        if let Some(q) = &quant {
-            links.senders.extend(q.part.amax_peers());
-            links.receivers.extend(q.part.amax_peers());
-        }
-        // same-host senders write the values straight into the shard, quantizing as they
-        // write; what lands beside it (partial amax, scales) takes the rings, each chunk
-        // marked by the executor ([`reshard_transport::Lands`]). A rank whose part relays keeps
-        // rings, as before: its rounds mix hops into its staging with legs into its shard,
-        // a mix checked over rings only.
-        let destination = dst_box
-            .as_ref()
-            .and_then(|b| shard.as_ref().map(|s| (s, b)))
-            .filter(|_| !mine.relays());
-        let transport = self.connect(&links, [plan.src()], destination)?;
-        Ok(PlanRank {
-            world: self,
-            rank,
-            plan: mine,
-            src_layout: plan.src().clone(),
-            dst_dtype: plan.dst().dtype(),
-            src_box,
-            dst_box,
-            shard,
-            transport,
-            quant,
-        })
-    }
-}
-
-/// A prepared rank's quantization: its part of the plan, its staging, its scale shard.
-struct RankQuant {
-    plan: reshard_core::plan::QuantPlan,
-    part: reshard_core::plan::QuantRankPlan,
-    stage: Vec<u8>,
-    scales: Option<Vec<u8>>,
-}
-
-/// One rank's part of a plan with its links open and its destination shard in shared memory
-/// ([`World::prepare`]), to run as many times as wanted.
-pub struct PlanRank<'w> {
-    world: &'w World,
-    rank: Rank,
-    plan: RankPlan,
-    /// Where every sender's shard lies.
-    src_layout: Layout,
-    /// What the destination holds: the senders convert to it.
-    dst_dtype: DType,
-    src_box: Option<Region>,
-    dst_box: Option<Region>,
-    shard: Option<SharedBuffer>,
-    transport: AnyTransport<'w>,
-    quant: Option<RankQuant>,
-}
-
-impl PlanRank<'_> {
-    pub fn rank(&self) -> Rank {
-        self.rank
-    }
-
-    /// The transport the links run over (`tcp`, `shm`, `mpi`).
-    pub fn transport_name(&self) -> &'static str {
-        self.transport.name()
-    }
-
-    /// This rank's box of the destination, if it is a destination.
-    pub fn destination_box(&self) -> Option<&Region> {
-        self.dst_box.as_ref()
-    }
-
-    /// This rank's destination shard, if it is a destination.
-    pub fn destination(&self) -> Option<&[u8]> {
-        self.shard.as_deref()
-    }
-
-    /// This rank's scale shard, if the plan quantizes and it is a destination.
-    pub fn scales(&self) -> Option<&[u8]> {
-        self.quant.as_ref().and_then(|q| q.scales.as_deref())
-    }
-
-    /// This rank's scale shard, to write before a run.
-    pub fn scales_mut(&mut self) -> Option<&mut [u8]> {
-        self.quant.as_mut().and_then(|q| q.scales.as_deref_mut())
-    }
-
-    /// This rank's destination shard, to write before a run (a pattern, to see what the run
-    /// moved).
-    pub fn destination_mut(&mut self) -> Option<&mut [u8]> {
-        self.shard.as_deref_mut()
-    }
-
-    /// Runs the rank's part once with `source`, this rank's source shard if it is a source.
-    /// It does not wait for the other ranks first: a
-    /// caller that times runs calls [`World::barrier`] before, so that every rank starts
-    /// together.
-    pub fn run(&mut self, source: Option<&[u8]>, options: &RunOptions) -> Result<RankStats> {
-        let exec_options = self.world.exec_options(options);
-        exec_options.validate()?;
-        let expected = self.src_layout.local_bytes(self.rank);
-        match (&self.src_box, source) {
-            (Some(_), None) => {
-                return Err(Error::MissingBuffer {
-                    side: Side::Src,
-                    rank: self.rank,
-                });
-            }
-            (None, Some(_)) => {
-                return Err(Error::UnexpectedBuffer {
-                    side: Side::Src,
-                    rank: self.rank,
-                });
-            }
-            (Some(b), Some(s)) if s.len() as u64 != expected => {
-                return Err(Error::BufferSize {
-                    side: Side::Src,
-                    rank: self.rank,
-                    extent: Dims(b.extent.clone()),
-                    expected,
-                    got: s.len() as u64,
-                });
-            }
-            _ => {}
-        }
-        let work = RankJob {
-            quant: self.quant.as_mut().map(|q| crate::exec::QuantJob {
-                tensor: "tensor",
-                plan: &q.plan,
-                rank: &q.part,
-                stage: &mut q.stage,
-                scales: q.scales.as_deref_mut(),
-            }),
-            plan: &self.plan,
-            src_layout: &self.src_layout,
-            dst_dtype: self.dst_dtype,
-            src: self.src_box.as_ref().zip(source),
-            dst: self.dst_box.as_ref().zip(self.shard.as_deref_mut()),
-        };
-        exec::run_rank_any(work, &*self.transport, &exec_options)
+        self.run_programs(vec![run], [plan.src()], &exec_options)
     }
 }
 

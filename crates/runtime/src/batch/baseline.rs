@@ -3,13 +3,17 @@
 //! ranks ([`GatherBroadcast`]), which copy their boxes out into their (possibly fused)
 //! buffers. One full-tensor buffer per rank, as large as the largest tensor, is reused. A
 //! tensor whose destination has another float dtype moves in its source dtype and is
-//! converted as each rank keeps its boxes, as an engine converts what it received.
+//! converted as each rank keeps its boxes, as an engine converts what it received. A rank's
+//! part lowers to one program ([`lower_batch_baseline`]): each tensor's gather, broadcast and
+//! keep phases, one tensor after the other.
+
+use std::borrow::Cow;
 
 use super::{Batch, RankBatch};
-use crate::exec::baseline::{BaselineJob, run_rank_gather_broadcast};
-use crate::exec::{ExecOptions, RankStats};
-use reshard_core::copy::{CopyGeometry, Place};
-use reshard_core::error::{Error, Result};
+use crate::exec::lower::{BaselineParts, Slot, baseline_chunk, baseline_phases};
+use crate::exec::program::{Buf, LocalCopy, Phase, PhaseKind, Program};
+use crate::exec::{ExecOptions, RankStats, run_program};
+use reshard_core::error::{Error, Result, Side};
 use reshard_core::layout::Rank;
 use reshard_core::plan::{GatherBroadcast, RankPlan};
 use reshard_core::region::Region;
@@ -86,102 +90,154 @@ pub fn run_rank_batch_baseline<T>(
 where
     T: for<'b> Transport<'b> + ?Sized,
 {
+    let program = lower_batch_baseline(
+        batch,
+        baseline,
+        mine,
+        rb,
+        Buf::Dst(dst.len()),
+        full.len(),
+        options,
+    )?;
+    let mut bufs: Vec<&mut [u8]> = dst.iter_mut().map(|b| &mut **b).collect();
+    bufs.push(full);
+    run_program(&program, src, &mut bufs, transport, options)
+}
+
+/// The program of `rank`'s part of the baseline of every tensor of `batch`, in batch order:
+/// each tensor gathered and broadcast whole through the full-tensor buffer `full` (of
+/// `full_len` bytes), then every piece of it this rank holds copied out (converted when the
+/// destination has a float dtype of its own). A source shard that a fused buffer splits is
+/// assembled into a copy first.
+#[allow(clippy::too_many_arguments)]
+pub fn lower_batch_baseline<'p>(
+    batch: &'p Batch,
+    baseline: &'p BatchBaseline,
+    mine: &'p RankBaseline,
+    rb: &'p RankBatch,
+    full: Buf,
+    full_len: usize,
+    options: &ExecOptions,
+) -> Result<Program<'p>> {
     let rank = rb.rank;
-    let mut stats = RankStats {
-        rank,
-        ..RankStats::default()
+    let mut program = Program::new(rank, baseline_chunk(options));
+    // one copy buffer for the shards fused buffers split, as large as the largest
+    let split = |i: usize| {
+        let t = &batch.tensors[i];
+        let b = t.src.local_region(rank)?;
+        let pieces: Vec<_> = rb
+            .src
+            .iter()
+            .flat_map(|buf| buf.pieces.iter())
+            .filter(|p| p.tensor == i)
+            .collect();
+        let whole = matches!(pieces.as_slice(), [p] if p.region == b);
+        (!whole).then(|| t.src.local_bytes(rank) as usize)
     };
-    let mut scratch = Vec::new();
+    let largest = (0..batch.tensors.len())
+        .filter_map(|i| split(i).map(|n| (n, i)))
+        .max();
+    let copy = largest.map(|(n, i)| {
+        let what = format!("copy of tensor {}'s source shard", batch.tensors[i].name);
+        Buf::Scratch(program.add_scratch(n, what))
+    });
     for (i, (gb, (gather, broadcast))) in baseline.tensors.iter().zip(&mine.parts).enumerate() {
-        let t = &batch.tensors()[i];
-        let elem = t.src.dtype().size();
+        let t = &batch.tensors[i];
         let whole = Region::full(t.src.shape());
         let total = t.src.total_bytes() as usize;
-        // this rank's source shard, assembled from its pieces when a fused buffer splits it
         let src_box = t.src.local_region(rank);
-        let shard: Option<&[u8]> = match &src_box {
-            None => None,
-            Some(b) => {
-                let pieces: Vec<_> = rb
-                    .src
-                    .iter()
-                    .enumerate()
-                    .flat_map(|(k, buf)| buf.pieces.iter().map(move |p| (k, p)))
-                    .filter(|(_, p)| p.tensor == i)
-                    .collect();
-                match pieces.as_slice() {
-                    [(k, p)] if p.region == *b => Some(&src[*k][p.bytes.clone()]),
-                    _ => {
-                        let need = t.src.local_bytes(rank) as usize;
-                        let more = need.saturating_sub(scratch.len());
-                        reshard_core::memory::reserve(&mut scratch, more, || {
-                            format!("rank {rank}'s copy of tensor {}'s source shard", t.name)
-                        })?;
-                        scratch.resize(need, 0);
-                        for (k, p) in &pieces {
-                            let g = CopyGeometry::new(
-                                &p.region,
-                                Place::Within(&p.region),
-                                Place::Within(b),
-                                elem,
-                            );
-                            g.copy(&src[*k][p.bytes.clone()], &mut scratch, 0..g.len());
-                            stats.bytes_local += g.len() as u64;
-                        }
-                        Some(&scratch)
-                    }
-                }
-            }
-        };
         let gets = gb.gets_tensor(rank);
-        if full.len() < total && gets {
+        if full_len < total && gets {
             return Err(Error::Batch {
                 what: "tensor",
                 name: t.name.clone(),
                 reason: format!(
-                    "rank {rank}'s full-tensor buffer holds {} bytes, less than the tensor's {total}",
-                    full.len()
+                    "rank {rank}'s full-tensor buffer holds {full_len} bytes, less than the tensor's {total}"
                 ),
             });
         }
-        let job = BaselineJob {
+        let mut assemble = Vec::new();
+        let shard: Option<Slot<'p>> = match (&src_box, split(i), copy) {
+            (None, _, _) => None,
+            (Some(b), Some(need), Some(copy)) => {
+                for (k, buf) in rb.src.iter().enumerate() {
+                    for p in buf.pieces.iter().filter(|p| p.tensor == i) {
+                        assemble.push(LocalCopy {
+                            region: Cow::Borrowed(&p.region),
+                            from: (Buf::Src(k), p.bytes.clone()),
+                            from_box: Cow::Borrowed(&p.region),
+                            to: (copy, 0..need),
+                            to_box: Cow::Owned(b.clone()),
+                            elem_bytes: t.src.dtype().size(),
+                            cast: None,
+                            counted: true,
+                        });
+                    }
+                }
+                Some(Slot {
+                    region: Cow::Owned(b.clone()),
+                    buf: copy,
+                    bytes: 0..need,
+                })
+            }
+            (Some(b), _, _) => rb.src.iter().enumerate().find_map(|(k, buf)| {
+                let p = buf.pieces.iter().find(|p| p.tensor == i)?;
+                Some(Slot {
+                    region: Cow::Owned(b.clone()),
+                    buf: Buf::Src(k),
+                    bytes: p.bytes.clone(),
+                })
+            }),
+        };
+        let first = program.phases.len();
+        let parts = BaselineParts {
+            rank,
             baseline: gb,
             gather: gather.as_ref(),
             broadcast: broadcast.as_ref(),
-            src: src_box.as_ref().zip(shard),
-            full: gets.then(|| &mut full[..total]),
+            src: shard.clone(),
+            full: gets.then_some((full, 0..total)),
             dst: None,
+            whole: Cow::Owned(whole.clone()),
         };
-        let s = run_rank_gather_broadcast(rank, job, transport, options)?;
-        stats.absorb(&s);
+        baseline_phases(&mut program, parts, i, options)?;
         // keep: every piece of this tensor in this rank's destination buffers
-        let tensor: Option<&[u8]> = if gets {
-            Some(&full[..total])
-        } else if gb.holders.contains(&rank) {
-            shard
-        } else {
-            None
+        let tensor = match gets {
+            true => Some((full, 0..total)),
+            false => shard
+                .filter(|_| gb.holders.contains(&rank))
+                .map(|s| (s.buf, s.bytes)),
         };
+        let mut keep = Phase::new(rank, PhaseKind::Keep, 3 * i + 2, Vec::new(), Vec::new());
+        keep.skip_empty = true;
         for (k, buf) in rb.dst.iter().enumerate() {
             for p in buf.pieces.iter().filter(|p| p.tensor == i) {
-                let Some(tensor) = tensor else {
+                let Some(tensor) = &tensor else {
                     return Err(Error::MissingBuffer {
-                        side: reshard_core::error::Side::Dst,
+                        side: Side::Dst,
                         rank,
                     });
                 };
                 // converted as it is kept, when the destination has a float dtype of its own
-                let g = CopyGeometry::converting(
-                    &p.region,
-                    Place::Within(&whole),
-                    Place::Within(&p.region),
-                    t.dst.dtype().size(),
-                    gb.cast(),
-                );
-                g.copy(tensor, &mut dst[k][p.bytes.clone()], 0..g.len());
-                stats.bytes_local += g.len() as u64;
+                keep.after.push(LocalCopy {
+                    region: Cow::Borrowed(&p.region),
+                    from: tensor.clone(),
+                    from_box: Cow::Owned(whole.clone()),
+                    to: (Buf::Dst(k), p.bytes.clone()),
+                    to_box: Cow::Borrowed(&p.region),
+                    elem_bytes: t.dst.dtype().size(),
+                    cast: gb.cast(),
+                    counted: true,
+                });
             }
         }
+        if !keep.after.is_empty() || !assemble.is_empty() {
+            program.phases.push(keep);
+        }
+        // the shard is assembled before the tensor's first phase
+        if let Some(p) = program.phases.get_mut(first) {
+            p.before.splice(0..0, assemble);
+        }
     }
-    Ok(stats)
+    Ok(program)
 }

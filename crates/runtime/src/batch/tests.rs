@@ -10,6 +10,7 @@ use reshard_core::fill::Fill;
 use reshard_core::layout::LayoutSpec;
 use reshard_core::plan::QuantPlan;
 use reshard_core::testing::{arb_layout_pair, reference_shards};
+use reshard_transport::Lands;
 
 fn layout(spec: &str, shape: &[u64], first: Rank) -> Layout {
     LayoutSpec::parse(spec)

@@ -1,12 +1,16 @@
 //! Runs the gather+broadcast baseline ([`GatherBroadcast`]) on the same executor and transports
 //! as a reshard: the gather and the broadcast are two reshards into a full-tensor buffer, then
-//! every destination rank copies its box out of the full tensor.
+//! every destination rank copies its box out of the full tensor; all three phases of one
+//! program ([`super::lower::lower_gather_broadcast`]).
 
+use std::borrow::Cow;
 use std::collections::BTreeMap;
-use std::time::Instant;
 
-use super::{ExecOptions, RankJob, RankStats, RunStats, check_buffers, run_local, run_rank_any};
-use crate::exec::threads::{RankThread, joined};
+use super::driver::{RankRun, run_threads};
+use super::executor::run_program;
+use super::lower::{BaselineParts, Slot, lower_gather_broadcast};
+use super::program::Buf;
+use super::{ExecOptions, RankStats, RunStats, check_buffers};
 use reshard_core::copy::{Cast, CopyGeometry, Place};
 use reshard_core::error::{Error, Result, Side};
 use reshard_core::layout::Rank;
@@ -29,7 +33,8 @@ pub struct BaselineJob<'a> {
     pub dst: Option<(&'a Region, &'a mut [u8])>,
 }
 
-/// Runs one rank's part of the baseline over `transport`: gather, broadcast, keep.
+/// Runs one rank's part of the baseline over `transport`: gather, broadcast, keep, as the
+/// program lowered from its parts ([`lower_gather_broadcast`]).
 pub fn run_rank_gather_broadcast<T>(
     rank: Rank,
     job: BaselineJob<'_>,
@@ -48,60 +53,29 @@ where
         dst,
     } = job;
     check_full(baseline, rank, full.as_ref().map(|f| f.len()))?;
-    // A rank that keeps the whole tensor gathers or receives it straight into its shard.
-    let (mut full, dst) = match (full, dst) {
-        (None, Some((_, d))) if baseline.gets_tensor(rank) => (Some(d), None),
-        (full, dst) => (full, dst),
-    };
-    let dst_layout = baseline.dst();
-    let whole = Region::full(dst_layout.shape());
-    let elem_bytes = dst_layout.dtype().size();
-    let mut stats = RankStats {
+    let whole = Region::full(baseline.dst().shape());
+    let parts = BaselineParts {
         rank,
-        ..RankStats::default()
+        baseline,
+        gather,
+        broadcast,
+        src: src.map(|(region, s)| Slot {
+            region: Cow::Borrowed(region),
+            buf: Buf::Src(0),
+            bytes: 0..s.len(),
+        }),
+        full: full.as_ref().map(|f| (Buf::Dst(1), 0..f.len())),
+        dst: dst.as_ref().map(|(region, d)| Slot {
+            region: Cow::Borrowed(*region),
+            buf: Buf::Dst(0),
+            bytes: 0..d.len(),
+        }),
+        whole: Cow::Borrowed(&whole),
     };
-    let mut add = |s: RankStats| stats.absorb(&s);
-    if let (Some(plan), Some(gather)) = (gather, &baseline.gather) {
-        let work = RankJob {
-            quant: None,
-            plan,
-            src_layout: gather.src(),
-            src,
-            dst: full.as_deref_mut().map(|f| (&whole, f)),
-            dst_dtype: gather.dst().dtype(),
-        };
-        add(run_rank_any(work, transport, options)?);
-    }
-    // The tensor a holder broadcasts and keeps from: its gathered copy, or its source shard
-    // when the source is fully replicated.
-    let holds_all = baseline.holders.binary_search(&rank).is_ok();
-    if let (Some(plan), Some(broadcast)) = (broadcast, &baseline.broadcast) {
-        let (send_from, receive_into) = if holds_all {
-            (full.as_deref().or(src.map(|s| s.1)), None)
-        } else {
-            (None, full.as_deref_mut())
-        };
-        let work = RankJob {
-            quant: None,
-            plan,
-            src_layout: broadcast.src(),
-            src: send_from.map(|s| (&whole, s)),
-            dst: receive_into.map(|f| (&whole, f)),
-            dst_dtype: broadcast.dst().dtype(),
-        };
-        add(run_rank_any(work, transport, options)?);
-    }
-    if let Some((dst_box, dst)) = dst {
-        let tensor = full.as_deref().or(src.filter(|_| holds_all).map(|s| s.1));
-        let Some(tensor) = tensor else {
-            return Err(Error::MissingBuffer {
-                side: Side::Dst,
-                rank,
-            });
-        };
-        stats.bytes_local += keep_slice(tensor, &whole, dst_box, dst, elem_bytes, baseline.cast());
-    }
-    Ok(stats)
+    let program = lower_gather_broadcast(parts, options)?;
+    let src: Vec<&[u8]> = src.map(|s| s.1).into_iter().collect();
+    let mut dst = vec![dst.map_or(&mut [][..], |d| d.1), full.unwrap_or_default()];
+    run_program(&program, &src, &mut dst, transport, options)
 }
 
 /// Copies `rank`'s destination box out of the full tensor in `full`, converting it with
@@ -164,8 +138,7 @@ pub fn full_buffers(baseline: &GatherBroadcast) -> Result<BTreeMap<Rank, Vec<u8>
 }
 
 /// Runs the whole baseline with every rank as a thread of this process (the `local`
-/// transport), phase after phase. `full` comes from [`full_buffers`]; buffers move between
-/// the phases' maps and are all back in place on return, also on error.
+/// transport), phase after phase. `full` comes from [`full_buffers`].
 pub fn run_local_gather_broadcast(
     baseline: &GatherBroadcast,
     src: &mut BTreeMap<Rank, Vec<u8>>,
@@ -175,135 +148,107 @@ pub fn run_local_gather_broadcast(
 ) -> Result<RunStats> {
     options.validate()?;
     check_buffers(baseline.dst(), Side::Dst, dst)?;
-    for rank in baseline.ranks() {
+    let ranks = baseline.ranks();
+    for &rank in &ranks {
         check_full(baseline, rank, full.get(&rank).map(Vec::len))?;
     }
-    let started = Instant::now();
-    let mut per_rank: BTreeMap<Rank, RankStats> = BTreeMap::new();
-    let mut add = |stats: RunStats| {
-        for s in stats.ranks {
-            per_rank
-                .entry(s.rank)
-                .or_insert(RankStats {
-                    rank: s.rank,
-                    ..RankStats::default()
-                })
-                .absorb(&s);
-        }
+    // the source shards the phases read: the gathered replica's, or the holders' whole tensor
+    let src_layout = match (&baseline.gather, &baseline.broadcast) {
+        (Some(g), _) => Some(g.src()),
+        (None, Some(b)) => Some(b.src()),
+        (None, None) => None,
     };
-    if let Some(gather) = &baseline.gather {
-        let members = gather.src().mesh().ranks();
-        let mut sources = take(src, members);
-        let (mut targets, in_place) = take_tensors(baseline, full, dst, members);
-        let ran = run_local(gather, &sources, &mut targets, options);
-        src.append(&mut sources);
-        put_back(targets, &in_place, full, dst);
-        add(ran?);
-    }
-    if let Some(broadcast) = &baseline.broadcast {
-        let holders = broadcast.src().mesh().ranks();
-        let (sources, in_place) = if baseline.gather.is_some() {
-            take_tensors(baseline, full, dst, holders)
-        } else {
-            (take(src, holders), Vec::new())
-        };
-        let (mut targets, received_in_place) =
-            take_tensors(baseline, full, dst, broadcast.dst().mesh().ranks());
-        let ran = run_local(broadcast, &sources, &mut targets, options);
-        if baseline.gather.is_some() {
-            put_back(sources, &in_place, full, dst);
-        } else {
-            src.extend(sources);
-        }
-        put_back(targets, &received_in_place, full, dst);
-        add(ran?);
-    }
-    // every destination rank keeps its box, all at once as separate processes would
     let whole = Region::full(baseline.dst().shape());
-    let elem_bytes = baseline.dst().dtype().size();
-    let cast = baseline.cast();
-    let layout = baseline.dst();
-    let kept: Vec<(Rank, Result<u64>)> = std::thread::scope(|scope| {
-        let handles: Vec<_> = dst
-            .iter_mut()
-            .filter(|(rank, _)| !(baseline.keeps_all(**rank) && baseline.gets_tensor(**rank)))
-            .map(|(&rank, shard)| {
-                let tensor = full
-                    .get(&rank)
-                    .or_else(|| src.get(&rank))
-                    .map(Vec::as_slice);
-                let dst_box = layout.local_region(rank);
-                let whole = &whole;
-                let cast = cast.clone();
-                (
-                    rank,
-                    std::thread::Builder::new().spawn_scoped(scope, move || {
-                        match (tensor, dst_box) {
-                            (Some(t), Some(dst_box)) if t.len() as u64 == baseline.full_bytes() => {
-                                Ok(keep_slice(t, whole, &dst_box, shard, elem_bytes, cast))
-                            }
-                            _ => Err(Error::MissingBuffer {
-                                side: Side::Dst,
-                                rank,
-                            }),
-                        }
-                    }),
-                )
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|(rank, h)| (rank, joined(h, rank, RankThread::Rank)))
-            .collect()
-    });
-    let mut kept_stats = RunStats::default();
-    for (rank, k) in kept {
-        kept_stats.ranks.push(RankStats {
-            rank,
-            bytes_local: k?,
-            ..RankStats::default()
+    let src_boxes: BTreeMap<Rank, Region> = ranks
+        .iter()
+        .filter_map(|&r| {
+            let b = match src_layout {
+                Some(l) => l.local_region(r),
+                None => baseline
+                    .holders
+                    .binary_search(&r)
+                    .is_ok()
+                    .then(|| whole.clone()),
+            };
+            Some((r, b?))
+        })
+        .collect();
+    if let Some(l) = src_layout {
+        check_held(l, src)?;
+    }
+    let parts: BTreeMap<Rank, (Option<RankPlan>, Option<RankPlan>)> =
+        ranks.iter().map(|&r| (r, baseline.rank_parts(r))).collect();
+    let mut dsts: BTreeMap<Rank, &mut Vec<u8>> = dst.iter_mut().map(|(&r, b)| (r, b)).collect();
+    let mut fulls: BTreeMap<Rank, &mut Vec<u8>> = full.iter_mut().map(|(&r, b)| (r, b)).collect();
+    let dst_boxes: BTreeMap<Rank, Region> = ranks
+        .iter()
+        .filter_map(|&r| Some((r, baseline.dst().local_region(r)?)))
+        .collect();
+    let mut runs = Vec::with_capacity(ranks.len());
+    for &rank in &ranks {
+        let (gather, broadcast) = &parts[&rank];
+        let shard = src
+            .get(&rank)
+            .map(Vec::as_slice)
+            .filter(|_| src_boxes.contains_key(&rank));
+        let d = dsts.remove(&rank).map(Vec::as_mut_slice);
+        let f = fulls.remove(&rank).map(Vec::as_mut_slice);
+        let dst_box = dst_boxes.get(&rank);
+        let program = {
+            let parts = BaselineParts {
+                rank,
+                baseline,
+                gather: gather.as_ref(),
+                broadcast: broadcast.as_ref(),
+                src: src_boxes.get(&rank).zip(shard).map(|(region, s)| Slot {
+                    region: Cow::Borrowed(region),
+                    buf: Buf::Src(0),
+                    bytes: 0..s.len(),
+                }),
+                full: f.as_ref().map(|f| (Buf::Dst(1), 0..f.len())),
+                dst: d.as_ref().and(dst_box).map(|region| Slot {
+                    region: Cow::Borrowed(region),
+                    buf: Buf::Dst(0),
+                    bytes: 0..d.as_ref().map_or(0, |d| d.len()),
+                }),
+                whole: Cow::Borrowed(&whole),
+            };
+            lower_gather_broadcast(parts, options)?
+        };
+        runs.push(RankRun {
+            program,
+            src: shard.into_iter().collect(),
+            dst: vec![d.unwrap_or_default(), f.unwrap_or_default()],
         });
     }
-    add(kept_stats);
-    Ok(RunStats {
-        elapsed: started.elapsed(),
-        ranks: per_rank.into_values().collect(),
-    })
+    run_threads(runs, options, &[])
 }
 
-/// Moves the whole-tensor buffers of `ranks` out of `full`, or out of `dst` for the ranks that
-/// keep the whole tensor in their shard (returned second).
-fn take_tensors(
-    baseline: &GatherBroadcast,
-    full: &mut BTreeMap<Rank, Vec<u8>>,
-    dst: &mut BTreeMap<Rank, Vec<u8>>,
-    ranks: &[Rank],
-) -> (BTreeMap<Rank, Vec<u8>>, Vec<Rank>) {
-    let in_place: Vec<Rank> = ranks
-        .iter()
-        .copied()
-        .filter(|&r| !baseline.needs_full_buffer(r))
-        .collect();
-    let mut taken = take(full, ranks);
-    taken.append(&mut take(dst, &in_place));
-    (taken, in_place)
-}
-
-/// Undoes [`take_tensors`].
-fn put_back(
-    mut taken: BTreeMap<Rank, Vec<u8>>,
-    in_place: &[Rank],
-    full: &mut BTreeMap<Rank, Vec<u8>>,
-    dst: &mut BTreeMap<Rank, Vec<u8>>,
-) {
-    dst.append(&mut take(&mut taken, in_place));
-    full.append(&mut taken);
-}
-
-/// Moves the buffers of `ranks` out of `from`.
-fn take(from: &mut BTreeMap<Rank, Vec<u8>>, ranks: &[Rank]) -> BTreeMap<Rank, Vec<u8>> {
-    ranks
-        .iter()
-        .filter_map(|r| from.remove(r).map(|b| (*r, b)))
-        .collect()
+/// Checks that every rank of `layout` has a source buffer of its shard's size (other ranks'
+/// buffers, of replicas that take no part, are left alone).
+fn check_held(layout: &reshard_core::Layout, src: &BTreeMap<Rank, Vec<u8>>) -> Result<()> {
+    for &r in layout.mesh().ranks() {
+        let expected = layout.local_bytes(r);
+        match src.get(&r) {
+            None => {
+                return Err(Error::MissingBuffer {
+                    side: Side::Src,
+                    rank: r,
+                });
+            }
+            Some(b) if b.len() as u64 != expected => {
+                return Err(Error::BufferSize {
+                    side: Side::Src,
+                    rank: r,
+                    extent: reshard_core::error::Dims(
+                        layout.local_region(r).map(|b| b.extent).unwrap_or_default(),
+                    ),
+                    expected,
+                    got: b.len() as u64,
+                });
+            }
+            Some(_) => {}
+        }
+    }
+    Ok(())
 }

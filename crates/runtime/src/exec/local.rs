@@ -1,21 +1,21 @@
-//! Runs a whole plan with every rank as a thread of this process.
+//! Runs a whole plan with every rank as a thread of this process: each rank's part lowered
+//! to its program, all run by the one driver ([`super::driver`]).
 
 use reshard_core::error::Field;
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::time::Instant;
 
+use super::driver::{RankRun, run_threads};
+use super::lower::{PlanJob, QuantParts, Slot, lower_plan};
 use super::options::ExecOptions;
-use super::quant::QuantJob;
-use super::relay::{self, Rounds};
-use super::run::{RankJob, run_rank};
-use super::stats::{RankStats, RunStats};
+use super::program::Buf;
+use super::stats::RunStats;
 use super::steps::check_buffers;
-use crate::exec::threads::{RankThread, joined};
 use reshard_core::error::{Error, Result, Side};
 use reshard_core::layout::{Layout, Rank};
-use reshard_core::plan::{Plan, QuantRankPlan, RankPlan};
+use reshard_core::plan::{Plan, QuantRankPlan};
 use reshard_core::region::Region;
-use reshard_transport::{Fault, LocalFabric};
+use reshard_transport::Fault;
 
 /// Runs a whole plan with every rank as a thread of this process (the `local` transport).
 /// `src` holds every source rank's shard, `dst` every destination rank's shard (written in
@@ -117,17 +117,7 @@ fn run_local_all(
     let rank_plans = plan.rank_plans();
     let src_boxes: BTreeMap<Rank, Region> = regions(plan.src());
     let dst_boxes: BTreeMap<Rank, Region> = regions(plan.dst());
-    if rank_plans.values().any(RankPlan::relays) {
-        let boxes = (&src_boxes, &dst_boxes);
-        return run_local_relayed(plan, &rank_plans, boxes, src, dst, options, faults);
-    }
-    let mut pairs: BTreeSet<(Rank, Rank)> = plan
-        .transfers()
-        .iter()
-        .filter(|t| !t.is_local())
-        .map(|t| (t.src, t.dst))
-        .collect();
-    // quantizing: every rank's part, its staging, and the links of the amax exchange
+    // quantizing: every rank's part of the scales and of the amax exchange
     let quant_parts: BTreeMap<Rank, QuantRankPlan> = match plan.quant() {
         Some(q) => rank_plans
             .values()
@@ -135,181 +125,67 @@ fn run_local_all(
             .collect(),
         None => BTreeMap::new(),
     };
-    let mut stages: BTreeMap<Rank, Vec<u8>> = match plan.quant() {
-        Some(q) => quant_parts
-            .iter()
-            .map(|(&r, p)| (r, vec![0u8; p.stage_bytes(q.scale_bytes())]))
-            .collect(),
-        None => BTreeMap::new(),
-    };
-    for (&r, p) in &quant_parts {
-        pairs.extend(p.amax_peers().map(|peer| (r, peer)));
+    let mut dst_shards: BTreeMap<Rank, &mut Vec<u8>> =
+        dst.iter_mut().map(|(&r, b)| (r, b)).collect();
+    let mut scale_shards: BTreeMap<Rank, &mut [u8]> = scales
+        .map(|m| m.iter_mut().map(|(&r, b)| (r, b.as_mut_slice())).collect())
+        .unwrap_or_default();
+    fn slot(boxes: &BTreeMap<Rank, Region>, rank: Rank, buf: Buf, len: usize) -> Option<Slot<'_>> {
+        boxes.get(&rank).map(|region| Slot {
+            region: std::borrow::Cow::Borrowed(region),
+            buf,
+            bytes: 0..len,
+        })
     }
-    let fabric = LocalFabric {
-        timeout: options.timeout,
-        faults: faults.to_vec(),
-    };
-    let mut endpoints = fabric.endpoints(&ranks, pairs);
+    let mut runs = Vec::with_capacity(ranks.len());
+    for &rank in &ranks {
+        let src_shard = src.get(&rank).map(Vec::as_slice);
+        let dst_shard = dst_shards.remove(&rank).map(Vec::as_mut_slice);
+        let scale_shard = scale_shards.remove(&rank);
+        let job = PlanJob {
+            plan: &rank_plans[&rank],
+            src_layout: plan.src(),
+            dst_dtype: plan.dst().dtype(),
+            src: slot(
+                &src_boxes,
+                rank,
+                Buf::Src(0),
+                src_shard.map_or(0, <[u8]>::len),
+            ),
+            dst: slot(
+                &dst_boxes,
+                rank,
+                Buf::Dst(0),
+                dst_shard.as_ref().map_or(0, |d| d.len()),
+            ),
+            quant: plan.quant().map(|q| QuantParts {
+                tensor: "tensor",
+                plan: q,
+                rank: &quant_parts[&rank],
+                scales: scale_shard.as_ref().map(|_| Buf::Dst(1)),
+            }),
+        };
+        let program = lower_plan(&job, options)?;
+        let mut dst_bufs: Vec<&mut [u8]> = vec![dst_shard.unwrap_or_default()];
+        dst_bufs.extend(scale_shard);
+        runs.push(RankRun {
+            program,
+            src: src_shard.into_iter().collect(),
+            dst: dst_bufs,
+        });
+    }
     tracing::debug!(
         ranks = ranks.len(),
         transfers = plan.transfers().len(),
         chunk_bytes = options.chunk_bytes,
         "local run"
     );
-
     let started = Instant::now();
-    let mut dst_shards: BTreeMap<Rank, &mut Vec<u8>> =
-        dst.iter_mut().map(|(&r, b)| (r, b)).collect();
-    let mut stage_slices: BTreeMap<Rank, &mut [u8]> = stages
-        .iter_mut()
-        .map(|(&r, b)| (r, b.as_mut_slice()))
-        .collect();
-    let mut scale_shards: BTreeMap<Rank, &mut [u8]> = scales
-        .map(|m| m.iter_mut().map(|(&r, b)| (r, b.as_mut_slice())).collect())
-        .unwrap_or_default();
-    let results: Vec<Result<RankStats>> = std::thread::scope(|scope| {
-        let handles: Vec<_> = ranks
-            .iter()
-            .map(|&rank| {
-                let quant = plan.quant().map(|q| QuantJob {
-                    tensor: "tensor",
-                    plan: q,
-                    rank: &quant_parts[&rank],
-                    stage: stage_slices.remove(&rank).unwrap_or_default(),
-                    scales: scale_shards.remove(&rank),
-                });
-                let job = RankJob {
-                    quant,
-                    plan: &rank_plans[&rank],
-                    src_layout: plan.src(),
-                    src: src_boxes.get(&rank).zip(src.get(&rank).map(Vec::as_slice)),
-                    dst: dst_boxes
-                        .get(&rank)
-                        .zip(dst_shards.remove(&rank).map(Vec::as_mut_slice)),
-                    dst_dtype: plan.dst().dtype(),
-                };
-                let endpoint = endpoints.remove(&rank);
-                std::thread::Builder::new()
-                    .name(format!("rank {rank}"))
-                    .spawn_scoped(scope, move || match endpoint {
-                        // the endpoint lives as long as the thread: a rank that fails closes its links
-                        Some(endpoint) => run_rank(job, &endpoint, options),
-                        None => Ok(RankStats::default()),
-                    })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .zip(&ranks)
-            .map(|(h, &rank)| joined(h, rank, RankThread::Rank))
-            .collect()
-    });
+    let stats = run_threads(runs, options, faults);
     let elapsed = started.elapsed();
-    let stats = RunStats::gather(elapsed, results)?;
+    let stats = stats?;
     tracing::debug!(?elapsed, bytes = stats.bytes_remote(), "local run done");
     Ok(stats)
-}
-
-/// [`run_local`] of a relay plan: round after round ([`super::relay`]), every rank a thread
-/// of each round, each round on links of its own.
-fn run_local_relayed(
-    plan: &Plan,
-    rank_plans: &BTreeMap<Rank, RankPlan>,
-    (src_boxes, dst_boxes): (&BTreeMap<Rank, Region>, &BTreeMap<Rank, Region>),
-    src: &BTreeMap<Rank, Vec<u8>>,
-    dst: &mut BTreeMap<Rank, Vec<u8>>,
-    options: &ExecOptions,
-    faults: &[Fault],
-) -> Result<RunStats> {
-    let elem_bytes = plan.dst().dtype().size();
-    let slab = relay::slab_bytes(options);
-    let rounds: BTreeMap<Rank, Rounds> = rank_plans
-        .iter()
-        .map(|(&r, p)| Ok((r, Rounds::of(p, elem_bytes, slab)?)))
-        .collect::<Result<_>>()?;
-    let mut staging: BTreeMap<Rank, relay::Staging> = rounds
-        .iter()
-        .map(|(&r, rs)| Ok((r, relay::staging_for(rs, r)?)))
-        .collect::<Result<_>>()?;
-    let count = rounds.values().map(|r| r.rounds.len()).max().unwrap_or(0);
-    let started = Instant::now();
-    let mut totals: BTreeMap<Rank, RankStats> = BTreeMap::new();
-    for j in 0..count {
-        let pairs: BTreeSet<(Rank, Rank)> = rounds
-            .values()
-            .filter_map(|rs| rs.rounds.get(j))
-            .flat_map(|round| round.sends.iter().map(|l| (l.from, l.to)))
-            .collect();
-        let fabric = LocalFabric {
-            timeout: options.timeout,
-            faults: faults.to_vec(),
-        };
-        let ranks: Vec<Rank> = rounds
-            .iter()
-            .filter(|(_, rs)| rs.rounds.len() > j)
-            .map(|(&r, _)| r)
-            .collect();
-        let mut endpoints = fabric.endpoints(&ranks, pairs);
-        let mut dst_shards: BTreeMap<Rank, &mut Vec<u8>> =
-            dst.iter_mut().map(|(&r, b)| (r, b)).collect();
-        let mut stagings: BTreeMap<Rank, &mut relay::Staging> =
-            staging.iter_mut().map(|(&r, b)| (r, b)).collect();
-        let results: Vec<Result<RankStats>> = std::thread::scope(|scope| {
-            let handles: Vec<_> = ranks
-                .iter()
-                .map(|&rank| {
-                    let job = RankJob {
-                        plan: &rank_plans[&rank],
-                        src_layout: plan.src(),
-                        src: src_boxes.get(&rank).zip(src.get(&rank).map(Vec::as_slice)),
-                        dst: dst_boxes
-                            .get(&rank)
-                            .zip(dst_shards.remove(&rank).map(Vec::as_mut_slice)),
-                        dst_dtype: plan.dst().dtype(),
-                        quant: None,
-                    };
-                    let endpoint = endpoints.remove(&rank);
-                    let staging = stagings.remove(&rank);
-                    let rounds = &rounds[&rank];
-                    std::thread::Builder::new()
-                        .name(format!("rank {rank}"))
-                        .spawn_scoped(scope, move || match (endpoint, staging) {
-                            (Some(endpoint), Some(staging)) => {
-                                let (recv_into, send_from) = relay::halves(staging, j);
-                                relay::run_round(
-                                    job, rounds, j, send_from, recv_into, &endpoint, options,
-                                )
-                            }
-                            _ => Ok(RankStats::default()),
-                        })
-                })
-                .collect();
-            handles
-                .into_iter()
-                .zip(&ranks)
-                .map(|(h, &rank)| joined(h, rank, RankThread::Rank))
-                .collect()
-        });
-        let stats = RunStats::gather(started.elapsed(), results)?;
-        for s in stats.ranks {
-            totals
-                .entry(s.rank)
-                .or_insert(RankStats {
-                    rank: s.rank,
-                    ..RankStats::default()
-                })
-                .absorb(&s);
-        }
-    }
-    for (r, rs) in &rounds {
-        if let Some(t) = totals.get_mut(r) {
-            t.peak_staging_bytes += 2 * rs.staging_bytes() as u64;
-        }
-    }
-    Ok(RunStats {
-        elapsed: started.elapsed(),
-        ranks: totals.into_values().collect(),
-    })
 }
 
 fn regions(layout: &Layout) -> BTreeMap<Rank, Region> {

@@ -1,36 +1,60 @@
-//! Runs a plan: cuts transfers into bounded chunks, hands them to a [`Transport`](reshard_transport::Transport), copies the
-//! local parts straight from shard to shard, and reports what did not complete.
+//! Runs a rank's part of a job: every kind of move takes one path, job -> program -> executor
+//! -> transport.
 //!
-//! Every rank runs [`run_rank`] with its own [`RankPlan`](reshard_core::RankPlan): sends on one thread, local copies and
-//! receives on another, both in the plan's schedule order (one total order on rank pairs, so
-//! blocking transports cannot deadlock). The receives go to the transport as one batch
-//! ([`Transport::recv_all`](reshard_transport::Transport::recv_all)), which may take them as they come, each sender's in order.
-//! [`run_local`] runs all ranks as threads of this process.
+//! 1. **Lowering** ([`lower`], and [`crate::batch::lower`] for batches) turns a rank's part of
+//!    a job (a plan, plain or cast; a quantizing plan; a relay plan; the gather+broadcast
+//!    baseline; a batch, quantized or already quantized) into its [`Program`]: plain data, an
+//!    ordered list of [`Phase`]s (the amax exchange, the values, relay rounds, the baseline's
+//!    gather, broadcast and keep), each a set of steps in the plan's schedule order (one total
+//!    order on rank pairs, so blocking transports cannot deadlock), each step carrying what
+//!    it converts and where its bytes land, with the chunk size decided once for both ends
+//!    ([`cut_chunk`]). Pure, without buffers or I/O.
+//! 2. **The executor** ([`run_program`]) runs a program on a [`Transport`](reshard_transport::Transport), phase
+//!    by phase: the local copies before, the transfers ([`run_transfers`]: sends on one
+//!    thread, local copies and receives on another; the receives as one batch,
+//!    [`Transport::recv_all`](reshard_transport::Transport::recv_all)), the local copies and
+//!    the scales after, and the report of what did not arrive.
+//! 3. **The driver** ([`driver::run_threads`]) runs many ranks' programs as threads of this
+//!    process over the local fabric, each phase of every rank together.
 //!
-//! The files split by job: [`ExecOptions`] (`options`), a rank's [`Steps`] and their checks
-//! (`steps`), running them on a transport (`run`), the bookkeeping of what is due and what
-//! arrived, without I/O ([`progress`]), the counts ([`RankStats`], [`RunStats`]) and the
-//! all-ranks-as-threads run (`local`).
+//! The entry points kept from before ([`run_rank`], [`run_rank_any`], [`run_local`],
+//! [`run_local_quantized`], [`baseline::run_rank_gather_broadcast`], ...) are thin: they
+//! check the buffers, lower, and run the program.
+//!
+//! The files split by job: [`ExecOptions`] (`options`), the program's types ([`program`]),
+//! lowering ([`lower`]), a rank's part of a plan as the caller holds it (`jobs`), the checks of
+//! steps against buffers (`steps`), the executor (`executor`, with the buffers it lends,
+//! `buffers`, and the arithmetic of quantization, `scaling`), the driver ([`driver`]), the
+//! bookkeeping of what is due and what arrived, without I/O ([`progress`]), the counts
+//! ([`RankStats`], [`RunStats`]), relay rounds ([`relay`]) and the baseline ([`baseline`]).
 
 pub mod baseline;
+mod buffers;
+pub mod driver;
+mod executor;
+mod jobs;
 mod local;
+pub mod lower;
 mod options;
+pub mod program;
 pub mod progress;
 mod quant;
 pub mod relay;
-mod run;
+mod scaling;
 mod stats;
 mod steps;
 pub(crate) mod threads;
 
+pub use executor::{run_program, run_steps, run_transfers};
+pub use jobs::{RankJob, run_rank, run_rank_any, run_rank_relayed};
 pub use local::{
     MAX_LOCAL_RANKS, run_local, run_local_quantized, run_local_with_faults, zeroed_scale_shards,
     zeroed_shards,
 };
 pub use options::ExecOptions;
+pub use program::{Phase, PhaseKind, Program};
 pub use quant::QuantJob;
-pub use relay::{run_rank_any, run_rank_relayed};
-pub use run::{RankJob, run_rank, run_steps};
+pub use scaling::Casts;
 pub use stats::{RankStats, RunStats};
 pub use steps::{Step, Steps, check_buffers, cut_chunk};
 

@@ -15,7 +15,7 @@ pub struct ExecOptions {
     /// How long a rank waits for a peer before failing.
     pub timeout: Duration,
     /// Whether every transfer is checksummed by its sender and checked by its receiver
-    /// ([`super::checksum`]): a byte changed on the way fails the job, naming the transfer.
+    /// ([`reshard_core::checksum`]): a byte changed on the way fails the job, naming the transfer.
     pub checksum: bool,
 }
 

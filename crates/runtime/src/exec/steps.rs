@@ -4,66 +4,12 @@
 
 use std::collections::BTreeMap;
 
-use reshard_core::copy::Cast;
 use reshard_core::error::{Dims, Error, Result, Side};
 use reshard_core::layout::{Layout, Rank};
 use reshard_core::plan::{RankPlan, Transfer};
 use reshard_core::region::Region;
-use reshard_transport::Lands;
 
-/// One transfer as a rank runs it: the region, the boxes that hold it on both sides, and
-/// where those boxes lie in this rank's buffers.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Step<'a> {
-    pub from: Rank,
-    pub to: Rank,
-    /// In global tensor coordinates.
-    pub region: &'a Region,
-    pub elem_bytes: usize,
-    /// The box holding `region` on the sender: a dense row-major piece of a source buffer.
-    pub src_box: &'a Region,
-    /// The box holding `region` on the receiver.
-    pub dst_box: &'a Region,
-    /// On this rank, when it sends: the source buffer and the bytes of `src_box` in it.
-    pub src_at: Option<(usize, std::ops::Range<usize>)>,
-    /// On this rank, when it receives: the destination buffer and the bytes of `dst_box`.
-    pub dst_at: Option<(usize, std::ops::Range<usize>)>,
-    /// The conversion from the source's dtype (`elem_bytes` is the destination's): done by
-    /// the sender while it packs, or in a local copy. Every step of a converting job carries
-    /// it, the receives too, because both ends cut its transfers alike ([`cut_chunk`]).
-    pub cast: Option<Cast>,
-    /// Where the transfer lands on its receiver: in its destination shard (which same-host
-    /// senders may write into directly), or beside it. Both ends of a transfer set it alike.
-    pub lands: Lands,
-}
-
-/// The chunk size a job cuts its transfers into: `requested`, or for a converting job, the
-/// largest multiple of 8 bytes not above it (at least 8), so that every chunk holds whole
-/// elements of every dtype on both sides. Both ends of a transfer compute the same.
-pub fn cut_chunk(requested: usize, converts: bool) -> usize {
-    if converts {
-        (requested - requested % 8).max(8)
-    } else {
-        requested
-    }
-}
-
-impl Step<'_> {
-    /// Bytes of the transfer on the wire (destination elements).
-    pub fn bytes(&self) -> u64 {
-        self.region.volume() * self.elem_bytes as u64
-    }
-}
-
-/// One rank's steps, each list in schedule order. The sends borrow for as long as the
-/// transport may hold their chunks (`'s`); the rest only for the run (`'r`).
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct Steps<'s, 'r> {
-    pub rank: Rank,
-    pub sends: Vec<Step<'s>>,
-    pub recvs: Vec<Step<'r>>,
-    pub locals: Vec<Step<'r>>,
-}
+pub use super::program::{Step, Steps, cut_chunk};
 
 /// Checks a rank's steps against its buffers before any byte moves: every slot lies inside
 /// its buffer and holds exactly its box, and every region lies inside its boxes.
@@ -77,15 +23,15 @@ pub(super) fn check_steps(
         |side: Side, at: &Option<(usize, std::ops::Range<usize>)>, s: &Step<'_>, lens: &[usize]| {
             let peer = if side == Side::Src { s.to } else { s.from };
             let holder = if side == Side::Src {
-                s.src_box
+                &s.src_box
             } else {
-                s.dst_box
+                &s.dst_box
             };
             let Some((b, bytes)) = at else {
                 return Err(Error::MissingBuffer { side, rank });
             };
-            let elem = match (side, &s.cast) {
-                (Side::Src, Some(cast)) => cast.src_elem,
+            let elem = match side {
+                Side::Src => s.convert.src_elem().unwrap_or(s.elem_bytes),
                 _ => s.elem_bytes,
             };
             let expected = holder.volume().saturating_mul(elem as u64);
@@ -102,7 +48,7 @@ pub(super) fn check_steps(
                     got: bytes.len() as u64,
                 });
             }
-            if holder.ndim() != s.region.ndim() || !holder.contains(s.region) {
+            if holder.ndim() != s.region.ndim() || !holder.contains(&s.region) {
                 return Err(Error::Protocol {
                     rank,
                     peer,

@@ -1,191 +1,201 @@
-//! Runs one rank's steps on a transport: the sends, the local copies, the receives, and the
-//! report of what did not arrive.
+//! The one executor: runs a rank's [`Program`] on a transport, phase by phase (its local
+//! copies before, its transfers, its local copies and scales after), and each phase's
+//! transfers ([`run_transfers`]): the sends, the local copies, the receives, and the report
+//! of what did not arrive.
 
 use std::collections::BTreeMap;
 
+use super::buffers::Buffers;
 use super::options::ExecOptions;
+use super::program::{Phase, Program};
 use super::progress::{Due, Progress, Sent};
-use super::quant::{self, QuantJob};
+use super::scaling::{self, Casts};
 use super::stats::RankStats;
-use super::steps::{Step, Steps, check_job, check_steps, cut_chunk};
+use super::steps::{Step, Steps, check_steps, cut_chunk};
 use crate::exec::threads::{RankThread, joined};
 use reshard_core::checksum;
-use reshard_core::copy::{Cast, CopyGeometry, Place};
+use reshard_core::copy::{CopyGeometry, Place};
 use reshard_core::error::{Error, Result};
-use reshard_core::layout::{Layout, Rank};
-use reshard_core::plan::{RankPlan, Transfer};
-use reshard_core::region::Region;
-use reshard_transport::{Lands, Outgoing, Receive, Transport};
+use reshard_core::layout::Rank;
+use reshard_transport::{Outgoing, Receive, Transport};
 
-/// One rank's share of a run: its plan and its shards.
-pub struct RankJob<'buf, 'dst> {
-    pub plan: &'buf RankPlan,
-    /// The source layout: where every sender's shard lies.
-    pub src_layout: &'buf Layout,
-    /// The rank's source box and shard, if it is a source.
-    pub src: Option<(&'buf Region, &'buf [u8])>,
-    /// The rank's destination box and shard, if it is a destination.
-    pub dst: Option<(&'buf Region, &'dst mut [u8])>,
-    /// The destination's dtype (`--dst-dtype`): when it differs from the source layout's,
-    /// this rank converts what it sends and copies locally, and its destination shard holds
-    /// elements of this dtype.
-    pub dst_dtype: reshard_core::DType,
-    /// With `--quant`: the amax exchange before the values, the scales beside them.
-    pub quant: Option<QuantJob<'buf, 'dst>>,
-}
-
-/// Runs one rank's part of a plan over `transport`.
-pub fn run_rank<'buf, T: Transport<'buf> + ?Sized>(
-    job: RankJob<'buf, '_>,
+/// Runs one rank's program over `transport`: `src` and `dst` are the buffers the job gives
+/// it ([`super::program::Buf::Src`], [`super::program::Buf::Dst`]); the scratch is allocated
+/// here. A failure breaks every link, so that the peers stop now rather than at their
+/// timeouts.
+pub fn run_program<T>(
+    program: &Program<'_>,
+    src: &[&[u8]],
+    dst: &mut [&mut [u8]],
     transport: &T,
     options: &ExecOptions,
-) -> Result<RankStats> {
-    let RankJob {
-        plan,
-        src_layout,
-        src,
-        dst,
-        dst_dtype,
-        quant,
-    } = job;
-    let rank = plan.rank;
-    if plan.relays() {
-        return Err(Error::Internal {
-            rank,
-            detail: "a relay plan runs round by round (exec::run_rank_relayed)".into(),
-        });
-    }
-    // transfers move destination elements; the sender converts while it packs
-    let elem_bytes = dst_dtype.size();
-    let quant_plan = quant.as_ref().map(|q| (q.plan, q.rank));
-    let cast = match &quant {
-        Some(_) => None,
-        None => Cast::between(src_layout.dtype(), dst_dtype).map_err(|source| Error::Convert {
-            tensor: "tensor".into(),
-            source,
-        })?,
-    };
-    check_job(
-        plan,
-        src_layout.dtype().size(),
-        elem_bytes,
-        src,
-        dst.as_ref().map(|(b, d)| (*b, d.len())),
+) -> Result<RankStats>
+where
+    T: for<'b> Transport<'b> + ?Sized,
+{
+    let mut state = RankState::new(
+        program,
+        src.to_vec(),
+        dst.iter_mut().map(|b| &mut **b).collect(),
     )?;
-    if let Some(q) = &quant {
-        quant::check(q, rank, src.is_some())?;
-    }
-    // every sender's box, for the receives
-    let senders: BTreeMap<Rank, Region> = plan
-        .recvs
-        .iter()
-        .map(|t| {
-            let b = src_layout
-                .local_region(t.src)
-                .ok_or_else(|| Error::Protocol {
-                    rank,
-                    peer: t.src,
-                    detail: "the plan receives from a rank that is not a source".into(),
-                })?;
-            Ok((t.src, b))
-        })
-        .collect::<Result<_>>()?;
-    // quantizing: the amax first (exchanged where a block straddles source shards), then
-    // the scales this rank stages for its scale transfers, and the cast of its values
-    let (cast, staged, scale_shard) = match quant {
-        None => (cast, None, None),
-        Some(q) => {
-            let (prepared, scales) = quant::prepare(q, rank, src_layout, src, transport, options)?;
-            (Some(prepared.cast), Some(prepared.staged), scales)
+    for phase in &program.phases {
+        state.before(phase).inspect_err(|_| transport.abort())?;
+        if phase.moves() {
+            state.transfer(phase, program.chunk_bytes, transport, options)?;
         }
-    };
-    let src_len = src.map_or(0, |s| s.1.len());
-    let dst_len = dst.as_ref().map_or(0, |d| d.1.len());
-    let step = |t: &'buf Transfer, src_box: &'buf Region, dst_box: &'buf Region| Step {
-        from: t.src,
-        to: t.dst,
-        region: &t.region,
-        elem_bytes,
-        src_box,
-        dst_box,
-        src_at: Some((0, 0..src_len)),
-        dst_at: Some((0, 0..dst_len)),
-        cast: cast.clone(),
-        // the values: into the destination shard (the scales follow, aside)
-        lands: Lands::Shard,
-    };
-    let (src_box, dst_box) = (src.map(|s| s.0), dst.as_ref().map(|d| d.0));
-    let mut steps = Steps {
-        rank,
-        ..Steps::default()
-    };
-    if let Some(src_box) = src_box {
-        steps.sends = plan
-            .sends
-            .iter()
-            .map(|t| step(t, src_box, &t.region))
-            .collect();
-        if let Some(dst_box) = dst_box {
-            steps.locals = plan
-                .locals
-                .iter()
-                .map(|t| step(t, src_box, dst_box))
-                .collect();
-        }
+        state.after(phase).inspect_err(|_| transport.abort())?;
     }
-    if let Some(dst_box) = dst_box {
-        steps.recvs = plan
-            .recvs
+    Ok(state.finish(program))
+}
+
+/// A rank's buffers and what its program has settled so far, between its phases.
+pub(crate) struct RankState<'a> {
+    pub rank: Rank,
+    pub bufs: Buffers<'a>,
+    pub casts: Casts,
+    /// The amax of the phase's quantized tensors, between the exchange's two halves.
+    grids: Vec<reshard_core::convert::AmaxGrid>,
+    stats: RankStats,
+}
+
+impl<'a> RankState<'a> {
+    /// The rank's buffers, its scratch allocated ([`Error::OutOfMemory`] when it does not fit).
+    pub fn new(program: &Program<'_>, src: Vec<&'a [u8]>, dst: Vec<&'a mut [u8]>) -> Result<Self> {
+        let rank = program.rank;
+        let scratch = program
+            .scratch
             .iter()
-            .map(|t| Step {
-                src_box: &senders[&t.src],
-                src_at: None,
-                ..step(t, &t.region, dst_box)
+            .map(|s| {
+                reshard_core::memory::zeroed(s.len as u64, || format!("rank {rank}'s {}", s.what))
             })
-            .collect();
+            .collect::<Result<_>>()?;
+        Ok(RankState {
+            rank,
+            bufs: Buffers { src, dst, scratch },
+            casts: Casts::default(),
+            grids: Vec::new(),
+            stats: RankStats {
+                rank,
+                ..RankStats::default()
+            },
+        })
     }
-    let mut src_bufs: Vec<&'buf [u8]> = src.map(|s| s.1).into_iter().collect();
-    let mut dst_bufs: Vec<&mut [u8]> = dst.map(|d| d.1).into_iter().collect();
-    // the scales ride after the values, in the same order on both ends of every pair
-    let sender_blocks: BTreeMap<Rank, Region> = match quant_plan {
-        Some((qp, _)) => senders
-            .iter()
-            .map(|(&r, b)| (r, qp.grid.blocks_touching(b)))
-            .collect(),
-        None => BTreeMap::new(),
-    };
-    if let Some((qp, part)) = quant_plan {
-        let src_buf = staged.filter(|_| src.is_some()).map(|s| {
-            src_bufs.push(s);
-            src_bufs.len() - 1
-        });
-        let dst_buf = scale_shard.map(|s| {
-            dst_bufs.push(s);
-            dst_bufs.len() - 1
-        });
-        let extra = quant::scale_steps(qp, part, &sender_blocks, src_buf, dst_buf);
-        steps.sends.extend(extra.sends);
-        steps.recvs.extend(extra.recvs);
-        steps.locals.extend(extra.locals);
+
+    /// The phase's work before its transfers: its copies, and the amax of its quantized
+    /// tensors, staged for the exchange.
+    pub fn before(&mut self, phase: &Phase<'_>) -> Result<()> {
+        for c in &phase.before {
+            let n = self.bufs.copy(self.rank, c)?;
+            if c.counted && phase.counted {
+                self.stats.bytes_local += n;
+            }
+        }
+        if !phase.scaling.is_empty() {
+            self.grids = scaling::amax(self.rank, &phase.scaling, &mut self.bufs)?;
+        }
+        Ok(())
     }
-    run_steps(&steps, &src_bufs, &mut dst_bufs, transport, options)
+
+    /// The phase's transfers over `transport`.
+    pub fn transfer<'buf, T: Transport<'buf> + ?Sized>(
+        &'buf mut self,
+        phase: &'buf Phase<'_>,
+        chunk: usize,
+        transport: &T,
+        options: &ExecOptions,
+    ) -> Result<()> {
+        let (src, mut dst) = self.bufs.lend(self.rank, &phase.src, &phase.dst)?;
+        let stats = run_transfers(
+            &phase.steps,
+            &src,
+            &mut dst,
+            transport,
+            chunk,
+            &self.casts,
+            options,
+        )?;
+        if phase.counted {
+            self.stats.absorb(&stats);
+        }
+        Ok(())
+    }
+
+    /// The phase's work after its transfers: the scales of its quantized tensors from the
+    /// merged amax, then its copies.
+    pub fn after(&mut self, phase: &Phase<'_>) -> Result<()> {
+        if !phase.scaling.is_empty() {
+            let grids = std::mem::take(&mut self.grids);
+            scaling::settle(
+                self.rank,
+                &phase.scaling,
+                grids,
+                &mut self.bufs,
+                &mut self.casts,
+            )?;
+        }
+        for c in &phase.after {
+            let n = self.bufs.copy(self.rank, c)?;
+            if c.counted && phase.counted {
+                self.stats.bytes_local += n;
+            }
+        }
+        Ok(())
+    }
+
+    /// The rank's stats, with the program's own staging.
+    pub fn finish(self, program: &Program<'_>) -> RankStats {
+        let mut stats = self.stats;
+        stats.rank = program.rank;
+        stats.peak_staging_bytes += program.staging_bytes;
+        stats
+    }
 }
 
 /// Runs one rank's steps over `transport`: the sends on one thread, the local copies and the
 /// receives on another (or all on one when the transport's sends never block). A failure on
 /// either side breaks every link; the error lists exactly what did not arrive.
+///
+/// Replaced by [`run_program`] (or [`run_transfers`] with the chunk size a program decided
+/// once): this cuts the chunk size from the steps it is given. Steps that quantize need the
+/// scales of a program's amax phase, which only programs settle.
+#[doc(hidden)]
 pub fn run_steps<'buf, T: Transport<'buf> + ?Sized>(
-    steps: &Steps<'buf, '_>,
+    steps: &'buf Steps<'_, '_>,
     src_bufs: &[&'buf [u8]],
     dst_bufs: &mut [&mut [u8]],
     transport: &T,
     options: &ExecOptions,
 ) -> Result<RankStats> {
-    let rank = steps.rank;
     let converts = [&steps.sends, &steps.recvs, &steps.locals]
         .iter()
-        .any(|list| list.iter().any(|s| s.cast.is_some()));
+        .any(|list| list.iter().any(|s| s.convert.is_some()));
     let chunk = cut_chunk(options.chunk_bytes, converts);
+    run_transfers(
+        steps,
+        src_bufs,
+        dst_bufs,
+        transport,
+        chunk,
+        &Casts::default(),
+        options,
+    )
+}
+
+/// Runs one phase's steps over `transport`, every transfer cut into chunks of `chunk` bytes
+/// (as the transport's [`Transport::chunking`] says), the quantizing ones with the scales in
+/// `casts`: the sends on one thread, the local copies and the receives on another (or all on
+/// one when the transport's sends never block). A failure on either side breaks every link;
+/// the error lists exactly what did not arrive.
+pub fn run_transfers<'buf, T: Transport<'buf> + ?Sized>(
+    steps: &'buf Steps<'_, '_>,
+    src_bufs: &[&'buf [u8]],
+    dst_bufs: &mut [&mut [u8]],
+    transport: &T,
+    chunk: usize,
+    casts: &Casts,
+    options: &ExecOptions,
+) -> Result<RankStats> {
+    let rank = steps.rank;
     check_steps(steps, src_bufs, dst_bufs)?;
     let mut stats = RankStats {
         rank,
@@ -202,6 +212,7 @@ pub fn run_steps<'buf, T: Transport<'buf> + ?Sized>(
         // with --checksum: every receiver's chunk sums, in the order they are sent
         let mut sums: BTreeMap<Rank, Vec<u32>> = BTreeMap::new();
         for s in &steps.sends {
+            let cast = casts.resolve(&s.convert, rank)?;
             let len = s.bytes() as usize;
             let chunk = transport.chunking().chunk_bytes(len, chunk);
             let src = source(s);
@@ -211,11 +222,11 @@ pub fn run_steps<'buf, T: Transport<'buf> + ?Sized>(
                     from: rank,
                     to: s.to,
                     src,
-                    src_box: s.src_box,
-                    region: s.region,
+                    src_box: &s.src_box,
+                    region: &s.region,
                     elem_bytes: s.elem_bytes,
                     range,
-                    cast: s.cast.clone(),
+                    cast: cast.clone(),
                     lands: s.lands,
                 };
                 match peer_sums.as_deref_mut() {
@@ -241,11 +252,11 @@ pub fn run_steps<'buf, T: Transport<'buf> + ?Sized>(
         for s in &steps.locals {
             let (b, bytes) = s.dst_at.clone().expect("checked");
             let g = CopyGeometry::converting(
-                s.region,
-                Place::Within(s.src_box),
-                Place::Within(s.dst_box),
+                &s.region,
+                Place::Within(&s.src_box),
+                Place::Within(&s.dst_box),
                 s.elem_bytes,
-                s.cast.clone(),
+                casts.resolve(&s.convert, rank)?,
             );
             g.copy(source(s), &mut dst_bufs[b][bytes], 0..g.len());
             stats.bytes_local += g.len() as u64;
@@ -258,9 +269,9 @@ pub fn run_steps<'buf, T: Transport<'buf> + ?Sized>(
                 Receive {
                     from: s.from,
                     to: rank,
-                    region: s.region,
-                    src_box: s.src_box,
-                    dst_box: s.dst_box,
+                    region: &s.region,
+                    src_box: &s.src_box,
+                    dst_box: &s.dst_box,
                     elem_bytes: s.elem_bytes,
                     buffer,
                     bytes,
@@ -385,10 +396,10 @@ fn check_sums<'buf, T: Transport<'buf> + ?Sized>(
             let landed = checksum::Landed {
                 from: s.from,
                 to: s.to,
-                region: s.region,
+                region: &s.region,
                 elem_bytes: s.elem_bytes,
                 shard: &dst_bufs[b][bytes],
-                dst_box: s.dst_box,
+                dst_box: &s.dst_box,
                 chunk: transport.chunking().chunk_bytes(len, chunk),
             };
             let n = landed.chunk_count().min(rest.len());
