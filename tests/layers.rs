@@ -157,29 +157,9 @@ const CRATE_ROOTS: [(&str, &str); 7] = [
 /// The Python package, whose modules' imports are checked the same way.
 const PYTHON_PACKAGE: &str = "python/reshard";
 
-/// Crates whose module cycles are reported but do not fail the check yet.
-///
-/// The executor and the command line are being reworked in parallel; their cycles go when
-/// that work lands, and with them each entry here. An entry whose crate no longer has a cycle
-/// fails the check, so that the list only shrinks.
-const CYCLES_ALLOWED: &[&str] = &[
-    // exec: quant <-> run
-    "reshard-runtime",
-];
-
 /// The most lines a source file outside the tests may have: past it, a file holds more than
 /// one concept, and is split by concept.
 const MAX_LINES: usize = 600;
-
-/// Files over [`MAX_LINES`] that are being split in parallel work (the executor's and the
-/// command line's); an entry that is no longer over fails the check, so that the list only
-/// shrinks.
-const SIZE_ALLOWED: &[&str] = &[
-    // 1196 lines
-    "crates/runtime/src/batch/mod.rs",
-    // 620 lines
-    "crates/runtime/src/run.rs",
-];
 
 /// A token of Rust source: comments, literals and whitespace are dropped, as they name no
 /// module.
@@ -1004,7 +984,6 @@ fn the_cycle_check_reads_every_crate() {
 #[test]
 fn no_module_cycles_in_any_crate_or_the_python_package() {
     let mut failures = Vec::new();
-    let mut allowed_clean = Vec::new();
     let mut checked = Vec::new();
     for (name, root_file) in CRATE_ROOTS {
         checked.push((name, cycles(&rust_edges(name, root_file))));
@@ -1013,27 +992,13 @@ fn no_module_cycles_in_any_crate_or_the_python_package() {
         "python package reshard",
         cycles(&python_edges(PYTHON_PACKAGE)),
     ));
-    for (name, found) in checked {
-        let allowed = CYCLES_ALLOWED.contains(&name);
-        if allowed && found.is_empty() {
-            allowed_clean.push(name);
-        }
-        for cycle in found {
-            if allowed {
-                eprintln!("allowed for now (CYCLES_ALLOWED): {cycle}");
-            } else {
-                failures.push(cycle);
-            }
-        }
+    for (_, found) in checked {
+        failures.extend(found);
     }
     assert!(
         failures.is_empty(),
         "module cycles (imports must point one way):\n{}",
         failures.join("\n")
-    );
-    assert!(
-        allowed_clean.is_empty(),
-        "no cycle left in {allowed_clean:?}: remove them from CYCLES_ALLOWED"
     );
 }
 
@@ -1147,14 +1112,12 @@ fn source_files() -> Vec<String> {
 fn no_source_file_is_over_the_size_limit() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let mut over = Vec::new();
-    let mut sizes = BTreeMap::new();
     for file in source_files() {
         let lines = fs::read_to_string(root.join(&file))
             .unwrap()
             .lines()
             .count();
-        sizes.insert(file.clone(), lines);
-        if lines > MAX_LINES && !SIZE_ALLOWED.contains(&file.as_str()) {
+        if lines > MAX_LINES {
             over.push(format!("{file}: {lines} lines"));
         }
     }
@@ -1162,13 +1125,5 @@ fn no_source_file_is_over_the_size_limit() {
         over.is_empty(),
         "over {MAX_LINES} lines (split by concept):\n{}",
         over.join("\n")
-    );
-    let stale: Vec<_> = SIZE_ALLOWED
-        .iter()
-        .filter(|f| sizes.get(**f).is_none_or(|&n| n <= MAX_LINES))
-        .collect();
-    assert!(
-        stale.is_empty(),
-        "{stale:?} are no longer over {MAX_LINES} lines: remove them from SIZE_ALLOWED"
     );
 }
