@@ -37,6 +37,7 @@
 pub mod batch;
 mod connect;
 pub mod exec;
+pub mod harness;
 mod prepared;
 pub mod refit;
 mod run;

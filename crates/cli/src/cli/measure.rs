@@ -1,6 +1,6 @@
 //! The end of a job for `run`, `bench` and `refit --run`: every rank's report to rank 0's
 //! verdict. What they measure, and how, is the library's comparison harness
-//! ([`reshard::runtime::refit::harness`]).
+//! ([`reshard::runtime::harness`]).
 
 use reshard::Error;
 use reshard::runtime::World;

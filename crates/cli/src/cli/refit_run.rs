@@ -9,8 +9,8 @@ use reshard::agreement::Fingerprint;
 use reshard::batch::DEFAULT_PACK_BELOW;
 use reshard::error::Field;
 use reshard::model::Refit;
+use reshard::runtime::harness::{MethodJson, Repeat};
 use reshard::runtime::refit::RefitRun;
-use reshard::runtime::refit::harness::{MethodJson, Repeat};
 use reshard::{Error, PlanOptions};
 
 use super::Failure;
@@ -129,7 +129,7 @@ pub fn describe(run: &RunJson) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use reshard::runtime::refit::harness::Measured;
+    use reshard::runtime::harness::Measured;
 
     fn run(verified: bool) -> RunJson {
         let m = MethodJson::of(

@@ -1,6 +1,6 @@
 //! `reshard run`: execute a reshard on filled buffers; verify and dump the result.
 //!
-//! A run is a comparison of one method ([`reshard::runtime::refit::harness`]): the harness
+//! A run is a comparison of one method ([`reshard::runtime::harness`]): the harness
 //! repeats it, poisons the destinations before and checks every byte after each repetition
 //! with `--verify`, and times only the move, every rank's clock started from a barrier after
 //! the poison. Ranks are threads of this process ([`Threads`]) or this process is one rank of
@@ -14,8 +14,8 @@ use reshard::agreement::Fingerprint;
 use reshard::convert::reference::QuantizedTensor;
 use reshard::exec::{self, ExecOptions};
 use reshard::fill::Fill;
+use reshard::runtime::harness::{Checked, Compare, Sample, compare};
 use reshard::runtime::refit::check;
-use reshard::runtime::refit::harness::{Checked, Compare, Sample, compare};
 use reshard::runtime::{PlanRank, RunOptions, World};
 use reshard::{Error, Plan, Rank};
 

@@ -8,7 +8,7 @@
 //! [`compare`]) serve `reshard run` and `reshard bench`.
 //!
 //! Every check returns the bytes it covered, so that a report says "verified" only when every
-//! destination byte was looked at ([`super::harness::Checked`]).
+//! destination byte was looked at ([`crate::harness::Checked`]).
 
 use reshard_core::convert::BlockGrid;
 use reshard_core::convert::reference::{QuantizedTensor, first_difference, quantize_tensor};

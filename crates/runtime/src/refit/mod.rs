@@ -3,7 +3,7 @@
 //! of each side, the fp8 tensors of a refit into an fp8 engine) it builds the batch
 //! ([`batch_of`]: one schedule for every tensor, the fp8 weights quantized in flight, their
 //! scales fused like their weights), fills every tensor, moves it by the batched reshard and by
-//! per-tensor gather+broadcast in turn on the same buffers ([`harness`]), checks every
+//! per-tensor gather+broadcast in turn on the same buffers ([`crate::harness`]), checks every
 //! destination byte and scale of every repetition against the fill ([`check`]), and reports
 //! both methods ([`RefitReport`], serializable).
 //!
@@ -15,7 +15,8 @@
 //! use reshard_core::layout::LayoutSpec;
 //! use reshard_core::{DType, PlanOptions};
 //! use reshard_model::{Refit, RefitTensor};
-//! use reshard_runtime::refit::{RefitRun, harness::Repeat};
+//! use reshard_runtime::harness::Repeat;
+//! use reshard_runtime::refit::RefitRun;
 //! use reshard_runtime::{JoinOptions, RunOptions, TransportKind, World};
 //! use reshard_transport::group::GroupEnv;
 //!
@@ -54,7 +55,6 @@
 //! ```
 
 pub mod check;
-pub mod harness;
 #[cfg(test)]
 mod tests;
 
@@ -63,9 +63,9 @@ use serde::Serialize;
 use crate::batch::baseline::{BatchBaseline, RankBaseline, run_rank_batch_baseline};
 use crate::batch::{Batch, BatchOptions, Fusion, RankBatch, Tensor, run_rank_batch};
 use crate::exec::ExecOptions;
+use crate::harness::{Checked, Compare, Measured, MethodJson, Repeat, Sample, compare};
 use crate::{AnyTransport, Links, RunOptions, World};
 use check::{QuantCheck, verify_values};
-use harness::{Checked, Compare, Measured, MethodJson, Repeat, Sample, compare};
 use reshard_core::agreement::Fingerprint;
 use reshard_core::error::{Error, Field};
 use reshard_core::fill::Fill;

@@ -5,7 +5,7 @@ use clap::{Args, ValueEnum};
 
 use reshard::Error;
 use reshard::error::Field;
-use reshard::runtime::refit::harness::Repeat;
+use reshard::runtime::harness::Repeat;
 use reshard::topology::HostMap;
 
 use super::suite::{Case, refit_suite};

@@ -1,7 +1,7 @@
 //! Running the methods of `reshard bench` on every case, either with every rank a thread of
 //! this process or with this process one rank of a job; rank 0 gathers what every rank
 //! measured. Each variant describes its methods to the harness
-//! ([`reshard::runtime::refit::harness`]): the plain reshard against gather+broadcast here,
+//! ([`reshard::runtime::harness`]): the plain reshard against gather+broadcast here,
 //! the quantizing ones in [`super::quant`], an already-quantized source in [`super::prequant`].
 
 use indicatif::{ProgressBar, ProgressStyle};
@@ -10,7 +10,7 @@ use reshard::exec::baseline::{self, BaselineJob};
 use reshard::exec::{self, ExecOptions, RankJob};
 use reshard::fill::Fill;
 use reshard::plan::GatherBroadcast;
-use reshard::runtime::refit::harness::{Checked, Compare, Repeat, Sample, compare};
+use reshard::runtime::harness::{Checked, Compare, Repeat, Sample, compare};
 use reshard::runtime::{AnyTransport, Destination, Links, TransportKind, World};
 use reshard::transport::Job;
 use reshard::transport::segment::SharedBuffer;

@@ -6,7 +6,7 @@
 //! the cases (one layout pair, or a named suite; an already-quantized source's coupled move),
 //! [`result`] names the methods and holds a case's result, [`quant`] and [`prequant`] describe
 //! the quantizing and already-quantized cases' methods to the library's comparison harness
-//! ([`reshard::runtime::refit::harness`]), [`driver`] runs every case (ranks as threads or as
+//! ([`reshard::runtime::harness`]), [`driver`] runs every case (ranks as threads or as
 //! processes, the plain cases' methods its own) and collects what every rank measured, and
 //! [`mod@report`] prints the comparison as text or JSON.
 

@@ -9,7 +9,7 @@
 //! whole blocks (the move is refused otherwise), so a rank's boxes of the values and scales
 //! are its box of the fill quantized on its own: no rank materializes the whole tensor. Every
 //! repetition of every method is verified, values and (but for the values alone) scales, by
-//! the harness ([`reshard::runtime::refit::harness`]).
+//! the harness ([`reshard::runtime::harness`]).
 
 use std::collections::BTreeMap;
 
@@ -21,8 +21,8 @@ use reshard::exec::{self, ExecOptions, RankJob, RankStats};
 use reshard::fill::Fill;
 use reshard::layout::Layout;
 use reshard::plan::GatherBroadcast;
+use reshard::runtime::harness::{Checked, Compare, Repeat, Sample, compare};
 use reshard::runtime::refit::check;
-use reshard::runtime::refit::harness::{Checked, Compare, Repeat, Sample, compare};
 use reshard::runtime::{AnyTransport, Destination, Links};
 use reshard::transport::Job;
 use reshard::transport::segment::SharedBuffer;

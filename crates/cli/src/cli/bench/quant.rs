@@ -5,7 +5,7 @@
 //! destination quantizes its box. Destination shards hold whole blocks (the case checks it),
 //! so every receiver quantizes alone. Each repetition of each method is verified, values and
 //! scales, against the naive reference, by the harness
-//! ([`reshard::runtime::refit::harness`]); the receivers' threads that quantize between
+//! ([`reshard::runtime::harness`]); the receivers' threads that quantize between
 //! threads are started before their clock starts.
 
 use std::collections::BTreeMap;
@@ -20,8 +20,8 @@ use reshard::exec::baseline::{self, BaselineJob};
 use reshard::exec::{self, ExecOptions, QuantJob, RankJob, RankStats};
 use reshard::fill::Fill;
 use reshard::plan::{GatherBroadcast, QuantPlan, QuantRankPlan};
+use reshard::runtime::harness::{Checked, Compare, Repeat, Sample, compare};
 use reshard::runtime::refit::check;
-use reshard::runtime::refit::harness::{Checked, Compare, Repeat, Sample, compare};
 use reshard::runtime::{AnyTransport, Destination, Links};
 use reshard::transport::Job;
 use reshard::transport::segment::SharedBuffer;

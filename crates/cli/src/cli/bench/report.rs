@@ -6,7 +6,7 @@ use super::args::BenchArgs;
 use super::result::CaseResult;
 use super::suite::Case;
 use crate::cli::units::bytes;
-use reshard::runtime::refit::harness::MethodJson;
+use reshard::runtime::harness::MethodJson;
 
 #[derive(Serialize)]
 struct CaseJson {

@@ -1,9 +1,9 @@
 //! What every variant of `reshard bench` measures: its methods, one case's result, and the
 //! per-rank reports rank 0 combines. The variants ([`super::driver`], [`super::quant`],
 //! [`super::prequant`]) each describe their methods to the harness
-//! ([`reshard::runtime::refit::harness`]) and hand back a [`CaseResult`].
+//! ([`reshard::runtime::harness`]) and hand back a [`CaseResult`].
 
-use reshard::runtime::refit::harness::{Comparison, Measured};
+use reshard::runtime::harness::{Comparison, Measured};
 
 /// The methods a bench compares; a case runs two or three of them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

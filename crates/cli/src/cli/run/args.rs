@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use clap::Args;
 
-use reshard::runtime::refit::harness::Repeat;
+use reshard::runtime::harness::Repeat;
 
 use crate::cli::TensorArgs;
 use crate::cli::exec_args::ExecArgs;

@@ -17,8 +17,8 @@ use reshard::exec::ExecOptions;
 use reshard::fill::Fill;
 use reshard::layout::{Layout, LayoutSpec};
 use reshard::plan::QuantizedMove;
+use reshard::runtime::harness::{Checked, Compare, Comparison, Sample, compare};
 use reshard::runtime::refit::check;
-use reshard::runtime::refit::harness::{Checked, Compare, Comparison, Sample, compare};
 use reshard::runtime::{AnyTransport, Links, World};
 use reshard::{DType, Error, Rank};
 

@@ -4,7 +4,7 @@
 use serde::Serialize;
 
 use reshard::runtime::World;
-use reshard::runtime::refit::harness::{Measured, spread};
+use reshard::runtime::harness::{Measured, spread};
 use reshard::{Error, Plan};
 
 use super::args::RunArgs;

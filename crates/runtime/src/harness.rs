@@ -1,6 +1,6 @@
 //! The comparison harness: one loop that runs several methods of moving the same data, in
 //! turn, on the same buffers, repetition after repetition, and measures each. `refit --run`
-//! ([`super::RefitRun`]), `reshard run` and `reshard bench` (every variant) all measure with it,
+//! ([`crate::refit::RefitRun`]), `reshard run` and `reshard bench` (every variant) all measure with it,
 //! ranks as threads of one process or as processes of a job alike.
 //!
 //! A subject ([`Compare`]) says what each of its methods needs: its links
