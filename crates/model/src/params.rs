@@ -111,8 +111,18 @@ impl Model {
     /// assert_eq!(model.params.len(), 2 + 2 * 9 + 1); // embedding, lm_head, 9 per layer, norm
     /// ```
     pub fn from_config(config: &ModelConfig, name: &str) -> Result<Model, ModelError> {
+        Model::from_config_with_dtype(config, name, None)
+    }
+
+    /// [`Model::from_config`], with `dtype` (a refit's training dtype) for a config that
+    /// says none; a dtype the config says wins.
+    pub fn from_config_with_dtype(
+        config: &ModelConfig,
+        name: &str,
+        dtype: Option<DType>,
+    ) -> Result<Model, ModelError> {
         let arch = config.architecture(name)?;
-        let dtype = config.param_dtype(name)?;
+        let dtype = config.param_dtype_or(name, dtype)?;
         let c = Checked { config, path: name };
         let h = c.positive("hidden_size", config.hidden_size)?;
         let heads = c.positive("num_attention_heads", config.num_attention_heads)?;
@@ -349,7 +359,7 @@ fn moe_experts(
     match arch {
         Architecture::Llama | Architecture::Qwen3 => Ok(None),
         Architecture::Qwen3Moe => {
-            let experts = config.num_experts.unwrap_or(0);
+            let experts = config.qwen3_experts(c.path)?.unwrap_or(0);
             let step = c.positive(
                 "decoder_sparse_step",
                 config.decoder_sparse_step.unwrap_or(1),
@@ -359,7 +369,7 @@ fn moe_experts(
             Ok(sparse.then_some(experts))
         }
         Architecture::DeepseekV3 => {
-            let experts = config.n_routed_experts.unwrap_or(0);
+            let experts = config.deepseek_experts(c.path)?.unwrap_or(0);
             let freq = c.positive("moe_layer_freq", config.moe_layer_freq.unwrap_or(1))?;
             let first_dense = config.first_k_dense_replace.unwrap_or(0);
             let sparse = experts > 0 && i >= first_dense && i.is_multiple_of(freq);
