@@ -197,23 +197,20 @@ impl ModelConfig {
     /// dtype the config does not say.
     pub fn param_dtype_or(&self, path: &str, given: Option<DType>) -> Result<DType, ModelError> {
         let parse = |field: &'static str, name: &String| {
-            name.parse::<DType>().map_err(|_| ModelError::InvalidConfig {
-                path: path.to_string(),
-                field,
-                value: format!("{name:?}"),
-                reason: "not a known dtype".into(),
-            })
+            name.parse::<DType>()
+                .map_err(|_| ModelError::InvalidConfig {
+                    path: path.to_string(),
+                    field,
+                    value: format!("{name:?}"),
+                    reason: "not a known dtype".into(),
+                })
         };
         let old = self
             .torch_dtype
             .as_ref()
             .map(|n| parse("torch_dtype", n))
             .transpose()?;
-        let new = self
-            .dtype
-            .as_ref()
-            .map(|n| parse("dtype", n))
-            .transpose()?;
+        let new = self.dtype.as_ref().map(|n| parse("dtype", n)).transpose()?;
         match (old, new, given) {
             (Some(a), Some(b), _) if a != b => Err(ModelError::InvalidConfig {
                 path: path.to_string(),
@@ -242,7 +239,11 @@ impl ModelConfig {
     /// The routed experts of a Qwen3-MoE config (`num_experts`, or transformers 5's
     /// `num_local_experts`); both given must agree.
     pub fn qwen3_experts(&self, path: &str) -> Result<Option<u64>, ModelError> {
-        both(path, ("num_experts", self.num_experts), self.num_local_experts)
+        both(
+            path,
+            ("num_experts", self.num_experts),
+            self.num_local_experts,
+        )
     }
 
     /// The routed experts of a DeepSeek-V3 config (`n_routed_experts`, or
@@ -393,7 +394,7 @@ pub fn shipped(name: &str) -> Option<(&'static str, ModelConfig)> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     #[test]
@@ -423,7 +424,10 @@ mod tests {
     fn configs_as_transformers_5_writes_them() {
         let config = ModelConfig::from_json(QWEN3_MOE_V5, "v5.json").unwrap();
         assert!(config.architectures.is_empty());
-        assert_eq!(config.architecture("v5.json").unwrap(), Architecture::Qwen3Moe);
+        assert_eq!(
+            config.architecture("v5.json").unwrap(),
+            Architecture::Qwen3Moe
+        );
         assert_eq!(config.qwen3_experts("v5.json").unwrap(), Some(4));
         assert!(config.transformers_5());
         assert_eq!(
@@ -463,9 +467,11 @@ mod tests {
             config.param_dtype("v5.json").unwrap_err().to_string(),
             "v5.json: `dtype` is f32: differs from `torch_dtype` bf16: give one"
         );
-        assert!(!ModelConfig::from_json(&QWEN3_MOE_V5.replace("5.0.0", "4.51.3"), "x")
-            .unwrap()
-            .transformers_5());
+        assert!(
+            !ModelConfig::from_json(&QWEN3_MOE_V5.replace("5.0.0", "4.51.3"), "x")
+                .unwrap()
+                .transformers_5()
+        );
     }
 
     #[test]
@@ -522,7 +528,10 @@ mod tests {
         }
         assert!(names.len() > 25, "{names:?}");
         for name in names {
-            assert!(FIELDS.iter().any(|f| f.0 == name), "{name} is not in FIELDS");
+            assert!(
+                FIELDS.iter().any(|f| f.0 == name),
+                "{name} is not in FIELDS"
+            );
         }
     }
 

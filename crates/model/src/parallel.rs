@@ -280,7 +280,12 @@ impl Training {
     /// These sizes with `dp` instead, written as `--train` takes them.
     fn with_dp_text(&self, dp: usize) -> String {
         let mut out = Vec::new();
-        for (key, n) in [("tp", self.tp), ("cp", self.cp), ("ep", self.ep), ("etp", self.etp)] {
+        for (key, n) in [
+            ("tp", self.tp),
+            ("cp", self.cp),
+            ("ep", self.ep),
+            ("etp", self.etp),
+        ] {
             if n > 1 {
                 out.push(format!("{key}={n}"));
             }
@@ -408,9 +413,19 @@ mod tests {
             ),
         ];
         for (text, want) in refused {
-            assert_eq!(Training::parse(text).unwrap_err().to_string(), want, "{text}");
+            assert_eq!(
+                Training::parse(text).unwrap_err().to_string(),
+                want,
+                "{text}"
+            );
             // what the message says to write parses
-            let fix = want.split("(write ").nth(1).unwrap().split(", or").next().unwrap();
+            let fix = want
+                .split("(write ")
+                .nth(1)
+                .unwrap()
+                .split(", or")
+                .next()
+                .unwrap();
             Training::parse(fix).unwrap();
         }
     }

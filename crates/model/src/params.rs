@@ -569,6 +569,29 @@ mod tests {
         );
     }
 
+    /// The config: transformers 5 writes `num_local_experts`, which is not a dense MLP.
+    #[test]
+    fn a_transformers_5_moe_config_has_its_experts() {
+        let text = super::super::config::tests::QWEN3_MOE_V5;
+        let config = ModelConfig::from_json(text, "v5").unwrap();
+        let err = Model::from_config(&config, "v5").unwrap_err().to_string();
+        assert!(err.starts_with("v5: `dtype` is missing"), "{err}");
+        let m = Model::from_config_with_dtype(&config, "v5", Some(DType::F32)).unwrap();
+        assert_eq!(
+            find(&m, "model.layers.0.mlp.experts.gate_proj.weight").shape,
+            [4, 128, 256]
+        );
+        assert_eq!(find(&m, "model.layers.1.mlp.gate.weight").shape, [4, 256]);
+        assert!(
+            !m.params
+                .iter()
+                .any(|p| p.name == "model.layers.0.mlp.gate_proj.weight")
+        );
+        assert!(m.params.iter().all(|p| p.dtype == DType::F32));
+        // tie_word_embeddings: null is transformers' default, untied
+        assert!(m.params.iter().any(|p| p.name == "lm_head.weight"));
+    }
+
     #[test]
     fn bad_configs_name_the_field() {
         let (_, mut config) = shipped("deepseek-v3").unwrap();
