@@ -5,7 +5,7 @@ use std::path::Path;
 use reshard_core::dtype::DType;
 
 use super::config::{ModelConfig, SHIPPED, shipped};
-use super::params::{Heads, Model};
+use super::params::{ExpertNames, Heads, Model};
 use super::safetensors::{read_checkpoint, stack_experts};
 use crate::error::ModelError;
 
@@ -113,6 +113,8 @@ fn load_dir(dir: &Path, dtype: Option<DType>) -> Result<Model, ModelError> {
         // the tensors of a checkpoint are what they are: an fp8 checkpoint's weights are
         // read as stored, not quantized again
         quant: None,
+        // a checkpoint's tensors keep the names they are stored under
+        expert_names: ExpertNames::Split,
     })
 }
 

@@ -72,6 +72,19 @@ pub struct Heads {
     pub kv: u64,
 }
 
+/// How the stacked routed experts are named.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ExpertNames {
+    /// `mlp.experts.gate_proj.weight`, `up_proj.weight`, `down_proj.weight`, each
+    /// `[E, out, in]`: what training frameworks and earlier transformers releases use.
+    #[default]
+    Split,
+    /// transformers 5: `mlp.experts.gate_up_proj` (`[E, 2 x I, H]`, on the training side the
+    /// fused buffer of the gate and up members) and `mlp.experts.down_proj`, without
+    /// `.weight`. Chosen for a config whose `transformers_version` is 5 or later.
+    Transformers5,
+}
+
 /// A model: its name, its decoder depth (for pipeline stages) and its parameters.
 #[derive(Clone, Debug)]
 pub struct Model {
@@ -83,6 +96,8 @@ pub struct Model {
     /// The config's `quantization_config`: how the inference engine holds the weights
     /// (what `refit` quantizes unless `--infer-quant` says otherwise).
     pub quant: Option<super::quant::InferQuant>,
+    /// How the stacked experts are named (the training side's fused buffers follow).
+    pub expert_names: ExpertNames,
 }
 
 impl Model {
@@ -137,6 +152,11 @@ impl Model {
             ));
         }
         let vocab = c.positive("vocab_size", config.vocab_size)?;
+        let expert_names = if config.transformers_5() {
+            ExpertNames::Transformers5
+        } else {
+            ExpertNames::Split
+        };
         let mut out = Params {
             dtype,
             list: vec![],
@@ -176,7 +196,11 @@ impl Model {
                     let e = format!("{p}.mlp.experts");
                     out.push(&format!("{e}.gate_proj.weight"), &[experts, inter, h]);
                     out.push(&format!("{e}.up_proj.weight"), &[experts, inter, h]);
-                    out.push(&format!("{e}.down_proj.weight"), &[experts, h, inter]);
+                    let down = match expert_names {
+                        ExpertNames::Split => format!("{e}.down_proj.weight"),
+                        ExpertNames::Transformers5 => format!("{e}.down_proj"),
+                    };
+                    out.push(&down, &[experts, h, inter]);
                 }
                 None => {
                     let inter = c.positive("intermediate_size", config.intermediate_size)?;
@@ -201,6 +225,7 @@ impl Model {
                 .as_ref()
                 .map(|q| super::quant::InferQuant::from_config(q, name))
                 .transpose()?,
+            expert_names,
         })
     }
 }
@@ -590,6 +615,40 @@ mod tests {
         assert!(m.params.iter().all(|p| p.dtype == DType::F32));
         // tie_word_embeddings: null is transformers' default, untied
         assert!(m.params.iter().any(|p| p.name == "lm_head.weight"));
+        // transformers 5 names: down_proj without `.weight`; gate_up_proj is the training
+        // side's fused buffer of the gate and up members
+        assert_eq!(m.expert_names, ExpertNames::Transformers5);
+        assert_eq!(
+            find(&m, "model.layers.0.mlp.experts.down_proj").shape,
+            [4, 256, 128]
+        );
+        let refit = crate::Refit::new(
+            &m,
+            &crate::Training::parse("fsdp=2").unwrap(),
+            &crate::Inference::parse("tp=2").unwrap(),
+            &crate::Rules::default(),
+            crate::Ranks::Disjoint,
+        )
+        .unwrap();
+        let fused = refit
+            .src_fused
+            .iter()
+            .find(|f| f.name == "model.layers.0.mlp.experts.gate_up_proj")
+            .unwrap();
+        assert_eq!(fused.dim, 1);
+        let down = refit
+            .tensors
+            .iter()
+            .find(|t| t.name == "model.layers.1.mlp.experts.down_proj")
+            .unwrap();
+        // expert-row: vLLM's TP splits dim 2 of every expert
+        assert_eq!(down.dst.local_region(2).unwrap().extent, [4, 256, 64]);
+        // an earlier transformers keeps the split names
+        let v4 = text.replace("5.0.0", "4.57.1");
+        let config = ModelConfig::from_json(&v4, "v4").unwrap();
+        let m = Model::from_config_with_dtype(&config, "v4", Some(DType::F32)).unwrap();
+        assert_eq!(m.expert_names, ExpertNames::Split);
+        find(&m, "model.layers.0.mlp.experts.down_proj.weight");
     }
 
     #[test]

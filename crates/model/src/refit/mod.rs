@@ -9,9 +9,9 @@ use rayon::prelude::*;
 use reshard_core::layout::{Layout, Rank};
 use reshard_core::plan::{self, Plan, PlanOptions, RankPlan};
 
-use super::fused::{Fused, megatron_fused, vllm_fused};
+use super::fused::{Fused, megatron_fused, transformers5_fused, vllm_fused};
 use super::parallel::{Inference, Training};
-use super::params::Model;
+use super::params::{ExpertNames, Model};
 use super::rules::{ModelFacts, Rules, Which, infer_layout, train_layout};
 use crate::error::ModelError;
 
@@ -121,7 +121,10 @@ impl Refit {
         let names: Vec<&str> = tensors.iter().map(|t| t.name.as_str()).collect();
         let refit = Refit {
             model: model.name.clone(),
-            src_fused: megatron_fused(&names),
+            src_fused: match model.expert_names {
+                ExpertNames::Split => megatron_fused(&names),
+                ExpertNames::Transformers5 => transformers5_fused(&names),
+            },
             dst_fused: vllm_fused(&names),
             tensors,
             train_ranks: train.world(),
