@@ -169,7 +169,9 @@ impl InferQuant {
                 "only `fp8` (block-wise, with weight_block_size) is supported",
             ));
         }
-        let fp8 = match value.get("fmt").map(|f| f.as_str()) {
+        // a null `fmt` is transformers' unset key: the default, e4m3
+        let fmt = value.get("fmt").filter(|f| !f.is_null());
+        let fp8 = match fmt.map(|f| f.as_str()) {
             None | Some(Some("e4m3")) => DType::Fp8E4M3,
             Some(Some("e5m2")) => DType::Fp8E5M2,
             Some(_) => {
@@ -296,6 +298,15 @@ pub fn scale_name(weight: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Keys transformers leaves unset are written null: read as absent.
+    #[test]
+    fn null_keys_of_a_quantization_config_are_absent() {
+        let config = serde_json::json!({"quant_method": "fp8", "fmt": null,
+            "weight_block_size": [128, 128], "modules_to_not_convert": null});
+        let q = InferQuant::from_config(&config, "c.json").unwrap();
+        assert_eq!((q.fp8, q.not_convert.len()), (DType::Fp8E4M3, 0));
+    }
 
     /// transformers 5's `mlp.experts.down_proj` (no `.weight`) is the engine's `w2_weight`.
     #[test]
