@@ -147,3 +147,35 @@ fn fsdp_alone_and_what_to_write_instead() {
         "{err}"
     );
 }
+
+#[test]
+fn a_tp_the_heads_refuse_names_the_sizes_to_write() {
+    let out = reshard(&[
+        "refit",
+        "--model",
+        "qwen3-0.6b",
+        "--train",
+        "tp=2",
+        "--infer",
+        "tp=6",
+    ]);
+    assert_eq!(out.status.code(), Some(2));
+    let err = common::text(&out.stderr);
+    assert!(
+        err.starts_with(
+            "error: --infer: `tp=6`: does not divide the model's 16 attention heads (write tp=4 or tp=8)"
+        ),
+        "{err}"
+    );
+    let out = reshard(&[
+        "refit",
+        "--model",
+        "qwen3-0.6b",
+        "--train",
+        "tp=32",
+        "--infer",
+        "tp=2",
+    ]);
+    let err = common::text(&out.stderr);
+    assert!(err.contains("(write tp=16)"), "{err}");
+}
