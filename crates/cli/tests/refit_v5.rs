@@ -68,8 +68,7 @@ fn a_transformers_5_moe_config_has_its_experts() {
     assert!(out.status.success(), "{}", common::text(&out.stderr));
     let json: Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(json["train_dtype"], "f32", "{json}");
-    // embedding, 2 layers of (2 norms, 4 attention, 2 head norms, router, 3 experts), norm,
-    // lm_head: no dense MLP
+    // the experts and their router, no dense MLP
     let layouts = reshard(&[
         "refit",
         "--model",
@@ -94,6 +93,12 @@ fn a_transformers_5_moe_config_has_its_experts() {
         !listing.contains("model.layers.0.mlp.gate_proj.weight"),
         "{listing}"
     );
+    // transformers 5's names: down_proj without `.weight`, gate_up_proj on the training side
+    assert!(
+        listing.contains("model.layers.0.mlp.experts.down_proj  4x256x128 f32"),
+        "{listing}"
+    );
+    assert!(listing.contains("fused (train) model.layers.1.mlp.experts.gate_up_proj = concat(dim 1: model.layers.1.mlp.experts.gate_proj.weight, model.layers.1.mlp.experts.up_proj.weight)"), "{listing}");
 }
 
 #[test]
