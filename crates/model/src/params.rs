@@ -4,8 +4,9 @@
 //! One deliberate difference from the checkpoints: the routed experts of a MoE layer are
 //! stacked into one tensor per projection, `[E, out, in]`
 //! (`model.layers.3.mlp.experts.gate_proj.weight`), as training frameworks hold them for
-//! grouped GEMMs and inference engines for fused MoE kernels. Multi-token-prediction layers
-//! are left out: inference does not load them.
+//! grouped GEMMs and inference engines for fused MoE kernels; a config written by
+//! transformers 5 gets transformers 5's names for them ([`ExpertNames`]).
+//! Multi-token-prediction layers are left out: inference does not load them.
 
 use reshard_core::dtype::DType;
 use reshard_core::limits::MAX_LAYERS;
