@@ -163,7 +163,10 @@ def reshard_many_(
     ``src`` and ``dst`` are this rank's own tensors by name: its training shards, and its
     inference shards, where a vLLM fused buffer (``...qkv_proj.weight``) stands for its
     members (``Refit.fused(rank)``), written in place. Ranks of the group pass what they hold
-    (``Refit.rank_names(rank)``) and nothing else.
+    (``Refit.rank_names(rank)``) and nothing else. On the first call, before any byte moves,
+    every rank's tensors are compared with the refit (names, shapes, dtypes, as
+    :meth:`reshard.Refit.check` does), and a difference on one rank raises on all: a config
+    that does not describe the model moves nothing.
 
     Every rank passes the same names (in any order). The tensors' messages to each peer are
     packed into one buffer per peer and exchanged in one ``batch_isend_irecv`` per bucket of

@@ -76,7 +76,9 @@ impl PyRefit {
     ///
     /// `train_dtype`, `infer_dtype`: each side's dtype (`"f32"`, `torch.float32`; float dtypes
     /// only: f64, f32, bf16, f16), as `refit --train-dtype` / `--infer-dtype` take them; by
-    /// default the model config's. The weights move in `infer_dtype`, converted by their
+    /// default the model config's; a config that gives none (transformers 5 leaves it out of
+    /// a fresh config) needs `train_dtype`, and both sides then hold it unless `infer_dtype`
+    /// says otherwise. The weights move in `infer_dtype`, converted by their
     /// senders; with `infer_quant`, the fp8 weights are quantized from `train_dtype` and the
     /// others take `infer_dtype`.
     #[pyo3(signature = (model, train, infer, colocated = false, overrides = Vec::new(), min_split_bytes = None, infer_quant = None, train_dtype = None, infer_dtype = None))]
@@ -111,7 +113,8 @@ impl PyRefit {
             .map_err(error)?;
         let train = Training::parse(train).map_err(error)?;
         let infer = Inference::parse(infer).map_err(error)?;
-        let loaded = Model::load(&model).map_err(error)?;
+        // a config without a dtype (transformers 5 leaves it out) is the training dtype's
+        let loaded = Model::load_with_dtype(&model, train_dtype).map_err(error)?;
         let ranks = if colocated {
             Ranks::Colocated
         } else {
@@ -274,6 +277,104 @@ impl PyRefit {
             out.set_item(name, members)?;
         }
         Ok(out)
+    }
+
+    /// Compares a trainer's or an engine's parameters with this refit, so that a misread
+    /// config moves no bytes: `tensors` maps names to tensors (anything with `.shape` and
+    /// `.dtype`: a `state_dict()`, `dict(named_parameters())`). Without `rank`, they are whole
+    /// tensors (a DTensor's shape is its global one) and a fused buffer of `side`
+    /// (`gate_up_proj`, `w13_weight`, `linear_fc1`) stands for its members; with `rank`,
+    /// they are that rank's local shards, as `reshard_many_` takes them. Raises
+    /// `ReshardError` naming the first difference: a name the refit does not have, a
+    /// parameter missing, a shape or a dtype.
+    #[pyo3(signature = (tensors, side = "train", rank = None))]
+    fn check(&self, tensors: &Bound<'_, PyDict>, side: &str, rank: Option<usize>) -> PyResult<()> {
+        let (all, of): (_, fn(&reshard_model::RefitTensor) -> &reshard_core::Layout) = match side {
+            "train" => (&self.inner.src_fused, |t| &t.src),
+            "infer" => (&self.inner.dst_fused, |t| &t.dst),
+            other => {
+                return Err(ReshardError::new_err(format!(
+                    "side: `{other}` is invalid: expected `train` or `infer`"
+                )));
+            }
+        };
+        let model = &self.inner.model;
+        // the expected shape of a member on this side: global, or its shard on `rank`
+        let expect = |layout: &reshard_core::Layout| -> Option<Vec<u64>> {
+            match rank {
+                None => Some(layout.shape().to_vec()),
+                Some(r) => layout.local_region(r).map(|b| b.extent.to_vec()),
+            }
+        };
+        let mut covered = vec![false; self.inner.tensors.len()];
+        let mut names: Vec<(String, Bound<'_, PyAny>)> = tensors
+            .iter()
+            .map(|(k, v)| Ok((k.extract::<String>()?, v)))
+            .collect::<PyResult<_>>()?;
+        names.sort_by(|a, b| a.0.cmp(&b.0));
+        let at = rank.map_or(String::new(), |r| format!(" on rank {r}"));
+        for (name, tensor) in &names {
+            let (members, want): (Vec<usize>, Option<Vec<u64>>) = if let Some(&i) =
+                self.index.get(name)
+            {
+                (vec![i], expect(of(&self.inner.tensors[i])))
+            } else if let Some(f) = all.iter().find(|f| &f.name == name) {
+                let shapes: Vec<Option<Vec<u64>>> = f
+                    .members
+                    .iter()
+                    .map(|&m| expect(of(&self.inner.tensors[m])))
+                    .collect();
+                let want = shapes.into_iter().try_fold(None::<Vec<u64>>, |acc, s| {
+                    let s = s?;
+                    Some(Some(match acc {
+                        None => s,
+                        Some(mut a) => {
+                            a[f.dim] += s[f.dim];
+                            a
+                        }
+                    }))
+                });
+                (f.members.clone(), want.flatten())
+            } else {
+                return Err(ReshardError::new_err(format!(
+                    "tensors: {name} is neither a parameter of {model} nor a fused buffer of its {side} side (see Refit.names and Refit.fused): the config may not describe this model"
+                )));
+            };
+            let Some(want) = want else {
+                return Err(ReshardError::new_err(format!(
+                    "tensors: {name}: rank {} holds no shard of it on the {side} side, yet a tensor was given",
+                    rank.unwrap_or(0)
+                )));
+            };
+            let shape: Vec<u64> = tensor.getattr("shape")?.extract()?;
+            if shape != want {
+                return Err(ReshardError::new_err(format!(
+                    "tensors: {name}: shape {shape:?}, but the refit of {model} has {want:?} on the {side} side{at}: the config may not describe this model"
+                )));
+            }
+            let dtype = crate::values::dtype_of(&tensor.getattr("dtype")?)?;
+            let layout = of(&self.inner.tensors[members[0]]);
+            if dtype != layout.dtype() {
+                return Err(ReshardError::new_err(format!(
+                    "tensors: {name}: dtype {dtype}, but the refit of {model} holds {} on the {side} side (give Refit(..., {side}_dtype=...))",
+                    layout.dtype()
+                )));
+            }
+            members.iter().for_each(|&m| covered[m] = true);
+        }
+        let missing = self
+            .inner
+            .tensors
+            .iter()
+            .zip(&covered)
+            .find(|(t, c)| !**c && rank.is_none_or(|r| of(t).mesh().contains(r)));
+        if let Some((t, _)) = missing {
+            return Err(ReshardError::new_err(format!(
+                "tensors: {} is a parameter of {model} on the {side} side{at}, but none was given: the config may not describe this model",
+                t.name
+            )));
+        }
+        Ok(())
     }
 
     /// The numbers of `reshard refit --json` (bytes, messages, both methods, planning time).

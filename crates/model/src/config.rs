@@ -2,10 +2,28 @@
 //!
 //! Only the keys that fix parameter names and shapes are read; everything else in the file
 //! (rope scaling, token ids, quantization notes) is ignored.
+//!
+//! Configs as transformers 4 and 5 write them both load:
+//! - a JSON `null` is what transformers writes for a key it leaves unset, so a null optional
+//!   key reads as absent (`architectures: null` is no architectures, `head_dim: null` the
+//!   default head size); a null required key (`hidden_size`) is refused naming it;
+//! - the routed experts of Qwen3-MoE are `num_experts` (transformers 4) or
+//!   `num_local_experts` (transformers 5); DeepSeek-V3's `n_routed_experts` may also be
+//!   written `num_local_experts`;
+//! - the dtype is `torch_dtype` (transformers 4) or `dtype` (transformers 5). transformers 5
+//!   leaves it out of a fresh config (whose weights are f32), so a config written by
+//!   transformers (one naming `transformers_version`) without a dtype is refused naming
+//!   `dtype`, unless the caller gives one ([`ModelConfig::param_dtype_or`]: a refit's
+//!   training dtype). A hand-written config without `transformers_version` keeps the bf16
+//!   default; every shipped config names its dtype.
+//!
+//! A key of the wrong type is refused naming the key and the value.
 
 use std::path::Path;
 
 use serde::Deserialize;
+use serde::de::DeserializeOwned;
+use serde_json::Value;
 
 use reshard_core::dtype::DType;
 
@@ -43,14 +61,19 @@ pub struct ModelConfig {
     pub head_dim: Option<u64>,
     #[serde(default)]
     pub tie_word_embeddings: bool,
-    /// Older configs say `torch_dtype`, newer ones `dtype`; bf16 when neither is given.
+    /// Older configs say `torch_dtype`, newer ones `dtype` (see [`ModelConfig::param_dtype`]).
     pub torch_dtype: Option<String>,
     pub dtype: Option<String>,
+    /// The transformers release that wrote the config, if it says: a config written by
+    /// transformers must name its dtype, and 5 and later name stacked experts their own way.
+    pub transformers_version: Option<String>,
     #[serde(default)]
     pub attention_bias: bool,
 
     // Qwen3-MoE
     pub num_experts: Option<u64>,
+    /// transformers 5's name for `num_experts` (and for DeepSeek's `n_routed_experts`).
+    pub num_local_experts: Option<u64>,
     pub moe_intermediate_size: Option<u64>,
     pub decoder_sparse_step: Option<u64>,
     #[serde(default)]
@@ -85,10 +108,45 @@ impl ModelConfig {
     /// assert_eq!(config.architecture("llama-2-7b").unwrap(), Architecture::Llama);
     /// ```
     pub fn from_json(text: &str, path: &str) -> Result<ModelConfig, ModelError> {
-        serde_json::from_str(text).map_err(|source| ModelError::ConfigJson {
+        let json = |source| ModelError::ConfigJson {
             path: path.to_string(),
             source,
-        })
+        };
+        let value: Value = serde_json::from_str(text).map_err(json)?;
+        let Value::Object(mut map) = value else {
+            return Err(ModelError::InvalidConfig {
+                path: path.to_string(),
+                field: "config",
+                value: shown(&value),
+                reason: "expected a JSON object of config keys".into(),
+            });
+        };
+        // each key on its own, so that a wrong type names the key (serde would say only
+        // "invalid type: null, expected a sequence at line 1 column 56")
+        for &(field, check, required) in FIELDS {
+            let Some(v) = map.get(field) else { continue };
+            if v.is_null() {
+                if required {
+                    return Err(ModelError::InvalidConfig {
+                        path: path.to_string(),
+                        field,
+                        value: "null".into(),
+                        reason: "required: a positive integer".into(),
+                    });
+                }
+                map.remove(field);
+                continue;
+            }
+            if let Err(e) = check(v) {
+                return Err(ModelError::InvalidConfig {
+                    path: path.to_string(),
+                    field,
+                    value: shown(v),
+                    reason: expected_of(&e),
+                });
+            }
+        }
+        serde_json::from_value(Value::Object(map)).map_err(json)
     }
 
     /// Reads and parses a `config.json` file.
@@ -128,21 +186,165 @@ impl ModelConfig {
             })
     }
 
-    /// The parameter dtype (`torch_dtype`, or `dtype`, default bf16).
+    /// The parameter dtype: `torch_dtype` or `dtype` (both given must agree); without either,
+    /// bf16 for a hand-written config and an error naming `dtype` for one written by
+    /// transformers (see the module docs).
     pub fn param_dtype(&self, path: &str) -> Result<DType, ModelError> {
-        let Some(name) = self.torch_dtype.as_ref().or(self.dtype.as_ref()) else {
-            return Ok(DType::Bf16);
+        self.param_dtype_or(path, None)
+    }
+
+    /// [`ModelConfig::param_dtype`], with `given` (a refit's training dtype) standing for a
+    /// dtype the config does not say.
+    pub fn param_dtype_or(&self, path: &str, given: Option<DType>) -> Result<DType, ModelError> {
+        let parse = |field: &'static str, name: &String| {
+            name.parse::<DType>()
+                .map_err(|_| ModelError::InvalidConfig {
+                    path: path.to_string(),
+                    field,
+                    value: format!("{name:?}"),
+                    reason: "not a known dtype".into(),
+                })
         };
-        name.parse().map_err(|_| ModelError::InvalidConfig {
-            path: path.to_string(),
-            field: "torch_dtype",
-            value: format!("{name:?}"),
-            reason: "not a known dtype".into(),
-        })
+        let old = self
+            .torch_dtype
+            .as_ref()
+            .map(|n| parse("torch_dtype", n))
+            .transpose()?;
+        let new = self.dtype.as_ref().map(|n| parse("dtype", n)).transpose()?;
+        match (old, new, given) {
+            (Some(a), Some(b), _) if a != b => Err(ModelError::InvalidConfig {
+                path: path.to_string(),
+                field: "dtype",
+                value: format!("{b}"),
+                reason: format!("differs from `torch_dtype` {a}: give one"),
+            }),
+            (Some(d), _, _) | (None, Some(d), _) | (None, None, Some(d)) => Ok(d),
+            (None, None, None) => match &self.transformers_version {
+                None => Ok(DType::Bf16),
+                Some(version) => Err(ModelError::InvalidConfig {
+                    path: path.to_string(),
+                    field: "dtype",
+                    value: "missing".into(),
+                    reason: format!(
+                        "a config written by transformers {version} without a dtype holds f32 \
+                         weights if fresh, bf16 if converted: add `\"dtype\": \"bfloat16\"` (or \
+                         the model's) to it, or give the training dtype \
+                         (Refit(..., train_dtype=...), Model::load_with_dtype)"
+                    ),
+                }),
+            },
+        }
+    }
+
+    /// The routed experts of a Qwen3-MoE config (`num_experts`, or transformers 5's
+    /// `num_local_experts`); both given must agree.
+    pub fn qwen3_experts(&self, path: &str) -> Result<Option<u64>, ModelError> {
+        both(
+            path,
+            ("num_experts", self.num_experts),
+            self.num_local_experts,
+        )
+    }
+
+    /// The routed experts of a DeepSeek-V3 config (`n_routed_experts`, or
+    /// `num_local_experts`); both given must agree.
+    pub fn deepseek_experts(&self, path: &str) -> Result<Option<u64>, ModelError> {
+        both(
+            path,
+            ("n_routed_experts", self.n_routed_experts),
+            self.num_local_experts,
+        )
+    }
+
+    /// Whether transformers 5 or later wrote the config (`transformers_version`).
+    pub fn transformers_5(&self) -> bool {
+        self.transformers_version
+            .as_deref()
+            .and_then(|v| v.trim().split('.').next())
+            .and_then(|major| major.parse::<u64>().ok())
+            .is_some_and(|major| major >= 5)
     }
 
     pub fn kv_heads(&self) -> u64 {
         self.num_key_value_heads.unwrap_or(self.num_attention_heads)
+    }
+}
+
+/// One count written under two names: the one given, or both if they agree.
+fn both(
+    path: &str,
+    (field, value): (&'static str, Option<u64>),
+    local: Option<u64>,
+) -> Result<Option<u64>, ModelError> {
+    match (value, local) {
+        (Some(a), Some(b)) if a != b => Err(ModelError::InvalidConfig {
+            path: path.to_string(),
+            field: "num_local_experts",
+            value: b.to_string(),
+            reason: format!("differs from `{field}` {a}: give one"),
+        }),
+        (Some(a), _) => Ok(Some(a)),
+        (None, b) => Ok(b),
+    }
+}
+
+type Check = fn(&Value) -> Result<(), serde_json::Error>;
+
+fn check<T: DeserializeOwned>(v: &Value) -> Result<(), serde_json::Error> {
+    T::deserialize(v).map(drop)
+}
+
+/// Every key [`ModelConfig`] reads, how to check its value, and whether it is required (a
+/// null required key is refused; a null optional one is absent).
+const FIELDS: &[(&str, Check, bool)] = &[
+    ("architectures", check::<Vec<String>>, false),
+    ("model_type", check::<String>, false),
+    ("vocab_size", check::<u64>, true),
+    ("hidden_size", check::<u64>, true),
+    ("intermediate_size", check::<u64>, true),
+    ("num_hidden_layers", check::<u64>, true),
+    ("num_attention_heads", check::<u64>, true),
+    ("num_key_value_heads", check::<u64>, false),
+    ("head_dim", check::<u64>, false),
+    ("tie_word_embeddings", check::<bool>, false),
+    ("torch_dtype", check::<String>, false),
+    ("dtype", check::<String>, false),
+    ("transformers_version", check::<String>, false),
+    ("attention_bias", check::<bool>, false),
+    ("num_experts", check::<u64>, false),
+    ("num_local_experts", check::<u64>, false),
+    ("moe_intermediate_size", check::<u64>, false),
+    ("decoder_sparse_step", check::<u64>, false),
+    ("mlp_only_layers", check::<Vec<u64>>, false),
+    ("n_routed_experts", check::<u64>, false),
+    ("n_shared_experts", check::<u64>, false),
+    ("first_k_dense_replace", check::<u64>, false),
+    ("moe_layer_freq", check::<u64>, false),
+    ("q_lora_rank", check::<u64>, false),
+    ("kv_lora_rank", check::<u64>, false),
+    ("qk_nope_head_dim", check::<u64>, false),
+    ("qk_rope_head_dim", check::<u64>, false),
+    ("v_head_dim", check::<u64>, false),
+    ("num_nextn_predict_layers", check::<u64>, false),
+    ("quantization_config", check::<Value>, false),
+];
+
+/// A value as an error shows it: its JSON, cut to 60 characters.
+fn shown(v: &Value) -> String {
+    let text = v.to_string();
+    match text.char_indices().nth(60) {
+        Some((at, _)) => format!("{}...", &text[..at]),
+        None => text,
+    }
+}
+
+/// serde's "invalid type: string \"x\", expected u64" as "expected u64".
+fn expected_of(e: &serde_json::Error) -> String {
+    let text = e.to_string();
+    let text = text.split(" at line ").next().unwrap_or(&text);
+    match text.split_once(", expected ") {
+        Some((_, want)) => format!("expected {want}"),
+        None => text.to_string(),
     }
 }
 
@@ -192,7 +394,7 @@ pub fn shipped(name: &str) -> Option<(&'static str, ModelConfig)> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     #[test]
@@ -204,6 +406,133 @@ mod tests {
         }
         assert!(shipped("DeepSeek-V3").is_some());
         assert!(shipped("gpt-5").is_none());
+    }
+
+    /// `Qwen3MoeConfig(num_experts=4, ...).save_pretrained(d)` as transformers 5 writes it:
+    /// `num_local_experts`, no dtype, nulls.
+    pub(crate) const QWEN3_MOE_V5: &str = r#"{
+        "architectures": null, "model_type": "qwen3_moe", "transformers_version": "5.0.0",
+        "vocab_size": 1000, "hidden_size": 256, "intermediate_size": 512,
+        "moe_intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": null, "num_local_experts": 4,
+        "num_experts_per_tok": 2, "decoder_sparse_step": 1, "mlp_only_layers": null,
+        "tie_word_embeddings": null, "attention_bias": null, "rope_scaling": null,
+        "quantization_config": null
+    }"#;
+
+    #[test]
+    fn configs_as_transformers_5_writes_them() {
+        let config = ModelConfig::from_json(QWEN3_MOE_V5, "v5.json").unwrap();
+        assert!(config.architectures.is_empty());
+        assert_eq!(
+            config.architecture("v5.json").unwrap(),
+            Architecture::Qwen3Moe
+        );
+        assert_eq!(config.qwen3_experts("v5.json").unwrap(), Some(4));
+        assert!(config.transformers_5());
+        assert_eq!(
+            config.param_dtype("v5.json").unwrap_err().to_string(),
+            "v5.json: `dtype` is missing: a config written by transformers 5.0.0 without a dtype \
+             holds f32 weights if fresh, bf16 if converted: add `\"dtype\": \"bfloat16\"` (or the \
+             model's) to it, or give the training dtype (Refit(..., train_dtype=...), Model::load_with_dtype)"
+        );
+        assert_eq!(
+            config.param_dtype_or("v5.json", Some(DType::F32)).unwrap(),
+            DType::F32
+        );
+        let with = QWEN3_MOE_V5.replace("\"head_dim\": null", "\"dtype\": \"float32\"");
+        let config = ModelConfig::from_json(&with, "v5.json").unwrap();
+        // the config's own dtype wins over a given one
+        assert_eq!(
+            config.param_dtype_or("v5.json", Some(DType::Bf16)).unwrap(),
+            DType::F32
+        );
+        // a null dtype is no dtype
+        let null = QWEN3_MOE_V5.replace("\"head_dim\": null", "\"dtype\": null");
+        let config = ModelConfig::from_json(&null, "v5.json").unwrap();
+        assert!(config.param_dtype("v5.json").is_err());
+        // both names of one count must agree, as must both dtypes
+        let twice = QWEN3_MOE_V5.replace("\"head_dim\": null", "\"num_experts\": 8");
+        let config = ModelConfig::from_json(&twice, "v5.json").unwrap();
+        assert_eq!(
+            config.qwen3_experts("v5.json").unwrap_err().to_string(),
+            "v5.json: `num_local_experts` is 4: differs from `num_experts` 8: give one"
+        );
+        let twice = QWEN3_MOE_V5.replace(
+            "\"head_dim\": null",
+            "\"dtype\": \"float32\", \"torch_dtype\": \"bfloat16\"",
+        );
+        let config = ModelConfig::from_json(&twice, "v5.json").unwrap();
+        assert_eq!(
+            config.param_dtype("v5.json").unwrap_err().to_string(),
+            "v5.json: `dtype` is f32: differs from `torch_dtype` bf16: give one"
+        );
+        assert!(
+            !ModelConfig::from_json(&QWEN3_MOE_V5.replace("5.0.0", "4.51.3"), "x")
+                .unwrap()
+                .transformers_5()
+        );
+    }
+
+    #[test]
+    fn nulls_and_wrong_types_name_the_field() {
+        let cases = [
+            (
+                "\"hidden_size\": 256",
+                "\"hidden_size\": null",
+                "v5.json: `hidden_size` is null: required: a positive integer",
+            ),
+            (
+                "\"architectures\": null",
+                "\"architectures\": \"Qwen3MoeForCausalLM\"",
+                "v5.json: `architectures` is \"Qwen3MoeForCausalLM\": expected a sequence",
+            ),
+            (
+                "\"num_local_experts\": 4",
+                "\"num_local_experts\": -4",
+                "v5.json: `num_local_experts` is -4: expected u64",
+            ),
+            (
+                "\"mlp_only_layers\": null",
+                "\"mlp_only_layers\": [0, \"one\"]",
+                "v5.json: `mlp_only_layers` is [0,\"one\"]: expected u64",
+            ),
+        ];
+        for (from, to, want) in cases {
+            let json = QWEN3_MOE_V5.replace(from, to);
+            let err = ModelConfig::from_json(&json, "v5.json").unwrap_err();
+            assert_eq!(err.to_string(), want);
+        }
+        let err = ModelConfig::from_json("[1, 2]", "x.json").unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "x.json: `config` is [1,2]: expected a JSON object of config keys"
+        );
+    }
+
+    #[test]
+    fn every_field_is_checked_by_name() {
+        // a key of ModelConfig missing from FIELDS would give serde's message without it
+        let text = format!("{:?}", shipped("deepseek-v3").unwrap().1);
+        let body = text.split_once('{').unwrap().1;
+        let (mut depth, mut token, mut names) = (0, String::new(), vec![]);
+        for ch in body.chars() {
+            match ch {
+                '{' | '[' | '(' => depth += 1,
+                '}' | ']' | ')' => depth -= 1,
+                ',' if depth == 0 => token.clear(),
+                ':' if depth == 0 => names.push(std::mem::take(&mut token).trim().to_string()),
+                _ if depth == 0 => token.push(ch),
+                _ => {}
+            }
+        }
+        assert!(names.len() > 25, "{names:?}");
+        for name in names {
+            assert!(
+                FIELDS.iter().any(|f| f.0 == name),
+                "{name} is not in FIELDS"
+            );
+        }
     }
 
     #[test]

@@ -209,6 +209,38 @@ const MEGATRON: [Recipe; 2] = [
     },
 ];
 
+/// The training side of a model that transformers 5 names (`transformers_version` >= 5):
+/// its stacked experts hold gate and up in one `mlp.experts.gate_up_proj` parameter
+/// (`[E, 2 x I, H]`), a rank's shard being its gate shard then its up shard; dense MLPs as
+/// Megatron-LM fuses them.
+const TRANSFORMERS_5: [Recipe; 2] = [
+    Recipe {
+        members: &[
+            ".mlp.experts.gate_proj.weight",
+            ".mlp.experts.up_proj.weight",
+        ],
+        fused: ".mlp.experts.gate_up_proj",
+        dim: 1,
+    },
+    Recipe {
+        members: &[".gate_proj.weight", ".up_proj.weight"],
+        fused: ".linear_fc1.weight",
+        dim: 0,
+    },
+];
+
+/// The training side's fused buffers of a transformers 5 model among `names`: the experts'
+/// `gate_up_proj` instead of Megatron-LM's `linear_fc1`.
+///
+/// ```
+/// use reshard_model::transformers5_fused;
+/// let names = ["m.layers.0.mlp.experts.gate_proj.weight", "m.layers.0.mlp.experts.up_proj.weight"];
+/// assert_eq!(transformers5_fused(&names)[0].name, "m.layers.0.mlp.experts.gate_up_proj");
+/// ```
+pub fn transformers5_fused(names: &[&str]) -> Vec<Fused> {
+    fuse(names, &TRANSFORMERS_5)
+}
+
 /// vLLM's fused buffers among `names` (the inference side of a refit).
 ///
 /// ```

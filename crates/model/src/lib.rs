@@ -33,9 +33,9 @@ mod safetensors;
 pub use config::{Architecture, ModelConfig, SHIPPED, shipped};
 pub use dtypes::{REFIT_DTYPES, refit_dtype};
 pub use error::ModelError;
-pub use fused::{Fused, megatron_fused, vllm_fused};
+pub use fused::{Fused, megatron_fused, transformers5_fused, vllm_fused};
 pub use parallel::{Inference, Training};
-pub use params::{Heads, Model, Param, layer_of};
+pub use params::{ExpertNames, Heads, Model, Param, layer_of};
 pub use quant::{DEFAULT_BLOCK, InferQuant, scale_name};
 pub use refit::{
     Ranks, Refit, RefitGatherBroadcastJson, RefitJson, RefitQuant, RefitQuantJson,

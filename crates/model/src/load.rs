@@ -2,8 +2,10 @@
 
 use std::path::Path;
 
+use reshard_core::dtype::DType;
+
 use super::config::{ModelConfig, SHIPPED, shipped};
-use super::params::{Heads, Model};
+use super::params::{ExpertNames, Heads, Model};
 use super::safetensors::{read_checkpoint, stack_experts};
 use crate::error::ModelError;
 
@@ -22,16 +24,29 @@ impl Model {
     /// assert!(reshard_model::Model::load("no-such-model").is_err());
     /// ```
     pub fn load(arg: &str) -> Result<Model, ModelError> {
+        Model::load_with_dtype(arg, None)
+    }
+
+    /// [`Model::load`], with `dtype` (a refit's training dtype) for a config that says none
+    /// (transformers 5 leaves the dtype out of a fresh config); a checkpoint's tensors and a
+    /// dtype the config says win.
+    ///
+    /// ```
+    /// use reshard_core::DType;
+    /// let model = reshard_model::Model::load_with_dtype("qwen3-0.6b", Some(DType::F32)).unwrap();
+    /// assert_eq!(model.params[0].dtype, DType::Bf16); // the shipped config says bfloat16
+    /// ```
+    pub fn load_with_dtype(arg: &str, dtype: Option<DType>) -> Result<Model, ModelError> {
         let path = Path::new(arg);
         if path.is_dir() {
-            return load_dir(path);
+            return load_dir(path, dtype);
         }
         if path.is_file() {
             let config = ModelConfig::read(path)?;
-            return Model::from_config(&config, &name_of(path));
+            return Model::from_config_with_dtype(&config, &name_of(path), dtype);
         }
         match shipped(arg) {
-            Some((name, config)) => Model::from_config(&config, name),
+            Some((name, config)) => Model::from_config_with_dtype(&config, name, dtype),
             None => Err(ModelError::UnknownModel {
                 value: arg.to_string(),
                 known: SHIPPED.iter().map(|(n, _)| n.to_string()).collect(),
@@ -55,7 +70,7 @@ fn name_of(path: &Path) -> String {
     file.strip_suffix(".config").unwrap_or(file).to_string()
 }
 
-fn load_dir(dir: &Path) -> Result<Model, ModelError> {
+fn load_dir(dir: &Path, dtype: Option<DType>) -> Result<Model, ModelError> {
     let config_path = dir.join("config.json");
     let config = if config_path.is_file() {
         Some(ModelConfig::read(&config_path)?)
@@ -68,7 +83,7 @@ fn load_dir(dir: &Path) -> Result<Model, ModelError> {
     );
     let Some(tensors) = read_checkpoint(dir)? else {
         return match config {
-            Some(config) => Model::from_config(&config, &name),
+            Some(config) => Model::from_config_with_dtype(&config, &name, dtype),
             None => Err(ModelError::Checkpoint {
                 path: dir.display().to_string(),
                 reason: "holds neither config.json nor *.safetensors files".into(),
@@ -98,6 +113,8 @@ fn load_dir(dir: &Path) -> Result<Model, ModelError> {
         // the tensors of a checkpoint are what they are: an fp8 checkpoint's weights are
         // read as stored, not quantized again
         quant: None,
+        // a checkpoint's tensors keep the names they are stored under
+        expert_names: ExpertNames::Split,
     })
 }
 

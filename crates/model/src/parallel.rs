@@ -26,7 +26,8 @@ pub struct Training {
     pub pp: usize,
     /// FSDP shard-group size: the data-parallel ranks of a group split every parameter along
     /// dim 0 (an extra `Shard(0)` axis); groups replicate (HSDP). `None`: no FSDP. Written
-    /// `fsdp` (the whole data-parallel group) or `fsdp=N`.
+    /// `fsdp` (the whole data-parallel group) or `fsdp=N`; `fsdp=N` without `dp` or `world`
+    /// means `dp=N` (FSDP over N ranks), as users of FSDP count.
     pub fsdp: Option<usize>,
 }
 
@@ -158,12 +159,14 @@ fn data_parallel(
 }
 
 impl Training {
-    /// Parses `tp=, cp=, ep=, etp=, dp=, pp=, fsdp[=N], world=`; absent sizes are 1.
+    /// Parses `tp=, cp=, ep=, etp=, dp=, pp=, fsdp[=N], world=`; absent sizes are 1, but
+    /// `fsdp=N` without `dp` or `world` is FSDP over N data-parallel ranks.
     ///
     /// ```
     /// use reshard_model::Training;
     /// let t = Training::parse("tp=2,cp=2,ep=16,pp=4,world=64").unwrap();
     /// assert_eq!((t.dp, t.world(), t.edp()), (4, 64, 1));
+    /// assert_eq!(Training::parse("fsdp=4").unwrap().world(), 4);
     /// let err = Training::parse("tp=2,dp=4,ep=3").unwrap_err();
     /// assert_eq!(err.to_string(), "train: `ep=3`: ep x etp = 3 must divide tp x cp x dp = 8");
     /// ```
@@ -179,13 +182,16 @@ impl Training {
             TRAIN,
             &[("tp", tp), ("cp", cp), ("pp", pp), ("ep", ep), ("etp", etp)],
         )?;
-        let dp = data_parallel(
-            TRAIN,
-            size(TRAIN, &map, "dp")?,
-            size(TRAIN, &map, "world")?,
-            tp * cp * pp,
-            "tp x cp x pp",
-        )?;
+        let given_dp = size(TRAIN, &map, "dp")?;
+        let world = size(TRAIN, &map, "world")?;
+        // `fsdp=4` alone is FSDP over 4 ranks: the data-parallel ranks it shards over are
+        // the ones it names, when neither dp nor world says otherwise
+        let fsdp_n = map.get("fsdp").copied().flatten();
+        let given_dp = match (given_dp, world, fsdp_n) {
+            (None, None, Some(n)) => Some(n),
+            _ => given_dp,
+        };
+        let dp = data_parallel(TRAIN, given_dp, world, tp * cp * pp, "tp x cp x pp")?;
         world_of(TRAIN, &[("tp", tp), ("cp", cp), ("dp", dp), ("pp", pp)])?;
         let fsdp = match map.get("fsdp") {
             None => None,
@@ -229,6 +235,18 @@ impl Training {
             ));
         }
         if let Some(f) = self.fsdp {
+            if f > self.dp {
+                return Err(err(
+                    "fsdp",
+                    f,
+                    format!(
+                        "is more than dp = {}: FSDP shards over data-parallel ranks (write {}, or fsdp alone to shard over all {} of them)",
+                        self.dp,
+                        self.with_dp_text(self.dp_for(f)),
+                        self.dp
+                    ),
+                ));
+            }
             if !self.dp.is_multiple_of(f) {
                 return Err(err("fsdp", f, format!("must divide dp = {}", self.dp)));
             }
@@ -236,11 +254,50 @@ impl Training {
                 return Err(err(
                     "fsdp",
                     f,
-                    format!("must divide the expert data-parallel size {}", self.edp()),
+                    format!(
+                        "must divide the expert data-parallel size {} = tp x cp x dp / (ep x etp) (write {}, or fsdp={})",
+                        self.edp(),
+                        self.with_dp_text(self.dp_for(f)),
+                        gcd(f, self.edp())
+                    ),
                 ));
             }
         }
         Ok(())
+    }
+
+    /// The smallest dp that `fsdp=f` shards evenly, dense and expert layers alike: a
+    /// multiple of `f` whose expert data-parallel size is one too.
+    fn dp_for(&self, f: usize) -> usize {
+        let experts = self.ep * self.etp;
+        // edp = tp cp dp / experts must be a multiple of f: dp a multiple of
+        // f experts / gcd(f experts, tp cp)
+        let dense = self.tp * self.cp;
+        let need = (f * experts) / gcd(f * experts, dense);
+        lcm(f, need)
+    }
+
+    /// These sizes with `dp` instead, written as `--train` takes them.
+    fn with_dp_text(&self, dp: usize) -> String {
+        let mut out = Vec::new();
+        for (key, n) in [
+            ("tp", self.tp),
+            ("cp", self.cp),
+            ("ep", self.ep),
+            ("etp", self.etp),
+        ] {
+            if n > 1 {
+                out.push(format!("{key}={n}"));
+            }
+        }
+        out.push(format!("dp={dp}"));
+        if self.pp > 1 {
+            out.push(format!("pp={}", self.pp));
+        }
+        if let Some(f) = self.fsdp {
+            out.push(format!("fsdp={f}"));
+        }
+        out.join(",")
     }
 
     /// Ranks in the whole training job.
@@ -257,6 +314,14 @@ impl Training {
     pub fn edp(&self) -> usize {
         self.stage_size() / (self.ep * self.etp)
     }
+}
+
+fn gcd(a: usize, b: usize) -> usize {
+    if b == 0 { a } else { gcd(b, a % b) }
+}
+
+fn lcm(a: usize, b: usize) -> usize {
+    a / gcd(a, b) * b
 }
 
 impl Inference {
@@ -322,6 +387,47 @@ mod tests {
         let t = Training::parse("tp=2,dp=8,ep=4,etp=2,fsdp=2").unwrap();
         assert_eq!((t.edp(), t.fsdp), (2, Some(2)));
         assert_eq!(Training::parse("").unwrap().world(), 1);
+    }
+
+    #[test]
+    fn fsdp_alone_is_fsdp_over_that_many_ranks() {
+        let t = Training::parse("fsdp=4").unwrap();
+        assert_eq!((t.dp, t.fsdp, t.world()), (4, Some(4), 4));
+        let t = Training::parse("tp=2,fsdp=4").unwrap();
+        assert_eq!((t.dp, t.world()), (4, 8));
+        // dp or world, when given, still say how many data-parallel ranks there are
+        assert_eq!(Training::parse("dp=8,fsdp=4").unwrap().dp, 8);
+        assert_eq!(Training::parse("tp=2,fsdp=2,world=8").unwrap().dp, 4);
+        let refused = [
+            (
+                "dp=2,fsdp=4",
+                "train: `fsdp=4`: is more than dp = 2: FSDP shards over data-parallel ranks (write dp=4,fsdp=4, or fsdp alone to shard over all 2 of them)",
+            ),
+            (
+                "fsdp=4,ep=4",
+                "train: `fsdp=4`: must divide the expert data-parallel size 1 = tp x cp x dp / (ep x etp) (write ep=4,dp=16,fsdp=4, or fsdp=1)",
+            ),
+            (
+                "tp=2,dp=4,ep=4,fsdp=4",
+                "train: `fsdp=4`: must divide the expert data-parallel size 2 = tp x cp x dp / (ep x etp) (write tp=2,ep=4,dp=8,fsdp=4, or fsdp=2)",
+            ),
+        ];
+        for (text, want) in refused {
+            assert_eq!(
+                Training::parse(text).unwrap_err().to_string(),
+                want,
+                "{text}"
+            );
+            // what the message says to write parses
+            let fix = want
+                .split("(write ")
+                .nth(1)
+                .unwrap()
+                .split(", or")
+                .next()
+                .unwrap();
+            Training::parse(fix).unwrap();
+        }
     }
 
     #[test]

@@ -4,8 +4,9 @@
 //! One deliberate difference from the checkpoints: the routed experts of a MoE layer are
 //! stacked into one tensor per projection, `[E, out, in]`
 //! (`model.layers.3.mlp.experts.gate_proj.weight`), as training frameworks hold them for
-//! grouped GEMMs and inference engines for fused MoE kernels. Multi-token-prediction layers
-//! are left out: inference does not load them.
+//! grouped GEMMs and inference engines for fused MoE kernels; a config written by
+//! transformers 5 gets transformers 5's names for them ([`ExpertNames`]).
+//! Multi-token-prediction layers are left out: inference does not load them.
 
 use reshard_core::dtype::DType;
 use reshard_core::limits::MAX_LAYERS;
@@ -72,6 +73,19 @@ pub struct Heads {
     pub kv: u64,
 }
 
+/// How the stacked routed experts are named.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ExpertNames {
+    /// `mlp.experts.gate_proj.weight`, `up_proj.weight`, `down_proj.weight`, each
+    /// `[E, out, in]`: what training frameworks and earlier transformers releases use.
+    #[default]
+    Split,
+    /// transformers 5: `mlp.experts.gate_up_proj` (`[E, 2 x I, H]`, on the training side the
+    /// fused buffer of the gate and up members) and `mlp.experts.down_proj`, without
+    /// `.weight`. Chosen for a config whose `transformers_version` is 5 or later.
+    Transformers5,
+}
+
 /// A model: its name, its decoder depth (for pipeline stages) and its parameters.
 #[derive(Clone, Debug)]
 pub struct Model {
@@ -83,6 +97,8 @@ pub struct Model {
     /// The config's `quantization_config`: how the inference engine holds the weights
     /// (what `refit` quantizes unless `--infer-quant` says otherwise).
     pub quant: Option<super::quant::InferQuant>,
+    /// How the stacked experts are named (the training side's fused buffers follow).
+    pub expert_names: ExpertNames,
 }
 
 impl Model {
@@ -111,8 +127,18 @@ impl Model {
     /// assert_eq!(model.params.len(), 2 + 2 * 9 + 1); // embedding, lm_head, 9 per layer, norm
     /// ```
     pub fn from_config(config: &ModelConfig, name: &str) -> Result<Model, ModelError> {
+        Model::from_config_with_dtype(config, name, None)
+    }
+
+    /// [`Model::from_config`], with `dtype` (a refit's training dtype) for a config that
+    /// says none; a dtype the config says wins.
+    pub fn from_config_with_dtype(
+        config: &ModelConfig,
+        name: &str,
+        dtype: Option<DType>,
+    ) -> Result<Model, ModelError> {
         let arch = config.architecture(name)?;
-        let dtype = config.param_dtype(name)?;
+        let dtype = config.param_dtype_or(name, dtype)?;
         let c = Checked { config, path: name };
         let h = c.positive("hidden_size", config.hidden_size)?;
         let heads = c.positive("num_attention_heads", config.num_attention_heads)?;
@@ -127,6 +153,11 @@ impl Model {
             ));
         }
         let vocab = c.positive("vocab_size", config.vocab_size)?;
+        let expert_names = if config.transformers_5() {
+            ExpertNames::Transformers5
+        } else {
+            ExpertNames::Split
+        };
         let mut out = Params {
             dtype,
             list: vec![],
@@ -166,7 +197,11 @@ impl Model {
                     let e = format!("{p}.mlp.experts");
                     out.push(&format!("{e}.gate_proj.weight"), &[experts, inter, h]);
                     out.push(&format!("{e}.up_proj.weight"), &[experts, inter, h]);
-                    out.push(&format!("{e}.down_proj.weight"), &[experts, h, inter]);
+                    let down = match expert_names {
+                        ExpertNames::Split => format!("{e}.down_proj.weight"),
+                        ExpertNames::Transformers5 => format!("{e}.down_proj"),
+                    };
+                    out.push(&down, &[experts, h, inter]);
                 }
                 None => {
                     let inter = c.positive("intermediate_size", config.intermediate_size)?;
@@ -191,6 +226,7 @@ impl Model {
                 .as_ref()
                 .map(|q| super::quant::InferQuant::from_config(q, name))
                 .transpose()?,
+            expert_names,
         })
     }
 }
@@ -349,7 +385,7 @@ fn moe_experts(
     match arch {
         Architecture::Llama | Architecture::Qwen3 => Ok(None),
         Architecture::Qwen3Moe => {
-            let experts = config.num_experts.unwrap_or(0);
+            let experts = config.qwen3_experts(c.path)?.unwrap_or(0);
             let step = c.positive(
                 "decoder_sparse_step",
                 config.decoder_sparse_step.unwrap_or(1),
@@ -359,7 +395,7 @@ fn moe_experts(
             Ok(sparse.then_some(experts))
         }
         Architecture::DeepseekV3 => {
-            let experts = config.n_routed_experts.unwrap_or(0);
+            let experts = config.deepseek_experts(c.path)?.unwrap_or(0);
             let freq = c.positive("moe_layer_freq", config.moe_layer_freq.unwrap_or(1))?;
             let first_dense = config.first_k_dense_replace.unwrap_or(0);
             let sparse = experts > 0 && i >= first_dense && i.is_multiple_of(freq);
@@ -369,212 +405,4 @@ fn moe_experts(
 }
 
 #[cfg(test)]
-mod tests {
-    use super::super::config::{SHIPPED, shipped};
-    use super::*;
-
-    fn model(name: &str) -> Model {
-        let (name, config) = shipped(name).unwrap();
-        Model::from_config(&config, name).unwrap()
-    }
-
-    fn find<'a>(m: &'a Model, name: &str) -> &'a Param {
-        m.params
-            .iter()
-            .find(|p| p.name == name)
-            .unwrap_or_else(|| panic!("{name} missing from {}", m.name))
-    }
-
-    /// The totals of the design notes (section 6), in billions to one decimal (0.01 for 0.6B).
-    #[test]
-    fn totals_match_the_design_notes() {
-        let expected = [
-            ("deepseek-v3", 671.0),
-            ("deepseek-v3-fp8", 671.0),
-            ("kimi-k2", 1026.4),
-            ("qwen3-235b-a22b", 235.1),
-            ("qwen3-30b-a3b", 30.5),
-            ("qwen3-32b", 32.8),
-            ("llama-3.1-8b", 8.03),
-            ("qwen3-0.6b", 0.60),
-        ];
-        assert_eq!(expected.len(), SHIPPED.len());
-        for (name, billions) in expected {
-            let m = model(name);
-            let got = m.num_params() as f64 / 1e9;
-            let digits = if billions < 10.0 { 100.0 } else { 10.0 };
-            assert_eq!(
-                (got * digits).round() / digits,
-                billions,
-                "{name}: {got} billion parameters"
-            );
-            assert_eq!(m.weight_bytes(), 2 * m.num_params(), "{name} is bf16");
-            // every name is unique
-            let mut names: Vec<&str> = m.params.iter().map(|p| p.name.as_str()).collect();
-            names.sort_unstable();
-            names.dedup();
-            assert_eq!(names.len(), m.params.len(), "{name}");
-        }
-    }
-
-    /// A hundred million layers are refused before their billions of tensors are listed.
-    #[test]
-    fn absurd_layer_counts_are_refused() {
-        let json = r#"{"model_type": "llama", "vocab_size": 1000, "hidden_size": 64,
-            "intermediate_size": 256, "num_hidden_layers": 100000000, "num_attention_heads": 4}"#;
-        let config = ModelConfig::from_json(json, "deep.json").unwrap();
-        let err = Model::from_config(&config, "deep.json").unwrap_err();
-        assert_eq!(
-            err.to_string(),
-            "deep.json: `num_hidden_layers` is 100000000: more than the 16384 layers a model may have"
-        );
-        let json = json.replace("100000000", "16384");
-        let config = ModelConfig::from_json(&json, "deep.json").unwrap();
-        assert!(Model::from_config(&config, "deep.json").is_ok());
-    }
-
-    #[test]
-    fn deepseek_v3_layers() {
-        let m = model("deepseek-v3");
-        assert_eq!(m.num_layers, 61);
-        // the first three layers are dense, the rest MoE with a shared expert
-        assert_eq!(
-            find(&m, "model.layers.2.mlp.gate_proj.weight").shape,
-            [18432, 7168]
-        );
-        assert!(
-            !m.params
-                .iter()
-                .any(|p| p.name.starts_with("model.layers.3.mlp.gate_proj"))
-        );
-        assert_eq!(
-            find(&m, "model.layers.3.mlp.experts.gate_proj.weight").shape,
-            [256, 2048, 7168]
-        );
-        assert_eq!(
-            find(&m, "model.layers.60.mlp.experts.down_proj.weight").shape,
-            [256, 7168, 2048]
-        );
-        assert_eq!(
-            find(&m, "model.layers.3.mlp.shared_experts.down_proj.weight").shape,
-            [7168, 2048]
-        );
-        assert_eq!(
-            find(&m, "model.layers.3.mlp.gate.e_score_correction_bias").shape,
-            [256]
-        );
-        // MLA: 128 heads of 128 + 64 query dims, latent ranks 1536 and 512
-        assert_eq!(
-            find(&m, "model.layers.0.self_attn.q_b_proj.weight").shape,
-            [24576, 1536]
-        );
-        assert_eq!(
-            find(&m, "model.layers.0.self_attn.kv_a_proj_with_mqa.weight").shape,
-            [576, 7168]
-        );
-        assert_eq!(
-            find(&m, "model.layers.0.self_attn.kv_b_proj.weight").shape,
-            [32768, 512]
-        );
-        assert_eq!(
-            find(&m, "model.layers.0.self_attn.o_proj.weight").shape,
-            [7168, 16384]
-        );
-        assert_eq!(
-            find(&m, "model.layers.0.self_attn.kv_a_layernorm.weight").shape,
-            [512]
-        );
-        // no multi-token-prediction layer 61
-        assert!(!m.params.iter().any(|p| p.layer() == Some(61)));
-        let kimi = model("kimi-k2");
-        assert!(
-            kimi.params
-                .iter()
-                .any(|p| p.name == "model.layers.1.mlp.experts.up_proj.weight")
-        );
-        assert_eq!(
-            find(&kimi, "model.layers.1.mlp.gate.weight").shape,
-            [384, 7168]
-        );
-    }
-
-    #[test]
-    fn qwen3_and_llama() {
-        let small = model("qwen3-0.6b");
-        // tied: no lm_head; head_dim 128 although hidden / heads is 64
-        assert!(!small.params.iter().any(|p| p.name == "lm_head.weight"));
-        assert_eq!(
-            find(&small, "model.layers.0.self_attn.q_proj.weight").shape,
-            [2048, 1024]
-        );
-        assert_eq!(
-            find(&small, "model.layers.0.self_attn.k_norm.weight").shape,
-            [128]
-        );
-        let moe = model("qwen3-30b-a3b");
-        assert_eq!(
-            find(&moe, "model.layers.47.mlp.experts.up_proj.weight").shape,
-            [128, 768, 2048]
-        );
-        assert_eq!(
-            find(&moe, "model.layers.0.mlp.gate.weight").shape,
-            [128, 2048]
-        );
-        assert!(!moe.params.iter().any(|p| p.name.contains("shared_experts")));
-        let llama = model("llama-3.1-8b");
-        assert_eq!(
-            find(&llama, "model.layers.0.self_attn.v_proj.weight").shape,
-            [1024, 4096]
-        );
-        assert!(!llama.params.iter().any(|p| p.name.contains("q_norm")));
-        assert_eq!(
-            llama.heads,
-            Some(Heads {
-                attention: 32,
-                kv: 8
-            })
-        );
-    }
-
-    #[test]
-    fn qwen3_moe_dense_layers_follow_the_config() {
-        let (_, mut config) = shipped("qwen3-30b-a3b").unwrap();
-        config.mlp_only_layers = vec![0];
-        config.decoder_sparse_step = Some(2);
-        let m = Model::from_config(&config, "x").unwrap();
-        assert!(
-            m.params
-                .iter()
-                .any(|p| p.name == "model.layers.0.mlp.gate_proj.weight")
-        );
-        assert!(
-            m.params
-                .iter()
-                .any(|p| p.name == "model.layers.1.mlp.gate.weight")
-        );
-        assert!(
-            m.params
-                .iter()
-                .any(|p| p.name == "model.layers.2.mlp.down_proj.weight")
-        );
-    }
-
-    #[test]
-    fn bad_configs_name_the_field() {
-        let (_, mut config) = shipped("deepseek-v3").unwrap();
-        config.kv_lora_rank = None;
-        let err = Model::from_config(&config, "ds.json")
-            .unwrap_err()
-            .to_string();
-        assert_eq!(
-            err,
-            "ds.json: `kv_lora_rank` is missing: required for model_type `deepseek_v3`"
-        );
-        let (_, mut config) = shipped("llama-3.1-8b").unwrap();
-        config.num_attention_heads = 0;
-        let err = Model::from_config(&config, "l.json")
-            .unwrap_err()
-            .to_string();
-        assert_eq!(err, "l.json: `num_attention_heads` is 0: must be positive");
-    }
-}
+mod tests;

@@ -169,7 +169,9 @@ impl InferQuant {
                 "only `fp8` (block-wise, with weight_block_size) is supported",
             ));
         }
-        let fp8 = match value.get("fmt").map(|f| f.as_str()) {
+        // a null `fmt` is transformers' unset key: the default, e4m3
+        let fmt = value.get("fmt").filter(|f| !f.is_null());
+        let fp8 = match fmt.map(|f| f.as_str()) {
             None | Some(Some("e4m3")) => DType::Fp8E4M3,
             Some(Some("e5m2")) => DType::Fp8E5M2,
             Some(_) => {
@@ -254,8 +256,11 @@ impl InferQuant {
     /// weight (attention, MLP, experts), not a norm, embedding, router or `lm_head`, and not
     /// a module of `modules_to_not_convert`.
     pub fn quantizes(&self, name: &str, ndim: usize) -> bool {
-        let Some(module) = name.strip_suffix(".weight") else {
-            return false;
+        // transformers 5's stacked experts are parameters of their own, without `.weight`
+        let module = match name.strip_suffix(".weight") {
+            Some(module) => module,
+            None if name.ends_with(".mlp.experts.down_proj") => name,
+            None => return false,
         };
         let linear = ndim >= 2
             && (module.contains(".self_attn.") || module.contains(".mlp."))
@@ -278,9 +283,13 @@ impl InferQuant {
 
 /// The engine's name of the scales of weight (or fused buffer) `weight`: `X.weight` ->
 /// `X.weight_scale_inv`, `w13_weight` -> `w13_weight_scale_inv`, and the stacked
-/// `mlp.experts.down_proj.weight` -> `mlp.experts.w2_weight_scale_inv`.
+/// `mlp.experts.down_proj.weight` (transformers 5: `mlp.experts.down_proj`) ->
+/// `mlp.experts.w2_weight_scale_inv`.
 pub fn scale_name(weight: &str) -> String {
-    if let Some(p) = weight.strip_suffix(".mlp.experts.down_proj.weight") {
+    if let Some(p) = weight
+        .strip_suffix(".mlp.experts.down_proj.weight")
+        .or_else(|| weight.strip_suffix(".mlp.experts.down_proj"))
+    {
         return format!("{p}.mlp.experts.w2_weight_scale_inv");
     }
     format!("{weight}_scale_inv")
@@ -289,6 +298,27 @@ pub fn scale_name(weight: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Keys transformers leaves unset are written null: read as absent.
+    #[test]
+    fn null_keys_of_a_quantization_config_are_absent() {
+        let config = serde_json::json!({"quant_method": "fp8", "fmt": null,
+            "weight_block_size": [128, 128], "modules_to_not_convert": null});
+        let q = InferQuant::from_config(&config, "c.json").unwrap();
+        assert_eq!((q.fp8, q.not_convert.len()), (DType::Fp8E4M3, 0));
+    }
+
+    /// transformers 5's `mlp.experts.down_proj` (no `.weight`) is the engine's `w2_weight`.
+    #[test]
+    fn transformers_5_expert_names_quantize() {
+        let q = InferQuant::parse("fp8-block").unwrap().unwrap();
+        assert!(q.quantizes("model.layers.3.mlp.experts.down_proj", 3));
+        assert!(!q.quantizes("model.layers.3.mlp.experts.down_bias", 2));
+        assert_eq!(
+            scale_name("model.layers.3.mlp.experts.down_proj"),
+            "model.layers.3.mlp.experts.w2_weight_scale_inv"
+        );
+    }
 
     #[test]
     fn the_engine_keeps_linear_weights_in_fp8() {

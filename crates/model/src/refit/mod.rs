@@ -9,9 +9,9 @@ use rayon::prelude::*;
 use reshard_core::layout::{Layout, Rank};
 use reshard_core::plan::{self, Plan, PlanOptions, RankPlan};
 
-use super::fused::{Fused, megatron_fused, vllm_fused};
+use super::fused::{Fused, megatron_fused, transformers5_fused, vllm_fused};
 use super::parallel::{Inference, Training};
-use super::params::Model;
+use super::params::{ExpertNames, Model};
 use super::rules::{ModelFacts, Rules, Which, infer_layout, train_layout};
 use crate::error::ModelError;
 
@@ -20,6 +20,19 @@ mod quant;
 
 pub use json::{RefitGatherBroadcastJson, RefitJson, RefitQuantJson, RefitReshardJson};
 pub use quant::{RefitQuant, RefitScale};
+
+/// The sizes that divide `heads` nearest to `tp`, below and above, as a user would write
+/// them instead: `6` of 16 heads gives `4 or tp=8`.
+fn dividing(heads: u64, tp: u64) -> String {
+    let below = (1..=tp.min(heads)).rev().find(|d| heads.is_multiple_of(*d));
+    let above = (tp..=heads).find(|d| heads.is_multiple_of(*d));
+    match (below, above) {
+        (Some(b), Some(a)) if a != b => format!("{b} or tp={a}"),
+        (Some(b), _) => b.to_string(),
+        (None, Some(a)) => a.to_string(),
+        (None, None) => "1".into(),
+    }
+}
 
 /// One parameter of a refit: where it is now and where it must go.
 #[derive(Clone, Debug)]
@@ -83,8 +96,9 @@ impl Refit {
                         key: "tp".into(),
                         value: tp.to_string(),
                         reason: format!(
-                            "does not divide the model's {} attention heads",
-                            heads.attention
+                            "does not divide the model's {} attention heads (write tp={})",
+                            heads.attention,
+                            dividing(heads.attention, tp as u64)
                         ),
                     });
                 }
@@ -121,7 +135,10 @@ impl Refit {
         let names: Vec<&str> = tensors.iter().map(|t| t.name.as_str()).collect();
         let refit = Refit {
             model: model.name.clone(),
-            src_fused: megatron_fused(&names),
+            src_fused: match model.expert_names {
+                ExpertNames::Split => megatron_fused(&names),
+                ExpertNames::Transformers5 => transformers5_fused(&names),
+            },
             dst_fused: vllm_fused(&names),
             tensors,
             train_ranks: train.world(),

@@ -20,7 +20,7 @@
 //! | parameter                                                        | kind            |
 //! |------------------------------------------------------------------|-----------------|
 //! | `*.mlp.experts.gate_proj.weight`, `*.mlp.experts.up_proj.weight` | `expert-column` |
-//! | `*.mlp.experts.down_proj.weight`                                 | `expert-row`    |
+//! | `*.mlp.experts.down_proj.weight`, `*.mlp.experts.down_proj` (transformers 5) | `expert-row` |
 //! | `*embed_tokens.weight` (vocab-parallel embedding), `lm_head.weight` | `column`     |
 //! | `*norm.weight` (layer norms, `q_norm`/`k_norm`, MLA's `q_a_layernorm`/`kv_a_layernorm`, final norm) | `replicate` |
 //! | `*.self_attn.q_proj.*`, `*.self_attn.q_b_proj.weight`, `*.self_attn.kv_b_proj.weight` | `column` |
@@ -165,10 +165,11 @@ impl Which {
 }
 
 /// The default rules, in order (first match wins). The module docs explain each.
-pub const DEFAULT_RULES: [(&str, Kind); 19] = [
+pub const DEFAULT_RULES: [(&str, Kind); 20] = [
     ("*.mlp.experts.gate_proj.weight", Kind::ExpertColumn),
     ("*.mlp.experts.up_proj.weight", Kind::ExpertColumn),
     ("*.mlp.experts.down_proj.weight", Kind::ExpertRow),
+    ("*.mlp.experts.down_proj", Kind::ExpertRow),
     ("*embed_tokens.weight", Kind::Column),
     ("lm_head.weight", Kind::Column),
     ("*norm.weight", Kind::Replicate),
