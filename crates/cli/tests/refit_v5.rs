@@ -48,6 +48,29 @@ fn a_transformers_5_config_without_a_dtype_is_refused_naming_it() {
     let err = common::text(&out.stderr);
     assert!(err.contains("`dtype` is missing"), "{err}");
     assert!(err.contains("add `\"dtype\": \"bfloat16\"`"), "{err}");
+    assert!(err.contains("--train-dtype"), "{err}");
+}
+
+/// `--train-dtype` stands for the dtype such a config leaves out.
+#[test]
+fn a_train_dtype_gives_a_transformers_5_config_its_dtype() {
+    let scratch = common::temp_dir("v5-train-dtype");
+    let path = write(scratch.path(), QWEN3_MOE_V5);
+    let out = reshard(&[
+        "refit",
+        "--model",
+        path.to_str().unwrap(),
+        "--train",
+        "fsdp=2",
+        "--infer",
+        "tp=2",
+        "--train-dtype",
+        "f32",
+        "--json",
+    ]);
+    assert!(out.status.success(), "{}", common::text(&out.stderr));
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(json["train_dtype"], "f32", "{json}");
 }
 
 #[test]

@@ -229,7 +229,7 @@ impl ModelConfig {
                         "a config written by transformers {version} without a dtype holds f32 \
                          weights if fresh, bf16 if converted: add `\"dtype\": \"bfloat16\"` (or \
                          the model's) to it, or give the training dtype \
-                         (Refit(..., train_dtype=...), Model::load_with_dtype)"
+                         (--train-dtype, Refit(..., train_dtype=...), Model::load_with_dtype)"
                     ),
                 }),
             },
@@ -434,7 +434,7 @@ pub(crate) mod tests {
             config.param_dtype("v5.json").unwrap_err().to_string(),
             "v5.json: `dtype` is missing: a config written by transformers 5.0.0 without a dtype \
              holds f32 weights if fresh, bf16 if converted: add `\"dtype\": \"bfloat16\"` (or the \
-             model's) to it, or give the training dtype (Refit(..., train_dtype=...), Model::load_with_dtype)"
+             model's) to it, or give the training dtype (--train-dtype, Refit(..., train_dtype=...), Model::load_with_dtype)"
         );
         assert_eq!(
             config.param_dtype_or("v5.json", Some(DType::F32)).unwrap(),

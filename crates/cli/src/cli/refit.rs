@@ -134,7 +134,7 @@ impl RefitArgs {
         let train_dtype = dtype(Field::TrainDType, &self.train_dtype)?;
         let infer_dtype = dtype(Field::InferDType, &self.infer_dtype)?;
         let start = Instant::now();
-        let model = Model::load(&self.model)?;
+        let model = Model::load_with_dtype(&self.model, train_dtype)?;
         tracing::debug!(
             "model {}: {} tensors in {:.3} s",
             model.name,
