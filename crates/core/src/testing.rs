@@ -205,3 +205,30 @@ pub fn arb_hosts_case() -> impl Strategy<
             (src, dst, hosts, options)
         })
 }
+
+/// An fp8e4m3 layout of `shape` from a spec, its ranks from `first` (for the tests of
+/// already-quantized moves).
+pub fn fp8_layout(spec: &str, shape: &[u64], first: Rank) -> Layout {
+    crate::layout::LayoutSpec::parse(spec)
+        .unwrap()
+        .resolve(shape, DType::Fp8E4M3, first)
+        .unwrap()
+}
+
+/// The quantization `scheme` (e.g. `block:2x4`) with its default scale dtype.
+pub fn quant_request(scheme: &str) -> crate::plan::QuantRequest {
+    crate::plan::QuantRequest {
+        scheme: crate::convert::QuantScheme::parse(scheme).unwrap(),
+        scale_dtype: None,
+    }
+}
+
+/// A random 2-D layout spec over up to 3x3 ranks, sharding in whole blocks or not.
+pub fn arb_block_spec() -> impl Strategy<Value = String> {
+    let place = prop_oneof![Just("R"), Just("S(0)"), Just("S(1)")];
+    prop_oneof![
+        (1usize..=4, place.clone()).prop_map(|(n, p)| format!("mesh={n} place={p}")),
+        (1usize..=3, 1usize..=3, place.clone(), place)
+            .prop_map(|(a, b, p, q)| format!("mesh={a}x{b} place={p},{q}")),
+    ]
+}

@@ -186,24 +186,10 @@ impl QuantizedMove {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::convert::QuantScheme;
-    use crate::layout::LayoutSpec;
     use crate::region::Region;
     use proptest::prelude::*;
 
-    fn layout(spec: &str, shape: &[u64], first: crate::layout::Rank) -> Layout {
-        LayoutSpec::parse(spec)
-            .unwrap()
-            .resolve(shape, DType::Fp8E4M3, first)
-            .unwrap()
-    }
-
-    fn request(scheme: &str) -> QuantRequest {
-        QuantRequest {
-            scheme: QuantScheme::parse(scheme).unwrap(),
-            scale_dtype: None,
-        }
-    }
+    use crate::testing::{arb_block_spec as spec, fp8_layout as layout, quant_request as request};
 
     /// TP4 S(0) -> TP2 S(1), 512x512 fp8 in 128x128 blocks, counted by hand: each of the
     /// two destinations (256 columns, 2 block columns) gets a 128x256 box from each of the
@@ -237,16 +223,6 @@ mod tests {
         assert_eq!(json["totals"]["scale_bytes"], 64);
         assert_eq!(json["totals"]["scale_gather_broadcast_bytes"], 320);
         assert_eq!(json["totals"]["amax_messages"], 0);
-    }
-
-    /// A random 2-D layout spec over up to 3x3 ranks, sharding in whole blocks or not.
-    fn spec() -> impl Strategy<Value = String> {
-        let place = prop_oneof![Just("R"), Just("S(0)"), Just("S(1)")];
-        prop_oneof![
-            (1usize..=4, place.clone()).prop_map(|(n, p)| format!("mesh={n} place={p}")),
-            (1usize..=3, 1usize..=3, place.clone(), place)
-                .prop_map(|(a, b, p, q)| format!("mesh={a}x{b} place={p},{q}")),
-        ]
     }
 
     proptest! {

@@ -633,35 +633,13 @@ mod quantized_move {
     use proptest::prelude::*;
 
     use super::super::Batch;
-    use reshard_core::convert::QuantScheme;
-    use reshard_core::dtype::DType;
-    use reshard_core::layout::{Layout, LayoutSpec, Rank};
-    use reshard_core::plan::{PlanOptions, QuantRequest, QuantizedMove};
+    use reshard_core::layout::Rank;
+    use reshard_core::plan::{PlanOptions, QuantizedMove};
     use reshard_core::region::Region;
 
-    fn layout(spec: &str, shape: &[u64], first: Rank) -> Layout {
-        LayoutSpec::parse(spec)
-            .unwrap()
-            .resolve(shape, DType::Fp8E4M3, first)
-            .unwrap()
-    }
-
-    fn request(scheme: &str) -> QuantRequest {
-        QuantRequest {
-            scheme: QuantScheme::parse(scheme).unwrap(),
-            scale_dtype: None,
-        }
-    }
-
-    /// A random 2-D layout spec over up to 3x3 ranks, sharding in whole blocks or not.
-    fn spec() -> impl Strategy<Value = String> {
-        let place = prop_oneof![Just("R"), Just("S(0)"), Just("S(1)")];
-        prop_oneof![
-            (1usize..=4, place.clone()).prop_map(|(n, p)| format!("mesh={n} place={p}")),
-            (1usize..=3, 1usize..=3, place.clone(), place)
-                .prop_map(|(a, b, p, q)| format!("mesh={a}x{b} place={p},{q}")),
-        ]
-    }
+    use reshard_core::testing::{
+        arb_block_spec as spec, fp8_layout as layout, quant_request as request,
+    };
 
     proptest! {
         /// The batch of a coupled move carries exactly the two plans' transfers, each as one
