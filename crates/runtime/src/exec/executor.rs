@@ -11,7 +11,7 @@ use super::program::{Phase, Program};
 use super::progress::{Due, Progress, Sent};
 use super::scaling::{self, Casts};
 use super::stats::RankStats;
-use super::steps::{Step, Steps, check_steps, cut_chunk};
+use super::steps::{Step, Steps, check_steps};
 use crate::exec::threads::{RankThread, joined};
 use reshard_core::checksum;
 use reshard_core::copy::{CopyGeometry, Place};
@@ -149,36 +149,6 @@ impl<'a> RankState<'a> {
         stats.peak_staging_bytes += program.staging_bytes;
         stats
     }
-}
-
-/// Runs one rank's steps over `transport`: the sends on one thread, the local copies and the
-/// receives on another (or all on one when the transport's sends never block). A failure on
-/// either side breaks every link; the error lists exactly what did not arrive.
-///
-/// Replaced by [`run_program`] (or [`run_transfers`] with the chunk size a program decided
-/// once): this cuts the chunk size from the steps it is given. Steps that quantize need the
-/// scales of a program's amax phase, which only programs settle.
-#[doc(hidden)]
-pub fn run_steps<'buf, T: Transport<'buf> + ?Sized>(
-    steps: &'buf Steps<'_, '_>,
-    src_bufs: &[&'buf [u8]],
-    dst_bufs: &mut [&mut [u8]],
-    transport: &T,
-    options: &ExecOptions,
-) -> Result<RankStats> {
-    let converts = [&steps.sends, &steps.recvs, &steps.locals]
-        .iter()
-        .any(|list| list.iter().any(|s| s.convert.is_some()));
-    let chunk = cut_chunk(options.chunk_bytes, converts);
-    run_transfers(
-        steps,
-        src_bufs,
-        dst_bufs,
-        transport,
-        chunk,
-        &Casts::default(),
-        options,
-    )
 }
 
 /// Runs one phase's steps over `transport`, every transfer cut into chunks of `chunk` bytes

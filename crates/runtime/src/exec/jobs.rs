@@ -96,7 +96,7 @@ where
     if job.plan.relays() {
         return Err(Error::Internal {
             rank: job.plan.rank,
-            detail: "a relay plan runs round by round (exec::run_rank_relayed)".into(),
+            detail: "a relay plan runs round by round (exec::run_rank_any)".into(),
         });
     }
     run_rank_any(job, transport, options)
@@ -119,17 +119,4 @@ where
         dst.push(s);
     }
     run_program(&program, &src, &mut dst, transport, options)
-}
-
-/// Replaced by [`run_rank_any`], which runs every plan, relayed or not.
-#[doc(hidden)]
-pub fn run_rank_relayed<T>(
-    job: RankJob<'_, '_>,
-    transport: &T,
-    options: &ExecOptions,
-) -> Result<RankStats>
-where
-    T: for<'b> Transport<'b> + ?Sized,
-{
-    run_rank_any(job, transport, options)
 }

@@ -45,8 +45,8 @@ mod stats;
 mod steps;
 pub(crate) mod threads;
 
-pub use executor::{run_program, run_steps, run_transfers};
-pub use jobs::{RankJob, run_rank, run_rank_any, run_rank_relayed};
+pub use executor::{run_program, run_transfers};
+pub use jobs::{RankJob, run_rank, run_rank_any};
 pub use local::{
     MAX_LOCAL_RANKS, run_local, run_local_quantized, run_local_with_faults, zeroed_scale_shards,
     zeroed_shards,

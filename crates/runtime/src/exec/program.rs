@@ -267,7 +267,7 @@ pub struct Program<'p> {
     /// Staging the program holds beside the transport's (relay staging, blobs, partial
     /// amax and staged scales), added to the rank's peak.
     pub staging_bytes: u64,
-    /// The two halves of the relay staging ([`super::relay::Staging`]), shared by every
+    /// The two halves of the relay staging (round `j` receives into one and forwards from the other), shared by every
     /// relayed part of the program (they run one after the other).
     pub relay_staging: Option<[usize; 2]>,
 }

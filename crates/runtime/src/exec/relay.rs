@@ -170,30 +170,5 @@ impl Rounds {
     }
 }
 
-/// A rank's two staging buffers: round `j` receives into `j % 2` and forwards from the other
-/// (in a program, two scratch buffers: [`super::program::Program::relay_staging`]).
-pub type Staging = [Vec<u8>; 2];
-
-/// Allocates the staging of `rounds`; [`Error::OutOfMemory`] when it does not fit. Replaced
-/// by a program's scratch, which the executor allocates.
-#[doc(hidden)]
-pub fn staging_for(rounds: &Rounds, rank: Rank) -> Result<Staging> {
-    let bytes = rounds.staging_bytes() as u64;
-    let buffer = || reshard_core::memory::zeroed(bytes, || format!("rank {rank}'s relay staging"));
-    Ok([buffer()?, buffer()?])
-}
-
-/// Round `j`'s halves of a rank's staging: the one it receives into, the one it forwards from.
-/// Replaced by the buffers a round's phase names ([`super::program::Phase::src`]).
-#[doc(hidden)]
-pub fn halves(staging: &mut Staging, j: usize) -> (&mut [u8], &[u8]) {
-    let (first, second) = staging.split_at_mut(1);
-    if j.is_multiple_of(2) {
-        (&mut first[0], &second[0])
-    } else {
-        (&mut second[0], &first[0])
-    }
-}
-
 #[cfg(test)]
 mod tests;
