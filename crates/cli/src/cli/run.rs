@@ -7,7 +7,7 @@
 //! a job ([`OwnRank`]); an already-quantized source moves its values and scales together
 //! ([`prequant`]).
 //!
-//! Its parts import one way: [`args`], [`method`] and [`dump`] stand alone, [`report`] reads
+//! Its parts import one way: [`args`], [`method`] and [`dump`](mod@dump) stand alone, [`report`](mod@report) reads
 //! the arguments, [`prequant`] uses all four, and this module dispatches to them.
 
 use reshard::agreement::Fingerprint;

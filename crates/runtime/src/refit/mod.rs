@@ -287,7 +287,7 @@ impl RefitRun {
         Ok(reports.map(|ranks| self.report(repeat, &ranks)))
     }
 
-    /// This rank's buffers, links and both methods in turn ([`harness::compare`]); returns
+    /// This rank's buffers, links and both methods in turn ([`crate::harness::compare`]); returns
     /// the report for rank 0. One rank per process: a world of threads is refused.
     pub fn run_rank(
         &self,
