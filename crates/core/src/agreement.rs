@@ -8,7 +8,7 @@
 //! rendezvous, and the first difference ends the job on every rank with an error that names
 //! the rank, the field and both values.
 //!
-//! This module is pure data: the exchange itself belongs to the job ([`crate::transport::Job`]).
+//! This module is pure data: the exchange itself belongs to the job (`reshard_transport::Job`).
 //!
 //! ```
 //! use reshard_core::agreement::Fingerprint;

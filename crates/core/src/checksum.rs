@@ -4,7 +4,7 @@
 //!
 //! A sum is the CRC-32C of bytes `range` of a region's row-major stream, whatever buffer holds
 //! the region: both ends read the same stream from differently shaped shards, and cut it into
-//! the same chunks ([`crate::transport::Chunking`], fixed when a transport is built, cuts alike on both ends).
+//! the same chunks (`reshard_transport::Chunking`, fixed when a transport is built, cuts alike on both ends).
 //! CRC-32C is computed by `crc-fast` with carry-less multiplications (AVX-512 VPCLMULQDQ,
 //! PCLMULQDQ, ARMv8 PMULL): measured here (`cargo bench --bench kernels`, `sum_2d`) it sums a
 //! strided region faster than the copy kernels copy it, 1.2x (4 KiB runs) to 2.9x (1 KiB)

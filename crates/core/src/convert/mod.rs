@@ -9,7 +9,7 @@
 //! - [`cast`](mod@cast): float casts between f64, f32, bf16 and f16, exactly as torch's `.to()`, as
 //!   slice kernels over little-endian bytes, and [`cast_supported`], the check that refuses
 //!   integer, bool and unscaled fp8 conversions before any byte moves;
-//! - [`format`]: the bit arithmetic shared by f16 and the fp8 formats;
+//! - [`format`](mod@format): the bit arithmetic shared by f16 and the fp8 formats;
 //! - [`fp8`]: the e4m3fn and e5m2 formats, encoding (nearest even, saturating) and decoding;
 //! - [`quant`]: the schemes (`block:RxC`, `block:RxC:ue8m0`, `mx:32`, `channel`, `tensor`),
 //!   which engine loads each, their parsing and their scale arithmetic;
