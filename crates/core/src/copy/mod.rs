@@ -144,6 +144,11 @@ impl CopyGeometry {
         }
     }
 
+    /// Whether the copy converts (the source's elements differ from the destination's).
+    pub fn converts(&self) -> bool {
+        self.cast.is_some()
+    }
+
     /// Total bytes of the region.
     pub fn len(&self) -> usize {
         self.len

@@ -198,8 +198,15 @@ impl DeltaEncoder {
             let at = range.start + k * block_bytes;
             let bytes = at..(at + block_bytes).min(range.end);
             let n = bytes.len() / elem;
-            let new = &mut self.scratch[..bytes.len()];
-            pack.copy(src, new, bytes.clone());
+            let new: &[u8] = match in_one_run(pack, bytes.clone()) {
+                // unconverted and contiguous in the shard: compared where it lies
+                Some(at) => &src[at..at + bytes.len()],
+                None => {
+                    let scratch = &mut self.scratch[..bytes.len()];
+                    pack.copy(src, scratch, bytes.clone());
+                    scratch
+                }
+            };
             let old = &mut base[bytes];
             let changed = block::diff(elem, new, old, &mut self.mask);
             let encoding = choose(n, changed, elem);
@@ -212,6 +219,22 @@ impl DeltaEncoder {
         stats.bytes = (out.len() - start) as u64;
         Ok(stats)
     }
+}
+
+/// Where bytes `range` of the stream start in the source buffer, when they lie there as they
+/// travel: one contiguous run, not converted.
+fn in_one_run(pack: &CopyGeometry, range: Range<usize>) -> Option<usize> {
+    if pack.converts() {
+        return None;
+    }
+    let (mut first, mut runs) = (None, 0);
+    pack.for_each_run(range.clone(), |s, _, len| {
+        runs += 1;
+        if len == range.len() {
+            first = Some(s);
+        }
+    });
+    first.filter(|_| runs == 1)
 }
 
 /// Applies an encoding made by [`DeltaEncoder::encode`] onto a destination shard holding
