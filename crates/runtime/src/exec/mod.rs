@@ -21,6 +21,31 @@
 //! [`run_local_quantized`], [`baseline::run_rank_gather_broadcast`], ...) are thin: they
 //! check the buffers, lower, and run the program.
 //!
+//! ```
+//! use reshard_core::{DType, Plan, layout::LayoutSpec};
+//! use reshard_runtime::exec::{ExecOptions, PhaseKind, RankJob};
+//! let layout = |spec: &str, first| LayoutSpec::parse(spec).unwrap().resolve(&[8, 8], DType::Bf16, first).unwrap();
+//! let plan = Plan::new(layout("mesh=2 place=S(0)", 0), layout("mesh=4 place=S(1)", 2)).unwrap();
+//! // rank 2, a destination: its part of the plan, lowered with its shard
+//! let part = plan.rank_part(2);
+//! let region = plan.dst().local_region(2).unwrap();
+//! let mut shard = vec![0u8; plan.dst().local_bytes(2) as usize];
+//! let job = RankJob {
+//!     plan: &part,
+//!     src_layout: plan.src(),
+//!     src: None,
+//!     dst: Some((&region, &mut shard[..])),
+//!     dst_dtype: DType::Bf16,
+//!     quant: None,
+//! };
+//! let program = job.program(&ExecOptions::default()).unwrap();
+//! // one phase of values: a 4x2 block from each of the two sources, in schedule order
+//! assert_eq!(program.phases.len(), 1);
+//! assert_eq!(program.phases[0].kind, PhaseKind::Values);
+//! assert_eq!(program.phases[0].steps.recvs.len(), 2);
+//! assert!(program.phases[0].steps.recvs.iter().all(|s| s.bytes() == 4 * 2 * 2));
+//! ```
+//!
 //! The files split by job: [`ExecOptions`] (`options`), the program's types ([`program`]),
 //! lowering ([`lower`]), a rank's part of a plan as the caller holds it (`jobs`), the checks of
 //! steps against buffers (`steps`), the executor (`executor`, with the buffers it lends,
