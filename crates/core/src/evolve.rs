@@ -22,7 +22,7 @@ use std::collections::BTreeMap;
 
 use crate::dtype::DType;
 use crate::error::{Error, Field, Result};
-use crate::fill::Fill;
+use crate::fill::{Fill, check_elements, mix, write_elements};
 use crate::layout::{Layout, Rank};
 use crate::region::Region;
 
@@ -41,13 +41,6 @@ pub struct Evolution {
     pub fill: Fill,
     pub update: Update,
     pub seed: u64,
-}
-
-/// splitmix64's finalizer: a well-spread hash of one word.
-fn mix(mut x: u64) -> u64 {
-    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    x ^ (x >> 31)
 }
 
 /// The first magnitude that is not finite, for a float dtype's bit pattern.
@@ -158,13 +151,10 @@ impl Evolution {
     /// Fills `buf`, the dense row-major buffer of box `region` of `layout`'s tensor, with
     /// `version`.
     pub fn fill_region(&self, layout: &Layout, region: &Region, buf: &mut [u8], version: u64) {
-        let elem = layout.dtype().size();
         let (shape, dtype) = (layout.shape(), layout.dtype());
-        for (i, out) in buf.chunks_exact_mut(elem).enumerate() {
-            let index = global_index(shape, region, i as u64);
-            let v = self.element(shape, dtype, index, version);
-            out.copy_from_slice(&v.to_le_bytes()[..elem]);
-        }
+        write_elements(layout, region, buf, |index| {
+            self.element(shape, dtype, index, version)
+        });
     }
 
     /// Every rank's shard of `layout` at `version`.
@@ -188,32 +178,17 @@ impl Evolution {
         shards: &BTreeMap<Rank, Vec<u8>>,
         version: u64,
     ) -> Result<()> {
+        layout.check_buffers(crate::error::Side::Dst, shards)?;
+        let (shape, dtype) = (layout.shape(), layout.dtype());
         let mut first = None;
         let mut mismatches = 0u64;
-        for (&rank, got) in shards {
-            let mut want = vec![0u8; layout.local_bytes(rank) as usize];
-            if let Some(region) = layout.local_region(rank) {
-                self.fill_region(layout, &region, &mut want, version);
-            }
-            if want.len() != got.len() {
-                return Err(Error::BufferSize {
-                    side: crate::error::Side::Dst,
-                    rank,
-                    extent: crate::error::Dims(
-                        layout
-                            .local_region(rank)
-                            .map(|r| r.extent)
-                            .unwrap_or_default(),
-                    ),
-                    expected: want.len() as u64,
-                    got: got.len() as u64,
-                });
-            }
-            for (offset, (a, b)) in want.iter().zip(got).enumerate() {
-                if a != b {
-                    mismatches += 1;
-                    first.get_or_insert((rank, offset as u64, *a, *b));
-                }
+        for (p, &rank) in layout.mesh().ranks().iter().enumerate() {
+            let expect = |index| self.element(shape, dtype, index, version).to_le_bytes();
+            if let Some((offset, expected, found, n)) =
+                check_elements(layout, &layout.region_at(p), &shards[&rank], expect)
+            {
+                mismatches += n;
+                first.get_or_insert((rank, offset, expected, found));
             }
         }
         match first {
@@ -245,18 +220,6 @@ impl Evolution {
             .count();
         changed as f64 / samples as f64
     }
-}
-
-/// The global row-major index of element `i` of `region`'s stream, in a tensor of `shape`.
-fn global_index(shape: &[u64], region: &Region, mut i: u64) -> u64 {
-    let n = shape.len();
-    let mut coords = vec![0u64; n];
-    for d in (0..n).rev() {
-        let e = region.extent[d].max(1);
-        coords[d] = region.offset[d] + i % e;
-        i /= e;
-    }
-    (0..n).fold(0u64, |acc, d| acc * shape[d] + coords[d])
 }
 
 #[cfg(test)]

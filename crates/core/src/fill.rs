@@ -81,7 +81,7 @@ impl FromStr for Fill {
 }
 
 /// SplitMix64's finalizer: a cheap, well-mixed 64-bit hash.
-fn mix(mut z: u64) -> u64 {
+pub(crate) fn mix(mut z: u64) -> u64 {
     z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
     z ^ (z >> 31)
@@ -185,15 +185,8 @@ impl Fill {
 
     /// Fills `buf`, the dense row-major buffer of box `region` of `layout`'s tensor.
     pub fn fill_region(self, layout: &Layout, region: &Region, buf: &mut [u8]) {
-        let elem = layout.dtype().size();
-        let row_len = region.extent.last().copied().unwrap_or(1);
-        Self::for_each_row(layout.shape(), region, |pos, global| {
-            let start = pos as usize * elem;
-            let row = &mut buf[start..start + row_len as usize * elem];
-            for (i, out) in row.chunks_exact_mut(elem).enumerate() {
-                let v = self.element(layout.shape(), layout.dtype(), global + i as u64);
-                out.copy_from_slice(&v.to_le_bytes()[..elem]);
-            }
+        write_elements(layout, region, buf, |index| {
+            self.element(layout.shape(), layout.dtype(), index)
         });
     }
 
@@ -256,25 +249,7 @@ impl Fill {
             let _ = crate::convert::cast(from, to, &v[..from.size()], &mut out[..elem]);
             out
         };
-        let row_len = region.extent.last().copied().unwrap_or(1) as usize;
-        let mut first = None;
-        let mut count = 0u64;
-        Self::for_each_row(layout.shape(), region, |pos, global| {
-            let start = pos as usize * elem;
-            let row = &buf[start..start + row_len * elem];
-            for (i, got) in row.chunks_exact(elem).enumerate() {
-                let want = expect(global + i as u64);
-                if got != &want[..elem] {
-                    for b in 0..elem {
-                        if got[b] != want[b] {
-                            count += 1;
-                            first.get_or_insert(((start + i * elem + b) as u64, want[b], got[b]));
-                        }
-                    }
-                }
-            }
-        });
-        first.map(|(o, e, g)| (o, e, g, count))
+        check_elements(layout, region, buf, expect)
     }
 
     /// Checks `buf`, the bytes of box `region` that start at byte `at` of one of `rank`'s
@@ -347,6 +322,57 @@ impl Fill {
             }),
         }
     }
+}
+
+/// Writes `buf`, the dense row-major buffer of box `region` of `layout`'s tensor, with
+/// `value(global index)` (little-endian, the low bytes of the dtype's size): the one walk of a
+/// box's rows that every fill (and every version of one, [`crate::evolve`]) writes through.
+pub(crate) fn write_elements(
+    layout: &Layout,
+    region: &Region,
+    buf: &mut [u8],
+    value: impl Fn(u64) -> u64,
+) {
+    let elem = layout.dtype().size();
+    let row_len = region.extent.last().copied().unwrap_or(1) as usize;
+    Fill::for_each_row(layout.shape(), region, |pos, global| {
+        let start = pos as usize * elem;
+        let row = &mut buf[start..start + row_len * elem];
+        for (i, out) in row.chunks_exact_mut(elem).enumerate() {
+            out.copy_from_slice(&value(global + i as u64).to_le_bytes()[..elem]);
+        }
+    });
+}
+
+/// Checks `buf`, box `region` of `layout`'s tensor, against `expect(global index)` (as
+/// [`write_elements`] writes it): the first wrong byte's offset, the byte expected and the one
+/// found, and how many bytes are wrong.
+pub(crate) fn check_elements(
+    layout: &Layout,
+    region: &Region,
+    buf: &[u8],
+    expect: impl Fn(u64) -> [u8; 8],
+) -> Option<(u64, u8, u8, u64)> {
+    let elem = layout.dtype().size();
+    let row_len = region.extent.last().copied().unwrap_or(1) as usize;
+    let mut first = None;
+    let mut count = 0u64;
+    Fill::for_each_row(layout.shape(), region, |pos, global| {
+        let start = pos as usize * elem;
+        let row = &buf[start..start + row_len * elem];
+        for (i, got) in row.chunks_exact(elem).enumerate() {
+            let want = expect(global + i as u64);
+            if got != &want[..elem] {
+                for b in 0..elem {
+                    if got[b] != want[b] {
+                        count += 1;
+                        first.get_or_insert(((start + i * elem + b) as u64, want[b], got[b]));
+                    }
+                }
+            }
+        }
+    });
+    first.map(|(o, e, g)| (o, e, g, count))
 }
 
 #[cfg(test)]
