@@ -28,15 +28,6 @@ impl Encoding {
     pub fn from_tag(tag: u8) -> Option<Encoding> {
         Encoding::ALL.get(tag as usize).copied()
     }
-
-    pub fn name(self) -> &'static str {
-        match self {
-            Encoding::Unchanged => "unchanged",
-            Encoding::Bitmask => "bitmask",
-            Encoding::Offsets => "offsets",
-            Encoding::Dense => "dense",
-        }
-    }
 }
 
 /// One block of an encoding, checked: where it lies in the region's stream and its payload.

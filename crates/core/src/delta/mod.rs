@@ -84,15 +84,6 @@ impl DeltaStats {
         self.changed += other.changed;
         self.bytes += other.bytes;
     }
-
-    /// The fraction of elements that changed (0 for no elements).
-    pub fn density(&self) -> f64 {
-        if self.elems == 0 {
-            0.0
-        } else {
-            self.changed as f64 / self.elems as f64
-        }
-    }
 }
 
 /// The blocks of a region's stream of `len` bytes: `len` must hold whole elements.
