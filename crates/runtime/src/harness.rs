@@ -245,6 +245,13 @@ impl<M: Copy + Eq> Comparison<M> {
     }
 }
 
+/// Written over every buffer a method writes (destination shards, scales, the baseline's full
+/// tensor) before each repetition, so that no repetition can verify on the bytes of the one
+/// before; written around the caches, so that none starts with the poison dirty in them.
+pub fn poison(buf: &mut [u8]) {
+    reshard_core::memory::fill_around_caches(buf, 0xA5);
+}
+
 /// The methods of a comparison in the order of repetition `i`: each goes first in turn
 /// (rotated by `i`), so that none always runs on the caches the one before left.
 pub fn in_turn<T>(mut methods: Vec<T>, i: u32) -> Vec<T> {

@@ -31,9 +31,10 @@ mod report;
 pub use args::RunArgs;
 pub(super) use dump::check_dump_dir;
 use dump::{dump, dump_named, dump_scales};
-use method::{Move, poison};
+use method::Move;
 pub(super) use prequant::check_fill as check_quantized_fill;
 use report::{process_report, report};
+use reshard::runtime::harness::poison;
 
 pub fn main(args: &RunArgs) -> Result<(), Failure> {
     // Everything the user typed is checked before a buffer is allocated or a byte moves.

@@ -386,8 +386,7 @@ fn buffers(batch: &Batch, ids: &[usize], fills: &[Fill], rb: &RankBatch) -> Resu
 /// full-tensor buffer passes from tensor to tensor unpoisoned: each tensor's own seed keeps
 /// the bytes one left behind from verifying as the next one's.
 fn poison<'b>(bufs: impl IntoIterator<Item = &'b mut Vec<u8>>) {
-    bufs.into_iter()
-        .for_each(|b| reshard_core::memory::fill_around_caches(b, 0xA5));
+    bufs.into_iter().for_each(|b| crate::harness::poison(b));
 }
 
 fn lengths(bufs: &[Vec<u8>]) -> u64 {
@@ -494,7 +493,7 @@ impl Compare for RankRefit<'_, '_> {
                     Some((_, (_, dst))) => poison(dst.iter_mut()),
                     None => poison(self.dst.iter_mut()),
                 }
-                reshard_core::memory::fill_around_caches(&mut self.full, 0xA5);
+                crate::harness::poison(&mut self.full);
             }
         }
     }

@@ -17,11 +17,12 @@ use reshard::transport::segment::SharedBuffer;
 use reshard::{Error, Plan, Rank, RankPlan, Region};
 
 use super::args::BenchArgs;
-use super::result::{CaseResult, Method, poison};
+use super::result::{CaseResult, Method};
 use super::suite::Case;
 use super::{prequant, quant};
 use crate::cli::Failure;
 use crate::cli::measure::conclude;
+use reshard::runtime::harness::poison;
 
 /// A progress bar on a terminal, over every repetition of every case and method.
 fn progress(args: &BenchArgs, cases: usize) -> ProgressBar {

@@ -29,8 +29,9 @@ use reshard::transport::segment::SharedBuffer;
 use reshard::{Error, Rank, Region, Side};
 
 use super::coupled::{Boxes, Coupled};
-use super::result::{CaseResult, Method, poison};
+use super::result::{CaseResult, Method};
 use super::suite::Case;
+use reshard::runtime::harness::poison;
 
 /// The three methods, in the order of the first repetition.
 fn methods() -> Vec<Method> {

@@ -27,8 +27,9 @@ use reshard::transport::Job;
 use reshard::transport::segment::SharedBuffer;
 use reshard::{Error, Plan, Rank, RankPlan, Region};
 
-use super::result::{CaseResult, Method, poison};
+use super::result::{CaseResult, Method};
 use super::suite::Case;
+use reshard::runtime::harness::poison;
 
 /// The three methods of a quantizing case, in the order of the first repetition:
 /// [`Method::Reshard`] quantizes in flight; [`Method::ReshardThenQuantize`] is (a), the

@@ -92,14 +92,6 @@ impl CaseResult {
 }
 
 /// A pattern no fill produces everywhere: a destination that is not written fails to verify.
-/// Written over the destination shards before every repetition, and over the baseline's
-/// full-tensor buffers before each of its repetitions, so that no repetition can pass on the
-/// bytes of the one before. Written around the caches, so that no repetition starts with the
-/// poison dirty in them.
-pub(super) fn poison(buf: &mut [u8]) {
-    reshard::memory::fill_around_caches(buf, 0xA5);
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

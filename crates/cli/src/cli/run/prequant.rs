@@ -24,10 +24,11 @@ use reshard::{DType, Error, Rank};
 
 use super::args::RunArgs;
 use super::dump::{dump, dump_named, dump_scales, write_whole};
-use super::method::{Move, poison};
+use super::method::Move;
 use super::report::{process_report, report};
 use crate::cli::Failure;
 use crate::cli::exec_args::{check_memory, run_options, with_plan};
+use reshard::runtime::harness::poison;
 
 /// The source: the `normal` fill in f32, quantized block by block.
 fn source(mv: &QuantizedMove, fill: Fill) -> Result<QuantizedTensor, Error> {
