@@ -201,6 +201,22 @@ pub enum Error {
         landed: u32,
     },
 
+    /// A delta applied onto a shard that did not hold its base (`--checksum`): the region as
+    /// it landed differs from the new region its sender holds.
+    #[error(
+        "rank {dst}: the delta from rank {src} at offset {offset:?} extent {extent} (version {version} over version {base}) left crc32c {landed:#010x} where the sender's new region has {sent:#010x}: this rank's shard did not hold version {base}"
+    )]
+    DeltaMismatch {
+        src: Rank,
+        dst: Rank,
+        offset: Vec<u64>,
+        extent: Dims,
+        version: u64,
+        base: u64,
+        sent: u32,
+        landed: u32,
+    },
+
     #[error("the reshard did not complete: {}", .failures.iter().map(|e| e.to_string()).collect::<Vec<_>>().join("; "))]
     Incomplete { failures: Vec<Error> },
 

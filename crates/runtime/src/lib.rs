@@ -143,6 +143,9 @@ pub struct RunOptions {
     pub chunk_bytes: usize,
     /// Whether every chunk is summed (CRC-32C) by its sender and checked by its receiver.
     pub checksum: bool,
+    /// One refit of a delta refit: only what changed since the version each destination
+    /// holds moves ([`exec::delta`]).
+    pub delta: Option<exec::delta::DeltaRefit>,
 }
 
 impl Default for RunOptions {
@@ -151,6 +154,7 @@ impl Default for RunOptions {
         RunOptions {
             chunk_bytes: exec.chunk_bytes,
             checksum: exec.checksum,
+            delta: None,
         }
     }
 }
@@ -270,6 +274,7 @@ impl World {
             staging_bytes: self.options.staging_bytes,
             timeout: self.options.timeout,
             checksum: run.checksum,
+            delta: run.delta.clone(),
         }
     }
 

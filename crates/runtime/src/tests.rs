@@ -615,6 +615,7 @@ fn a_prepared_quantizing_plan_writes_its_values_straight_into_the_shards_over_sh
                 let run = RunOptions {
                     checksum,
                     chunk_bytes: 40,
+                    delta: None,
                 };
                 let stats = mine.run(source.as_deref(), &run).unwrap();
                 let values = mine.destination().map(<[u8]>::to_vec);
@@ -860,6 +861,7 @@ fn a_direct_batch_writes_the_values_into_shared_shards_and_rings_the_scales() {
             let run = RunOptions {
                 checksum,
                 chunk_bytes: 40,
+                delta: None,
             };
             let stats = run_rank_batch(
                 &batch,

@@ -101,6 +101,7 @@ impl ExecArgs {
             staging_bytes: usize::try_from(staging).unwrap_or(usize::MAX),
             timeout: Duration::from_secs_f64(self.timeout),
             checksum: self.checksum,
+            delta: None,
         };
         options.validate()?;
         Ok(options)
@@ -123,6 +124,7 @@ pub fn run_options(options: &ExecOptions) -> RunOptions {
     RunOptions {
         chunk_bytes: options.chunk_bytes,
         checksum: options.checksum,
+        delta: options.delta.clone(),
     }
 }
 

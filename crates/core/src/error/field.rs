@@ -43,6 +43,10 @@ pub enum Field {
     TrainDType,
     /// The inference side's dtype in a refit (`--infer-dtype`).
     InferDType,
+    /// Every how many versions a delta refit sends everything dense (`--delta-anchor`).
+    DeltaAnchor,
+    /// The fraction of elements a version changes (`--delta-density`).
+    DeltaDensity,
     /// An option only the command line has (`--nproc`, `--dump`): named by its flag everywhere.
     Flag(&'static str),
 }
@@ -72,6 +76,8 @@ impl Field {
             Field::InferQuant => "infer_quant",
             Field::TrainDType => "train_dtype",
             Field::InferDType => "infer_dtype",
+            Field::DeltaAnchor => "delta_anchor",
+            Field::DeltaDensity => "delta_density",
             Field::Flag(flag) => flag,
         }
     }
@@ -100,6 +106,8 @@ impl Field {
             Field::InferQuant => "--infer-quant",
             Field::TrainDType => "--train-dtype",
             Field::InferDType => "--infer-dtype",
+            Field::DeltaAnchor => "--delta-anchor",
+            Field::DeltaDensity => "--delta-density",
             Field::Flag(flag) => flag,
         }
     }

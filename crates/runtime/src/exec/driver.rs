@@ -8,7 +8,9 @@
 use std::collections::BTreeSet;
 use std::time::Instant;
 
-use super::executor::RankState;
+use super::delta::{DeltaReport, DeltaRun};
+use super::delta_phase::both_ways;
+use super::executor::{RankState, check_delta};
 use super::options::ExecOptions;
 use super::program::{Phase, PhaseKind, Program};
 use super::stats::{RankStats, RunStats};
@@ -56,10 +58,62 @@ pub fn run_threads(
     options: &ExecOptions,
     faults: &[Fault],
 ) -> Result<RunStats> {
+    let Some(refit) = &options.delta else {
+        return run_all(runs, None, options, faults).map(|(stats, _)| stats);
+    };
+    for r in &runs {
+        check_delta(&r.program)?;
+    }
+    let ranks: Vec<Rank> = runs.iter().map(|r| r.program.rank).collect();
+    let mut states = refit.session.take(ranks.iter().copied());
+    let deltas = states
+        .iter_mut()
+        .map(|state| DeltaRun {
+            state,
+            version: refit.version,
+            options: refit.options,
+        })
+        .collect();
+    let outcome = run_threads_delta(runs, deltas, options, faults);
+    let (stats, reports) = match outcome {
+        Ok((stats, reports)) => (Ok(stats), reports),
+        Err(e) => (Err(e), Vec::new()),
+    };
+    refit
+        .session
+        .give_back(ranks.into_iter().zip(states), reports);
+    stats
+}
+
+/// [`run_threads`] as one refit of a delta refit ([`super::delta`]): `deltas` are the ranks'
+/// states, one per run, in the same order. Returns the stats and every rank's delta report.
+pub fn run_threads_delta<'a>(
+    runs: Vec<RankRun<'a, '_>>,
+    deltas: Vec<DeltaRun<'a>>,
+    options: &ExecOptions,
+    faults: &[Fault],
+) -> Result<(RunStats, Vec<DeltaReport>)> {
+    if deltas.len() != runs.len() {
+        return Err(reshard_core::error::Error::Internal {
+            rank: runs.first().map_or(0, |r| r.program.rank),
+            detail: format!("{} delta states for {} ranks", deltas.len(), runs.len()),
+        });
+    }
+    run_all(runs, Some(deltas), options, faults)
+}
+
+fn run_all<'a>(
+    runs: Vec<RankRun<'a, '_>>,
+    deltas: Option<Vec<DeltaRun<'a>>>,
+    options: &ExecOptions,
+    faults: &[Fault],
+) -> Result<(RunStats, Vec<DeltaReport>)> {
     let started = Instant::now();
     let mut runners = Vec::with_capacity(runs.len());
+    let mut deltas = deltas.map(Vec::into_iter);
     for r in runs {
-        let state = RankState::new(&r.program, r.src, r.dst)?;
+        let run = deltas.as_mut().and_then(Iterator::next);
+        let state = RankState::with_delta(&r.program, r.src, r.dst, run)?;
         runners.push(Runner {
             program: r.program,
             state: Ok(state),
@@ -71,16 +125,46 @@ pub fn run_threads(
         .collect();
     for k in keys {
         // each rank's work before the transfers runs on its transfer thread
-        transfers(&mut runners, k, options, faults);
+        let delta = runners.iter().any(|r| {
+            r.phase(k).is_some_and(|p| {
+                let phase = &r.program.phases[p];
+                phase.moves() && r.state.as_ref().is_ok_and(|s| s.is_delta(phase))
+            })
+        });
+        if delta {
+            for stage in [Stage::Fence, Stage::Headers, Stage::Values] {
+                transfers(&mut runners, k, options, faults, stage);
+            }
+        } else {
+            transfers(&mut runners, k, options, faults, Stage::Dense);
+        }
         each(&mut runners, k, (has_after, after_bytes), |state, phase| {
             state.after(phase)
         });
     }
+    let mut reports = Vec::new();
     let results: Vec<Result<RankStats>> = runners
         .into_iter()
-        .map(|r| r.state.map(|s| s.finish(&r.program)))
+        .map(|r| {
+            r.state.map(|s| {
+                let (stats, report) = s.finish_delta(&r.program);
+                reports.extend(report);
+                stats
+            })
+        })
         .collect();
-    RunStats::gather(started.elapsed(), results)
+    let stats = RunStats::gather(started.elapsed(), results)?;
+    Ok((stats, reports))
+}
+
+/// Which exchange of a phase the driver runs: a phase's transfers, or one of the three
+/// exchanges of a delta phase.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Stage {
+    Dense,
+    Fence,
+    Headers,
+    Values,
 }
 
 /// Which side of a phase's transfers some local work is on: whether a phase has such work,
@@ -193,6 +277,7 @@ fn transfers(
     k: (usize, usize),
     options: &ExecOptions,
     faults: &[Fault],
+    stage: Stage,
 ) {
     let mut ranks: Vec<Rank> = Vec::new();
     let mut pairs: BTreeSet<(Rank, Rank)> = BTreeSet::new();
@@ -203,7 +288,11 @@ fn transfers(
             .filter(|p| p.moves())
         {
             ranks.push(r.program.rank);
-            pairs.extend(p.pairs());
+            match stage {
+                Stage::Dense => pairs.extend(p.pairs()),
+                // the fences go from receivers to senders
+                _ => pairs.extend(both_ways(p.pairs())),
+            }
         }
     }
     if ranks.is_empty() {
@@ -229,17 +318,25 @@ fn transfers(
                 // the endpoint lives as long as the thread: a rank that fails closes its links
                 let endpoint = endpoints.remove(&program.rank);
                 let state = state.as_mut().ok()?;
-                if endpoint.is_none() && !has_before(phase) {
+                let first = matches!(stage, Stage::Dense | Stage::Fence);
+                if endpoint.is_none() && !(first && has_before(phase)) {
                     return None;
                 }
                 let rank = state.rank;
                 let h = std::thread::Builder::new()
                     .name(format!("rank {rank}"))
                     .spawn_scoped(scope, move || {
-                        state.before(phase)?;
-                        match endpoint {
-                            Some(endpoint) => state.transfer(phase, chunk, &endpoint, options),
-                            None => Ok(()),
+                        if first {
+                            state.before(phase)?;
+                        }
+                        let Some(endpoint) = endpoint else {
+                            return Ok(());
+                        };
+                        match stage {
+                            Stage::Dense => state.transfer(phase, chunk, &endpoint, options),
+                            Stage::Fence => state.delta_fence(p, phase, chunk, &endpoint, options),
+                            Stage::Headers => state.delta_headers(phase, chunk, &endpoint, options),
+                            Stage::Values => state.delta_values(phase, chunk, &endpoint, options),
                         }
                     });
                 Some((i, rank, h))

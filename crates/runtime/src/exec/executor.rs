@@ -1,23 +1,17 @@
 //! The one executor: runs a rank's [`Program`] on a transport, phase by phase (its local
-//! copies before, its transfers, its local copies and scales after), and each phase's
-//! transfers ([`run_transfers`]): the sends, the local copies, the receives, and the report
-//! of what did not arrive.
-
-use std::collections::BTreeMap;
+//! copies before, its transfers ([`run_transfers`]), its local copies and scales after).
 
 use super::buffers::Buffers;
+use super::delta::{DeltaReport, DeltaRun};
+use super::delta_phase::PhaseWork;
 use super::options::ExecOptions;
-use super::program::{Phase, Program};
-use super::progress::{Due, Progress, Sent};
+use super::program::{Buf, Phase, PhaseKind, Program};
 use super::scaling::{self, Casts};
 use super::stats::RankStats;
-use super::steps::{Step, Steps, check_steps};
-use crate::exec::threads::{RankThread, joined};
-use reshard_core::checksum;
-use reshard_core::copy::{CopyGeometry, Place};
+use super::transfers::run_transfers;
 use reshard_core::error::{Error, Result};
 use reshard_core::layout::Rank;
-use reshard_transport::{Outgoing, Receive, Transport};
+use reshard_transport::Transport;
 
 /// Runs one rank's program over `transport`: `src` and `dst` are the buffers the job gives
 /// it ([`super::program::Buf::Src`], [`super::program::Buf::Dst`]); the scratch is allocated
@@ -33,19 +27,91 @@ pub fn run_program<T>(
 where
     T: for<'b> Transport<'b> + ?Sized,
 {
+    if let Some(refit) = &options.delta {
+        let mut states = refit.session.take([program.rank]);
+        let mut state = states.pop().unwrap_or_default();
+        let run = DeltaRun {
+            state: &mut state,
+            version: refit.version,
+            options: refit.options,
+        };
+        let outcome = run_program_delta(program, src, dst, transport, options, run);
+        let (stats, report) = match outcome {
+            Ok((stats, report)) => (Ok(stats), Some(report)),
+            Err(e) => (Err(e), None),
+        };
+        refit.session.give_back([(program.rank, state)], report);
+        return stats;
+    }
     let mut state = RankState::new(
         program,
         src.to_vec(),
         dst.iter_mut().map(|b| &mut **b).collect(),
     )?;
-    for phase in &program.phases {
+    run_phases(program, &mut state, transport, options)?;
+    Ok(state.finish(program))
+}
+
+/// [`run_program`] as one refit of a delta refit ([`super::delta`]): its phases of values
+/// move only what changed since the version each receiver holds, and `run.state` keeps what
+/// the next refit needs. Returns the rank's stats and what its transfers carried.
+pub fn run_program_delta<T>(
+    program: &Program<'_>,
+    src: &[&[u8]],
+    dst: &mut [&mut [u8]],
+    transport: &T,
+    options: &ExecOptions,
+    run: DeltaRun<'_>,
+) -> Result<(RankStats, DeltaReport)>
+where
+    T: for<'b> Transport<'b> + ?Sized,
+{
+    check_delta(program)?;
+    let mut state = RankState::with_delta(
+        program,
+        src.to_vec(),
+        dst.iter_mut().map(|b| &mut **b).collect(),
+        Some(run),
+    )?;
+    run_phases(program, &mut state, transport, options)?;
+    let (stats, report) = state.finish_delta(program);
+    Ok((stats, report.unwrap_or_default()))
+}
+
+/// Runs every phase of `program` on `transport`.
+fn run_phases<T>(
+    program: &Program<'_>,
+    state: &mut RankState<'_>,
+    transport: &T,
+    options: &ExecOptions,
+) -> Result<()>
+where
+    T: for<'b> Transport<'b> + ?Sized,
+{
+    let chunk = program.chunk_bytes;
+    for (i, phase) in program.phases.iter().enumerate() {
         state.before(phase).inspect_err(|_| transport.abort())?;
-        if phase.moves() {
-            state.transfer(phase, program.chunk_bytes, transport, options)?;
+        if phase.moves() && state.is_delta(phase) {
+            state
+                .delta_fence(i, phase, chunk, transport, options)
+                .and_then(|()| state.delta_headers(phase, chunk, transport, options))
+                .and_then(|()| state.delta_values(phase, chunk, transport, options))
+                .inspect_err(|_| transport.abort())?;
+        } else if phase.moves() {
+            state.transfer(phase, chunk, transport, options)?;
         }
         state.after(phase).inspect_err(|_| transport.abort())?;
     }
-    Ok(state.finish(program))
+    Ok(())
+}
+
+/// A rank's delta refit while it runs: its state, what it reports, and the work of the
+/// phase under way.
+pub(crate) struct DeltaCtx<'a> {
+    run: DeltaRun<'a>,
+    report: DeltaReport,
+    work: Option<PhaseWork>,
+    held: Option<u64>,
 }
 
 /// A rank's buffers and what its program has settled so far, between its phases.
@@ -56,19 +122,69 @@ pub(crate) struct RankState<'a> {
     /// The amax of the phase's quantized tensors, between the exchange's two halves.
     grids: Vec<reshard_core::convert::AmaxGrid>,
     stats: RankStats,
+    delta: Option<DeltaCtx<'a>>,
 }
 
 impl<'a> RankState<'a> {
     /// The rank's buffers, its scratch allocated ([`Error::OutOfMemory`] when it does not fit).
     pub fn new(program: &Program<'_>, src: Vec<&'a [u8]>, dst: Vec<&'a mut [u8]>) -> Result<Self> {
+        Self::with_delta(program, src, dst, None)
+    }
+
+    /// [`RankState::new`] for one refit of a delta refit, when `run` is given: the scratch
+    /// its phases of values receive into is the one the last refit left (it holds that
+    /// version), the rest zeroed; the version held is taken from its state until the refit
+    /// completes, so that a failed one leaves none.
+    pub fn with_delta(
+        program: &Program<'_>,
+        src: Vec<&'a [u8]>,
+        dst: Vec<&'a mut [u8]>,
+        run: Option<DeltaRun<'a>>,
+    ) -> Result<Self> {
         let rank = program.rank;
-        let scratch = program
-            .scratch
-            .iter()
-            .map(|s| {
-                reshard_core::memory::zeroed(s.len as u64, || format!("rank {rank}'s {}", s.what))
-            })
-            .collect::<Result<_>>()?;
+        let lens: Vec<usize> = program.scratch.iter().map(|s| s.len).collect();
+        let mut run = run;
+        let kept = run.as_mut().and_then(|r| r.state.take_scratch(&lens));
+        let scratch = match kept {
+            Some(mut kept) => {
+                let received = received_scratch(program);
+                for (k, s) in kept.iter_mut().enumerate() {
+                    if !received.contains(&k) {
+                        s.fill(0);
+                    }
+                }
+                kept
+            }
+            None => {
+                if let Some(r) = run.as_mut() {
+                    // a new scratch holds no version
+                    r.state.held = None;
+                }
+                program
+                    .scratch
+                    .iter()
+                    .map(|s| {
+                        reshard_core::memory::zeroed(s.len as u64, || {
+                            format!("rank {rank}'s {}", s.what)
+                        })
+                    })
+                    .collect::<Result<_>>()?
+            }
+        };
+        let delta = run.map(|run| {
+            let held = run.state.held.take();
+            DeltaCtx {
+                report: DeltaReport {
+                    rank,
+                    version: run.version,
+                    held,
+                    ..DeltaReport::default()
+                },
+                run,
+                work: None,
+                held,
+            }
+        });
         Ok(RankState {
             rank,
             bufs: Buffers { src, dst, scratch },
@@ -78,7 +194,120 @@ impl<'a> RankState<'a> {
                 rank,
                 ..RankStats::default()
             },
+            delta,
         })
+    }
+
+    /// Whether `phase` runs as a delta phase: a phase of values of a delta refit.
+    pub fn is_delta(&self, phase: &Phase<'_>) -> bool {
+        self.delta.is_some() && phase.kind == PhaseKind::Values
+    }
+
+    fn delta_ctx<'c>(
+        rank: Rank,
+        delta: &'c mut Option<DeltaCtx<'a>>,
+    ) -> Result<&'c mut DeltaCtx<'a>> {
+        delta.as_mut().ok_or_else(|| Error::Internal {
+            rank,
+            detail: "a delta phase in a refit without delta".into(),
+        })
+    }
+
+    /// The first exchange of a delta phase ([`PhaseWork::fence`]).
+    pub fn delta_fence<'buf, T: Transport<'buf> + ?Sized>(
+        &'buf mut self,
+        index: usize,
+        phase: &'buf Phase<'_>,
+        chunk: usize,
+        transport: &T,
+        options: &ExecOptions,
+    ) -> Result<()> {
+        let RankState {
+            rank,
+            bufs,
+            casts,
+            delta,
+            ..
+        } = self;
+        let ctx = Self::delta_ctx(*rank, delta)?;
+        let (src, _) = bufs.lend(*rank, &phase.src, &phase.dst)?;
+        let buffers = (phase.src.len(), phase.dst.len());
+        let work = ctx
+            .work
+            .insert(PhaseWork::new(index, &phase.steps, buffers, ctx.held));
+        work.fence(
+            &phase.steps,
+            &src,
+            casts,
+            &mut ctx.run,
+            &mut ctx.report,
+            transport,
+            chunk,
+            options,
+        )
+    }
+
+    /// The second exchange of a delta phase ([`PhaseWork::headers`]).
+    pub fn delta_headers<'buf, T: Transport<'buf> + ?Sized>(
+        &'buf mut self,
+        phase: &'buf Phase<'_>,
+        chunk: usize,
+        transport: &T,
+        options: &ExecOptions,
+    ) -> Result<()> {
+        let rank = self.rank;
+        let ctx = Self::delta_ctx(rank, &mut self.delta)?;
+        let work = ctx.work.as_mut().ok_or_else(|| Error::Internal {
+            rank,
+            detail: "the headers of a delta phase before its fence".into(),
+        })?;
+        work.headers(
+            &phase.steps,
+            &ctx.run,
+            &mut ctx.report,
+            transport,
+            chunk,
+            options,
+        )
+    }
+
+    /// The third exchange of a delta phase ([`PhaseWork::values`]).
+    pub fn delta_values<'buf, T: Transport<'buf> + ?Sized>(
+        &'buf mut self,
+        phase: &'buf Phase<'_>,
+        chunk: usize,
+        transport: &T,
+        options: &ExecOptions,
+    ) -> Result<()> {
+        let RankState {
+            rank,
+            bufs,
+            casts,
+            delta,
+            stats,
+            ..
+        } = self;
+        let ctx = Self::delta_ctx(*rank, delta)?;
+        let work = ctx.work.as_mut().ok_or_else(|| Error::Internal {
+            rank: *rank,
+            detail: "the values of a delta phase before its fence".into(),
+        })?;
+        let (src, mut dst) = bufs.lend(*rank, &phase.src, &phase.dst)?;
+        let moved = work.values(
+            &phase.steps,
+            &src,
+            &mut dst,
+            casts,
+            &ctx.run,
+            &mut ctx.report,
+            transport,
+            chunk,
+            options,
+        )?;
+        if phase.counted {
+            stats.absorb(&moved);
+        }
+        Ok(())
     }
 
     /// The phase's work before its transfers: its copies, and the amax of its quantized
@@ -144,249 +373,56 @@ impl<'a> RankState<'a> {
 
     /// The rank's stats, with the program's own staging.
     pub fn finish(self, program: &Program<'_>) -> RankStats {
+        self.finish_delta(program).0
+    }
+
+    /// [`RankState::finish`] of a refit that completed, and its delta report: its state now
+    /// holds the new version, and keeps the scratch for the next refit.
+    pub fn finish_delta(self, program: &Program<'_>) -> (RankStats, Option<DeltaReport>) {
         let mut stats = self.stats;
         stats.rank = program.rank;
         stats.peak_staging_bytes += program.staging_bytes;
-        stats
+        let report = self.delta.map(|ctx| {
+            let DeltaCtx {
+                run, mut report, ..
+            } = ctx;
+            run.state.held = Some(run.version);
+            run.state.scratch = self.bufs.scratch;
+            report.base_bytes = run.state.base_bytes();
+            report.kept_scratch_bytes = run.state.kept_scratch_bytes();
+            report
+        });
+        (stats, report)
     }
 }
 
-/// Runs one phase's steps over `transport`, every transfer cut into chunks of `chunk` bytes
-/// (as the transport's [`Transport::chunking`] says), the quantizing ones with the scales in
-/// `casts`: the sends on one thread, the local copies and the receives on another (or all on
-/// one when the transport's sends never block). A failure on either side breaks every link;
-/// the error lists exactly what did not arrive.
-pub fn run_transfers<'buf, T: Transport<'buf> + ?Sized>(
-    steps: &'buf Steps<'_, '_>,
-    src_bufs: &[&'buf [u8]],
-    dst_bufs: &mut [&mut [u8]],
-    transport: &T,
-    chunk: usize,
-    casts: &Casts,
-    options: &ExecOptions,
-) -> Result<RankStats> {
-    let rank = steps.rank;
-    check_steps(steps, src_bufs, dst_bufs)?;
-    let mut stats = RankStats {
-        rank,
-        ..RankStats::default()
-    };
-    // `check_steps` made sure every slot is in range
-    let source = |s: &Step<'_>| -> &'buf [u8] {
-        let (b, bytes) = s.src_at.clone().expect("checked");
-        &src_bufs[b][bytes]
-    };
-
-    let send_all = || -> Result<Sent> {
-        let mut sent = Sent::default();
-        // with --checksum: every receiver's chunk sums, in the order they are sent
-        let mut sums: BTreeMap<Rank, Vec<u32>> = BTreeMap::new();
-        for s in &steps.sends {
-            let cast = casts.resolve(&s.convert, rank)?;
-            let len = s.bytes() as usize;
-            let chunk = transport.chunking().chunk_bytes(len, chunk);
-            let src = source(s);
-            let mut peer_sums = options.checksum.then(|| sums.entry(s.to).or_default());
-            for range in checksum::chunks(len, chunk) {
-                let out = Outgoing {
-                    from: rank,
-                    to: s.to,
-                    src,
-                    src_box: &s.src_box,
-                    region: &s.region,
-                    elem_bytes: s.elem_bytes,
-                    range,
-                    cast: cast.clone(),
-                    lands: s.lands,
-                };
-                match peer_sums.as_deref_mut() {
-                    // summed by the transport as it reads the bytes, where it can
-                    Some(peer_sums) => peer_sums.push(transport.send_summed(out)?),
-                    None => transport.send(out)?,
-                }
-                sent.chunk_sent();
-            }
-            sent.transfer_sent(len as u64);
-        }
-        // the sums follow every chunk to their receiver
-        for (peer, peer_sums) in sums {
-            transport.send_sums(peer, peer_sums)?;
-        }
-        Ok(sent)
-    };
-
-    let receive_all = |stats: &mut RankStats,
-                       progress: &mut Progress,
-                       dst_bufs: &mut [&mut [u8]]|
-     -> Result<()> {
-        for s in &steps.locals {
-            let (b, bytes) = s.dst_at.clone().expect("checked");
-            let g = CopyGeometry::converting(
-                &s.region,
-                Place::Within(&s.src_box),
-                Place::Within(&s.dst_box),
-                s.elem_bytes,
-                casts.resolve(&s.convert, rank)?,
-            );
-            g.copy(source(s), &mut dst_bufs[b][bytes], 0..g.len());
-            stats.bytes_local += g.len() as u64;
-        }
-        let expected: Vec<Receive<'_>> = steps
-            .recvs
-            .iter()
-            .map(|s| {
-                let (buffer, bytes) = s.dst_at.clone().expect("checked");
-                Receive {
-                    from: s.from,
-                    to: rank,
-                    region: &s.region,
-                    src_box: &s.src_box,
-                    dst_box: &s.dst_box,
-                    elem_bytes: s.elem_bytes,
-                    buffer,
-                    bytes,
-                    lands: s.lands,
-                }
-            })
-            .collect();
-        // a transport that reports a transfer twice, or one never asked for, fails the
-        // rank once its receives return
-        let mut refused = None;
-        let landed = &mut |i: usize| {
-            if let Err(e) = progress.transfer_landed(i) {
-                refused.get_or_insert(e);
-            }
-        };
-        transport.recv_all(&expected, dst_bufs, chunk, landed)?;
-        if let Some(e) = refused {
-            return Err(e);
-        }
-        if options.checksum {
-            check_sums(steps, dst_bufs, transport, chunk, progress)?;
-        }
-        Ok(())
-    };
-
-    // A failure on either side breaks every link at once, so that the other side and the
-    // peers stop now rather than at their timeouts.
-    let give_up_on = |e: &Error| {
-        tracing::warn!(rank, error = %e, "failed: breaking every link");
-        transport.abort();
-    };
-    let mut progress = Progress::new(
-        rank,
-        steps
-            .recvs
-            .iter()
-            .map(|s| {
-                let bytes = s.bytes();
-                let len = bytes as usize;
-                Due {
-                    from: s.from,
-                    bytes,
-                    chunks: len.div_ceil(transport.chunking().chunk_bytes(len, chunk)) as u64,
-                }
-            })
-            .collect(),
-    );
-    let started = std::time::Instant::now();
-    // the transport counts over its life; this run's share is the difference
-    let direct_before = transport.direct_bytes();
-    let (sent, received) = if !transport.sends_block() {
-        // everything is posted first, then received, on this one thread
-        let sent = send_all().inspect_err(give_up_on);
-        let received = match &sent {
-            Ok(_) => receive_all(&mut stats, &mut progress, dst_bufs).inspect_err(give_up_on),
-            Err(_) => Err(Error::Internal {
-                rank,
-                detail: "nothing was received: sending failed first".into(),
-            }),
-        };
-        (sent, received)
-    } else {
-        std::thread::scope(|scope| {
-            let sender = std::thread::Builder::new()
-                .spawn_scoped(scope, || send_all().inspect_err(give_up_on));
-            if sender.is_err() {
-                transport.abort();
-            }
-            let received = receive_all(&mut stats, &mut progress, dst_bufs).inspect_err(give_up_on);
-            let sent = joined(sender, rank, RankThread::Sender);
-            (sent, received)
+/// The scratch buffers a program's phases of values receive into (a batch's blobs, the
+/// baseline's full tensor): they hold the last version between delta refits.
+fn received_scratch(program: &Program<'_>) -> std::collections::BTreeSet<usize> {
+    program
+        .phases
+        .iter()
+        .filter(|p| p.kind == PhaseKind::Values)
+        .flat_map(|p| p.dst.iter())
+        .filter_map(|b| match b {
+            Buf::Scratch(k) => Some(*k),
+            _ => None,
         })
-    };
-    // Report everything that went wrong, and exactly what did not arrive.
-    if let Err(e) = received {
-        progress.failed(e);
-    }
-    let moved_counts = progress.outcome(sent)?;
-    let moved = started.elapsed();
-    transport.finish()?;
-    tracing::debug!(
-        rank,
-        transport = transport.name(),
-        moved_ms = moved.as_secs_f64() * 1e3,
-        finished_ms = started.elapsed().as_secs_f64() * 1e3,
-        bytes_received = moved_counts.bytes_received,
-        bytes_sent = moved_counts.bytes_sent,
-        "rank done"
-    );
-    stats.bytes_received = moved_counts.bytes_received;
-    stats.chunks_received = moved_counts.chunks_received;
-    stats.bytes_sent = moved_counts.bytes_sent;
-    stats.chunks_sent = moved_counts.chunks_sent;
-    stats.peak_staging_bytes = transport.peak_staging_bytes();
-    stats.bytes_direct = transport.direct_bytes().saturating_sub(direct_before);
-    Ok(stats)
+        .collect()
 }
 
-/// With `--checksum`, once every transfer has landed: takes each sender's sums (sent after
-/// its last chunk to this rank) and compares them with what landed. A transfer that differs
-/// is marked as not arrived; the error names the first one.
-fn check_sums<'buf, T: Transport<'buf> + ?Sized>(
-    steps: &Steps<'_, '_>,
-    dst_bufs: &[&mut [u8]],
-    transport: &T,
-    chunk: usize,
-    progress: &mut Progress,
-) -> Result<()> {
-    // each sender's transfers, in their order
-    let mut senders: BTreeMap<Rank, Vec<usize>> = BTreeMap::new();
-    for (i, s) in steps.recvs.iter().enumerate() {
-        senders.entry(s.from).or_default().push(i);
+/// Refuses a delta refit of a program that relays: its rounds stage bytes on the way.
+pub(crate) fn check_delta(program: &Program<'_>) -> Result<()> {
+    if program
+        .phases
+        .iter()
+        .any(|p| matches!(p.kind, PhaseKind::Round(_)))
+    {
+        return Err(Error::InvalidOption {
+            field: reshard_core::error::Field::Relay,
+            value: "delta".into(),
+            reason: "a delta refit does not relay: its encodings would be staged on the way".into(),
+        });
     }
-    let mut first = None;
-    for (peer, transfers) in senders {
-        let sums = transport.recv_sums(peer)?;
-        let mut rest = &sums[..];
-        for i in transfers {
-            let s = &steps.recvs[i];
-            let (b, bytes) = s.dst_at.clone().expect("checked");
-            let len = s.bytes() as usize;
-            let landed = checksum::Landed {
-                from: s.from,
-                to: s.to,
-                region: &s.region,
-                elem_bytes: s.elem_bytes,
-                shard: &dst_bufs[b][bytes],
-                dst_box: &s.dst_box,
-                chunk: transport.chunking().chunk_bytes(len, chunk),
-            };
-            let n = landed.chunk_count().min(rest.len());
-            let (mine, later) = rest.split_at(n);
-            rest = later;
-            if let Err(e) = landed.check(mine) {
-                progress.corrupt(i)?;
-                first.get_or_insert(e);
-            }
-        }
-        if !rest.is_empty() {
-            return Err(Error::Protocol {
-                rank: steps.rank,
-                peer,
-                detail: format!("sent {} checksums more than the chunks it sent", rest.len()),
-            });
-        }
-    }
-    first.map_or(Ok(()), Err)
+    Ok(())
 }

@@ -55,6 +55,8 @@
 
 pub mod baseline;
 mod buffers;
+pub mod delta;
+mod delta_phase;
 pub mod driver;
 mod executor;
 mod jobs;
@@ -69,8 +71,9 @@ mod scaling;
 mod stats;
 mod steps;
 pub(crate) mod threads;
+mod transfers;
 
-pub use executor::{run_program, run_transfers};
+pub use executor::{run_program, run_program_delta};
 pub use jobs::{RankJob, run_rank, run_rank_any};
 pub use local::{
     MAX_LOCAL_RANKS, run_local, run_local_quantized, run_local_with_faults, zeroed_scale_shards,
@@ -82,6 +85,7 @@ pub use quant::QuantJob;
 pub use scaling::Casts;
 pub use stats::{RankStats, RunStats};
 pub use steps::{Step, Steps, check_buffers, cut_chunk};
+pub use transfers::run_transfers;
 
 #[cfg(test)]
 mod tests;

@@ -17,6 +17,9 @@ pub struct ExecOptions {
     /// Whether every transfer is checksummed by its sender and checked by its receiver
     /// ([`reshard_core::checksum`]): a byte changed on the way fails the job, naming the transfer.
     pub checksum: bool,
+    /// A delta refit: the phases of values move only what changed since the version each
+    /// receiver holds ([`super::delta`]).
+    pub delta: Option<super::delta::DeltaRefit>,
 }
 
 impl Default for ExecOptions {
@@ -26,6 +29,7 @@ impl Default for ExecOptions {
             staging_bytes: 64 << 20,
             timeout: Duration::from_secs(60),
             checksum: false,
+            delta: None,
         }
     }
 }
@@ -56,6 +60,9 @@ impl ExecOptions {
                 value: "0".into(),
                 reason: "must be positive".into(),
             });
+        }
+        if let Some(d) = &self.delta {
+            d.options.validate()?;
         }
         Ok(())
     }

@@ -25,6 +25,7 @@ fn options(chunk_bytes: usize, staging_bytes: usize, checksum: bool) -> ExecOpti
         staging_bytes,
         timeout: Duration::from_secs(30),
         checksum,
+        delta: None,
     }
 }
 
