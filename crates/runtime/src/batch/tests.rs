@@ -708,3 +708,130 @@ mod quantized_move {
         }
     }
 }
+
+/// Every rank's source buffers at `version` of each tensor's evolution.
+fn evolved_sources(
+    batch: &Batch,
+    evolutions: &[reshard_core::evolve::Evolution],
+    version: u64,
+) -> BTreeMap<Rank, Vec<Vec<u8>>> {
+    (0..batch.world())
+        .map(|r| {
+            let bufs = batch.buffers(Side::Src, r).unwrap();
+            let filled = bufs
+                .iter()
+                .map(|b| {
+                    let mut bytes = vec![0u8; b.len];
+                    for p in &b.pieces {
+                        let l = &batch.tensors()[p.tensor].src;
+                        evolutions[p.tensor].fill_region(
+                            l,
+                            &p.region,
+                            &mut bytes[p.bytes.clone()],
+                            version,
+                        );
+                    }
+                    bytes
+                })
+                .collect();
+            (r, filled)
+        })
+        .collect()
+}
+
+/// A batch refit as deltas, version after version, leaves exactly what dense refits of the
+/// same versions leave: values and scales, packed blobs, fused buffers, quantized tensors
+/// (their values and scales diffed after quantizing).
+fn delta_equals_dense(batch: &Batch, evolutions: &[reshard_core::evolve::Evolution], chunk: usize) {
+    use crate::exec::delta::{DeltaOptions, DeltaRefit, DeltaSession};
+    let session = DeltaSession::new();
+    let (mut dense, mut dense_scales) = (zeroed(batch, false), zeroed(batch, true));
+    let (mut delta, mut delta_scales) = (zeroed(batch, false), zeroed(batch, true));
+    for version in 1..=4 {
+        let src = evolved_sources(batch, evolutions, version);
+        run_local_batch(batch, &src, &mut dense, &mut dense_scales, &options(chunk)).unwrap();
+        let refit = ExecOptions {
+            delta: Some(DeltaRefit {
+                session: session.clone(),
+                version,
+                options: DeltaOptions {
+                    anchor: None,
+                    block_elems: 16,
+                },
+            }),
+            ..options(chunk)
+        };
+        run_local_batch(batch, &src, &mut delta, &mut delta_scales, &refit).unwrap();
+        assert_eq!(delta, dense, "values of version {version}");
+        assert_eq!(delta_scales, dense_scales, "scales of version {version}");
+        let reports = session.take_reports();
+        let deltas: u64 = reports.iter().map(|r| r.sent.delta).sum();
+        if version == 1 {
+            assert_eq!(deltas, 0, "the first version has no base to diff against");
+        }
+    }
+}
+
+#[test]
+fn quantized_batches_refit_as_deltas_exactly() {
+    use reshard_core::evolve::{Evolution, Update};
+    let batch = quantized_batch();
+    let evolutions: Vec<Evolution> = batch
+        .tensors()
+        .iter()
+        .enumerate()
+        .map(|(i, t)| {
+            let (fill, update) = match t.quant {
+                Some(_) => (Fill::Normal { seed: i as u64 }, Update::Training { lr: 1e-3 }),
+                None => (Fill::Hash { seed: i as u64 }, Update::Density(0.05)),
+            };
+            Evolution::new(fill, update, 7 + i as u64, t.src.dtype()).unwrap()
+        })
+        .collect();
+    for chunk in [5, 4 << 20] {
+        delta_equals_dense(&batch, &evolutions, chunk);
+    }
+    // and later versions move as deltas: the values and the scales that changed
+    let session = crate::exec::delta::DeltaSession::new();
+    let (mut dst, mut scales) = (zeroed(&batch, false), zeroed(&batch, true));
+    for version in 1..=2 {
+        let src = evolved_sources(&batch, &evolutions, version);
+        let refit = ExecOptions {
+            delta: Some(crate::exec::delta::DeltaRefit {
+                session: session.clone(),
+                version,
+                options: Default::default(),
+            }),
+            ..options(4 << 20)
+        };
+        run_local_batch(&batch, &src, &mut dst, &mut scales, &refit).unwrap();
+    }
+    let deltas: u64 = session.take_reports().iter().map(|r| r.sent.delta).sum();
+    assert!(deltas > 0);
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(120))]
+
+    #[test]
+    fn batches_refit_as_deltas_exactly(
+        pairs in prop::collection::vec(arb_layout_pair(), 1..4),
+        seed in any::<u64>(),
+        pack_below in prop_oneof![Just(0u64), Just(u64::MAX), 1u64..256],
+        density in prop::sample::select(vec![0.0, 0.01, 0.5, 1.0]),
+    ) {
+        use reshard_core::evolve::{Evolution, Update};
+        let tensors: Vec<Tensor> = pairs
+            .into_iter()
+            .enumerate()
+            .map(|(i, (s, d))| tensor(&format!("t{i}"), s, d))
+            .collect();
+        let evolutions: Vec<Evolution> = tensors
+            .iter()
+            .enumerate()
+            .map(|(i, t)| Evolution::new(Fill::Hash { seed: seed ^ i as u64 }, Update::Density(density), seed, t.src.dtype()).unwrap())
+            .collect();
+        let batch = Batch::new(tensors, Vec::new(), BatchOptions { pack_below, ..BatchOptions::default() }).unwrap();
+        delta_equals_dense(&batch, &evolutions, 4 << 20);
+    }
+}
