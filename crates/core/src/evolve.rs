@@ -178,12 +178,38 @@ impl Evolution {
         shards: &BTreeMap<Rank, Vec<u8>>,
         version: u64,
     ) -> Result<()> {
+        self.verify_shards_from(layout.dtype(), layout, shards, version)
+    }
+
+    /// [`Evolution::verify_shards`] of destinations cast from `from` elements: each expected
+    /// element is the source's at `version`, cast to the destination's dtype (a training-like
+    /// update casts its f32 masters whatever `from` is).
+    pub fn verify_shards_from(
+        &self,
+        from: DType,
+        layout: &Layout,
+        shards: &BTreeMap<Rank, Vec<u8>>,
+        version: u64,
+    ) -> Result<()> {
         layout.check_buffers(crate::error::Side::Dst, shards)?;
         let (shape, dtype) = (layout.shape(), layout.dtype());
+        let from = match self.update {
+            Update::Training { .. } => dtype,
+            Update::Density(_) => from,
+        };
         let mut first = None;
         let mut mismatches = 0u64;
         for (p, &rank) in layout.mesh().ranks().iter().enumerate() {
-            let expect = |index| self.element(shape, dtype, index, version).to_le_bytes();
+            let expect = |index| {
+                let e = self.element(shape, from, index, version).to_le_bytes();
+                if from == dtype {
+                    return e;
+                }
+                let mut out = [0u8; 8];
+                // a cast the plan made is a cast this can make
+                let _ = crate::convert::cast::cast(from, dtype, &e[..from.size()], &mut out[..dtype.size()]);
+                out
+            };
             if let Some((offset, expected, found, n)) =
                 check_elements(layout, &layout.region_at(p), &shards[&rank], expect)
             {

@@ -360,27 +360,42 @@ impl World {
     ) -> Result<RunStats> {
         let exec_options = self.exec_options(options);
         let gb = GatherBroadcast::on_hosts(plan.src(), plan.dst(), plan.topology())?;
+        // a delta refit keeps the full tensors: they hold the last version
+        const FULL: &str = "full tensor";
+        let session = exec_options.delta.as_ref().map(|d| d.session.clone());
         let Some(job) = self.job() else {
             let mut full = baseline::full_buffers(&gb)?;
-            return baseline::run_local_gather_broadcast(
+            if let Some(s) = &session {
+                for (&r, f) in full.iter_mut() {
+                    *f = s.with_rank(r, |d| d.take_kept(FULL, f.len(), r))?;
+                }
+            }
+            let outcome = baseline::run_local_gather_broadcast(
                 &gb,
                 sources,
                 destinations,
                 &mut full,
                 &exec_options,
             );
+            if let Some(s) = &session {
+                for (r, f) in full {
+                    s.with_rank(r, |d| d.give_kept(FULL, f));
+                }
+            }
+            return outcome;
         };
         exec_options.validate()?;
         let rank = job.rank();
         check_own(plan.src(), Side::Src, rank, sources)?;
         check_own(plan.dst(), Side::Dst, rank, destinations)?;
         let (gather, broadcast) = gb.rank_parts(rank);
-        let mut full = match gb.needs_full_buffer(rank) {
-            true => Some(reshard_core::memory::zeroed(
-                gb.dst().total_bytes(),
-                || format!("rank {rank}'s full tensor"),
-            )?),
-            false => None,
+        let len = gb.dst().total_bytes();
+        let mut full = match (gb.needs_full_buffer(rank), &session) {
+            (true, Some(s)) => Some(s.with_rank(rank, |d| d.take_kept(FULL, len as usize, rank))?),
+            (true, None) => Some(reshard_core::memory::zeroed(len, || {
+                format!("rank {rank}'s full tensor")
+            })?),
+            (false, _) => None,
         };
         let (src_box, dst_box) = (plan.src().local_region(rank), plan.dst().local_region(rank));
         let whole = Region::full(gb.dst().shape());
@@ -413,7 +428,11 @@ impl World {
                 full.as_deref_mut().unwrap_or_default(),
             ],
         };
-        self.run_programs(vec![run], [plan.src()], &exec_options)
+        let outcome = self.run_programs(vec![run], [plan.src()], &exec_options);
+        if let (Some(s), Some(f)) = (&session, full) {
+            s.with_rank(rank, |d| d.give_kept(FULL, f));
+        }
+        outcome
     }
 }
 

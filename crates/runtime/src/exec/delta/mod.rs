@@ -100,6 +100,9 @@ pub struct RankDelta {
     /// The program's scratch as the last refit left it (a receiving blob of a batch, the
     /// baseline's full tensor): it holds the last version too.
     pub(crate) scratch: Vec<Vec<u8>>,
+    /// Buffers a job allocates for itself rather than the caller, kept between refits for
+    /// the same reason (the baseline's full tensor, by name).
+    kept: BTreeMap<String, Vec<u8>>,
 }
 
 impl RankDelta {
@@ -131,9 +134,27 @@ impl RankDelta {
         self.bases.values().map(|b| b.bytes.len() as u64).sum()
     }
 
-    /// Bytes of the scratch it keeps between refits.
+    /// Bytes of the scratch and buffers it keeps between refits.
     pub fn kept_scratch_bytes(&self) -> u64 {
-        self.scratch.iter().map(|s| s.len() as u64).sum()
+        let kept: u64 = self.kept.values().map(|k| k.len() as u64).sum();
+        self.scratch.iter().map(|s| s.len() as u64).sum::<u64>() + kept
+    }
+
+    /// The buffer `name` of `len` bytes a job keeps between refits (the baseline's full
+    /// tensor), as the last refit left it; a new one, zeroed, says that nothing is held.
+    pub fn take_kept(&mut self, name: &str, len: usize, rank: Rank) -> Result<Vec<u8>> {
+        match self.kept.remove(name) {
+            Some(k) if k.len() == len => Ok(k),
+            _ => {
+                self.held = None;
+                reshard_core::memory::zeroed(len as u64, || format!("rank {rank}'s {name}"))
+            }
+        }
+    }
+
+    /// Gives back a buffer taken with [`RankDelta::take_kept`].
+    pub fn give_kept(&mut self, name: &str, buf: Vec<u8>) {
+        self.kept.insert(name.into(), buf);
     }
 
     /// The scratch of `program` as the last refit left it, if it is the same program's;
