@@ -10,6 +10,7 @@ use reshard_core::error::Error;
 
 mod decide;
 mod kills;
+mod links;
 
 /// The job's timeout.
 const T: Duration = Duration::from_secs(1);
