@@ -91,26 +91,26 @@ impl Coordinator {
         let mut actions = Vec::new();
         match event {
             Event::Call(call) => {
-                if self.collecting.is_some() {
-                    actions.push(Action::Done(Err(Error::Internal {
+                let step = Step::of(&call);
+                let refusal = if self.collecting.is_some() {
+                    Some("a control call was made while another was in progress")
+                } else if step == Step::Decide && self.decided {
+                    Some("a second decision was asked for in one job")
+                } else {
+                    None
+                };
+                if let Some(detail) = refusal {
+                    let error = Error::Internal {
                         rank: 0,
-                        detail: "a control call was made while another was in progress".into(),
-                    })));
+                        detail: detail.into(),
+                    };
+                    actions.push(Action::refused(step, error));
                     return actions;
                 }
-                if matches!(call, Call::Decide(_)) {
-                    if self.decided {
-                        actions.push(Action::Decided(Err(Error::Internal {
-                            rank: 0,
-                            detail: "a second decision was asked for in one job".into(),
-                        })));
-                        return actions;
-                    }
-                    self.decided = true;
-                }
+                self.decided |= step == Step::Decide;
                 let heard = vec![Heard::Pending; self.world];
                 self.collecting = Some(Collecting {
-                    step: Step::of(&call),
+                    step,
                     mine: call,
                     deadline: later(now, self.timeout.saturating_mul(COORDINATOR_PATIENCE)),
                     heard,

@@ -61,24 +61,23 @@ impl Member {
         let mut actions = Vec::new();
         match event {
             Event::Call(call) => {
-                if self.awaiting.is_some() {
-                    actions.push(Action::Done(Err(Error::Internal {
+                let step = Step::of(&call);
+                let refusal = if self.awaiting.is_some() {
+                    Some("a control call was made while another was in progress")
+                } else if step == Step::Decide && self.decided {
+                    Some("a second decision was asked for in one job")
+                } else {
+                    None
+                };
+                if let Some(detail) = refusal {
+                    let error = Error::Internal {
                         rank: self.rank,
-                        detail: "a control call was made while another was in progress".into(),
-                    })));
+                        detail: detail.into(),
+                    };
+                    actions.push(Action::refused(step, error));
                     return actions;
                 }
-                let step = Step::of(&call);
-                if step == Step::Decide {
-                    if self.decided {
-                        actions.push(Action::Decided(Err(Error::Internal {
-                            rank: self.rank,
-                            detail: "a second decision was asked for in one job".into(),
-                        })));
-                        return actions;
-                    }
-                    self.decided = true;
-                }
+                self.decided |= step == Step::Decide;
                 let prepared = matches!(call, Call::Decide(Ok(()))) && self.gone.is_none();
                 let (msg, my_error) = match call {
                     Call::Agree(fingerprint) => (Msg::Agree { fingerprint }, None),

@@ -230,6 +230,16 @@ pub enum Action {
     Decided(Result<Decision>),
 }
 
+impl Action {
+    /// A call of `step` refused with `error`, settled as that call settles.
+    fn refused(step: Step, error: reshard_core::error::Error) -> Action {
+        match step {
+            Step::Decide => Action::Decided(Err(error)),
+            _ => Action::Done(Err(error)),
+        }
+    }
+}
+
 /// A settled call, as a driver hands it to the rank's code.
 #[derive(Debug)]
 pub enum Settled {
