@@ -36,9 +36,10 @@
 //! when it holds its whole next version, staged and checked, not prepared (and why)
 //! otherwise. Phase two: once rank 0 has every vote, or has given up on a member, it decides
 //! [`Decision::Commit`] if every rank, itself included, voted prepared, and
-//! [`Decision::Abort`] otherwise, naming every rank that was not prepared and why; it sends
-//! the decision to every member before its own call returns it, so rank 0 applies a commit
-//! only once every living member's link carries it.
+//! [`Decision::Abort`] otherwise, naming every rank that was not prepared and why. It writes
+//! the decision to every member's link before its own call returns it, so rank 0 applies a
+//! commit only once every link that still stands carries it (a link that takes nothing
+//! within a timeout is dropped, its member lost). One decision a job: a second is refused.
 //!
 //! - *Presumed abort.* A member lost or silent (two timeouts) before its vote counts as not
 //!   prepared, and so does one lost after voting prepared but before rank 0 decided: what
@@ -67,9 +68,9 @@
 //!   unaffected, and rank 0's verdict at finish names it (it exited without reporting).
 //! - *Resolving doubt* takes a later job (the termination protocol of two-phase commit): an
 //!   in-doubt rank commits its staging if any rank applied the commit, and drops it if any
-//!   rank aborted, voted not prepared or never voted. If no rank knows (rank 0 is gone and
-//!   every other rank is in doubt), no living rank applied a commit, and dropping the staging
-//!   everywhere is consistent.
+//!   rank aborted (it heard abort, or knew it was not prepared). If no rank knows (rank 0 is
+//!   gone and every other rank is in doubt), no living rank applied a commit, and dropping
+//!   the staging everywhere is consistent.
 //!
 //! There is no round of acknowledgements before rank 0 reports its decision: it would tell
 //! rank 0 which members heard it, but could change nothing (a member that heard commit may
