@@ -485,3 +485,58 @@ fn a_member_at_a_barrier_hears_the_abort_as_a_failure() {
     let (_, done) = split(m.handle(t0, from(0, abort)));
     assert_eq!(failures(done), vec![(0, "boom".to_string())]);
 }
+
+/// The decision to one member is lost on the wire while rank 0 lives: that member is in
+/// doubt after four timeouts, the others commit, and the finish names the rank in doubt.
+#[test]
+fn a_decision_lost_on_the_wire_leaves_one_member_in_doubt() {
+    let mut net = Net::new(3);
+    for r in 1..3 {
+        net.decide(r, YES);
+    }
+    net.deliver();
+    net.decide(0, YES);
+    net.wire.retain(|&(_, to, _)| to != 2);
+    net.deliver();
+    assert!(committed(&net.decisions[0]) && committed(&net.decisions[1]));
+    assert!(net.decisions[2].is_none());
+    net.wait(4 * T);
+    let doubt = match &net.decisions[2] {
+        Some(Err(e @ Error::InDoubt { rank: 2, .. })) => e.to_string(),
+        other => panic!("expected rank 2 in doubt, got {other:?}"),
+    };
+    net.consistent();
+    net.call_all(|r| {
+        Call::Finish(if r == 2 {
+            Err(doubt.clone())
+        } else {
+            Ok(json!(r))
+        })
+    });
+    for r in 0..3 {
+        assert_eq!(
+            ranks_of(&failures(net.outcomes[r].take())),
+            vec![2],
+            "rank {r}"
+        );
+    }
+}
+
+/// A member's vote is lost on the wire: rank 0 gives up on it after two timeouts, and the
+/// member, still waiting, hears the abort that names it.
+#[test]
+fn a_vote_lost_on_the_wire_aborts_every_rank() {
+    let mut net = Net::new(3);
+    net.decide(2, YES);
+    net.wire.clear();
+    net.decide(1, YES);
+    net.decide(0, YES);
+    net.deliver();
+    assert!(net.decisions.iter().all(Option::is_none));
+    net.wait(2 * T);
+    for r in 0..3 {
+        let ranks = aborted(&net.decisions[r]);
+        assert_eq!(ranks_of(&ranks), vec![2], "rank {r}");
+        assert!(ranks[0].1.contains("its vote did not arrive"), "{ranks:?}");
+    }
+}
