@@ -148,6 +148,14 @@ pub enum Error {
         failures: Vec<(Rank, String)>,
     },
 
+    /// A rank that voted prepared in a job's two-phase decision lost rank 0 before the
+    /// decision came: rank 0 may have decided either way, so the rank neither commits nor
+    /// drops what it staged, and a later job resolves it.
+    #[error(
+        "rank {rank}: in doubt: it voted prepared, then lost rank 0 before the decision came ({detail}); its staged version is kept, neither committed nor dropped, until a later job resolves it"
+    )]
+    InDoubt { rank: Rank, detail: String },
+
     #[error(
         "rank {rank}: {transfers} transfers ({bytes} bytes) did not arrive, from {}",
         .from.iter().map(|r| format!("rank {r}")).collect::<Vec<_>>().join(", ")

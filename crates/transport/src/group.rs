@@ -1,7 +1,7 @@
 //! A job of processes: torchrun-style rendezvous, authenticated connections between the peers
-//! that exchange data, and a control channel through rank 0 (plan agreement, barrier, final
-//! verdict). The control protocol itself is [`super::control`]; this module opens its links
-//! and hands them to its driver.
+//! that exchange data, and a control channel through rank 0 (plan agreement, barrier,
+//! two-phase decision, final verdict). The control protocol itself is [`super::control`];
+//! this module opens its links and hands them to its driver.
 //!
 //! Every process reads `RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT` and `RESHARD_TOKEN`.
 //! Rank 0 listens on `MASTER_ADDR:MASTER_PORT`; every other rank connects to it, says who it
@@ -26,8 +26,8 @@ use reshard_core::error::{Error, Result};
 use reshard_core::layout::Rank;
 use reshard_core::topology::HostMap;
 
-use super::control::Call;
 use super::control::driver::ControlLinks;
+use super::control::{Call, Decision};
 use super::frame;
 use super::screen::Screen;
 
@@ -459,6 +459,10 @@ impl super::Job for Group {
 
     fn barrier(&self) -> Result<()> {
         self.control.call(Call::Barrier).map(drop)
+    }
+
+    fn decide(&self, prepared: std::result::Result<(), String>) -> Result<Decision> {
+        self.control.decide(prepared)
     }
 
     fn finish(

@@ -23,6 +23,7 @@ pub mod tcp;
 use reshard_core::error::Field;
 use std::ops::Range;
 
+pub use control::Decision;
 pub use local::{Fault, LocalEndpoint, LocalFabric};
 
 use reshard_core::agreement::Fingerprint;
@@ -202,7 +203,8 @@ impl Receive<'_> {
     }
 }
 
-/// The control plane of a multi-process run: a barrier and a common verdict.
+/// The control plane of a multi-process run: a barrier, the two-phase decision on a staged
+/// version, and a common verdict.
 pub trait Job {
     fn rank(&self) -> Rank;
 
@@ -217,6 +219,15 @@ pub trait Job {
 
     /// Waits until every rank has called `barrier`; fails on every rank if one failed before.
     fn barrier(&self) -> Result<()>;
+
+    /// The two-phase decision on a staged version, between the data movement and `finish`,
+    /// at most once a job: every rank votes `Ok` when it holds its whole next version, staged
+    /// and checked, or says why not; rank 0 decides [`Decision::Commit`] only when every rank
+    /// did, [`Decision::Abort`] (naming the ranks that did not, and why) otherwise, and every
+    /// rank gets the decision. A rank that voted prepared and lost rank 0 before the decision
+    /// came returns [`reshard_core::Error::InDoubt`]: it must neither commit nor drop what it
+    /// staged. What holds when a rank dies around the decision: [`control`].
+    fn decide(&self, prepared: std::result::Result<(), String>) -> Result<Decision>;
 
     /// Every rank reports how its part went and rank 0 decides for all: every rank's report on
     /// rank 0 (indexed by rank), nothing elsewhere, or [`reshard_core::Error::JobFailed`] on every rank.

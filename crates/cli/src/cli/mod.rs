@@ -302,6 +302,7 @@ impl From<Error> for Failure {
             | Error::Io { .. }
             | Error::Refused { .. }
             | Error::JobFailed { .. }
+            | Error::InDoubt { .. }
             | Error::OutOfMemory { .. }
             | Error::ThreadStart { .. } => Failure::Run(e),
             _ => Failure::Input(e),

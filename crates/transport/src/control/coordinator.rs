@@ -8,7 +8,10 @@ use reshard_core::agreement::Fingerprint;
 use reshard_core::error::Error;
 use reshard_core::layout::Rank;
 
-use super::{Action, COORDINATOR_PATIENCE, Call, Event, Lost, Msg, Step, later};
+use super::{Action, COORDINATOR_PATIENCE, Call, Decision, Event, Lost, Msg, Step, later};
+
+/// Why a member that voted prepared and was lost before the decision is not prepared.
+const PREPARED_THEN_LOST: &str = "voted prepared, then was lost before the decision (killed?)";
 
 /// What rank 0 learned of one member in the current call.
 #[derive(Clone, Debug)]
@@ -17,8 +20,9 @@ enum Heard {
     Pending,
     /// Agreement: the member's job.
     Job(Fingerprint),
-    /// Barrier: it got there. Finish: its report (`Null` for a member still at a barrier
-    /// this rank failed before; the verdict answers it).
+    /// Barrier: it got there. Decision: it voted prepared. Finish: its report (`Null` for a
+    /// member still at a barrier or a decision this rank failed before; the verdict answers
+    /// it).
     Fine(serde_json::Value),
     /// It failed, or was lost: why.
     Failed(String),
@@ -50,6 +54,8 @@ pub struct Coordinator {
     collecting: Option<Collecting>,
     /// When waiting members are next told that rank 0 is working.
     next_beat: Option<Instant>,
+    /// Whether this rank has made its decision call (one a job).
+    decided: bool,
 }
 
 impl Coordinator {
@@ -62,6 +68,7 @@ impl Coordinator {
             waiting: vec![false; world],
             collecting: None,
             next_beat: None,
+            decided: false,
         }
     }
 
@@ -84,16 +91,26 @@ impl Coordinator {
         let mut actions = Vec::new();
         match event {
             Event::Call(call) => {
-                if self.collecting.is_some() {
-                    actions.push(Action::Done(Err(Error::Internal {
+                let step = Step::of(&call);
+                let refusal = if self.collecting.is_some() {
+                    Some("a control call was made while another was in progress")
+                } else if step == Step::Decide && self.decided {
+                    Some("a second decision was asked for in one job")
+                } else {
+                    None
+                };
+                if let Some(detail) = refusal {
+                    let error = Error::Internal {
                         rank: 0,
-                        detail: "a control call was made while another was in progress".into(),
-                    })));
+                        detail: detail.into(),
+                    };
+                    actions.push(Action::refused(step, error));
                     return actions;
                 }
+                self.decided |= step == Step::Decide;
                 let heard = vec![Heard::Pending; self.world];
                 self.collecting = Some(Collecting {
-                    step: Step::of(&call),
+                    step,
                     mine: call,
                     deadline: later(now, self.timeout.saturating_mul(COORDINATOR_PATIENCE)),
                     heard,
@@ -120,6 +137,7 @@ impl Coordinator {
                     self.gone[peer] = Some(lost);
                     self.waiting[peer] = false;
                     self.take(peer);
+                    self.forfeit(peer);
                 }
             }
             Event::Tick => {}
@@ -141,10 +159,31 @@ impl Coordinator {
         if !matches!(c.heard[r], Heard::Pending) {
             return;
         }
-        let heard = if let Some(msg) = self.inbox[r].pop_front() {
+        let skipped = match self.inbox[r].front() {
+            // a member that failed went straight to finish: its report is its vote, and stays
+            // for rank 0's finish, which answers it
+            Some(Msg::Status { error, .. }) if c.step == Step::Decide => Some(
+                error
+                    .clone()
+                    .unwrap_or_else(|| "reported before voting".into()),
+            ),
+            _ => None,
+        };
+        let heard = if let Some(why) = skipped {
+            Heard::Failed(why)
+        } else if let Some(msg) = self.inbox[r].pop_front() {
             match (c.step, msg) {
                 (Step::Agree, Msg::Agree { fingerprint }) => Heard::Job(fingerprint),
                 (Step::Barrier, Msg::Barrier) => Heard::Fine(serde_json::Value::Null),
+                // a prepared member already lost: what it staged is gone with it
+                (Step::Decide, Msg::Prepared) if self.gone[r].is_some() => {
+                    Heard::Failed(PREPARED_THEN_LOST.into())
+                }
+                (Step::Decide, Msg::Prepared) => Heard::Fine(serde_json::Value::Null),
+                (_, Msg::NotPrepared { why }) => Heard::Failed(why),
+                (Step::Decide, Msg::Barrier) => {
+                    Heard::Failed("was still at a barrier, so not prepared".into())
+                }
                 (
                     Step::Finish,
                     Msg::Status {
@@ -154,6 +193,10 @@ impl Coordinator {
                 ) => Heard::Fine(report),
                 // still waiting at the barrier this rank failed before: it hears the verdict
                 (Step::Finish, Msg::Barrier) => Heard::Fine(serde_json::Value::Null),
+                // still waiting for a decision this rank skipped (it failed before): the same
+                (Step::Finish, Msg::Prepared) if !self.decided => {
+                    Heard::Fine(serde_json::Value::Null)
+                }
                 (step, Msg::Status { error, .. }) => Heard::Failed(error.unwrap_or_else(|| {
                     match step {
                         Step::Agree => "reported before the plan agreement",
@@ -163,6 +206,9 @@ impl Coordinator {
                 })),
                 (Step::Agree, other) => Heard::Failed(format!("sent {other:?} instead of its job")),
                 (Step::Barrier, other) => Heard::Failed(format!("sent {other:?} at the barrier")),
+                (Step::Decide, other) => {
+                    Heard::Failed(format!("sent {other:?} instead of its vote"))
+                }
                 (Step::Finish, other) => {
                     Heard::Failed(format!("sent {other:?} instead of a report"))
                 }
@@ -170,6 +216,7 @@ impl Coordinator {
         } else if let Some(lost) = &self.gone[r] {
             Heard::Failed(match (lost, c.step) {
                 (Lost::Closed, Step::Finish) => "exited without reporting (killed?)".into(),
+                (Lost::Closed, Step::Decide) => "exited before voting (killed?)".into(),
                 (Lost::Closed, _) => "exited (killed?)".into(),
                 (Lost::Stalled, _) => {
                     format!("stopped reading its control link during {}", c.step.what())
@@ -181,6 +228,16 @@ impl Coordinator {
         };
         c.heard[r] = heard;
         c.pending -= 1;
+    }
+
+    /// A member lost after its prepared vote was taken, before the decision: not prepared
+    /// after all (presumed abort).
+    fn forfeit(&mut self, r: Rank) {
+        if let Some(c) = self.collecting.as_mut().filter(|c| c.step == Step::Decide)
+            && matches!(c.heard[r], Heard::Fine(_))
+        {
+            c.heard[r] = Heard::Failed(PREPARED_THEN_LOST.into());
+        }
     }
 
     /// Members still silent at the deadline count as failed.
@@ -197,7 +254,10 @@ impl Coordinator {
                         rank: 0,
                         peer,
                         waited,
-                        detail: format!("{} did not complete", c.step.what()),
+                        detail: match c.step {
+                            Step::Decide => "its vote did not arrive".into(),
+                            step => format!("{} did not complete", step.what()),
+                        },
                     }
                     .to_string(),
                 );
@@ -245,11 +305,10 @@ impl Coordinator {
         let mut failures = Vec::new();
         let mut reports = vec![serde_json::Value::Null; self.world];
         let mut jobs = Vec::new();
-        if let Call::Finish(mine) = c.mine.clone() {
-            match mine {
-                Ok(r) => reports[0] = r,
-                Err(e) => failures.push((0, e)),
-            }
+        match c.mine.clone() {
+            Call::Finish(Ok(r)) => reports[0] = r,
+            Call::Finish(Err(e)) | Call::Decide(Err(e)) => failures.push((0, e)),
+            _ => {}
         }
         for (r, h) in c.heard.into_iter().enumerate().skip(1) {
             match h {
@@ -272,6 +331,22 @@ impl Coordinator {
                 actions.push(Action::Done(Err(difference.into_error(rank))));
                 return;
             }
+        }
+        if c.step == Step::Decide {
+            let (msg, decision) = if failures.is_empty() {
+                (Msg::Commit, Decision::Commit)
+            } else {
+                (
+                    Msg::Abort {
+                        ranks: failures.clone(),
+                    },
+                    Decision::Abort { ranks: failures },
+                )
+            };
+            // every living member's link carries the decision before this rank may apply it
+            actions.push(Action::Send { to, msg });
+            actions.push(Action::Decided(Ok(decision)));
+            return;
         }
         let failed = !failures.is_empty();
         let answer = if failed || c.step == Step::Finish {

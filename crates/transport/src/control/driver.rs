@@ -18,7 +18,7 @@ use crate::frame::{self, FrameError, HEADER_BYTES, MAX_CONTROL_BYTES};
 use reshard_core::error::{Error, Result};
 use reshard_core::layout::Rank;
 
-use super::{Action, Call, Event, Lost, Machine, Msg, later};
+use super::{Action, Call, Decision, Event, Lost, Machine, Msg, Settled, later};
 
 /// The most bytes read from a control link at a time.
 const READ_BYTES: usize = 64 << 10;
@@ -36,7 +36,7 @@ pub struct ControlLinks {
 #[derive(Debug)]
 struct Handle {
     calls: Sender<Call>,
-    outcomes: Receiver<Result<Vec<serde_json::Value>>>,
+    outcomes: Receiver<Settled>,
     wake: UnixStream,
 }
 
@@ -93,8 +93,18 @@ impl ControlLinks {
         })
     }
 
-    /// Makes `call` and waits until the protocol settles it.
+    /// Makes `call` (not a decision) and waits until the protocol settles it.
     pub fn call(&self, call: Call) -> Result<Vec<serde_json::Value>> {
+        self.settle(call)?.done(self.rank)
+    }
+
+    /// Votes (`Ok`: this rank holds its whole next version, staged and checked) and waits
+    /// for the decision.
+    pub fn decide(&self, vote: std::result::Result<(), String>) -> Result<Decision> {
+        self.settle(Call::Decide(vote))?.decided(self.rank)
+    }
+
+    fn settle(&self, call: Call) -> Result<Settled> {
         let lost = || Error::Internal {
             rank: self.rank,
             detail: "the control thread is gone".into(),
@@ -102,7 +112,7 @@ impl ControlLinks {
         let mut handle = self.handle.lock().map_err(|_| lost())?;
         handle.calls.send(call).map_err(|_| lost())?;
         handle.wake.write_all(&[1]).map_err(|_| lost())?;
-        handle.outcomes.recv().map_err(|_| lost())?
+        handle.outcomes.recv().map_err(|_| lost())
     }
 }
 
@@ -212,7 +222,7 @@ struct Driver {
     /// Index = rank; `None` for this rank, ranks it has no link to, and lost links.
     links: Vec<Option<Link>>,
     calls: Receiver<Call>,
-    outcomes: Sender<Result<Vec<serde_json::Value>>>,
+    outcomes: Sender<Settled>,
     waker: UnixStream,
 }
 
@@ -312,9 +322,12 @@ impl Driver {
                     }
                 }
             }
+            // the caller waits for it; if it is gone, so is the process's interest
             Action::Done(outcome) => {
-                // the caller waits for it; if it is gone, so is the process's interest
-                let _ = self.outcomes.send(outcome);
+                let _ = self.outcomes.send(Settled::Done(outcome));
+            }
+            Action::Decided(outcome) => {
+                let _ = self.outcomes.send(Settled::Decided(outcome));
             }
         }
     }

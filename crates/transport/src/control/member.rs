@@ -7,14 +7,18 @@ use std::time::{Duration, Instant};
 use reshard_core::error::{Error, Result};
 use reshard_core::layout::Rank;
 
-use super::{Action, Call, Event, Lost, MEMBER_PATIENCE, Msg, Step, later};
+use super::{Action, Call, Decision, Event, Lost, MEMBER_PATIENCE, Msg, Step, later};
 
 /// A member's call in progress.
 #[derive(Debug)]
 struct Awaiting {
     step: Step,
-    /// This rank's own error, when it finishes with one.
+    /// This rank's own error, when it finishes with one, or why it is not prepared, when it
+    /// votes so.
     my_error: Option<String>,
+    /// The decision only: whether this rank's prepared vote went out, so that rank 0 may
+    /// have decided to commit.
+    prepared: bool,
     /// When rank 0's silence has lasted too long.
     deadline: Instant,
 }
@@ -29,6 +33,8 @@ pub struct Member {
     inbox: VecDeque<Msg>,
     gone: Option<Lost>,
     awaiting: Option<Awaiting>,
+    /// Whether this rank has made its decision call (one a job).
+    decided: bool,
 }
 
 impl Member {
@@ -39,6 +45,7 @@ impl Member {
             inbox: VecDeque::new(),
             gone: None,
             awaiting: None,
+            decided: false,
         }
     }
 
@@ -54,17 +61,29 @@ impl Member {
         let mut actions = Vec::new();
         match event {
             Event::Call(call) => {
-                if self.awaiting.is_some() {
-                    actions.push(Action::Done(Err(Error::Internal {
+                let step = Step::of(&call);
+                let refusal = if self.awaiting.is_some() {
+                    Some("a control call was made while another was in progress")
+                } else if step == Step::Decide && self.decided {
+                    Some("a second decision was asked for in one job")
+                } else {
+                    None
+                };
+                if let Some(detail) = refusal {
+                    let error = Error::Internal {
                         rank: self.rank,
-                        detail: "a control call was made while another was in progress".into(),
-                    })));
+                        detail: detail.into(),
+                    };
+                    actions.push(Action::refused(step, error));
                     return actions;
                 }
-                let step = Step::of(&call);
+                self.decided |= step == Step::Decide;
+                let prepared = matches!(call, Call::Decide(Ok(()))) && self.gone.is_none();
                 let (msg, my_error) = match call {
                     Call::Agree(fingerprint) => (Msg::Agree { fingerprint }, None),
                     Call::Barrier => (Msg::Barrier, None),
+                    Call::Decide(Ok(())) => (Msg::Prepared, None),
+                    Call::Decide(Err(why)) => (Msg::NotPrepared { why: why.clone() }, Some(why)),
                     Call::Finish(Ok(report)) => (
                         Msg::Status {
                             error: None,
@@ -86,6 +105,7 @@ impl Member {
                 self.awaiting = Some(Awaiting {
                     step,
                     my_error,
+                    prepared,
                     deadline: self.patience(now),
                 });
                 // what came while this rank was busy may already settle the call
@@ -143,9 +163,74 @@ impl Member {
         actions
     }
 
+    /// Settles the call in progress with `error`, or, in the decision, with what this rank
+    /// can know without rank 0 (`error` saying how rank 0 was lost).
     fn settle(&mut self, outcome: Result<Vec<serde_json::Value>>, actions: &mut Vec<Action>) {
+        let Some(a) = self.awaiting.take() else {
+            return;
+        };
+        if a.step != Step::Decide {
+            actions.push(Action::Done(outcome));
+            return;
+        }
+        let lost = match outcome {
+            Ok(_) => "rank 0 gave no decision".to_string(),
+            Err(e) => e.to_string(),
+        };
+        actions.push(Action::Decided(if a.prepared {
+            // rank 0 may have decided either way: neither commit nor drop
+            Err(Error::InDoubt {
+                rank: self.rank,
+                detail: lost,
+            })
+        } else {
+            // rank 0 cannot have decided to commit without this rank's prepared vote
+            tracing::warn!(rank = self.rank, %lost, "no decision from rank 0; this rank aborts");
+            Ok(Decision::Abort {
+                ranks: vec![match a.my_error {
+                    Some(why) => (self.rank, why),
+                    None => (0, format!("lost before this rank could vote: {lost}")),
+                }],
+            })
+        }));
+    }
+
+    /// Takes rank 0's message `msg` as the decision this rank waits for, if it is one.
+    fn decision(&mut self, msg: Msg, actions: &mut Vec<Action>) {
+        let rank = self.rank;
+        let Some(a) = self.awaiting.as_ref() else {
+            return;
+        };
+        let decision = match msg {
+            Msg::Commit if a.prepared => Decision::Commit,
+            Msg::Commit => {
+                let error = Error::Protocol {
+                    rank,
+                    peer: 0,
+                    detail: "rank 0 decided to commit, though this rank did not vote prepared"
+                        .into(),
+                };
+                self.settle(Err(error), actions);
+                return;
+            }
+            Msg::Abort { ranks } => Decision::Abort { ranks },
+            // rank 0 ended the job without deciding: nobody commits
+            Msg::Verdict { failures } if failures.is_empty() => Decision::Abort {
+                ranks: vec![(0, "ended the job without a decision".into())],
+            },
+            Msg::Verdict { failures } => Decision::Abort { ranks: failures },
+            other => {
+                let error = Error::Protocol {
+                    rank,
+                    peer: 0,
+                    detail: format!("expected the decision, got {other:?}"),
+                };
+                self.settle(Err(error), actions);
+                return;
+            }
+        };
         self.awaiting = None;
-        actions.push(Action::Done(outcome));
+        actions.push(Action::Decided(Ok(decision)));
     }
 
     /// Takes rank 0's message `msg` as the answer to the call in progress, if it is one.
@@ -161,9 +246,14 @@ impl Member {
                 a.deadline = deadline;
                 return;
             }
-            // a "go" still owed from a barrier this rank left early is not the verdict
-            (Step::Finish, Msg::Go) => {
+            // a "go" still owed from a barrier this rank left early is not the verdict, nor the
+            // decision; a decision this rank skipped (it failed before) is not the verdict
+            (Step::Decide, Msg::Go) | (Step::Finish, Msg::Go | Msg::Commit | Msg::Abort { .. }) => {
                 a.deadline = deadline;
+                return;
+            }
+            (Step::Decide, msg) => {
+                self.decision(msg, actions);
                 return;
             }
             (Step::Agree | Step::Barrier, Msg::Go) => Ok(Vec::new()),
@@ -171,6 +261,11 @@ impl Member {
             (Step::Agree | Step::Barrier, Msg::Verdict { failures }) => {
                 Err(Error::JobFailed { rank, failures })
             }
+            // rank 0 decided to abort while this rank was still at a barrier
+            (Step::Agree | Step::Barrier, Msg::Abort { ranks }) => Err(Error::JobFailed {
+                rank,
+                failures: ranks,
+            }),
             (Step::Finish, Msg::Verdict { failures }) => match (failures.is_empty(), &a.my_error) {
                 (true, None) => Ok(Vec::new()),
                 // whatever rank 0 says, a rank that failed never reports success

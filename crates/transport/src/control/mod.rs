@@ -1,19 +1,21 @@
 //! The control protocol of a job of processes, as a state machine without I/O or clocks.
 //!
 //! After rendezvous every member (rank 1 and up) holds one control link to rank 0, the
-//! coordinator; the protocol runs over these links alone. A rank's code makes three calls,
-//! in this order: [`Call::Agree`] once, [`Call::Barrier`] any number of times, and
-//! [`Call::Finish`] once. Each call is one exchange:
+//! coordinator; the protocol runs over these links alone. A rank's code makes four calls,
+//! in this order: [`Call::Agree`] once, [`Call::Barrier`] any number of times,
+//! [`Call::Decide`] at most once (when the job stages a new version: see *Two-phase
+//! decision* below), and [`Call::Finish`] once. Each call is one exchange:
 //!
 //! | call | a member sends | rank 0 answers every member, once it has heard all of them |
 //! |---|---|---|
 //! | agree | [`Msg::Agree`] (its job's fingerprint) | [`Msg::Go`], [`Msg::Disagree`] (the first rank whose job differs) or [`Msg::Verdict`] |
 //! | barrier | [`Msg::Barrier`] | [`Msg::Go`] or [`Msg::Verdict`] (the ranks that failed) |
+//! | decide | [`Msg::Prepared`], or [`Msg::NotPrepared`] (why) | [`Msg::Commit`] (every rank was prepared) or [`Msg::Abort`] (the ranks that were not, and why) |
 //! | finish | [`Msg::Status`] (its report, or its error) | [`Msg::Verdict`] (empty when all went well) |
 //!
-//! A member that fails between two calls skips the barriers and goes straight to finish:
-//! rank 0, at its barrier, takes that member's [`Msg::Status`] for its failure and tells
-//! every member at once, so nobody waits for a rank that will never come.
+//! A member that fails between two calls skips the barriers (and the decision) and goes
+//! straight to finish: rank 0, at its barrier, takes that member's [`Msg::Status`] for its
+//! failure and tells every member at once, so nobody waits for a rank that will never come.
 //!
 //! **Deadlines.** Rank 0 gives all members together two timeouts from the moment it makes
 //! its own call ([`Coordinator`]): a member that is alive gets there within a timeout of
@@ -28,12 +30,63 @@
 //! when); a member's patience counts rank 0's silence, not rank 0's work. A rank 0 that dies
 //! or stops (SIGSTOP) stops beating, and its members give up four timeouts later.
 //!
+//! **Two-phase decision.** A job that stages a new version beside the one it serves commits
+//! it on every rank or on none, by the two-phase commit of the literature with rank 0 as
+//! coordinator and presumed abort. Phase one: every rank votes ([`Call::Decide`]): prepared
+//! when it holds its whole next version, staged and checked, not prepared (and why)
+//! otherwise. Phase two: once rank 0 has every vote, or has given up on a member, it decides
+//! [`Decision::Commit`] if every rank, itself included, voted prepared, and
+//! [`Decision::Abort`] otherwise, naming every rank that was not prepared and why. It writes
+//! the decision to every member's link before its own call returns it, so rank 0 applies a
+//! commit only once every link that still stands carries it (a link that takes nothing
+//! within a timeout is dropped, its member lost). One decision a job: a second is refused.
+//!
+//! - *Presumed abort.* A member lost or silent (two timeouts) before its vote counts as not
+//!   prepared, and so does one lost after voting prepared but before rank 0 decided: what
+//!   it staged is gone with it, so the new version would not be whole.
+//! - *A member that cannot be prepared* (it voted not prepared, or its link to rank 0 was
+//!   gone before it could vote) knows the decision is abort and aborts on its own, even if
+//!   rank 0 is lost before the decision comes.
+//! - *In doubt.* A member that voted prepared waits for the decision; if it loses rank 0
+//!   first (the link closed, stalled or broken, or rank 0 silent past [`MEMBER_PATIENCE`]
+//!   despite heartbeats), it cannot tell whether rank 0 decided, nor what: it returns
+//!   [`reshard_core::error::Error::InDoubt`], and must neither commit nor drop its staging.
+//!   A stopped rank 0 that resumes may well commit.
+//!
+//! What holds when a rank dies after the decision:
+//!
+//! - *The decision is final once rank 0 makes it.* A member that hears commit commits even if
+//!   rank 0 dies right after; one that hears abort aborts. No rank commits while another
+//!   aborts, whichever rank dies when.
+//! - *Rank 0 dies while sending the decision* (some links carry it, others not): the members
+//!   that heard it apply it, the others are in doubt. The living ranks never disagree: after
+//!   a commit the ranks that heard it serve the new version and those in doubt hold it
+//!   staged; after an abort every living rank serves the old one.
+//! - *Rank 0 dies after sending it:* every member applies it; their finish then fails naming
+//!   rank 0, which does not undo what they applied.
+//! - *A member dies after the decision:* what it applied is gone with it; the others are
+//!   unaffected, and rank 0's verdict at finish names it (it exited without reporting).
+//! - *Resolving doubt* takes a later job (the termination protocol of two-phase commit): an
+//!   in-doubt rank commits its staging if any rank applied the commit, and drops it if any
+//!   rank aborted (it heard abort, or knew it was not prepared). If no rank knows (rank 0 is
+//!   gone and every other rank is in doubt), no living rank applied a commit, and dropping
+//!   the staging everywhere is consistent.
+//!
+//! There is no round of acknowledgements before rank 0 reports its decision: it would tell
+//! rank 0 which members heard it, but could change nothing (a member that heard commit may
+//! already have applied it). The finish that follows is that acknowledgement, at no extra
+//! cost: every rank reports what it applied, and rank 0's verdict names every rank that did
+//! not report. Nor would a third phase help: its termination needs the members to reach one
+//! another, and they reach rank 0 alone. So a member's window of doubt is the one two-phase
+//! commit leaves: from its prepared vote to the one message that carries the decision.
+//!
 //! Both sides are fed [`Event`]s (the rank's own call, a message, a lost link, the passing
 //! of time) with the current instant, and answer with [`Action`]s: messages to send and,
 //! when the call is settled, its outcome. A driver carries out what the machine says: over
 //! tcp, `driver`'s thread polls the control links that `super::group` opened; under
 //! `mpirun`, the MPI job feeds it MPI's blocking receives (with no deadlines: `mpirun` ends a
-//! job whose rank dies). The tests replay failure orders against the machine alone.
+//! job whose rank dies, so nobody is left in doubt). The tests replay failure orders against
+//! the machine alone.
 
 use std::time::{Duration, Instant};
 
@@ -86,6 +139,45 @@ pub enum Msg {
     Verdict { failures: Vec<(Rank, String)> },
     /// Rank 0 is alive and on its way to answer.
     Working,
+    /// A member's vote: it holds its whole next version, staged and checked.
+    Prepared,
+    /// A member's vote: it does not, and why.
+    NotPrepared { why: String },
+    /// Rank 0's decision: every rank was prepared, every rank commits.
+    Commit,
+    /// Rank 0's decision: the ranks that were not prepared, and why; every rank aborts.
+    Abort { ranks: Vec<(Rank, String)> },
+}
+
+/// The outcome of the two-phase decision, the same on every rank that learns it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Decision {
+    /// Every rank voted prepared: each applies its staged version.
+    Commit,
+    /// Some rank was not prepared (or was lost before the decision): each drops its staging
+    /// and keeps the version it serves. The ranks that were not, and why, in rank order.
+    Abort { ranks: Vec<(Rank, String)> },
+}
+
+impl Decision {
+    pub fn is_commit(&self) -> bool {
+        matches!(self, Decision::Commit)
+    }
+}
+
+impl std::fmt::Display for Decision {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Decision::Commit => f.write_str("commit"),
+            Decision::Abort { ranks } => {
+                let why: Vec<String> = ranks
+                    .iter()
+                    .map(|(r, e)| format!("rank {r}: {e}"))
+                    .collect();
+                write!(f, "abort ({})", why.join("; "))
+            }
+        }
+    }
 }
 
 /// A rank's own call into the protocol.
@@ -95,6 +187,9 @@ pub enum Call {
     Agree(Fingerprint),
     /// Wait until every rank got here.
     Barrier,
+    /// This rank's vote: `Ok` when it holds its whole next version, staged and checked, or
+    /// why not.
+    Decide(std::result::Result<(), String>),
     /// This rank's part is over: its report, or its error.
     Finish(std::result::Result<serde_json::Value, String>),
 }
@@ -131,6 +226,53 @@ pub enum Action {
     /// The call is settled: every rank's report on rank 0 after finish (indexed by rank),
     /// nothing otherwise, or the error that every rank returns alike.
     Done(Result<Vec<serde_json::Value>>),
+    /// The decision is settled: rank 0's decision, or the abort a member that was not
+    /// prepared knows on its own, or [`reshard_core::error::Error::InDoubt`].
+    Decided(Result<Decision>),
+}
+
+impl Action {
+    /// A call of `step` refused with `error`, settled as that call settles.
+    fn refused(step: Step, error: reshard_core::error::Error) -> Action {
+        match step {
+            Step::Decide => Action::Decided(Err(error)),
+            _ => Action::Done(Err(error)),
+        }
+    }
+}
+
+/// A settled call, as a driver hands it to the rank's code.
+#[derive(Debug)]
+pub enum Settled {
+    /// [`Action::Done`].
+    Done(Result<Vec<serde_json::Value>>),
+    /// [`Action::Decided`].
+    Decided(Result<Decision>),
+}
+
+impl Settled {
+    /// What the call that is not a decision settled to; `rank`'s internal error otherwise.
+    pub fn done(self, rank: Rank) -> Result<Vec<serde_json::Value>> {
+        match self {
+            Settled::Done(outcome) => outcome,
+            Settled::Decided(_) => Err(mismatch(rank)),
+        }
+    }
+
+    /// What the decision settled to; `rank`'s internal error otherwise.
+    pub fn decided(self, rank: Rank) -> Result<Decision> {
+        match self {
+            Settled::Decided(outcome) => outcome,
+            Settled::Done(_) => Err(mismatch(rank)),
+        }
+    }
+}
+
+fn mismatch(rank: Rank) -> reshard_core::error::Error {
+    reshard_core::error::Error::Internal {
+        rank,
+        detail: "the control protocol settled a call other than the one made".into(),
+    }
 }
 
 /// One rank's side of the protocol: rank 0 coordinates, the others are members.
@@ -173,6 +315,7 @@ impl Machine {
 enum Step {
     Agree,
     Barrier,
+    Decide,
     Finish,
 }
 
@@ -181,6 +324,7 @@ impl Step {
         match call {
             Call::Agree(_) => Step::Agree,
             Call::Barrier => Step::Barrier,
+            Call::Decide(_) => Step::Decide,
             Call::Finish(_) => Step::Finish,
         }
     }
@@ -190,6 +334,7 @@ impl Step {
         match self {
             Step::Agree => "the plan agreement",
             Step::Barrier => "the barrier",
+            Step::Decide => "the decision",
             Step::Finish => "the verdict",
         }
     }

@@ -8,6 +8,10 @@ use serde_json::{Value, json};
 use super::*;
 use reshard_core::error::Error;
 
+mod decide;
+mod kills;
+mod links;
+
 /// The job's timeout.
 const T: Duration = Duration::from_secs(1);
 
@@ -53,6 +57,7 @@ fn split(actions: Vec<Action>) -> Split {
                 assert!(done.is_none(), "a call settled twice");
                 done = Some(outcome);
             }
+            Action::Decided(d) => panic!("a decision settled where none was asked for: {d:?}"),
         }
     }
     (sends, done)
@@ -459,6 +464,8 @@ struct Net {
     killed: Vec<bool>,
     stopped: Vec<bool>,
     outcomes: Vec<Option<Result<Vec<Value>>>>,
+    /// What each rank's decision settled to.
+    decisions: Vec<Option<Result<Decision>>>,
 }
 
 impl Net {
@@ -470,6 +477,7 @@ impl Net {
             killed: vec![false; world],
             stopped: vec![false; world],
             outcomes: (0..world).map(|_| None).collect(),
+            decisions: (0..world).map(|_| None).collect(),
         }
     }
 
@@ -487,6 +495,10 @@ impl Net {
                 Action::Done(outcome) => {
                     assert!(self.outcomes[rank].is_none(), "rank {rank} settled twice");
                     self.outcomes[rank] = Some(outcome);
+                }
+                Action::Decided(d) => {
+                    assert!(self.decisions[rank].is_none(), "rank {rank} decided twice");
+                    self.decisions[rank] = Some(d);
                 }
             }
         }

@@ -1,5 +1,5 @@
-//! Membership in an MPI job: its control plane (barrier, reports, verdict) and which ranks
-//! share a host.
+//! Membership in an MPI job: its control plane (barrier, decision, reports, verdict) and which
+//! ranks share a host.
 
 use std::os::raw::c_int;
 use std::sync::Mutex;
@@ -17,8 +17,8 @@ use reshard_core::agreement::Fingerprint;
 use reshard_core::error::{Error, Result};
 use reshard_core::layout::{Layout, Rank};
 
-use crate::control::{Action, Call, Event, Lost, Machine, Msg};
-use crate::{Chunking, Job};
+use crate::control::{Action, Call, Event, Lost, Machine, Msg, Settled};
+use crate::{Chunking, Decision, Job};
 
 use super::datatype::{WHOLE_TRANSFER_LIMIT, fits_datatypes};
 use super::{CONTROL_TAG, MpiTransport};
@@ -107,7 +107,7 @@ impl MpiJob {
     /// decisions are the tcp job's, from the same machine. MPI has no deadlines of its own
     /// (when a rank dies, `mpirun` ends the job), so the machine gets none either, and rank 0
     /// takes its members' messages in rank order with blocking receives.
-    fn control(&self, call: Call) -> Result<Vec<serde_json::Value>> {
+    fn control(&self, call: Call) -> Result<Settled> {
         let rank = self.rank();
         let mut machine = Machine::new(rank, self.world(), Duration::MAX);
         // sends what the machine says to send; the call's outcome, once settled
@@ -121,7 +121,8 @@ impl MpiJob {
                             let _ = send_json(&self.world, r, CONTROL_TAG, &msg);
                         }
                     }
-                    Action::Done(o) => done = Some(o),
+                    Action::Done(o) => done = Some(Settled::Done(o)),
+                    Action::Decided(o) => done = Some(Settled::Decided(o)),
                 }
             }
             done
@@ -130,7 +131,7 @@ impl MpiJob {
         let mut from = if rank == 0 { 1 } else { 0 };
         loop {
             if let Some(o) = outcome {
-                return o;
+                return Ok(o);
             }
             if rank == 0 && from >= self.world() {
                 return Err(Error::Internal {
@@ -198,7 +199,9 @@ impl Job for MpiJob {
     }
 
     fn agree(&self, mine: &Fingerprint) -> Result<()> {
-        self.control(Call::Agree(mine.clone())).map(drop)
+        self.control(Call::Agree(mine.clone()))?
+            .done(self.rank())
+            .map(drop)
     }
 
     fn barrier(&self) -> Result<()> {
@@ -210,7 +213,11 @@ impl Job for MpiJob {
         &self,
         mine: std::result::Result<serde_json::Value, String>,
     ) -> Result<Vec<serde_json::Value>> {
-        self.control(Call::Finish(mine))
+        self.control(Call::Finish(mine))?.done(self.rank())
+    }
+
+    fn decide(&self, prepared: std::result::Result<(), String>) -> Result<Decision> {
+        self.control(Call::Decide(prepared))?.decided(self.rank())
     }
 }
 
