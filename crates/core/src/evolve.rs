@@ -192,34 +192,69 @@ impl Evolution {
         version: u64,
     ) -> Result<()> {
         layout.check_buffers(crate::error::Side::Dst, shards)?;
+        let mut first = None;
+        for &rank in layout.mesh().ranks() {
+            if let Err(e) = self.verify_shard_from(from, layout, rank, &shards[&rank], version) {
+                first = Some(match (first, e) {
+                    (
+                        Some(Error::VerifyFailed {
+                            rank,
+                            offset,
+                            expected,
+                            found,
+                            mismatches,
+                        }),
+                        Error::VerifyFailed { mismatches: n, .. },
+                    ) => Error::VerifyFailed {
+                        rank,
+                        offset,
+                        expected,
+                        found,
+                        mismatches: mismatches + n,
+                    },
+                    (Some(e), _) | (None, e) => e,
+                });
+            }
+        }
+        first.map_or(Ok(()), Err)
+    }
+
+    /// Checks `rank`'s destination shard `buf` of `layout` against `version` (cast from
+    /// `from`, as [`Evolution::verify_shards_from`]), naming the first wrong byte.
+    pub fn verify_shard_from(
+        &self,
+        from: DType,
+        layout: &Layout,
+        rank: Rank,
+        buf: &[u8],
+        version: u64,
+    ) -> Result<()> {
         let (shape, dtype) = (layout.shape(), layout.dtype());
         let from = match self.update {
             Update::Training { .. } => dtype,
             Update::Density(_) => from,
         };
-        let mut first = None;
-        let mut mismatches = 0u64;
-        for (p, &rank) in layout.mesh().ranks().iter().enumerate() {
-            let expect = |index| {
-                let e = self.element(shape, from, index, version).to_le_bytes();
-                if from == dtype {
-                    return e;
-                }
-                let mut out = [0u8; 8];
-                // a cast the plan made is a cast this can make
-                let _ = crate::convert::cast::cast(from, dtype, &e[..from.size()], &mut out[..dtype.size()]);
-                out
-            };
-            if let Some((offset, expected, found, n)) =
-                check_elements(layout, &layout.region_at(p), &shards[&rank], expect)
-            {
-                mismatches += n;
-                first.get_or_insert((rank, offset, expected, found));
+        let Some(region) = layout.local_region(rank) else {
+            return Ok(());
+        };
+        let expect = |index| {
+            let e = self.element(shape, from, index, version).to_le_bytes();
+            if from == dtype {
+                return e;
             }
-        }
-        match first {
+            let mut out = [0u8; 8];
+            // a cast the plan made is a cast this can make
+            let _ = crate::convert::cast::cast(
+                from,
+                dtype,
+                &e[..from.size()],
+                &mut out[..dtype.size()],
+            );
+            out
+        };
+        match check_elements(layout, &region, buf, expect) {
             None => Ok(()),
-            Some((rank, offset, expected, found)) => Err(Error::VerifyFailed {
+            Some((offset, expected, found, mismatches)) => Err(Error::VerifyFailed {
                 rank,
                 offset,
                 expected,

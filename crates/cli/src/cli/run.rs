@@ -23,6 +23,7 @@ use super::Failure;
 use super::exec_args::{check_memory, run_options, with_plan};
 
 mod args;
+mod delta;
 mod dump;
 mod method;
 mod prequant;
@@ -61,6 +62,9 @@ pub fn main(args: &RunArgs) -> Result<(), Failure> {
         Some(learned) => args.tensor.plan_on(Some(learned))?,
         None => plan,
     };
+    if args.delta.delta {
+        return delta::main(args, &plan, fill, &options, &world);
+    }
     match world.job() {
         None => run_threads(args, &plan, fill, &options),
         Some(_) => run_process(args, &plan, fill, &options, &world),

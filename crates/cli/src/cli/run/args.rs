@@ -44,6 +44,8 @@ pub struct RunArgs {
     /// Print a JSON report instead of text.
     #[arg(long)]
     pub(super) json: bool,
+    #[command(flatten)]
+    pub(super) delta: super::delta::DeltaArgs,
 }
 
 impl RunArgs {

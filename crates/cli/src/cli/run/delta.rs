@@ -1,0 +1,419 @@
+//! `reshard run --delta`: a stream of refits of one tensor, version after version, each after
+//! a synthetic training step ([`reshard::evolve`]), moved by each method asked for
+//! (`--delta-methods`): `delta` (the reshard carrying only what changed), `dense` (the
+//! reshard moving everything) and `gather-broadcast` (the baseline, as a delta: the changed
+//! elements gathered to one rank, then broadcast). Every method keeps its own destination
+//! shards and its own state from version to version; the methods run in turn, their order
+//! rotating, and every version is checked against the evolving fill with `--verify`.
+
+use std::collections::BTreeMap;
+use std::time::Instant;
+
+use clap::Args;
+use serde::Serialize;
+
+use reshard::evolve::{Evolution, Update};
+use reshard::exec::ExecOptions;
+use reshard::exec::delta::{Dense, DeltaOptions, DeltaRefit, DeltaReport, DeltaSession};
+use reshard::fill::Fill;
+use reshard::runtime::{RunOptions, World};
+use reshard::error::Field;
+use reshard::{Error, Plan, Rank};
+
+use super::args::RunArgs;
+use crate::cli::Failure;
+use crate::cli::exec_args::run_options;
+use crate::cli::measure::conclude;
+use crate::cli::units::bytes;
+
+/// What `run --delta` takes beside `run`'s own arguments.
+#[derive(Args, Debug, Default)]
+pub struct DeltaArgs {
+    /// Refit version after version, sending each destination only the elements that changed
+    /// since the version it holds (the first version is sent whole).
+    #[arg(long)]
+    pub delta: bool,
+    /// Versions in the stream (with --delta): the first is dense, the rest deltas.
+    #[arg(long, default_value_t = 4, requires = "delta", value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
+    pub steps: u64,
+    /// The fraction of elements each version changes by one ulp of the source dtype.
+    #[arg(long, value_name = "D", requires = "delta", conflicts_with = "delta_lr")]
+    pub delta_density: Option<f64>,
+    /// A training-like update instead: f32 masters (the source) take an Adam-like step of
+    /// this learning rate every version, and the fraction that changes in the wire dtype
+    /// follows from the values (needs --fill normal).
+    #[arg(long, value_name = "LR", requires = "delta")]
+    pub delta_lr: Option<f32>,
+    /// Send everything dense every N versions.
+    #[arg(long, value_name = "N", requires = "delta")]
+    pub delta_anchor: Option<u64>,
+    /// The methods compared, in turn: delta, dense, gather-broadcast.
+    #[arg(long, default_value = "delta,dense", value_name = "LIST", requires = "delta")]
+    pub delta_methods: String,
+}
+
+/// A method of a delta stream.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "kebab-case")]
+enum Method {
+    Delta,
+    Dense,
+    GatherBroadcast,
+}
+
+impl Method {
+    fn name(self) -> &'static str {
+        match self {
+            Method::Delta => "delta",
+            Method::Dense => "dense",
+            Method::GatherBroadcast => "gather-broadcast",
+        }
+    }
+}
+
+impl DeltaArgs {
+    fn methods(&self) -> Result<Vec<Method>, Error> {
+        let mut out = Vec::new();
+        for m in self.delta_methods.split(',').map(str::trim) {
+            let method = match m {
+                "delta" => Method::Delta,
+                "dense" => Method::Dense,
+                "gather-broadcast" => Method::GatherBroadcast,
+                other => {
+                    return Err(Error::InvalidOption {
+                        field: Field::Flag("--delta-methods"),
+                        value: other.into(),
+                        reason: "expected a list of delta, dense, gather-broadcast".into(),
+                    });
+                }
+            };
+            if !out.contains(&method) {
+                out.push(method);
+            }
+        }
+        Ok(out)
+    }
+
+    fn evolution(&self, fill: Fill, plan: &Plan) -> Result<Evolution, Error> {
+        let update = match (self.delta_lr, self.delta_density) {
+            (Some(lr), _) => Update::Training { lr },
+            (None, d) => Update::Density(d.unwrap_or(0.01)),
+        };
+        let seed = match fill {
+            Fill::Hash { seed } | Fill::Normal { seed } => seed,
+            _ => 0,
+        };
+        Evolution::new(fill, update, seed ^ 0x5eed, plan.src().dtype())
+    }
+
+    fn options(&self) -> Result<DeltaOptions, Error> {
+        let options = DeltaOptions {
+            anchor: self.delta_anchor,
+            ..DeltaOptions::default()
+        };
+        options.validate()?;
+        Ok(options)
+    }
+}
+
+/// One method's refit of one version, on one rank or on all.
+#[derive(Clone, Debug, Default, Serialize, serde::Deserialize)]
+struct Refit {
+    version: u64,
+    method: String,
+    seconds: f64,
+    /// Bytes sent on the wire: values (encoded or dense), fences and headers.
+    wire_bytes: u64,
+    /// Of the delta transfers, elements and those changed.
+    elems: u64,
+    changed: u64,
+    /// Receivers sent something dense, and why.
+    dense_to: Vec<(Rank, String)>,
+    /// The most bytes of bases and kept buffers one rank holds.
+    base_bytes: u64,
+    peak_encoded_bytes: u64,
+    verified: bool,
+}
+
+impl Refit {
+    fn absorb(&mut self, reports: &[DeltaReport]) {
+        for r in reports {
+            self.wire_bytes += r.sent.bytes + r.control_bytes;
+            self.elems += r.sent.elems;
+            self.changed += r.sent.changed;
+            for &(to, why) in &r.dense_to {
+                let why = why_name(why).to_string();
+                if !self.dense_to.contains(&(to, why.clone())) {
+                    self.dense_to.push((to, why));
+                }
+            }
+            self.base_bytes = self.base_bytes.max(r.base_bytes + r.kept_scratch_bytes);
+            self.peak_encoded_bytes = self.peak_encoded_bytes.max(r.peak_encoded_bytes);
+        }
+        self.dense_to.sort();
+    }
+
+    /// Every rank's part of one refit as one: the slowest rank's time, every rank's bytes.
+    fn combine(parts: &[Refit]) -> Refit {
+        let mut all = parts.first().cloned().unwrap_or_default();
+        for p in parts.iter().skip(1) {
+            all.seconds = all.seconds.max(p.seconds);
+            all.wire_bytes += p.wire_bytes;
+            all.elems += p.elems;
+            all.changed += p.changed;
+            all.dense_to.extend(p.dense_to.iter().cloned());
+            all.base_bytes = all.base_bytes.max(p.base_bytes);
+            all.peak_encoded_bytes = all.peak_encoded_bytes.max(p.peak_encoded_bytes);
+            all.verified &= p.verified;
+        }
+        all.dense_to.sort();
+        all.dense_to.dedup();
+        all
+    }
+}
+
+fn why_name(why: Dense) -> &'static str {
+    match why {
+        Dense::NoBase => "no base",
+        Dense::Stale => "holds another version",
+        Dense::Anchor => "anchor",
+        Dense::NotSmaller => "not smaller",
+    }
+}
+
+/// One method's state from version to version on the ranks this process runs.
+struct Stream {
+    method: Method,
+    session: DeltaSession,
+    shards: BTreeMap<Rank, Vec<u8>>,
+}
+
+/// Runs `run --delta`.
+pub(super) fn main(
+    args: &RunArgs,
+    plan: &Plan,
+    fill: Fill,
+    options: &ExecOptions,
+    world: &World,
+) -> Result<(), Failure> {
+    let d = &args.delta;
+    if let Some(q) = plan.quant() {
+        return Err(Failure::from(Error::InvalidOption {
+            field: Field::Flag("--delta"),
+            value: q.quant.scheme.to_string(),
+            reason: "run --delta moves one unquantized tensor; a quantized refit runs as deltas \
+                     with refit --run --delta"
+                .into(),
+        }));
+    }
+    let methods = d.methods()?;
+    let evolution = d.evolution(fill, plan)?;
+    let delta = d.options()?;
+    let ranks: Vec<Rank> = world.ranks(plan.dst()).collect();
+    let mut streams: Vec<Stream> = methods
+        .iter()
+        .map(|&method| {
+            let shards = ranks
+                .iter()
+                .map(|&r| Ok((r, vec![0u8; plan.dst().local_bytes(r) as usize])))
+                .collect::<Result<_, Error>>()?;
+            Ok(Stream {
+                method,
+                session: DeltaSession::new(),
+                shards,
+            })
+        })
+        .collect::<Result<_, Error>>()?;
+    if let Some(job) = world.job() {
+        let ready = world.check_size(plan.ranks().last().copied().unwrap_or(0));
+        world.agree("run", ready, || {
+            args.exec
+                .agreed(options, reshard::agreement::Fingerprint::new("run --delta"))
+                .with("--steps", d.steps)
+                .with("--delta-methods", &d.delta_methods)
+                .with("--fill", fill)
+        })?;
+        let outcome = versions(args, plan, &evolution, delta, options, world, &mut streams);
+        let outcome = outcome.map(|refits| serde_json::json!({ "refits": refits }));
+        if let Some(reports) = conclude(world, outcome)? {
+            let per_rank: Vec<Vec<Refit>> = reports
+                .ranks
+                .iter()
+                .map(|r| serde_json::from_value(r["refits"].clone()).unwrap_or_default())
+                .collect();
+            let n = per_rank.first().map_or(0, Vec::len);
+            let combined: Vec<Refit> = (0..n)
+                .map(|i| {
+                    let parts: Vec<Refit> =
+                        per_rank.iter().filter_map(|p| p.get(i).cloned()).collect();
+                    Refit::combine(&parts)
+                })
+                .collect();
+            print(args, plan, &evolution, &combined, job.world());
+        }
+        return Ok(());
+    }
+    let refits = versions(args, plan, &evolution, delta, options, world, &mut streams)?;
+    print(args, plan, &evolution, &refits, plan.ranks().len());
+    Ok(())
+}
+
+/// Every version, every method in turn: this process's part of each refit.
+fn versions(
+    args: &RunArgs,
+    plan: &Plan,
+    evolution: &Evolution,
+    delta: DeltaOptions,
+    options: &ExecOptions,
+    world: &World,
+    streams: &mut [Stream],
+) -> Result<Vec<Refit>, Error> {
+    let mut refits = Vec::new();
+    let src_ranks: Vec<Rank> = world.ranks(plan.src()).collect();
+    for version in 1..=args.delta.steps {
+        let mut sources = BTreeMap::new();
+        for &r in &src_ranks {
+            let mut buf = vec![0u8; plan.src().local_bytes(r) as usize];
+            if let Some(region) = plan.src().local_region(r) {
+                evolution.fill_region(plan.src(), &region, &mut buf, version);
+            }
+            sources.insert(r, buf);
+        }
+        let n = streams.len();
+        for k in 0..n {
+            let stream = &mut streams[(k + version as usize) % n];
+            let mut run = run_options(options);
+            run.delta = match stream.method {
+                Method::Dense => None,
+                _ => Some(DeltaRefit {
+                    session: stream.session.clone(),
+                    version,
+                    options: delta,
+                }),
+            };
+            let refit = one(plan, world, stream, &mut sources, &run, version)?;
+            let mut refit = refit;
+            if args.verify {
+                for (&r, shard) in &stream.shards {
+                    evolution.verify_shard_from(plan.src().dtype(), plan.dst(), r, shard, version)?;
+                }
+            }
+            refit.verified = args.verify;
+            refits.push(refit);
+        }
+    }
+    // one order for every rank's list: by version, then method
+    refits.sort_by(|a, b| (a.version, &a.method).cmp(&(b.version, &b.method)));
+    Ok(refits)
+}
+
+/// One method's refit of `version`, timed from a barrier.
+fn one(
+    plan: &Plan,
+    world: &World,
+    stream: &mut Stream,
+    sources: &mut BTreeMap<Rank, Vec<u8>>,
+    run: &RunOptions,
+    version: u64,
+) -> Result<Refit, Error> {
+    world.barrier()?;
+    let started = Instant::now();
+    let stats = match stream.method {
+        Method::GatherBroadcast => {
+            world.run_gather_broadcast(plan, sources, &mut stream.shards, run)?
+        }
+        _ => world.run(plan, sources, &mut stream.shards, run)?,
+    };
+    let seconds = match world.job() {
+        Some(_) => started.elapsed().as_secs_f64(),
+        None => stats.elapsed.as_secs_f64(),
+    };
+    let mut refit = Refit {
+        version,
+        method: stream.method.name().into(),
+        seconds,
+        ..Refit::default()
+    };
+    match stream.method {
+        Method::Dense => {
+            refit.wire_bytes = stats.ranks.iter().map(|r| r.bytes_sent).sum();
+        }
+        _ => refit.absorb(&stream.session.take_reports()),
+    }
+    Ok(refit)
+}
+
+#[derive(Serialize)]
+struct DeltaJson<'a> {
+    shape: Vec<u64>,
+    dtype: String,
+    dst_dtype: String,
+    update: String,
+    /// The fraction of elements changed in the wire dtype, per version after the first,
+    /// sampled from the evolution.
+    changed_fraction: f64,
+    ranks: usize,
+    refits: &'a [Refit],
+    verified: bool,
+}
+
+fn print(args: &RunArgs, plan: &Plan, evolution: &Evolution, refits: &[Refit], ranks: usize) {
+    let dst = plan.dst();
+    let changed = if args.delta.steps > 1 {
+        evolution.changed_fraction(dst.shape(), dst.dtype(), 2, 1 << 16)
+    } else {
+        0.0
+    };
+    let update = match evolution.update {
+        Update::Density(d) => format!("density {d}"),
+        Update::Training { lr } => format!("training lr {lr}"),
+    };
+    let verified = !refits.is_empty() && refits.iter().all(|r| r.verified);
+    if args.json {
+        let json = DeltaJson {
+            shape: dst.shape().to_vec(),
+            dtype: plan.src().dtype().to_string(),
+            dst_dtype: dst.dtype().to_string(),
+            update,
+            changed_fraction: changed,
+            ranks,
+            refits,
+            verified,
+        };
+        println!("{}", serde_json::to_string_pretty(&json).unwrap_or_default());
+        return;
+    }
+    println!(
+        "delta refit of {} {}: {} versions, {update} ({:.3}% of the elements change per version in {}), {ranks} ranks",
+        reshard::error::Dims(dst.shape().to_vec()),
+        dst.dtype(),
+        args.delta.steps,
+        100.0 * changed,
+        dst.dtype(),
+    );
+    println!("version  method            seconds   wire bytes     dense to");
+    for r in refits {
+        let dense = match r.dense_to.is_empty() {
+            true => "-".to_string(),
+            false => r
+                .dense_to
+                .iter()
+                .map(|(rank, why)| format!("{rank} ({why})"))
+                .collect::<Vec<_>>()
+                .join(", "),
+        };
+        println!(
+            "{:>7}  {:<16}  {:>8.4}  {:>12}   {dense}",
+            r.version,
+            r.method,
+            r.seconds,
+            bytes(r.wire_bytes)
+        );
+    }
+    let base = refits.iter().map(|r| r.base_bytes).max().unwrap_or(0);
+    println!(
+        "bases: up to {} per rank (one copy of what it sends, in the wire dtype); verified: {}",
+        bytes(base),
+        if verified { "yes" } else { "no (add --verify)" }
+    );
+}
