@@ -57,9 +57,24 @@ fn random_delta_streams_verify_over_every_transport() {
         let transport = ["local", "tcp", "shm"][case as usize % 3];
         let density = densities[rng.below(5) as usize];
         let mut args: Vec<String> = [
-            "run", "--shape", &run.shape, "--dtype", run.dtype, "--src", &run.src, "--dst",
-            &run.dst, "--delta", "--steps", "4", "--delta-density", density,
-            "--delta-methods", "delta,dense,gather-broadcast", "--verify", "--json",
+            "run",
+            "--shape",
+            &run.shape,
+            "--dtype",
+            run.dtype,
+            "--src",
+            &run.src,
+            "--dst",
+            &run.dst,
+            "--delta",
+            "--steps",
+            "4",
+            "--delta-density",
+            density,
+            "--delta-methods",
+            "delta,dense,gather-broadcast",
+            "--verify",
+            "--json",
         ]
         .iter()
         .map(|s| s.to_string())
@@ -81,13 +96,18 @@ fn random_delta_streams_verify_over_every_transport() {
         assert_eq!(json["verified"], true, "{what}");
         assert_eq!(json["refits"].as_array().unwrap().len(), 12, "{what}");
         assert!(
-            dense_reasons(&json, 1, "delta").iter().all(|r| r == "no base"),
+            dense_reasons(&json, 1, "delta")
+                .iter()
+                .all(|r| r == "no base"),
             "{what}"
         );
         for version in 2..=4 {
             for method in ["delta", "gather-broadcast"] {
                 let reasons = dense_reasons(&json, version, method);
-                assert!(reasons.iter().all(|r| r == "not smaller"), "{what}: {reasons:?}");
+                assert!(
+                    reasons.iter().all(|r| r == "not smaller"),
+                    "{what}: {reasons:?}"
+                );
             }
             // fences and headers aside, a delta never sends more than the values
             if density == "0" {
@@ -130,7 +150,10 @@ fn sparse_versions_send_a_fraction_of_dense_and_anchors_send_everything() {
     let json = json_of(&run(&args));
     assert_eq!(json["verified"], true);
     for v in [2, 3, 5] {
-        assert!(wire(&json, v, "delta") * 10 < wire(&json, v, "dense"), "{json}");
+        assert!(
+            wire(&json, v, "delta") * 10 < wire(&json, v, "dense"),
+            "{json}"
+        );
         assert!(dense_reasons(&json, v, "delta").is_empty());
     }
     assert_eq!(dense_reasons(&json, 4, "delta"), vec!["anchor"; 4]);
@@ -184,7 +207,10 @@ fn delta_flags_are_checked_before_any_byte_moves() {
     };
     refused(&["--steps", "3"], "--delta");
     refused(&["--delta", "--delta-anchor", "0"], "--delta-anchor: 0");
-    refused(&["--delta", "--delta-methods", "delta,fast"], "--delta-methods: fast");
+    refused(
+        &["--delta", "--delta-methods", "delta,fast"],
+        "--delta-methods: fast",
+    );
     refused(&["--delta", "--delta-density", "2"], "--delta-density: 2");
     refused(&["--delta", "--delta-lr", "0.1"], "--fill");
     refused(&["--delta", "--steps", "0"], "--steps");

@@ -229,13 +229,28 @@ impl Evolution {
         buf: &[u8],
         version: u64,
     ) -> Result<()> {
+        match layout.local_region(rank) {
+            Some(region) => self.verify_region_from(from, layout, &region, buf, (rank, 0), version),
+            None => Ok(()),
+        }
+    }
+
+    /// Checks `buf`, the dense row-major box `region` of `layout`'s tensor, against
+    /// `version` (cast from `from`, as [`Evolution::verify_shards_from`]); `at` names the rank
+    /// and the byte of its buffer where `buf` starts, for the error.
+    pub fn verify_region_from(
+        &self,
+        from: DType,
+        layout: &Layout,
+        region: &Region,
+        buf: &[u8],
+        (rank, at): (Rank, u64),
+        version: u64,
+    ) -> Result<()> {
         let (shape, dtype) = (layout.shape(), layout.dtype());
         let from = match self.update {
             Update::Training { .. } => dtype,
             Update::Density(_) => from,
-        };
-        let Some(region) = layout.local_region(rank) else {
-            return Ok(());
         };
         let expect = |index| {
             let e = self.element(shape, from, index, version).to_le_bytes();
@@ -252,11 +267,11 @@ impl Evolution {
             );
             out
         };
-        match check_elements(layout, &region, buf, expect) {
+        match check_elements(layout, region, buf, expect) {
             None => Ok(()),
             Some((offset, expected, found, mismatches)) => Err(Error::VerifyFailed {
                 rank,
-                offset,
+                offset: at + offset,
                 expected,
                 found,
                 mismatches,

@@ -1,6 +1,7 @@
 //! Command-line interface: argument parsing and output only; the work is the library's.
 
 mod bench;
+mod delta_args;
 mod demo;
 mod exec_args;
 mod launch;

@@ -270,7 +270,14 @@ pub fn main(args: &RefitArgs) -> Result<(), Failure> {
             print!("{}", super::plan::describe_pricing(cluster, p));
         }
         if let Some(run) = &run {
-            print!("{}", super::refit_run::describe(run));
+            match run {
+                super::refit_run::Outcome::Methods(run) => {
+                    print!("{}", super::refit_run::describe(run))
+                }
+                super::refit_run::Outcome::Delta(d) => {
+                    print!("{}", super::refit_run::describe_delta(d))
+                }
+            }
         }
     }
     Ok(())

@@ -11,6 +11,9 @@ use reshard::error::Field;
 use reshard::model::Refit;
 use reshard::runtime::harness::{MethodJson, Repeat};
 use reshard::runtime::refit::RefitRun;
+use reshard::runtime::refit::delta::{DeltaRefitReport, DeltaStream};
+
+use super::delta_args::DeltaArgs;
 use reshard::{Error, PlanOptions};
 
 use super::Failure;
@@ -36,6 +39,18 @@ pub struct RefitRunArgs {
     /// go in one packed broadcast per source rank; 0 sends every tensor by reshard.
     #[arg(long, value_name = "BYTES", default_value_t = DEFAULT_PACK_BELOW.to_string())]
     pub pack_below: String,
+    /// With --run --delta: a stream of versions instead, each moved as a delta refit and
+    /// dense in turn, every tensor evolving between them.
+    #[command(flatten)]
+    pub delta: DeltaArgs,
+}
+
+/// What a run reports: both methods' repetitions, or a stream of delta refits.
+#[derive(serde::Serialize)]
+#[serde(untagged)]
+pub enum Outcome {
+    Methods(RunJson),
+    Delta(DeltaRefitReport),
 }
 
 /// The report of a run: the `run` object of the refit JSON.
@@ -51,14 +66,16 @@ pub fn main(
     refit: &Refit,
     plan: PlanOptions,
     fingerprint: Fingerprint,
-) -> Result<Option<RunJson>, Failure> {
+) -> Result<Option<Outcome>, Failure> {
     let pack_below = parse_bytes(Field::Flag("--pack-below"), &args.pack_below)?;
     let options = args.exec.options()?;
     let run = RefitRun::new(refit, plan, pack_below)?;
     let fingerprint = run
         .fingerprint(fingerprint.with("--min-split-bytes", plan.min_split_bytes))
         .with("--iters", args.iters)
-        .with("--warmup", args.warmup);
+        .with("--warmup", args.warmup)
+        .with("--delta", args.delta.delta)
+        .with("--steps", args.delta.steps);
     let fingerprint = args.exec.agreed(&options, fingerprint);
     let kind = args.exec.transport;
     let threads = || {
@@ -90,11 +107,63 @@ pub fn main(
         .first()
         .map(|t| t.src.shape().to_vec())
         .unwrap_or_default();
-    let outcome = run
+    let checked = run
         .rank_bytes(rank)
-        .and_then(|bytes| check_memory(bytes, &shape))
-        .and_then(|()| run.run_rank(&world, repeat, &run_options(&options)));
-    Ok(conclude(&world, outcome)?.map(|reports| run.report(repeat, &reports.ranks)))
+        .and_then(|bytes| check_memory(bytes, &shape));
+    if args.delta.delta {
+        let stream = DeltaStream {
+            steps: args.delta.steps,
+            update: args.delta.update(),
+            options: args.delta.options()?,
+        };
+        let outcome =
+            checked.and_then(|()| run.run_delta_rank(&world, &stream, &run_options(&options)));
+        return Ok(conclude(&world, outcome)?
+            .map(|reports| Outcome::Delta(run.delta_report(&stream, &reports.ranks))));
+    }
+    let outcome = checked.and_then(|()| run.run_rank(&world, repeat, &run_options(&options)));
+    Ok(conclude(&world, outcome)?
+        .map(|reports| Outcome::Methods(run.report(repeat, &reports.ranks))))
+}
+
+/// The text lines of a stream of delta refits.
+pub fn describe_delta(d: &DeltaRefitReport) -> String {
+    let mut out = format!(
+        "\ndelta refit over {}: {} versions, {}, {}\nversion   delta s   dense s   delta wire   dense wire   changed   dense to\n",
+        d.transport,
+        d.steps,
+        d.update,
+        match d.verified {
+            true => "every version verified",
+            false => "NOT every version verified",
+        },
+    );
+    for v in &d.versions {
+        let dense = match v.dense_to.is_empty() {
+            true => "-".to_string(),
+            false => {
+                let mut whys: Vec<&str> = v.dense_to.iter().map(|(_, w)| w.as_str()).collect();
+                whys.dedup();
+                format!("{} ranks ({})", v.dense_to.len(), whys.join(", "))
+            }
+        };
+        out += &format!(
+            "{:>7}  {:>8.3}  {:>8.3}  {:>11}  {:>11}  {:>7.3}%   {dense}\n",
+            v.version,
+            v.delta_s,
+            v.dense_s,
+            bytes(v.delta_wire_bytes),
+            bytes(v.dense_wire_bytes),
+            100.0 * v.changed as f64 / v.elems.max(1) as f64,
+        );
+    }
+    out += &format!(
+        "after the first version: {:.2}x faster than dense, {:.1}x fewer bytes; bases {} per rank\n",
+        d.speedup,
+        d.wire_ratio,
+        bytes(d.base_bytes_per_rank)
+    );
+    out
 }
 
 /// The text lines of a run.

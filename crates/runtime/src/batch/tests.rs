@@ -782,7 +782,10 @@ fn quantized_batches_refit_as_deltas_exactly() {
         .enumerate()
         .map(|(i, t)| {
             let (fill, update) = match t.quant {
-                Some(_) => (Fill::Normal { seed: i as u64 }, Update::Training { lr: 1e-3 }),
+                Some(_) => (
+                    Fill::Normal { seed: i as u64 },
+                    Update::Training { lr: 1e-3 },
+                ),
                 None => (Fill::Hash { seed: i as u64 }, Update::Density(0.05)),
             };
             Evolution::new(fill, update, 7 + i as u64, t.src.dtype()).unwrap()

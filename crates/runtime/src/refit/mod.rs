@@ -55,6 +55,7 @@
 //! ```
 
 pub mod check;
+pub mod delta;
 #[cfg(test)]
 mod tests;
 

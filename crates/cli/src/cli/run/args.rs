@@ -45,7 +45,16 @@ pub struct RunArgs {
     #[arg(long)]
     pub(super) json: bool,
     #[command(flatten)]
-    pub(super) delta: super::delta::DeltaArgs,
+    pub(super) delta: crate::cli::delta_args::DeltaArgs,
+    /// With --delta: the methods compared, in turn: delta, dense, gather-broadcast (the
+    /// baseline as a delta: the changed elements gathered to one rank, then broadcast).
+    #[arg(
+        long,
+        default_value = "delta,dense",
+        value_name = "LIST",
+        requires = "delta"
+    )]
+    pub(super) delta_methods: String,
 }
 
 impl RunArgs {

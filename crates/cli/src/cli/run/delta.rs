@@ -9,15 +9,14 @@
 use std::collections::BTreeMap;
 use std::time::Instant;
 
-use clap::Args;
 use serde::Serialize;
 
+use reshard::error::Field;
 use reshard::evolve::{Evolution, Update};
 use reshard::exec::ExecOptions;
-use reshard::exec::delta::{Dense, DeltaOptions, DeltaRefit, DeltaReport, DeltaSession};
+use reshard::exec::delta::{DeltaOptions, DeltaRefit, DeltaReport, DeltaSession, Dense};
 use reshard::fill::Fill;
 use reshard::runtime::{RunOptions, World};
-use reshard::error::Field;
 use reshard::{Error, Plan, Rank};
 
 use super::args::RunArgs;
@@ -25,32 +24,6 @@ use crate::cli::Failure;
 use crate::cli::exec_args::run_options;
 use crate::cli::measure::conclude;
 use crate::cli::units::bytes;
-
-/// What `run --delta` takes beside `run`'s own arguments.
-#[derive(Args, Debug, Default)]
-pub struct DeltaArgs {
-    /// Refit version after version, sending each destination only the elements that changed
-    /// since the version it holds (the first version is sent whole).
-    #[arg(long)]
-    pub delta: bool,
-    /// Versions in the stream (with --delta): the first is dense, the rest deltas.
-    #[arg(long, default_value_t = 4, requires = "delta", value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
-    pub steps: u64,
-    /// The fraction of elements each version changes by one ulp of the source dtype.
-    #[arg(long, value_name = "D", requires = "delta", conflicts_with = "delta_lr")]
-    pub delta_density: Option<f64>,
-    /// A training-like update instead: f32 masters (the source) take an Adam-like step of
-    /// this learning rate every version, and the fraction that changes in the wire dtype
-    /// follows from the values (needs --fill normal).
-    #[arg(long, value_name = "LR", requires = "delta")]
-    pub delta_lr: Option<f32>,
-    /// Send everything dense every N versions.
-    #[arg(long, value_name = "N", requires = "delta")]
-    pub delta_anchor: Option<u64>,
-    /// The methods compared, in turn: delta, dense, gather-broadcast.
-    #[arg(long, default_value = "delta,dense", value_name = "LIST", requires = "delta")]
-    pub delta_methods: String,
-}
 
 /// A method of a delta stream.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize)]
@@ -71,49 +44,27 @@ impl Method {
     }
 }
 
-impl DeltaArgs {
-    fn methods(&self) -> Result<Vec<Method>, Error> {
-        let mut out = Vec::new();
-        for m in self.delta_methods.split(',').map(str::trim) {
-            let method = match m {
-                "delta" => Method::Delta,
-                "dense" => Method::Dense,
-                "gather-broadcast" => Method::GatherBroadcast,
-                other => {
-                    return Err(Error::InvalidOption {
-                        field: Field::Flag("--delta-methods"),
-                        value: other.into(),
-                        reason: "expected a list of delta, dense, gather-broadcast".into(),
-                    });
-                }
-            };
-            if !out.contains(&method) {
-                out.push(method);
+/// The methods `--delta-methods` lists.
+fn methods(list: &str) -> Result<Vec<Method>, Error> {
+    let mut out = Vec::new();
+    for m in list.split(',').map(str::trim) {
+        let method = match m {
+            "delta" => Method::Delta,
+            "dense" => Method::Dense,
+            "gather-broadcast" => Method::GatherBroadcast,
+            other => {
+                return Err(Error::InvalidOption {
+                    field: Field::Flag("--delta-methods"),
+                    value: other.into(),
+                    reason: "expected a list of delta, dense, gather-broadcast".into(),
+                });
             }
+        };
+        if !out.contains(&method) {
+            out.push(method);
         }
-        Ok(out)
     }
-
-    fn evolution(&self, fill: Fill, plan: &Plan) -> Result<Evolution, Error> {
-        let update = match (self.delta_lr, self.delta_density) {
-            (Some(lr), _) => Update::Training { lr },
-            (None, d) => Update::Density(d.unwrap_or(0.01)),
-        };
-        let seed = match fill {
-            Fill::Hash { seed } | Fill::Normal { seed } => seed,
-            _ => 0,
-        };
-        Evolution::new(fill, update, seed ^ 0x5eed, plan.src().dtype())
-    }
-
-    fn options(&self) -> Result<DeltaOptions, Error> {
-        let options = DeltaOptions {
-            anchor: self.delta_anchor,
-            ..DeltaOptions::default()
-        };
-        options.validate()?;
-        Ok(options)
-    }
+    Ok(out)
 }
 
 /// One method's refit of one version, on one rank or on all.
@@ -206,8 +157,8 @@ pub(super) fn main(
                 .into(),
         }));
     }
-    let methods = d.methods()?;
-    let evolution = d.evolution(fill, plan)?;
+    let methods = methods(&args.delta_methods)?;
+    let evolution = d.evolution(fill, plan.src().dtype())?;
     let delta = d.options()?;
     let ranks: Vec<Rank> = world.ranks(plan.dst()).collect();
     let mut streams: Vec<Stream> = methods
@@ -230,7 +181,7 @@ pub(super) fn main(
             args.exec
                 .agreed(options, reshard::agreement::Fingerprint::new("run --delta"))
                 .with("--steps", d.steps)
-                .with("--delta-methods", &d.delta_methods)
+                .with("--delta-methods", &args.delta_methods)
                 .with("--fill", fill)
         })?;
         let outcome = versions(args, plan, &evolution, delta, options, world, &mut streams);
@@ -295,7 +246,13 @@ fn versions(
             let mut refit = refit;
             if args.verify {
                 for (&r, shard) in &stream.shards {
-                    evolution.verify_shard_from(plan.src().dtype(), plan.dst(), r, shard, version)?;
+                    evolution.verify_shard_from(
+                        plan.src().dtype(),
+                        plan.dst(),
+                        r,
+                        shard,
+                        version,
+                    )?;
                 }
             }
             refit.verified = args.verify;
@@ -406,7 +363,10 @@ fn print(args: &RunArgs, plan: &Plan, evolution: &Evolution, refits: &[Refit], r
             refits,
             verified,
         };
-        println!("{}", serde_json::to_string_pretty(&json).unwrap_or_default());
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&json).unwrap_or_default()
+        );
         return;
     }
     println!(
