@@ -302,10 +302,10 @@ fn one(
         (None, _) => world.run(plan, sources, &mut stream.shards, run)?,
     };
     let elapsed = started.elapsed();
-    if let Some(mine) = prepared.as_ref() {
-        if let (Some(from), Some(to)) = (mine.destination(), stream.shards.get_mut(&mine.rank())) {
-            to.copy_from_slice(from);
-        }
+    if let Some(mine) = prepared.as_ref()
+        && let (Some(from), Some(to)) = (mine.destination(), stream.shards.get_mut(&mine.rank()))
+    {
+        to.copy_from_slice(from);
     }
     let seconds = match world.job() {
         Some(_) => elapsed.as_secs_f64(),
