@@ -215,3 +215,58 @@ fn delta_flags_are_checked_before_any_byte_moves() {
     refused(&["--delta", "--delta-lr", "0.1"], "--fill");
     refused(&["--delta", "--steps", "0"], "--steps");
 }
+
+fn tiny_dense(dir: &std::path::Path) -> std::path::PathBuf {
+    let path = dir.join("dense.json");
+    std::fs::write(
+        &path,
+        r#"{"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
+            "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "head_dim": 16, "tie_word_embeddings": false, "torch_dtype": "bfloat16"}"#,
+    )
+    .unwrap();
+    path
+}
+
+/// `refit --run --delta`: a whole model as a stream of versions, into bf16 and into an fp8
+/// engine (values and scales diffed after quantizing), over tcp and shm: every version
+/// verified, the first dense for want of a base, the later ones far smaller on the wire.
+#[test]
+fn refit_streams_of_a_whole_model_verify() {
+    let dir = common::temp_dir("delta-refit");
+    let model = tiny_dense(dir.path());
+    for (transport, quant, update) in [
+        ("tcp", "none", ["--delta-density", "0.01"]),
+        ("shm", "fp8-block:8x8", ["--delta-lr", "1e-4"]),
+    ] {
+        let out = Command::new(EXE)
+            .args(["launch", "--nproc", "4", "--", "refit", "--model"])
+            .arg(&model)
+            .args(["--train", "fsdp=2", "--infer", "tp=2", "--infer-quant", quant])
+            .args(["--run", "--delta", "--steps", "3", "--json", "--transport", transport])
+            .args(update)
+            .output()
+            .unwrap();
+        let json = json_of(&out);
+        let run = &json["run"];
+        assert_eq!(run["verified"], true, "{json}");
+        let versions = run["versions"].as_array().unwrap();
+        assert_eq!(versions.len(), 3);
+        let reasons = |v: &serde_json::Value| -> Vec<String> {
+            v["dense_to"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|d| d[1].as_str().unwrap().to_string())
+                .collect()
+        };
+        assert!(reasons(&versions[0]).iter().all(|r| r == "no base"));
+        for v in &versions[1..] {
+            assert!(reasons(v).iter().all(|r| r == "not smaller"), "{v}");
+            let (delta, dense) = (v["delta_wire_bytes"].as_u64().unwrap(), v["dense_wire_bytes"].as_u64().unwrap());
+            assert!(delta < dense, "{v}");
+        }
+        assert!(run["base_bytes_per_rank"].as_u64().unwrap() > 0);
+    }
+}

@@ -269,3 +269,40 @@ fn relay_runs_under_mpirun() {
         );
     }
 }
+
+/// `run --delta` under mpirun: a stream of versions over the mpi transport (and shm riding
+/// on it), every version of every method verified.
+#[test]
+fn delta_streams_under_mpirun() {
+    for transport in ["mpi", "shm"] {
+        let out = mpirun(6)
+            .args([
+                "run",
+                "--shape",
+                "96x80",
+                "--dtype",
+                "bf16",
+                "--src",
+                "mesh=2 place=S(0)",
+                "--dst",
+                "mesh=2x2 place=R,S(1) ranks=2..6",
+                "--delta",
+                "--steps",
+                "3",
+                "--delta-methods",
+                "delta,dense,gather-broadcast",
+                "--verify",
+                "--checksum",
+                "--json",
+                "--transport",
+                transport,
+            ])
+            .env_remove("MASTER_PORT")
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(json["verified"], true, "{json}");
+        assert_eq!(json["refits"].as_array().unwrap().len(), 9);
+    }
+}

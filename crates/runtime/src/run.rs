@@ -359,7 +359,12 @@ impl World {
         options: &RunOptions,
     ) -> Result<RunStats> {
         let exec_options = self.exec_options(options);
-        let gb = GatherBroadcast::on_hosts(plan.src(), plan.dst(), plan.topology())?;
+        // as a delta, the baseline is verl's: gathered to one rank, broadcast from it (a
+        // delta refit does not relay)
+        let gb = match exec_options.delta {
+            Some(_) => GatherBroadcast::new(plan.src(), plan.dst())?,
+            None => GatherBroadcast::on_hosts(plan.src(), plan.dst(), plan.topology())?,
+        };
         // a delta refit keeps the full tensors: they hold the last version
         const FULL: &str = "full tensor";
         let session = exec_options.delta.as_ref().map(|d| d.session.clone());

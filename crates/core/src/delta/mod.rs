@@ -185,11 +185,18 @@ impl DeltaEncoder {
         }
         .write(out);
         let mut stats = DeltaStats::default();
+        // a region that lies in the shard as it travels (a shard sent whole, unconverted) is
+        // compared where it lies, without asking block by block
+        let whole = in_one_run(pack, range.clone());
         for k in 0..count {
             let at = range.start + k * block_bytes;
             let bytes = at..(at + block_bytes).min(range.end);
             let n = bytes.len() / elem;
-            let new: &[u8] = match in_one_run(pack, bytes.clone()) {
+            let lies = match whole {
+                Some(first) => Some(first + (at - range.start)),
+                None => in_one_run(pack, bytes.clone()),
+            };
+            let new: &[u8] = match lies {
                 // unconverted and contiguous in the shard: compared where it lies
                 Some(at) => &src[at..at + bytes.len()],
                 None => {

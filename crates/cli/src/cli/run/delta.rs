@@ -135,8 +135,27 @@ fn why_name(why: Dense) -> &'static str {
 /// One method's state from version to version on the ranks this process runs.
 struct Stream {
     method: Method,
+    /// The plan it runs: a delta refit plans without relaying (it does not relay yet), while
+    /// the dense reshard keeps the plan as asked.
+    plan: Plan,
     session: DeltaSession,
     shards: BTreeMap<Rank, Vec<u8>>,
+}
+
+/// `plan` as it would be planned without relaying.
+fn without_relay(plan: &Plan) -> Result<Plan, Error> {
+    match plan.topology().filter(|t| t.relay) {
+        Some(t) => Plan::with_topology(
+            plan.src().clone(),
+            plan.dst().clone(),
+            plan.options(),
+            Some(reshard::plan::Topology {
+                hosts: t.hosts.clone(),
+                relay: false,
+            }),
+        ),
+        None => Ok(plan.clone()),
+    }
 }
 
 /// Runs `run --delta`.
@@ -168,8 +187,13 @@ pub(super) fn main(
                 .iter()
                 .map(|&r| Ok((r, vec![0u8; plan.dst().local_bytes(r) as usize])))
                 .collect::<Result<_, Error>>()?;
+            let plan = match method {
+                Method::Dense => plan.clone(),
+                _ => without_relay(plan)?,
+            };
             Ok(Stream {
                 method,
+                plan,
                 session: DeltaSession::new(),
                 shards,
             })
@@ -242,7 +266,7 @@ fn versions(
                     options: delta,
                 }),
             };
-            let refit = one(plan, world, stream, &mut sources, &run, version)?;
+            let refit = one(world, stream, &mut sources, &run, version)?;
             let mut refit = refit;
             if args.verify {
                 for (&r, shard) in &stream.shards {
@@ -266,7 +290,6 @@ fn versions(
 
 /// One method's refit of `version`, timed from a barrier.
 fn one(
-    plan: &Plan,
     world: &World,
     stream: &mut Stream,
     sources: &mut BTreeMap<Rank, Vec<u8>>,
@@ -275,6 +298,7 @@ fn one(
 ) -> Result<Refit, Error> {
     // between processes, the reshard's links are opened before the clock starts, its
     // destination in shared memory (for same-host senders to write into) holding the shard
+    let plan = &stream.plan;
     let mut prepared = match (world.job(), stream.method) {
         (Some(_), Method::Delta | Method::Dense) => Some(world.prepare(plan)?),
         _ => None,
