@@ -243,8 +243,23 @@ fn refit_streams_of_a_whole_model_verify() {
         let out = Command::new(EXE)
             .args(["launch", "--nproc", "4", "--", "refit", "--model"])
             .arg(&model)
-            .args(["--train", "fsdp=2", "--infer", "tp=2", "--infer-quant", quant])
-            .args(["--run", "--delta", "--steps", "3", "--json", "--transport", transport])
+            .args([
+                "--train",
+                "fsdp=2",
+                "--infer",
+                "tp=2",
+                "--infer-quant",
+                quant,
+            ])
+            .args([
+                "--run",
+                "--delta",
+                "--steps",
+                "3",
+                "--json",
+                "--transport",
+                transport,
+            ])
             .args(update)
             .output()
             .unwrap();
@@ -264,9 +279,64 @@ fn refit_streams_of_a_whole_model_verify() {
         assert!(reasons(&versions[0]).iter().all(|r| r == "no base"));
         for v in &versions[1..] {
             assert!(reasons(v).iter().all(|r| r == "not smaller"), "{v}");
-            let (delta, dense) = (v["delta_wire_bytes"].as_u64().unwrap(), v["dense_wire_bytes"].as_u64().unwrap());
+            let (delta, dense) = (
+                v["delta_wire_bytes"].as_u64().unwrap(),
+                v["dense_wire_bytes"].as_u64().unwrap(),
+            );
             assert!(delta < dense, "{v}");
         }
         assert!(run["base_bytes_per_rank"].as_u64().unwrap() > 0);
+    }
+}
+
+/// A destination that restarts (a new replica, its shard and state lost) is sent its regions
+/// dense in the same refit, the report says which rank and why, and every version verifies,
+/// in one process and one process per rank.
+#[test]
+fn restarted_ranks_are_sent_dense_and_verify_on_every_transport() {
+    for transport in ["local", "tcp", "shm"] {
+        let mut args = TENSOR.to_vec();
+        args.extend([
+            "mesh=2x2 place=R,S(1) ranks=2..6",
+            "--delta",
+            "--steps",
+            "4",
+            "--delta-restart",
+            "3@3",
+            "--delta-restart",
+            "5@2",
+            "--delta-methods",
+            "delta,gather-broadcast",
+            "--verify",
+            "--json",
+        ]);
+        let out = match transport {
+            "local" => run(&args),
+            t => Command::new(EXE)
+                .args(["launch", "--nproc", "6", "--"])
+                .args(&args)
+                .args(["--transport", t])
+                .output()
+                .unwrap(),
+        };
+        let json = json_of(&out);
+        assert_eq!(json["verified"], true, "{transport}");
+        let ranks = |version: u64| -> Vec<u64> {
+            json["refits"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|r| r["version"] == version && r["method"] == "delta")
+                .unwrap()["dense_to"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter(|d| d[1] == "holds another version")
+                .map(|d| d[0].as_u64().unwrap())
+                .collect()
+        };
+        assert_eq!(ranks(2), vec![5], "{transport}: {json}");
+        assert_eq!(ranks(3), vec![3], "{transport}: {json}");
+        assert!(ranks(4).is_empty(), "{transport}");
     }
 }

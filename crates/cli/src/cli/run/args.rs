@@ -55,6 +55,10 @@ pub struct RunArgs {
         requires = "delta"
     )]
     pub(super) delta_methods: String,
+    /// With --delta: destination rank R restarts before version V (`R@V`, repeatable): its
+    /// shard and its delta state are lost, as a new replica's, so its senders send it dense.
+    #[arg(long, value_name = "R@V", requires = "delta")]
+    pub(super) delta_restart: Vec<String>,
 }
 
 impl RunArgs {

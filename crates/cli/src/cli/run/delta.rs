@@ -245,7 +245,16 @@ fn versions(
 ) -> Result<Vec<Refit>, Error> {
     let mut refits = Vec::new();
     let src_ranks: Vec<Rank> = world.ranks(plan.src()).collect();
+    let restarts = restarts(&args.delta_restart)?;
     for version in 1..=args.delta.steps {
+        for stream in streams.iter_mut() {
+            for &(rank, _) in restarts.iter().filter(|&&(_, v)| v == version) {
+                if let Some(shard) = stream.shards.get_mut(&rank) {
+                    shard.fill(0);
+                    stream.session.with_rank(rank, |s| s.forget());
+                }
+            }
+        }
         let mut sources = BTreeMap::new();
         for &r in &src_ranks {
             let mut buf = vec![0u8; plan.src().local_bytes(r) as usize];
@@ -286,6 +295,23 @@ fn versions(
     // one order for every rank's list: by version, then method
     refits.sort_by(|a, b| (a.version, &a.method).cmp(&(b.version, &b.method)));
     Ok(refits)
+}
+
+/// The ranks `--delta-restart` restarts, and before which version.
+fn restarts(specs: &[String]) -> Result<Vec<(Rank, u64)>, Error> {
+    specs
+        .iter()
+        .map(|spec| {
+            let parsed = spec
+                .split_once('@')
+                .and_then(|(r, v)| Some((r.trim().parse().ok()?, v.trim().parse().ok()?)));
+            parsed.ok_or_else(|| Error::InvalidOption {
+                field: Field::Flag("--delta-restart"),
+                value: spec.clone(),
+                reason: "expected RANK@VERSION, e.g. 3@2".into(),
+            })
+        })
+        .collect()
 }
 
 /// One method's refit of `version`, timed from a barrier.
