@@ -44,6 +44,7 @@ def _strided_layouts(rank, world):
             refused += 1
             continue
         assert torch.equal(dt.full_tensor(), full)
+        assert Layout.from_dtensor(dt) == layout
         local = rt.local_tensor(layout, rank, full)
         assert torch.equal(dt.to_local(), local), (shape, placements, layout)
     assert refused < 24
