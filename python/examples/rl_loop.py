@@ -31,22 +31,23 @@ ENGINE_RANKS = [2, 3]
 WORLD = 4
 
 
-def _config(moe: bool, vocab: int):
+def _config(moe: bool, args):
+    hidden = args.hidden
     small = dict(
-        vocab_size=vocab,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
+        vocab_size=args.vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=args.layers,
         num_attention_heads=4,
         num_key_value_heads=2,
-        head_dim=16,
+        head_dim=hidden // 4,
         tie_word_embeddings=False,
         max_position_embeddings=64,
     )
     if moe:
         from transformers import Qwen3MoeConfig
 
-        return Qwen3MoeConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, **small)
+        return Qwen3MoeConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=hidden // 2, **small)
     from transformers import Qwen3Config
 
     return Qwen3Config(**small)
@@ -113,7 +114,7 @@ def _run_model(rank, args, moe: bool, world_group, engine_group, train_mesh, pat
     from reshard.engine import engine_params, refit_engine_
     from torch.distributed.fsdp import fully_shard
 
-    config = _config(moe, args.vocab)
+    config = _config(moe, args)
     model = _model(config)
     kind = "qwen3_moe" if moe else "qwen3"
     path = os.path.join(path_dir, f"{kind}.json")
@@ -249,6 +250,8 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens", type=int, default=4, help="tokens sampled per prompt")
     parser.add_argument("--batch", type=int, default=4, help="prompts per step")
     parser.add_argument("--vocab", type=int, default=1000, help="vocabulary (padded to 1024 by the engine)")
+    parser.add_argument("--hidden", type=int, default=64, help="hidden size (a multiple of 8)")
+    parser.add_argument("--layers", type=int, default=2, help="decoder layers")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--model", choices=["qwen3", "qwen3_moe", "both"], default="both")
     args = parser.parse_args(argv)

@@ -21,7 +21,7 @@ every other parameter                             the same name, its shard's sha
 Both engines pad the vocabulary to a multiple of 64 (``vocab_pad``) before splitting it over
 the tensor-parallel ranks evenly, so rank ``r`` of ``tp`` holds rows ``[r V'/tp, (r+1) V'/tp)``
 of the padded table (``V' = ceil(V / 64) 64``), the rows past ``V`` unused; where that is the
-``torch.chunk`` split the refit moves (Qwen3's 151936 rows over 1 to 8 ranks, say), the rows
+``torch.chunk`` split the refit moves (Qwen3's 151936 rows over 1, 2, 4 or 8 ranks), the rows
 land in place, otherwise each rank's rows arrive in a scratch shard first and move once more
 between the engine's ranks. SGLang names its parameters as vLLM does for these models.
 
