@@ -79,6 +79,11 @@ def layout_of(dt, group=None) -> Layout:
     """The :class:`reshard.Layout` of a DTensor (or of :func:`describe`'s tuple), with
     ``_StridedShard`` resolved to a permuted mesh; ranks of ``group`` (global if None)."""
     desc = describe(dt) if is_dtensor(dt) else dt
+    return _layout_of(desc, group)
+
+
+@functools.lru_cache(maxsize=4096)
+def _layout_of(desc: tuple, group) -> Layout:
     shape, dtype, mesh, ranks, placements = desc
     order, kinds = _order(shape, mesh, placements)
     ranks_t = torch.tensor(ranks, dtype=torch.int64).reshape(mesh) if mesh else torch.tensor(ranks)
