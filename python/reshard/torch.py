@@ -197,13 +197,13 @@ def reshard_many_(
     rank, world = _group_rank(group)
     if rank < 0:
         return  # not a member of the group: nothing to send or receive
-    if isinstance(pairs, Refit):
-        src = _dt.unwrap_refit(pairs, src, rank, "src", group)
-        dst = _dt.unwrap_refit(pairs, dst, rank, "dst", group)
-    else:  # DTensors: their local tensors, and their layouts where a pair gives None
-        pairs = _dt.unwrap_pairs(pairs, group, rank)
     given = pairs
     try:
+        if isinstance(pairs, Refit):  # DTensors: their local tensors, their boxes checked
+            src = _dt.unwrap_refit(pairs, src, rank, "src", group)
+            dst = _dt.unwrap_refit(pairs, dst, rank, "dst", group)
+        else:  # DTensors: their local tensors, and their layouts where a pair gives None
+            pairs = given = _dt.unwrap_pairs(pairs, group, rank)
         pairs, names, entries, moves, quant = _args.read(
             pairs, rank, bucket_bytes, src, dst, quant, scales, scale_dtype, src_scales
         )

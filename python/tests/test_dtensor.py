@@ -137,3 +137,44 @@ def _dtensor_pairs(rank, world):
 
 def test_dtensors_as_pairs_and_a_plain_tensor_refused_everywhere():
     run_ranks(_dtensor_pairs, 4, timeout=60)
+
+
+def _refit_dtensors(rank, world, path):
+    from torch.distributed.tensor import DeviceMesh, Replicate, Shard, distribute_tensor
+
+    from reshard import Refit
+
+    refit = Refit(path, "fsdp=2", "tp=2")
+    meshes = {"train": DeviceMesh("cpu", [0, 1]), "infer": DeviceMesh("cpu", [2, 3])}
+    torch.manual_seed(0)
+    full = {n: torch.randn(refit.layouts(n)[0].shape) for n in refit.names}
+
+    def dtensors(side, wrong=None):
+        if rank not in (meshes[side].mesh.tolist()):
+            return None
+        out = {}
+        for n in refit.names:
+            layout = refit.layouts(n)[0 if side == "train" else 1]
+            placements = [Shard(p.dim) if p.is_shard() else Replicate() for p in layout.placements]
+            placements = [Replicate()] if n == wrong else placements
+            tensor = full[n] if side == "train" else torch.zeros_like(full[n])
+            out[n] = distribute_tensor(tensor, meshes[side], placements, src_data_rank=None)
+        return out
+
+    # rank 0's embedding is whole, not its FSDP shard: every rank raises, nothing moves
+    engine = dtensors("infer")
+    src = dtensors("train", wrong="model.embed_tokens.weight" if rank == 0 else None)
+    with pytest.raises(ReshardError, match=r"model.embed_tokens.weight: the DTensor holds"):
+        rt.reshard_many_(refit, src=src, dst=engine)
+    if engine is not None:
+        assert not any(t.to_local().any() for t in engine.values())
+    rt.reshard_many_(refit, src=dtensors("train"), dst=engine)
+    if engine is not None:
+        for n, dt in engine.items():
+            assert torch.equal(dt.to_local(), rt.local_tensor(refit.layouts(n)[1], rank, full[n])), n
+
+
+def test_a_refit_takes_dtensors_and_refuses_a_wrong_box_everywhere(tmp_path):
+    from test_engine import QWEN3, _path
+
+    run_ranks(_refit_dtensors, 4, _path(tmp_path, QWEN3), timeout=60)
