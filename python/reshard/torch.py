@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from . import _torch_args as _args
+from . import _torch_dtensor as _dt
 from . import _torch_prequant as _tpq
 from . import _torch_quant as _tq
 from ._core import Layout, Refit, ReshardError
@@ -42,6 +43,8 @@ from ._torch_common import _TORCH_DTYPES  # noqa: F401, E402
 __all__ = [
     "reshard_",
     "reshard_many_",
+    "reshard_state_dict_",
+    "dtensor_layout",
     "torch_dtype",
     "local_tensor",
     "free_staging",
@@ -81,8 +84,8 @@ def _group_rank(group) -> Tuple[int, int]:
 def reshard_(
     src_local: Optional[torch.Tensor],
     dst_local: Optional[torch.Tensor],
-    src_layout: Layout,
-    dst_layout: Layout,
+    src_layout: Optional[Layout] = None,
+    dst_layout: Optional[Layout] = None,
     group=None,
     checksum: bool = False,
     *,
@@ -129,6 +132,11 @@ def reshard_(
     An fp8 source is already quantized: with ``quant``, its scale shard ``src_scale`` (the
     same shape rule on the source side) and the values move together into ``dst_local`` and
     ``scale``, unchanged; a shard boundary on either side that cuts a block is an error.
+
+    ``src_local`` and ``dst_local`` may be DTensors (FSDP2's ``fully_shard`` parameters,
+    ``_StridedShard`` of FSDP2 x TP included): their local tensors move, and a layout left
+    None is read from the DTensor (:func:`dtensor_layout`), exchanged through the group from
+    a rank that holds it. Leave a layout None on every rank or on none.
     """
     reshard_many_(
         {"": (src_local, dst_local, src_layout, dst_layout)},
@@ -191,6 +199,11 @@ def reshard_many_(
         return  # not a member of the group: nothing to send or receive
     given = pairs
     try:
+        if isinstance(pairs, Refit):  # DTensors: their local tensors, their boxes checked
+            src = _dt.unwrap_refit(pairs, src, rank, "src", group)
+            dst = _dt.unwrap_refit(pairs, dst, rank, "dst", group)
+        else:  # DTensors: their local tensors, and their layouts where a pair gives None
+            pairs = given = _dt.unwrap_pairs(pairs, group, rank)
         pairs, names, entries, moves, quant = _args.read(
             pairs, rank, bucket_bytes, src, dst, quant, scales, scale_dtype, src_scales
         )
@@ -203,6 +216,23 @@ def reshard_many_(
     if entries:
         _tq.reshard(entries, group, quant, scale_dtype, rank, world, checksum, native=_NATIVE)
     _args.passed(given, group)
+
+
+def dtensor_layout(dt, group=None) -> Layout:
+    """The :class:`reshard.Layout` of a DTensor, ranks of ``group``: ``Layout.from_dtensor``,
+    and FSDP2 x TP's ``_StridedShard`` as plain shards over a permuted rank list."""
+    return _dt.layout_of(dt, group)
+
+
+def reshard_state_dict_(src, dst, group=None, **options) -> None:
+    """Refits one model's DTensors into another's, every layout read from the DTensors: on
+    each rank ``src`` is its source module or state dict (a trainer's FSDP2 model, None
+    where it holds none), ``dst`` its destination one (an engine's), written in place. Both
+    sides name the same tensors; ``options`` as for :func:`reshard_many_`."""
+    rank, _ = _group_rank(group)
+    if rank < 0:
+        return
+    reshard_many_(_dt.state_dict_pairs(src, dst, group), group=group, **options)
 
 
 def _reshard_plain(pairs, names, group, bucket_bytes: int, checksum: bool, rank: int, world: int) -> None:

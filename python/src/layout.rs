@@ -189,9 +189,26 @@ impl PyLayout {
     }
 
     /// The layout of a DTensor: its global shape and dtype, its device mesh's shape and
-    /// global ranks, its placements.
+    /// global ranks, its placements. FSDP2 x TP's `_StridedShard` (shards taken right to
+    /// left) is the layout of plain shards over the mesh with its axes swapped, the ranks
+    /// permuted with them (`reshard.torch.dtensor_layout`, which checks every rank's box).
     #[staticmethod]
     fn from_dtensor(dt: &Bound<'_, PyAny>) -> PyResult<PyLayout> {
+        let strided = dt.getattr("placements")?.try_iter()?.any(|p| {
+            p.ok()
+                .and_then(|p| p.get_type().name().ok().map(|n| n.to_string()))
+                .is_some_and(|n| n == "_StridedShard")
+        });
+        if strided {
+            let layout = dt
+                .py()
+                .import("reshard._torch_dtensor")?
+                .call_method1("layout_of", (dt,))?;
+            let layout = layout.cast::<PyLayout>()?.get();
+            return Ok(PyLayout {
+                inner: layout.inner.clone(),
+            });
+        }
         let shape: Vec<u64> = ints(&dt.getattr("shape")?, "shape")?;
         let dtype = dtype_of(&dt.getattr("dtype")?)?;
         let device_mesh = dt.getattr("device_mesh")?;
@@ -354,8 +371,8 @@ pub(crate) fn placement_spec(obj: &Bound<'_, PyAny>) -> PyResult<PlacementSpec> 
             Ok(PlacementSpec::Shard(dim))
         }
         "_StridedShard" => Err(error(format!(
-            "placements: {} is not supported: strided sharding (FSDP x TP) interleaves shards, \
-             while reshard's Shard(d) holds one contiguous torch.chunk piece",
+            "placements: {} is a DTensor's own: give the DTensor (Layout.from_dtensor), whose \
+             mesh says how its shards are ordered",
             describe(obj)
         ))),
         "Partial" | "_Partial" | "_NormPartial" | "MaskPartial" => Err(error(format!(

@@ -154,7 +154,8 @@ mod tests {
         assert_eq!(stacked.unwrap().shape, [2, 8, 4]);
         // with a config saying 1 layer, layer 1 (say, a prediction layer) is left out
         let config = r#"{"model_type": "qwen3_moe", "vocab_size": 32, "hidden_size": 8,
-            "intermediate_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2}"#;
+            "intermediate_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
+            "num_experts": 2, "moe_intermediate_size": 4}"#;
         std::fs::write(dir.join("config.json"), config).unwrap();
         let m = Model::load(dir.to_str().unwrap()).unwrap();
         assert_eq!(m.num_layers, 1);

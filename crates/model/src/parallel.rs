@@ -146,12 +146,21 @@ fn data_parallel(
         reason,
     };
     if !world.is_multiple_of(model) {
-        return Err(err(format!("not a multiple of {model_desc} = {model}")));
+        let below = world / model * model;
+        let fix = if below > 0 {
+            format!("world={below} or world={}", below + model)
+        } else {
+            format!("world={model}")
+        };
+        return Err(err(format!(
+            "not a multiple of {model_desc} = {model} (write {fix})"
+        )));
     }
     let inferred = world / model;
     match dp {
         Some(dp) if dp != inferred => Err(err(format!(
-            "{model_desc} x dp = {} (dp={dp}), not {world}",
+            "{model_desc} x dp = {} (dp={dp}), not {world} (write dp={inferred}, or world={})",
+            model * dp,
             model * dp
         ))),
         _ => Ok(inferred),
@@ -168,7 +177,7 @@ impl Training {
     /// assert_eq!((t.dp, t.world(), t.edp()), (4, 64, 1));
     /// assert_eq!(Training::parse("fsdp=4").unwrap().world(), 4);
     /// let err = Training::parse("tp=2,dp=4,ep=3").unwrap_err();
-    /// assert_eq!(err.to_string(), "train: `ep=3`: ep x etp = 3 must divide tp x cp x dp = 8");
+    /// assert_eq!(err.to_string(), "train: `ep=3`: ep x etp = 3 must divide tp x cp x dp = 8 (write tp=2,ep=3,dp=12)");
     /// ```
     pub fn parse(text: &str) -> Result<Training, ModelError> {
         let map = pairs(
@@ -229,8 +238,9 @@ impl Training {
                 key,
                 value,
                 format!(
-                    "ep x etp = {} must divide tp x cp x dp = {dense}",
-                    self.ep * self.etp
+                    "ep x etp = {} must divide tp x cp x dp = {dense} (write {})",
+                    self.ep * self.etp,
+                    self.with_dp_text(self.dp_for_experts())
                 ),
             ));
         }
@@ -248,7 +258,16 @@ impl Training {
                 ));
             }
             if !self.dp.is_multiple_of(f) {
-                return Err(err("fsdp", f, format!("must divide dp = {}", self.dp)));
+                return Err(err(
+                    "fsdp",
+                    f,
+                    format!(
+                        "must divide dp = {} (write {}, or fsdp={})",
+                        self.dp,
+                        self.with_dp_text(lcm(self.dp, self.dp_for(f))),
+                        gcd(f, self.dp)
+                    ),
+                ));
             }
             if !self.edp().is_multiple_of(f) {
                 return Err(err(
@@ -275,6 +294,18 @@ impl Training {
         let dense = self.tp * self.cp;
         let need = (f * experts) / gcd(f * experts, dense);
         lcm(f, need)
+    }
+
+    /// The smallest multiple of dp whose stage the expert ranks (`ep x etp`) divide, and
+    /// that `fsdp`, if given, shards evenly.
+    fn dp_for_experts(&self) -> usize {
+        let experts = self.ep * self.etp;
+        let dense = self.tp * self.cp;
+        let dp = lcm(self.dp, experts / gcd(experts, dense));
+        match self.fsdp {
+            Some(f) => lcm(dp, self.dp_for(f)),
+            None => dp,
+        }
     }
 
     /// These sizes with `dp` instead, written as `--train` takes them.
@@ -464,19 +495,19 @@ mod tests {
             ),
             (
                 Training::parse("tp=4,world=10").unwrap_err(),
-                "train: `world=10`: not a multiple of tp x cp x pp = 4",
+                "train: `world=10`: not a multiple of tp x cp x pp = 4 (write world=8 or world=12)",
             ),
             (
                 Training::parse("tp=4,dp=2,world=16").unwrap_err(),
-                "train: `world=16`: tp x cp x pp x dp = 8 (dp=2), not 16",
+                "train: `world=16`: tp x cp x pp x dp = 8 (dp=2), not 16 (write dp=4, or world=8)",
             ),
             (
                 Training::parse("dp=4,etp=8").unwrap_err(),
-                "train: `etp=8`: ep x etp = 8 must divide tp x cp x dp = 4",
+                "train: `etp=8`: ep x etp = 8 must divide tp x cp x dp = 4 (write etp=8,dp=8)",
             ),
             (
                 Training::parse("dp=6,fsdp=4").unwrap_err(),
-                "train: `fsdp=4`: must divide dp = 6",
+                "train: `fsdp=4`: must divide dp = 6 (write dp=12,fsdp=4, or fsdp=2)",
             ),
             (
                 Training::parse("tp=65536,dp=65536").unwrap_err(),
@@ -498,6 +529,20 @@ mod tests {
         ];
         for (err, text) in cases {
             assert_eq!(err.to_string(), text);
+            // what a training refusal says to write parses
+            if let Some(fix) = text
+                .strip_prefix("train: ")
+                .and_then(|t| t.split("(write ").nth(1))
+            {
+                let fix = fix.split([',', ' ', ')']).collect::<Vec<_>>();
+                let fix = fix
+                    .iter()
+                    .take_while(|w| w.contains('='))
+                    .copied()
+                    .collect::<Vec<_>>();
+                let fix = fix.join(",");
+                Training::parse(&fix).unwrap_or_else(|e| panic!("{text}: {fix}: {e}"));
+            }
         }
     }
 }

@@ -385,7 +385,7 @@ fn moe_experts(
     match arch {
         Architecture::Llama | Architecture::Qwen3 => Ok(None),
         Architecture::Qwen3Moe => {
-            let experts = config.qwen3_experts(c.path)?.unwrap_or(0);
+            let experts = expert_count(config.qwen3_experts(c.path)?, "num_experts", c.path)?;
             let step = c.positive(
                 "decoder_sparse_step",
                 config.decoder_sparse_step.unwrap_or(1),
@@ -395,13 +395,28 @@ fn moe_experts(
             Ok(sparse.then_some(experts))
         }
         Architecture::DeepseekV3 => {
-            let experts = config.deepseek_experts(c.path)?.unwrap_or(0);
+            let experts =
+                expert_count(config.deepseek_experts(c.path)?, "n_routed_experts", c.path)?;
             let freq = c.positive("moe_layer_freq", config.moe_layer_freq.unwrap_or(1))?;
             let first_dense = config.first_k_dense_replace.unwrap_or(0);
             let sparse = experts > 0 && i >= first_dense && i.is_multiple_of(freq);
             Ok(sparse.then_some(experts))
         }
     }
+}
+
+/// A MoE config's count of routed experts: a missing one is refused, naming both keys,
+/// since transformers would give the model its default experts, never a dense MLP.
+fn expert_count(count: Option<u64>, field: &'static str, path: &str) -> Result<u64, ModelError> {
+    count.ok_or_else(|| ModelError::InvalidConfig {
+        path: path.to_string(),
+        field,
+        value: "missing".to_string(),
+        reason: format!(
+            "a MoE config needs its routed experts: add `\"{field}\": N` (or transformers 5's \
+             `\"num_local_experts\": N`); 0 makes every layer dense"
+        ),
+    })
 }
 
 #[cfg(test)]

@@ -265,3 +265,33 @@ fn bad_configs_name_the_field() {
         .to_string();
     assert_eq!(err, "l.json: `num_attention_heads` is 0: must be positive");
 }
+
+/// A MoE config without its expert count is refused, never read as a dense model.
+#[test]
+fn a_moe_config_without_experts_is_refused() {
+    let (_, mut config) = shipped("qwen3-30b-a3b").unwrap();
+    config.num_experts = None;
+    config.num_local_experts = None;
+    let err = Model::from_config(&config, "q.json")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.starts_with("q.json: `num_experts` is missing: a MoE config needs its routed experts: add `\"num_experts\": N` (or transformers 5's `\"num_local_experts\": N`)"),
+        "{err}"
+    );
+    let (_, mut config) = shipped("deepseek-v3").unwrap();
+    config.n_routed_experts = None;
+    config.num_local_experts = None;
+    let err = Model::from_config(&config, "d.json")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.starts_with("d.json: `n_routed_experts` is missing"),
+        "{err}"
+    );
+    // an explicit 0 is a dense model, as transformers builds it
+    let (_, mut config) = shipped("qwen3-30b-a3b").unwrap();
+    config.num_experts = Some(0);
+    let m = Model::from_config(&config, "q.json").unwrap();
+    find(&m, "model.layers.0.mlp.gate_proj.weight");
+}

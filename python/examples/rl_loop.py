@@ -1,0 +1,270 @@
+"""An RL loop on CPU: a transformers Qwen3 (and a Qwen3-MoE) trained by FSDP2 on two gloo
+ranks, an engine on two others holding vLLM's tensor-parallel buffers, a refit after every
+step.
+
+    python python/examples/rl_loop.py --steps 5            # Qwen3, then Qwen3-MoE
+
+Each step the engine samples a few tokens per prompt with a model built on its shards; the
+trainer takes a policy-gradient step on them (reward: the share of tokens in the lower half
+of the vocabulary); then the trainer's FSDP2 parameters refit into the engine's buffers
+(:func:`reshard.engine.refit_engine_`). After every refit the engine's logits on the batch
+must equal the trainer's bit for bit, or the loop stops. Each step prints the refit's time,
+the pause (the engine waiting: refit and rebuilding its model) and, measured in the same
+run, what the usual way costs: per-parameter ``full_tensor()`` on the trainer and a
+broadcast to every rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+
+TRAIN_RANKS = [0, 1]
+ENGINE_RANKS = [2, 3]
+WORLD = 4
+
+
+def _config(moe: bool, args):
+    hidden = args.hidden
+    small = dict(
+        vocab_size=args.vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=hidden // 4,
+        tie_word_embeddings=False,
+        max_position_embeddings=64,
+    )
+    if moe:
+        from transformers import Qwen3MoeConfig
+
+        return Qwen3MoeConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=hidden // 2, **small)
+    from transformers import Qwen3Config
+
+    return Qwen3Config(**small)
+
+
+def _model(config):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)  # the same initial weights on every rank
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
+    return model.eval()
+
+
+def _assemble(refit, engine, rank, group, vocab_pad=64):
+    """The whole HF tensors from the engine ranks' buffers (gathered among them): fused
+    buffers split into their members, the padding cut off, each shard put in its place."""
+    from reshard.engine import _VOCAB, _padded, _refit_name
+
+    everyone = [None] * len(ENGINE_RANKS)
+    dist.all_gather_object(everyone, engine, group=group)
+    names = set(refit.names)
+    full = {}
+    for r, theirs in zip(ENGINE_RANKS, everyone):
+        fused = refit.fused(r)
+        pieces, at = {}, {}
+        for name, tensor in theirs.items():
+            if name in fused:
+                for member, dim, offset, extent in fused[name]:
+                    pieces[member] = tensor.narrow(dim, offset, extent)
+                continue
+            refit_name = _refit_name(names, name, "weight_scale_inv")
+            layout = refit.layouts(refit_name)[1]
+            if refit_name in _VOCAB:  # the padded split: its real rows, where they start
+                first, real, _ = _padded(layout, r, vocab_pad)
+                pieces[refit_name] = tensor[:real]
+                at[refit_name] = first
+            else:
+                pieces[refit_name] = tensor
+        for name, piece in pieces.items():
+            layout = refit.layouts(name)[1]
+            if name not in full:
+                full[name] = torch.empty(layout.shape, dtype=piece.dtype)
+            offset, _ = layout.local_region(r)
+            offset = [at.pop(name, offset[0]), *offset[1:]]
+            full[name][tuple(slice(o, o + n) for o, n in zip(offset, piece.shape))] = piece
+    return full
+
+
+def _hf_state(refit, full, model):
+    """The model's state dict from whole refit tensors (transformers 5's fused experts)."""
+    state = {}
+    for name in model.state_dict():
+        if name in full:
+            state[name] = full[name]
+        elif name.endswith(".mlp.experts.gate_up_proj"):
+            prefix = name[: -len("gate_up_proj")]
+            state[name] = torch.cat([full[prefix + "gate_proj.weight"], full[prefix + "up_proj.weight"]], dim=1)
+    return state
+
+
+def _run_model(rank, args, moe: bool, world_group, engine_group, train_mesh, path_dir) -> None:
+    import reshard.torch as rt
+    from reshard import Refit
+    from reshard.engine import engine_params, refit_engine_
+    from torch.distributed.fsdp import fully_shard
+
+    config = _config(moe, args)
+    model = _model(config)
+    kind = "qwen3_moe" if moe else "qwen3"
+    path = os.path.join(path_dir, f"{kind}.json")
+    if rank == 0:
+        config.save_pretrained(path_dir)
+        os.replace(os.path.join(path_dir, "config.json"), path)
+    dist.barrier()
+    refit = Refit(path, "fsdp=2", f"tp={len(ENGINE_RANKS)}", train_dtype="f32")
+    trainer = engine = None
+    if rank in TRAIN_RANKS:
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=train_mesh)
+        fully_shard(model, mesh=train_mesh)
+        optim = torch.optim.Adam(model.parameters(), lr=args.lr)
+        trainer = model
+    else:
+        engine = {n: torch.zeros(s, dtype=d) for n, (s, d) in engine_params(refit, rank).items()}
+        engine_model = model
+    src = dict(trainer.named_parameters()) if trainer is not None else None
+    gen = torch.Generator().manual_seed(1234)
+    prompts = torch.randint(0, args.vocab, (args.batch, 4), generator=gen)
+    baseline = {}
+    if rank in ENGINE_RANKS:
+        for name in refit.names:
+            baseline[name] = torch.empty(refit.layouts(name)[1].shape)
+    for step in range(args.steps + 1):
+        # the refit, timed on every rank; the pause lasts until the engine's model is rebuilt
+        dist.barrier()
+        start = time.perf_counter()
+        refit_engine_(refit, src, engine)
+        refit_s = time.perf_counter() - start
+        if engine is not None:
+            full = _assemble(refit, engine, rank, engine_group)
+            engine_model.load_state_dict(_hf_state(refit, full, engine_model), strict=True)
+        pause_s = time.perf_counter() - start
+        # the usual way, same run: per-parameter full_tensor() on the trainer, a broadcast
+        dist.barrier()
+        start = time.perf_counter()
+        for name in refit.names:
+            if trainer is not None:
+                whole = _full_tensor(src, name)
+            else:
+                whole = baseline[name]
+            dist.broadcast(whole, TRAIN_RANKS[0], group=world_group)
+        naive_s = time.perf_counter() - start
+        # the engine samples from the prompts with the refit weights; everyone gets the tokens
+        tokens = prompts.clone()
+        if rank == ENGINE_RANKS[0]:
+            with torch.no_grad():
+                for _ in range(args.tokens):
+                    logits = engine_model(tokens).logits[:, -1]
+                    probs = torch.softmax(logits, dim=-1)
+                    tokens = torch.cat([tokens, torch.multinomial(probs, 1, generator=gen)], dim=1)
+        else:
+            tokens = torch.cat([tokens, torch.zeros(args.batch, args.tokens, dtype=tokens.dtype)], dim=1)
+        dist.broadcast(tokens, ENGINE_RANKS[0])
+        # the engine's logits on the batch against the trainer's, bit for bit
+        with torch.no_grad():
+            if trainer is not None:
+                logits = trainer(tokens).logits
+            else:
+                logits = engine_model(tokens).logits
+        theirs = logits.clone()
+        dist.broadcast(theirs, TRAIN_RANKS[0])
+        equal = torch.tensor([int(torch.equal(theirs, logits))])
+        dist.all_reduce(equal, op=dist.ReduceOp.MIN)
+        if not equal.item():
+            raise SystemExit(f"{kind} step {step}: the engine's logits differ from the trainer's")
+        times = torch.tensor([refit_s, pause_s, naive_s], dtype=torch.float64)
+        dist.all_reduce(times, op=dist.ReduceOp.MAX)
+        if step == args.steps:
+            loss_text = "(last refit)"
+        else:
+            reward = _train_step(trainer, optim if trainer is not None else None, tokens, prompts.shape[1], args.vocab)
+            loss_text = f"reward {reward:.3f}"
+        if rank == 0:
+            print(
+                f"{kind:9} step {step}  {loss_text:16} refit {times[0] * 1e3:7.2f} ms  pause {times[1] * 1e3:7.2f} ms  "
+                f"full_tensor+broadcast {times[2] * 1e3:7.2f} ms  ({times[2] / times[0]:.1f}x)  logits bitwise equal",
+                flush=True,
+            )
+
+
+def _full_tensor(src, name):
+    if name in src:
+        return src[name].full_tensor()
+    # a member of transformers 5's fused experts: its part of the whole buffer
+    prefix, member = name.rsplit(".", 2)[0], name.rsplit(".", 2)[1]
+    whole = src[prefix + ".gate_up_proj"].full_tensor()
+    half = whole.shape[1] // 2
+    return (whole[:, :half] if member == "gate_proj" else whole[:, half:]).contiguous()
+
+
+def _train_step(trainer, optim, tokens, prompt_len, vocab):
+    """One policy-gradient step (REINFORCE with a mean baseline) on the sampled tokens."""
+    sampled = tokens[:, prompt_len:]
+    rewards = (sampled < vocab // 2).float().mean(dim=1)
+    if trainer is None:
+        return rewards.mean().item()
+    advantage = rewards - rewards.mean()
+    logits = trainer(tokens).logits[:, prompt_len - 1 : -1]
+    logp = torch.log_softmax(logits, dim=-1).gather(-1, sampled.unsqueeze(-1)).squeeze(-1)
+    loss = -(advantage.unsqueeze(1) * logp).mean()
+    optim.zero_grad()
+    loss.backward()
+    optim.step()
+    return rewards.mean().item()
+
+
+def _worker(rank, args, port, path_dir):
+    from torch.distributed.tensor import DeviceMesh
+
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    import datetime
+
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=120))
+    try:
+        world_group = dist.group.WORLD
+        engine_group = dist.new_group(ENGINE_RANKS)
+        train_mesh = DeviceMesh("cpu", TRAIN_RANKS)
+        for moe in args.models:
+            _run_model(rank, args, moe, world_group, engine_group, train_mesh, path_dir)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=5, help="training steps (a refit after each)")
+    parser.add_argument("--tokens", type=int, default=4, help="tokens sampled per prompt")
+    parser.add_argument("--batch", type=int, default=4, help="prompts per step")
+    parser.add_argument("--vocab", type=int, default=1000, help="vocabulary (padded to 1024 by the engine)")
+    parser.add_argument("--hidden", type=int, default=64, help="hidden size (a multiple of 8)")
+    parser.add_argument("--layers", type=int, default=2, help="decoder layers")
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--model", choices=["qwen3", "qwen3_moe", "both"], default="both")
+    args = parser.parse_args(argv)
+    args.models = {"qwen3": [False], "qwen3_moe": [True], "both": [False, True]}[args.model]
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as path_dir:
+        mp.spawn(_worker, args=(args, port, path_dir), nprocs=WORLD, join=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,271 @@
+"""An inference engine's own parameters as a :class:`reshard.Refit`'s destinations.
+
+vLLM and SGLang hold a model's weights under their own names and shapes, per tensor-parallel
+rank:
+
+================================================  ==============================================
+engine parameter (Qwen3, Qwen3-MoE)               the refit's parameters it holds
+================================================  ==============================================
+``model.embed_tokens.weight`` ``[V'/tp, H]``      ``model.embed_tokens.weight``, vocab padded
+``lm_head.weight`` ``[V'/tp, H]``                 ``lm_head.weight``, vocab padded
+``...self_attn.qkv_proj.weight``                  ``q_proj``, ``k_proj``, ``v_proj`` (dim 0)
+``...mlp.gate_up_proj.weight``                    ``gate_proj``, ``up_proj`` (dim 0)
+``...mlp.experts.w13_weight`` ``[E, 2I/tp, H]``   the experts' ``gate_proj``, ``up_proj`` (dim 1)
+``...mlp.experts.w2_weight`` ``[E, H, I/tp]``     the experts' ``down_proj``
+``...weight_scale_inv`` (fp8, block scales)       the weight's scales (``weight_scale`` with
+                                                  ``scale_name="weight_scale"``, as
+                                                  compressed-tensors checkpoints name them)
+every other parameter                             the same name, its shard's shape
+================================================  ==============================================
+
+Both engines pad the vocabulary to a multiple of 64 (``vocab_pad``) before splitting it over
+the tensor-parallel ranks evenly, so rank ``r`` of ``tp`` holds rows ``[r V'/tp, (r+1) V'/tp)``
+of the padded table (``V' = ceil(V / 64) 64``), the rows past ``V`` unused; where that is the
+``torch.chunk`` split the refit moves (Qwen3's 151936 rows over 1, 2, 4 or 8 ranks), the rows
+land in place, otherwise each rank's rows arrive in a scratch shard first and move once more
+between the engine's ranks. SGLang names its parameters as vLLM does for these models.
+
+:func:`engine_params` lists what an inference rank holds (to build an engine's buffers or to
+compare with its ``named_parameters()``); :func:`refit_engine_` runs a refit into them.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Mapping, Optional, Tuple
+
+import torch
+
+from ._core import Layout, Refit, ReshardError
+from ._torch_common import _TORCH_DTYPES, torch_dtype
+
+#: The parameters whose vocabulary the engines pad.
+_VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
+
+ENGINES = ("vllm", "sglang")
+
+
+def _engine_name(name: str) -> str:
+    """The engine's name of a refit's unfused parameter."""
+    for down in (".mlp.experts.down_proj.weight", ".mlp.experts.down_proj"):
+        if name.endswith(down):
+            return name[: -len(down)] + ".mlp.experts.w2_weight"
+    return name
+
+
+def _check_engine(engine: str, scale_name: str, vocab_pad: int) -> None:
+    if engine not in ENGINES:
+        raise ReshardError(f"engine: {engine!r} is not one of {', '.join(ENGINES)}")
+    if scale_name not in ("weight_scale_inv", "weight_scale"):
+        raise ReshardError(f"scale_name: {scale_name!r} is neither weight_scale_inv nor weight_scale")
+    if isinstance(vocab_pad, bool) or not isinstance(vocab_pad, int) or vocab_pad < 1:
+        raise ReshardError(f"vocab_pad: {vocab_pad!r} is not a positive integer")
+
+
+def _padded(layout: Layout, rank: int, vocab_pad: int) -> Optional[Tuple[int, int, int]]:
+    """``(first, real, per)``: the padded split of the vocab rows on ``rank``: the first row it
+    holds, how many real rows, the rows of its shard; None where dim 0 is not split alone."""
+    vocab = layout.shape[0]
+    dims = [i for i, p in enumerate(layout.placements) if p.is_shard()]
+    if not dims:
+        return None
+    if any(p.dim != 0 for p in (layout.placements[i] for i in dims)) or len(dims) != 1:
+        raise ReshardError(
+            f"{layout.spec}: the engines split the vocabulary over one mesh axis, on dim 0"
+        )
+    axis = dims[0]
+    tp = layout.mesh[axis]
+    padded = -(-vocab // vocab_pad) * vocab_pad
+    if padded % tp:
+        raise ReshardError(f"vocab_pad: the padded vocabulary {padded} does not split over tp={tp} ranks")
+    per = padded // tp
+    position = list(layout.ranks).index(rank)
+    stride = 1
+    for n in layout.mesh[axis + 1 :]:
+        stride *= n
+    index = (position // stride) % tp
+    first = min(index * per, vocab)
+    return first, min(per, vocab - first), per
+
+
+def engine_params(
+    refit: Refit,
+    rank: int,
+    engine: str = "vllm",
+    *,
+    vocab_pad: int = 64,
+    scale_name: str = "weight_scale_inv",
+) -> Dict[str, Tuple[Tuple[int, ...], torch.dtype]]:
+    """What inference ``rank`` of ``refit`` holds in ``engine``: name -> (shape, dtype), in
+    the refit's order (an empty dict on a rank that holds none)."""
+    _check_engine(engine, scale_name, vocab_pad)
+    fused = refit.fused(rank)
+    member_of = {m: buffer for buffer, ms in fused.items() for m, *_ in ms}
+    out: Dict[str, Tuple[Tuple[int, ...], torch.dtype]] = {}
+    for name in refit.names:
+        layout = refit.layouts(name)[1]
+        shape = layout.local_shape(rank)
+        if shape is None:
+            continue
+        dtype = torch_dtype(layout)
+        if name in member_of:
+            buffer = member_of[name]
+            if buffer not in out:
+                ms = fused[buffer]
+                whole = list(shape)
+                whole[ms[0][1]] = sum(extent for *_, extent in ms)
+                out[buffer] = (tuple(whole), dtype)
+            continue
+        if name in _VOCAB:
+            split = _padded(layout, rank, vocab_pad)
+            if split is not None:
+                shape = (split[2], *shape[1:])
+        out[_engine_name(name)] = (tuple(shape), dtype)
+    for weight, (scale, scale_shape) in _scales(refit, rank, scale_name).items():
+        out[scale] = scale_shape
+    return out
+
+
+def _scales(refit: Refit, rank: int, scale_name: str) -> Dict[str, Tuple[str, tuple]]:
+    """The fp8 scale shards an inference rank holds: weight (or fused buffer) -> (engine's
+    scale name, (shape, dtype))."""
+    if refit.quant is None:
+        return {}
+    from . import quant_scale_dtype, quant_scale_shape
+
+    dtype = _TORCH_DTYPES[quant_scale_dtype(refit.quant)]
+    out = {}
+    fused = refit.scale_fused(rank)
+    member_of = {m for ms in fused.values() for m, *_ in ms}
+    for buffer, ms in fused.items():
+        first = quant_scale_shape(refit.layouts(ms[0][0])[1], rank, refit.quant)
+        shape = list(first)
+        shape[ms[0][1]] = sum(extent for *_, extent in ms)
+        out[buffer] = (_rename_scale(buffer, scale_name), (tuple(shape), dtype))
+    for weight, (scale, _) in refit.scales.items():
+        if weight in member_of:
+            continue
+        shape = quant_scale_shape(refit.layouts(weight)[1], rank, refit.quant)
+        if shape is not None:
+            out[weight] = (_rename_scale(_engine_name(scale), scale_name), (tuple(shape), dtype))
+    return out
+
+
+def _rename_scale(name: str, scale_name: str) -> str:
+    if scale_name == "weight_scale" and name.endswith("weight_scale_inv"):
+        return name[: -len("_inv")]
+    return name
+
+
+def _refit_name(refit_names, name: str, scale_name: str) -> str:
+    """The refit's name of an engine's parameter (its own where they agree)."""
+    if name.endswith(".mlp.experts.w2_weight"):
+        prefix = name[: -len(".mlp.experts.w2_weight")]
+        for down in (".mlp.experts.down_proj", ".mlp.experts.down_proj.weight"):
+            if prefix + down in refit_names:
+                return prefix + down
+    if scale_name == "weight_scale" and name.endswith("weight_scale"):
+        return name + "_inv"
+    if name.endswith(".mlp.experts.w2_weight_scale_inv") or name.endswith(".mlp.experts.w2_weight_scale"):
+        return name if name.endswith("_inv") else name + "_inv"
+    return name
+
+
+def _replica_peers(layout: Layout, rank: int) -> List[int]:
+    """The ranks of ``rank``'s replica of a vocab-split layout, by their vocab shard."""
+    axis = next(i for i, p in enumerate(layout.placements) if p.is_shard())
+    ranks = list(layout.ranks)
+    stride = 1
+    for n in layout.mesh[axis + 1 :]:
+        stride *= n
+    position = ranks.index(rank)
+    base = position - ((position // stride) % layout.mesh[axis]) * stride
+    return [ranks[base + i * stride] for i in range(layout.mesh[axis])]
+
+
+def _vocab_moves(refit: Refit, vocab_pad: int):
+    """The pieces of the vocab tables the refit's split leaves on another engine rank than
+    the padded split wants: (name, piece name, source rank, its first row, destination rank,
+    its first row, rows), the same on every rank."""
+    names = set(refit.names)
+    out = []
+    for name in _VOCAB:
+        if name not in names:
+            continue
+        layout = refit.layouts(name)[1]
+        if not any(p.is_shard() for p in layout.placements):
+            continue
+        for r in layout.ranks:
+            first, real, _ = _padded(layout, r, vocab_pad)
+            offset, extent = layout.local_region(r)
+            if (offset[0], extent[0]) == (first, real) or real == 0:
+                continue
+            for s in _replica_peers(layout, r):
+                (s_first, *_), (s_rows, *_) = layout.local_region(s)
+                lo, hi = max(first, s_first), min(first + real, s_first + s_rows)
+                if lo < hi:
+                    out.append((name, f"{name}@{lo}:{s}>{r}", s, lo - s_first, r, lo - first, hi - lo))
+    return out
+
+
+def refit_engine_(
+    refit: Refit,
+    src: Optional[Mapping[str, torch.Tensor]],
+    engine: Optional[Mapping[str, torch.Tensor]],
+    group=None,
+    *,
+    engine_kind: str = "vllm",
+    vocab_pad: int = 64,
+    scale_name: str = "weight_scale_inv",
+    **options,
+) -> None:
+    """:func:`reshard.torch.reshard_many_` of ``refit`` into an engine's own parameters:
+    ``engine`` is this rank's ``dict(named_parameters())`` of vLLM or SGLang (None on a rank
+    that holds none), shapes as :func:`engine_params` lists them, written in place; ``src``
+    this rank's training shards (DTensors too). Every rank of ``group`` calls it."""
+    from . import torch as rt
+
+    _check_engine(engine_kind, scale_name, vocab_pad)
+    rank, _ = rt._group_rank(group)
+    if rank < 0:
+        return
+    names = set(refit.names)
+    moves = _vocab_moves(refit, vocab_pad)
+    staged = {name for name, *_ in moves}
+    dst, scratch, tables = None, {}, {}
+    if engine is not None:
+        dst = {}
+        for name, tensor in engine.items():
+            tensor = tensor.data if isinstance(tensor, torch.nn.Parameter) else tensor
+            refit_name = _refit_name(names, name, scale_name)
+            layout = refit.layouts(refit_name)[1] if refit_name in names else None
+            if refit_name in _VOCAB and layout is not None and layout.local_shape(rank) is not None:
+                split = _padded(layout, rank, vocab_pad)
+                if split is not None:
+                    tables[refit_name] = tensor
+                    if tuple(tensor.shape[:1]) != (split[2],):
+                        raise ReshardError(
+                            f"{name}: shape {list(tensor.shape)}, but {engine_kind} pads the "
+                            f"vocabulary to {split[2]} rows on rank {rank} (vocab_pad={vocab_pad})"
+                        )
+                    if refit_name in staged:
+                        scratch[refit_name] = torch.empty(layout.local_shape(rank), dtype=tensor.dtype)
+                        tensor = scratch[refit_name]
+                    else:
+                        tensor = tensor[: split[1]]
+            dst[refit_name] = tensor
+    rt.reshard_many_(refit, group=group, src=src, dst=dst, **options)
+    if not moves:
+        return
+    pairs = {}
+    for name, piece, s, s_row, r, r_row, rows in moves:
+        layout = refit.layouts(name)[1]
+        shape = (rows, *layout.shape[1:])
+        src_t = scratch[name][s_row : s_row + rows] if rank == s else None
+        dst_t = tables[name][r_row : r_row + rows] if rank == r else None
+        pairs[piece] = (
+            src_t,
+            dst_t,
+            Layout(shape, layout.dtype, 1, [s], ["R"]),
+            Layout(shape, layout.dtype, 1, [r], ["R"]),
+        )
+    rt.reshard_many_(pairs, group=group)
