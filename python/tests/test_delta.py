@@ -154,7 +154,7 @@ def random_refits(rank, world, cases):
 
 
 def test_delta_refits_are_exact_on_random_layouts():
-    run_ranks(random_refits, 5, 10, timeout=120)
+    run_ranks(random_refits, 5, 24, timeout=120)
 
 
 # Two training ranks (0, 1) hold rows, three inference ranks (1, 2, 3) columns: rank 1 is on
@@ -238,3 +238,187 @@ def cast_and_fencing(rank, world):
 
 def test_casts_fencing_and_versions():
     run_ranks(cast_and_fencing, 4, timeout=60)
+
+
+def checksums_and_anchors(rank, world):
+    gen = torch.Generator().manual_seed(11)
+    full = torch.randn(48, 4100, generator=gen)
+    out = None if DST.local_region(rank) is None else torch.zeros(DST.local_shape(rank), dtype=torch.bfloat16)
+
+    def run(session, version=None):
+        return session.refit({"w": (shard(SRC, rank, full), out, SRC, DST)}, version)
+
+    # without checksums, a shard changed behind the session's back stays wrong: nothing sees it
+    plain = rt.DeltaSession()
+    run(plain)
+    if rank == 2:
+        out[0, 0] += 1
+    full = nudged(full.to(torch.bfloat16), 0.001, gen).to(torch.float32)
+    full[0, :] = full.to(torch.bfloat16).to(torch.float32)[0, :]  # row 0 keeps its value
+    run(plain)
+    if rank == 2:
+        want = rt.local_tensor(DST, rank, full.to(torch.bfloat16))
+        assert not bits_equal(out, want)
+
+    # with them, the rank whose shard is not the base raises, and the next refit heals it
+    checked = rt.DeltaSession(checksum=True)
+    report = run(checked)
+    expect(full, rank, out)
+    wire = reshard.Layout((48, 4100), "bf16", mesh=2, ranks=[0, 1], placements=["S(0)"])
+    assert report.checked == len(reshard.rank_plan(wire, DST, rank).recvs)
+    if rank == 2:
+        out[0, 0] += 1
+    full = nudged(full.to(torch.bfloat16), 0.001, gen).to(torch.float32)
+    if rank == 2:
+        with pytest.raises(reshard.ReshardError, match="checksum mismatch after applying"):
+            run(checked)
+        assert checked.held is None
+    else:
+        report = run(checked)
+        expect(full, rank, out)
+    report = run(checked)
+    assert report.fenced == {2: "holds no version (a new or restarted rank)"}
+    expect(full, rank, out)
+
+    # anchor=3: versions 3 and 6 go dense to every destination
+    anchored = rt.DeltaSession(anchor=3)
+    for version in range(1, 8):
+        full = nudged(full.to(torch.bfloat16), 0.001, gen).to(torch.float32)
+        report = run(anchored)
+        expect(full, rank, out)
+        if version in (3, 6):
+            assert set(report.fenced) == {1, 2, 3}
+            assert all(why == f"anchor: version {version} is a multiple of anchor=3" for why in report.fenced.values())
+            assert report.regions_delta == 0
+        elif version > 1:
+            assert not report.fenced and report.regions_dense == 0
+    with pytest.raises(reshard.ReshardError, match="anchor: 0 is invalid"):
+        rt.DeltaSession(anchor=0)
+
+
+def test_checksums_catch_a_wrong_base_and_anchors_send_dense():
+    run_ranks(checksums_and_anchors, 4, timeout=60)
+
+
+def previous_and_options(rank, world):
+    gen = torch.Generator().manual_seed(13)
+    full = torch.randn(48, 4100, generator=gen)
+    out = None if DST.local_region(rank) is None else torch.zeros(DST.local_shape(rank), dtype=torch.bfloat16)
+
+    # keep_base=False keeps nothing: with previous= the caller's last tensors are the base
+    session = rt.DeltaSession(keep_base=False)
+    report = session.refit({"w": (shard(SRC, rank, full), out, SRC, DST)})
+    assert report.base_bytes == 0
+    for _ in range(2):
+        old, full = full, nudged(full.to(torch.bfloat16), 0.001, gen).to(torch.float32)
+        previous = {"w": shard(SRC, rank, old)} if rank in (0, 1) else {}
+        report = session.refit({"w": (shard(SRC, rank, full), out, SRC, DST)}, previous=previous)
+        expect(full, rank, out)
+        assert report.base_bytes == 0 and not report.unbased and not report.fenced
+        if rank in (0, 1):
+            assert report.regions_dense == 0 and report.bytes_sent < report.bytes_dense // 4
+    full = nudged(full.to(torch.bfloat16), 0.001, gen).to(torch.float32)
+    report = session.refit({"w": (shard(SRC, rank, full), out, SRC, DST)})  # no previous: dense
+    expect(full, rank, out)
+    assert report.unbased == {0: "keeps no base", 1: "keeps no base"} or report.base is None
+    assert report.regions_delta == 0
+
+    # reshard_many_(delta=True): the module's session of the group
+    for version in range(1, 4):
+        full = nudged(full.to(torch.bfloat16), 0.001, gen).to(torch.float32)
+        report = rt.reshard_many_({"w": (shard(SRC, rank, full), out, SRC, DST)}, delta=True)
+        expect(full, rank, out)
+        assert report.version == version and (version == 1) == bool(report.fenced)
+    mine = rt.DeltaSession(checksum=True)
+    report = rt.reshard_many_({"w": (shard(SRC, rank, full), out, SRC, DST)}, session=mine, version=7)
+    assert report.version == 7 and mine.last == 7
+    assert rt.reshard_many_({"w": (shard(SRC, rank, full), out, SRC, DST)}) is None
+
+    # what a delta refit does not do raises on every rank, before anything moves
+    fp8 = reshard.Layout((48, 4100), "fp8e4m3", mesh=3, ranks=[1, 2, 3], placements=["S(1)"])
+    with pytest.raises(reshard.ReshardError, match="quant: a delta refit does not move fp8"):
+        rt.reshard_many_({"w": (shard(SRC, rank, full), out, SRC, DST)}, delta=True, quant="tensor")
+    fp8_out = None if out is None else torch.zeros(out.shape, dtype=torch.float8_e4m3fn)
+    with pytest.raises(reshard.ReshardError, match="delta: w: dst_layout is fp8e4m3"):
+        rt.reshard_many_({"w": (shard(SRC, rank, full), fp8_out, SRC, fp8)}, delta=True)
+    with pytest.raises(reshard.ReshardError, match="version, previous: given only with delta"):
+        rt.reshard_many_({"w": (shard(SRC, rank, full), out, SRC, DST)}, version=3)
+    wrong = None if out is None else torch.zeros(out.shape, dtype=torch.float32)
+    with pytest.raises(reshard.ReshardError, match="dst_local" if rank in (1, 2, 3) else "refused"):
+        mine.refit({"w": (shard(SRC, rank, full), wrong, SRC, DST)})
+    # the ranks disagree on the job: every rank names the difference
+    other = DST if rank != 3 else reshard.Layout((48, 4100), "bf16", mesh=3, ranks=[1, 2, 3], placements=["R"])
+    bad = None if out is None else torch.zeros(other.local_shape(rank), dtype=torch.bfloat16)
+    with pytest.raises(reshard.ReshardError, match="disagree"):
+        mine.refit({"w": (shard(SRC, rank, full), bad, SRC, other)})
+
+
+def test_previous_tensors_module_sessions_and_refusals():
+    run_ranks(previous_and_options, 4, timeout=60)
+
+
+TINY = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "vocab_size": 1000,
+    "hidden_size": 64,
+    "intermediate_size": 192,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+}
+
+
+def refit_versions(rank, world, path):
+    refit = reshard.Refit(path, train="tp=2", infer="tp=2", train_dtype="f32")
+    gen = torch.Generator().manual_seed(17)
+    fulls = {}
+    for name in refit.names:
+        s_layout, _ = refit.layouts(name)
+        fulls[name] = (torch.randn(s_layout.shape, generator=gen) * 4).to(torch.bfloat16).to(torch.float32)
+    fused = refit.fused(rank)
+    members = {m for ms in fused.values() for m, *_ in ms}
+    dst = {}
+    for name in refit.rank_names(rank):
+        d_layout = refit.layouts(name)[1]
+        if rank in d_layout.ranks and name not in members:
+            dst[name] = torch.zeros(d_layout.local_shape(rank), dtype=torch.bfloat16)
+    for buffer, ms in fused.items():
+        shape = list(refit.layouts(ms[0][0])[1].local_shape(rank))
+        shape[ms[0][1]] = sum(extent for *_, extent in ms)
+        dst[buffer] = torch.zeros(shape, dtype=torch.bfloat16)
+    session = rt.DeltaSession(checksum=True)
+    for version, density in enumerate([None, 0.0, 0.01, 1.0], start=1):
+        if density is not None:
+            fulls = {n: nudged(f.to(torch.bfloat16), density, gen).to(torch.float32) for n, f in fulls.items()}
+        src = {}
+        for name in refit.rank_names(rank):
+            s_layout = refit.layouts(name)[0]
+            if rank in s_layout.ranks:
+                src[name] = shard(s_layout, rank, fulls[name])
+        report = session.refit(refit, src=src, dst=dst)
+        assert report.version == version
+        for name in refit.names:
+            d_layout = refit.layouts(name)[1]
+            want = rt.local_tensor(d_layout, rank, fulls[name].to(torch.bfloat16))
+            if want is None:
+                continue
+            got = dst.get(name)
+            for buffer, ms in fused.items():
+                for member, dim, offset, extent in ms:
+                    if member == name:
+                        got = dst[buffer].narrow(dim, offset, extent)
+            assert bits_equal(got, want), (version, name)
+        if density == 0.0:
+            assert report.changed == 0 and report.blocks["unchanged"] == sum(report.blocks.values())
+        if density == 0.01 and rank in (0, 1):
+            assert report.regions_dense == 0 and report.bytes_sent < report.bytes_dense // 2
+
+
+def test_refit_of_a_model_over_versions(tmp_path):
+    path = tmp_path / "tiny.json"
+    path.write_text(json.dumps(TINY))
+    run_ranks(refit_versions, 4, str(path), timeout=60)
