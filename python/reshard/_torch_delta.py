@@ -93,10 +93,14 @@ def encode(new: torch.Tensor, base: Optional[torch.Tensor]) -> Encoded:
     elem = new.element_size()
     nb = _nblocks(n)
     device = new.device
-    grid = torch.zeros(nb * BLOCK, dtype=torch.bool, device=device)
-    grid[:n] = bits(new) != bits(base)
-    grid = grid.view(nb, BLOCK)
-    counts = grid.sum(1)
+    changed_at = bits(new) != bits(base)
+    if n % BLOCK:
+        grid = torch.zeros(nb * BLOCK, dtype=torch.bool, device=device)
+        grid[:n] = changed_at
+        grid = grid.view(nb, BLOCK)
+    else:
+        grid = changed_at.view(nb, BLOCK)
+    counts = grid.view(torch.uint8).sum(1, dtype=torch.int64)  # summing bools would copy them
     lengths = (n - torch.arange(nb, device=device) * BLOCK).clamp(max=BLOCK)
     big = torch.full_like(counts, 1 << 62)
     cost = torch.stack(
@@ -116,24 +120,48 @@ def encode(new: torch.Tensor, base: Optional[torch.Tensor]) -> Encoded:
         return Encoded(REGION_DENSE, [as_bytes(new)], tally, changed)
     offsets_rows = tags == OFFSETS
     bitmask_rows = tags == BITMASK
-    counted = offsets_rows | bitmask_rows
-    sel = grid | (tags == DENSE).unsqueeze(1)
-    values = new[sel.view(-1)[:n]]
-    masks = grid[bitmask_rows].view(-1, BLOCK // 8, 8).to(torch.uint8)
-    shifts = torch.arange(8, dtype=torch.uint8, device=device)
-    masks = (masks << shifts).sum(-1, dtype=torch.uint8).view(-1)
-    if bool(bitmask_rows[-1]) and n % BLOCK:
+    sel = changed_at
+    if tally[DENSE]:
+        sel = (grid | (tags == DENSE).unsqueeze(1)).view(-1)[:n]
+    # the selected elements, in row-major order: one index list gives the values and offsets
+    at = torch.nonzero(sel).view(-1)
+    values = new[at]
+    offsets = at[offsets_rows[at // BLOCK]] % BLOCK
+    masks = _pack_bits(grid[bitmask_rows]) if tally[BITMASK] else grid.new_zeros(0, dtype=torch.uint8)
+    if tally[BITMASK] and bool(bitmask_rows[-1]) and n % BLOCK:
         # the last block is short: its mask has only the bytes its elements need
         masks = masks[: masks.numel() - BLOCK // 8 + (n % BLOCK + 7) // 8]
-    offsets = grid[offsets_rows].nonzero()[:, 1].to(torch.int16)
     sections = [
         tags.to(torch.uint8),
-        as_bytes(counts[counted].to(torch.int16)),
+        as_bytes(counts[offsets_rows | bitmask_rows].to(torch.int16)),
         masks,
-        as_bytes(offsets),
+        as_bytes(offsets.to(torch.int16)),
         as_bytes(values),
     ]
     return Encoded(REGION_BLOCKS, sections, tally, changed)
+
+
+# Multiplying 8 bytes of 0 or 1 by this gathers them, the first as the lowest bit, into the
+# top byte: each byte's bit lands alone there, and no two partial products meet below it.
+_GATHER = 0x0102040810204080
+
+
+def _pack_bits(rows: torch.Tensor) -> torch.Tensor:
+    """Boolean rows of :data:`BLOCK` as their bitmasks, bit ``i % 8`` of byte ``i // 8`` for
+    element ``i`` (little-endian), flattened."""
+    words = rows.contiguous().view(torch.uint8).view(torch.int64)
+    return ((words * _GATHER) >> 56).bitwise_and(0xFF).to(torch.uint8).view(-1)
+
+
+# Each byte of a mask repeated into the 8 bytes of a word, then byte i keeps bit i alone.
+_SPREAD = 0x0101010101010101
+_BIT_OF_BYTE = 0x8040201008040201 - (1 << 64)  # as a signed 64-bit integer
+
+
+def _unpack_bits(masks: torch.Tensor) -> torch.Tensor:
+    """The booleans of the bitmask bytes ``masks`` (as :func:`_pack_bits` packs them)."""
+    words = (masks.to(torch.int64) * _SPREAD).bitwise_and(_BIT_OF_BYTE)
+    return words.view(torch.uint8) != 0
 
 
 class Reader:
@@ -193,24 +221,29 @@ def decode(reader: Reader, mode: int, out: torch.Tensor, what: str) -> None:
     nvalues = int(per_block.sum()) + int(lengths[tags == DENSE].sum())
     values = reader.take(nvalues * elem).view(bits(out).dtype)
 
+    rows = None
+    if noffsets:
+        rows = torch.repeat_interleave(torch.nonzero(offsets_rows).view(-1), per_block[offsets_rows]).to(device)
+        cols = offsets.to(torch.int64)
+        if bool(((cols < 0) | (cols >= BLOCK)).any()):
+            raise ReshardError(f"{what}: a changed element's offset lies outside its block")
+        if not nbitmask and not bool((tags == DENSE).any()):
+            # offsets alone: their elements' indices, in order, say where the values go
+            at = rows * BLOCK + cols
+            if bool((at[1:] <= at[:-1]).any()) or int(at[-1]) >= n:
+                raise ReshardError(f"{what}: a block's offsets are not increasing within its elements")
+            bits(out)[at] = values
+            return
     sel = torch.zeros(nb, BLOCK, dtype=torch.bool, device=device)
     sel[(tags == DENSE).to(device)] = True
     if nbitmask:
         full = torch.zeros(nbitmask * (BLOCK // 8), dtype=torch.uint8, device=device)
         full[:nmask] = masks
-        shifts = torch.arange(8, dtype=torch.uint8, device=device)
-        unpacked = ((full.view(-1, 1) >> shifts) & 1).bool().view(nbitmask, BLOCK)
-        sel[bitmask_rows.to(device)] = unpacked
-    if noffsets:
-        rows = torch.repeat_interleave(
-            torch.nonzero(offsets_rows).view(-1), per_block[offsets_rows]
-        ).to(device)
-        cols = offsets.to(torch.int64)
-        if bool(((cols < 0) | (cols >= BLOCK)).any()):
-            raise ReshardError(f"{what}: a changed element's offset lies outside its block")
+        sel[bitmask_rows.to(device)] = _unpack_bits(full).view(nbitmask, BLOCK)
+    if rows is not None:
         sel[rows, cols] = True
     sel = sel.view(-1)[:n]
-    if int(sel.sum()) != nvalues:
+    if int(sel.view(torch.uint8).sum(dtype=torch.int64)) != nvalues:
         raise ReshardError(
             f"{what}: the message's masks and offsets select another number of elements than "
             f"the {nvalues} values it carries"
