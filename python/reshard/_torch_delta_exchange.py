@@ -101,7 +101,15 @@ def _encode(session, job, peer: int, items, held: int, anchored: bool, report, b
         if session.checksum:
             crcs.append(_crc(new))
         if session.keep_base:
-            bases.setdefault(name, {})[_key(job, name, piece)] = (report.version, new.clone())
+            key = _key(job, name, piece)
+            # the old base, encoded against now, takes the new region (no allocation); it
+            # leaves the session first, so that a call that fails later leaves no wrong base
+            kept = session._bases.get(name, {}).pop(key, None)
+            if kept is not None and (kept[1].shape, kept[1].dtype, kept[1].device) == (new.shape, new.dtype, new.device):
+                kept[1].copy_(new)
+                bases.setdefault(name, {})[key] = (report.version, kept[1])
+            else:
+                bases.setdefault(name, {})[key] = (report.version, new.clone())
     if not session.checksum and all(m == _codec.REGION_UNCHANGED for m in modes):
         return None
     header = [torch.tensor(modes, dtype=torch.uint8, device=device)]
@@ -170,8 +178,8 @@ def run(session, job, heard, version: int, report, device, rank: int) -> None:
         problem = None
         for peer in sorted(recvs):
             problem = _apply(session, job, peer, recvs[peer], landing.get(peer), report, rank) or problem
-    except ReshardError:
-        session.held = None
+    except BaseException:
+        session.held = None  # a shard half applied holds no version
         raise
     if problem is not None:
         session.held = None
