@@ -37,11 +37,13 @@ def _crc(flat: torch.Tensor) -> int:
 def _concat(parts: List[torch.Tensor], device) -> torch.Tensor:
     """The byte tensors ``parts`` one after the other, each at a multiple of 8 bytes."""
     total = sum(_codec.aligned(p.numel()) for p in parts)
-    out = torch.zeros(total, dtype=torch.uint8, device=device)
+    out = torch.empty(total, dtype=torch.uint8, device=device)
     at = 0
     for p in parts:
-        out[at : at + p.numel()] = p
-        at += _codec.aligned(p.numel())
+        end = at + p.numel()
+        out[at:end] = p
+        at = _codec.aligned(end)
+        out[end:at] = 0  # the padding, so that no stale memory leaves the rank
     return out
 
 
