@@ -52,8 +52,9 @@ def worker(rank, port, args, out):
     gen = torch.Generator().manual_seed(rank)
     names = [f"layers.{i}.weight" for i in range(args.tensors)]
     masters = {n: torch.randn(src.local_shape(rank), generator=gen) for n in names} if rank < 2 else {}
-    dense_out = {n: torch.empty(dst.local_shape(rank), dtype=torch.bfloat16) for n in names} if rank >= 2 else {}
-    delta_out = {n: torch.empty(dst.local_shape(rank), dtype=torch.bfloat16) for n in names} if rank >= 2 else {}
+    shard = dst.local_shape(rank)
+    dense_out = {n: torch.empty(shard, dtype=torch.bfloat16) for n in names} if rank >= 2 else {}
+    delta_out = {n: torch.empty(shard, dtype=torch.bfloat16) for n in names} if rank >= 2 else {}
 
     def pairs(outs):
         return {n: (masters.get(n), outs.get(n), src, dst) for n in names}
@@ -102,7 +103,7 @@ def main():
     parser.add_argument("--tensors", type=int, default=16)
     parser.add_argument("--rows", type=int, default=1024, help="rows of 1024 elements per tensor")
     parser.add_argument("--iters", type=int, default=5)
-    parser.add_argument("--densities", default="0.01,0.1,1", help="comma-separated shares of changed elements")
+    parser.add_argument("--densities", default="0.01,0.1,1", help="shares of changed elements, by commas")
     args = parser.parse_args()
     args.densities = [float(d) for d in args.densities.split(",")]
 
@@ -117,11 +118,15 @@ def main():
         f"{args.tensors} x {args.rows}x{COLS} f32 masters (S(0), ranks 0..2) -> bf16 (S(1), ranks 2..4), "
         f"{wire / 2**20:g} MiB of bf16 a refit, gloo, median of {args.iters} versions"
     )
-    print(f"{'density':>8} {'dense s':>8} {'delta s':>8} {'delta/dense':>11} {'MiB sent':>9} {'of dense':>9} {'base MiB':>9} exact")
+    print(
+        f"{'density':>8} {'dense s':>8} {'delta s':>8} {'delta/dense':>11} {'MiB sent':>9} "
+        f"{'of dense':>9} {'base MiB':>9} exact"
+    )
     for density, r in results.items():
         print(
             f"{density:>8g} {r['dense']:>8.3f} {r['delta']:>8.3f} {r['delta'] / r['dense']:>10.2f}x "
-            f"{r['sent'] / 2**20:>9.2f} {r['sent'] / r['dense_bytes']:>8.1%} {r['base'] / 2**20:>9.1f} {r['exact']}"
+            f"{r['sent'] / 2**20:>9.2f} {r['sent'] / r['dense_bytes']:>8.1%} "
+            f"{r['base'] / 2**20:>9.1f} {r['exact']}"
         )
 
 

@@ -223,7 +223,8 @@ def decode(reader: Reader, mode: int, out: torch.Tensor, what: str) -> None:
 
     rows = None
     if noffsets:
-        rows = torch.repeat_interleave(torch.nonzero(offsets_rows).view(-1), per_block[offsets_rows]).to(device)
+        first = torch.nonzero(offsets_rows).view(-1)
+        rows = torch.repeat_interleave(first, per_block[offsets_rows]).to(device)
         cols = offsets.to(torch.int64)
         if bool(((cols < 0) | (cols >= BLOCK)).any()):
             raise ReshardError(f"{what}: a changed element's offset lies outside its block")

@@ -107,7 +107,8 @@ def _encode(session, job, peer: int, items, held: int, anchored: bool, report, b
             # the old base, encoded against now, takes the new region (no allocation); it
             # leaves the session first, so that a call that fails later leaves no wrong base
             kept = session._bases.get(name, {}).pop(key, None)
-            if kept is not None and (kept[1].shape, kept[1].dtype, kept[1].device) == (new.shape, new.dtype, new.device):
+            same = kept is not None and kept[1].shape == new.shape and kept[1].dtype == new.dtype
+            if same and kept[1].device == new.device:
                 kept[1].copy_(new)
                 bases.setdefault(name, {})[key] = (report.version, kept[1])
             else:
@@ -120,7 +121,7 @@ def _encode(session, job, peer: int, items, held: int, anchored: bool, report, b
     return _concat(header + sections, device)
 
 
-def _exchange(sends: Dict[int, torch.Tensor], recvs: Dict[int, int], group, device) -> Dict[int, torch.Tensor]:
+def _exchange(sends: Dict[int, torch.Tensor], recvs: Dict[int, int], group, device):
     """Sends every message and receives every one of a known size, in one batch."""
     ops = []
     for peer, buffer in sends.items():
@@ -141,8 +142,8 @@ def run(session, job, heard, version: int, report, device, rank: int) -> None:
     bases: Dict[str, dict] = {}
     messages = {}
     for peer in sorted(sends):
-        message = _encode(session, job, peer, sends[peer], heard[peer][_HELD], anchored, report, bases, device)
-        messages[peer] = message
+        held = heard[peer][_HELD]
+        messages[peer] = _encode(session, job, peer, sends[peer], held, anchored, report, bases, device)
 
     # the sizes first (a message of nothing unchanged is not sent), then the messages
     sizes_out = {
@@ -204,7 +205,8 @@ def _apply(session, job, peer: int, items, buffer, report, rank: int) -> Optiona
     for i, ((name, piece), mode) in enumerate(zip(items, modes)):
         view = job.pairs[name][1][piece.local]
         flat = _flat(view)
-        label = f"{what}, {name + ': ' if name else ''}region at offset {list(piece.offset)} extent {'x'.join(map(str, piece.shape))}"
+        extent = "x".join(map(str, piece.shape))
+        label = f"{what}, {name + ': ' if name else ''}region at offset {list(piece.offset)} extent {extent}"
         _codec.decode(reader, mode, flat, label)
         if mode != _codec.REGION_UNCHANGED and not view.is_contiguous():
             view.copy_(flat.view(view.shape))

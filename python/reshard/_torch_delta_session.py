@@ -161,7 +161,9 @@ class DeltaSession:
         a snapshot of it; None: unknown)."""
         self.held = None if version is None else _check_version("version", version)
 
-    def refit(self, pairs, version: Optional[int] = None, *, src=None, dst=None, previous=None) -> DeltaReport:
+    def refit(
+        self, pairs, version: Optional[int] = None, *, src=None, dst=None, previous=None
+    ) -> DeltaReport:
         """Brings every destination shard to ``version`` (the last refit's plus one when
         None; every rank passes the same), sending only what changed where the destination
         holds the base. Returns this rank's :class:`DeltaReport`. Raises
@@ -193,10 +195,13 @@ def _read(session: DeltaSession, given, src, dst, previous, rank: int, world: in
         )
     if isinstance(given, Mapping):
         for name, item in given.items():
-            if isinstance(item, (tuple, list)) and len(item) == 4 and str(getattr(item[3], "dtype", "")).startswith("fp8"):
+            if not isinstance(item, (tuple, list)) or len(item) != 4:
+                continue  # read() names it
+            src_dtype, dst_dtype = (str(getattr(layout, "dtype", "")) for layout in item[2:])
+            if dst_dtype.startswith("fp8") and not src_dtype.startswith("fp8"):
                 raise ReshardError(
-                    f"delta: {name}: dst_layout is {item[3].dtype}, and a delta refit does not "
-                    "move fp8 tensors; refit them without delta"
+                    f"delta: {name}: dst_layout is {dst_dtype}, and a delta refit does not "
+                    "quantize into fp8; refit such tensors without delta"
                 )
     if previous is not None and not isinstance(previous, Mapping):
         raise ReshardError(f"previous: expected a mapping of names to tensors, got {type(previous).__name__}")
@@ -232,7 +237,7 @@ def _digest(fingerprint) -> int:
     return int.from_bytes(raw, "little") >> 1
 
 
-def _fence(session: DeltaSession, job, ok: bool, version: int, digest: int, device, world: int) -> List[List[int]]:
+def _fence(session: DeltaSession, job, ok: bool, version: int, digest: int, device, world: int):
     """Every rank's fence fields, through one all-gather of a few integers per rank."""
     if job is not None and job.previous is not None:
         base = session.last  # the caller's previous tensors are the last refit's
@@ -272,7 +277,9 @@ def _refit(session: DeltaSession, given, version, src, dst, previous, problem=No
         raise ReshardError(problem)
     for r, fields in enumerate(heard):
         if not fields[_OK]:
-            raise ReshardError(f"nothing was moved: rank {r} refused its arguments (its own error names them)")
+            raise ReshardError(
+                f"nothing was moved: rank {r} refused its arguments (its own error names them)"
+            )
     assert job is not None
     if any(fields[_DIGEST] != digest for fields in heard):
         _agree(job.fingerprint, lambda: None, group, rank)  # names what differs, on every rank
@@ -322,7 +329,7 @@ def _report(session: DeltaSession, job: _Job, heard, version: int) -> DeltaRepor
 _SESSIONS: Dict[tuple, DeltaSession] = {}
 
 
-def refit_many(pairs, group, checksum: bool, session, version, src, dst, previous, **unsupported) -> DeltaReport:
+def refit_many(pairs, group, checksum: bool, session, version, src, dst, previous, **unsupported):
     """:func:`reshard.torch.reshard_many_` with ``delta=True`` or a ``session``: a refit of
     ``session`` (with ``delta=True`` alone, the module's session of ``group``)."""
     problem = None
@@ -336,5 +343,5 @@ def refit_many(pairs, group, checksum: bool, session, version, src, dst, previou
         problem = "checksum: True, but the session was made without (DeltaSession(checksum=True))"
     for what, value in unsupported.items():
         if value is not None and problem is None:
-            problem = f"{what}: a delta refit does not move fp8 tensors; refit them without delta"
+            problem = f"{what}: a delta refit does not quantize into fp8; refit such tensors without delta"
     return _refit(session, pairs, version, src, dst, previous, problem)

@@ -30,7 +30,9 @@ def nudged(full, density, gen):
 
 
 def bits_equal(a, b):
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(codec.bits(a.reshape(-1)), codec.bits(b.reshape(-1)))
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    return torch.equal(codec.bits(a.reshape(-1)), codec.bits(b.reshape(-1)))
 
 
 def pack(encoded):
@@ -74,7 +76,9 @@ def test_codec_applies_exactly_at_every_density(dtype):
 def test_codec_chooses_blocks_by_the_cores_rule():
     # 4096 bf16 elements: offsets cost 4 bytes a change, a bitmask 512 bytes + 2 a change
     base = torch.zeros(4096, dtype=torch.bfloat16)
-    for changed, want in [(0, "unchanged"), (1, "offsets"), (255, "offsets"), (257, "bitmask"), (3800, "bitmask"), (3900, "dense")]:
+    cases = [(0, "unchanged"), (1, "offsets"), (255, "offsets"), (257, "bitmask")]
+    cases += [(3800, "bitmask"), (3900, "dense")]
+    for changed, want in cases:
         new = base.clone()
         codec.bits(new)[torch.randperm(4096, generator=torch.Generator().manual_seed(changed))[:changed]] += 1
         encoded, out = roundtrip(new, base)
@@ -102,6 +106,11 @@ def random_layout(rng, world, shape, dtype):
     return reshard.Layout(shape, dtype, mesh, ranks, random_placements(rng, len(mesh), len(shape)))
 
 
+def empty(layout, rank):
+    shape = layout.local_shape(rank)
+    return None if shape is None else torch.zeros(shape, dtype=rt.torch_dtype(layout))
+
+
 def shard(layout, rank, full):
     view = rt.local_tensor(layout, rank, full)
     return None if view is None else view.clone()
@@ -122,7 +131,7 @@ def random_refits(rank, world, cases):
             dst = random_layout(rng, world, shape, dtype)
             layouts[f"t{k}"] = (src, dst)
             fulls[f"t{k}"] = (torch.randn(shape, generator=gen) * 50).to(rt.torch_dtype(src))
-        outs = {n: None if d.local_region(rank) is None else torch.zeros(d.local_shape(rank), dtype=rt.torch_dtype(d)) for n, (_, d) in layouts.items()}
+        outs = {n: empty(d, rank) for n, (_, d) in layouts.items()}
         session = rt.DeltaSession(checksum=case % 2 == 1)
         densities = DENSITIES[:]
         rng.shuffle(densities)
@@ -232,7 +241,8 @@ def cast_and_fencing(rank, world):
     assert report.version == 100 and report.base == 7 and not report.unbased
     with pytest.raises(reshard.ReshardError, match="version: rank"):
         refit(version=200 + (rank == 2))
-    with pytest.raises(reshard.ReshardError, match=r"version: -1 is invalid" if rank == 1 else "rank 1 refused"):
+    refusal = "version: -1 is invalid" if rank == 1 else "rank 1 refused"
+    with pytest.raises(reshard.ReshardError, match=refusal):
         refit(version=-1 if rank == 1 else 300)
 
 
@@ -288,7 +298,8 @@ def checksums_and_anchors(rank, world):
         expect(full, rank, out)
         if version in (3, 6):
             assert set(report.fenced) == {1, 2, 3}
-            assert all(why == f"anchor: version {version} is a multiple of anchor=3" for why in report.fenced.values())
+            why = f"anchor: version {version} is a multiple of anchor=3"
+            assert all(reason == why for reason in report.fenced.values())
             assert report.regions_delta == 0
         elif version > 1:
             assert not report.fenced and report.regions_dense == 0
@@ -336,10 +347,19 @@ def previous_and_options(rank, world):
 
     # what a delta refit does not do raises on every rank, before anything moves
     fp8 = reshard.Layout((48, 4100), "fp8e4m3", mesh=3, ranks=[1, 2, 3], placements=["S(1)"])
-    with pytest.raises(reshard.ReshardError, match="quant: a delta refit does not move fp8"):
-        rt.reshard_many_({"w": (shard(SRC, rank, full), out, SRC, DST)}, delta=True, quant="tensor")
+    # fp8 already quantized on both sides moves as its bytes, by delta too
+    fp8_src = reshard.Layout((48, 4100), "fp8e4m3", mesh=2, ranks=[0, 1], placements=["S(0)"])
     fp8_out = None if out is None else torch.zeros(out.shape, dtype=torch.float8_e4m3fn)
-    with pytest.raises(reshard.ReshardError, match="delta: w: dst_layout is fp8e4m3"):
+    values = (torch.randn(48, 4100, generator=gen) * 8).to(torch.float8_e4m3fn)
+    fp8_session = rt.DeltaSession()
+    for _ in range(3):
+        values = nudged(values, 0.01, gen)
+        fp8_session.refit({"q": (shard(fp8_src, rank, values), fp8_out, fp8_src, fp8)})
+        want = rt.local_tensor(fp8, rank, values)
+        assert want is None or bits_equal(fp8_out, want)
+    with pytest.raises(reshard.ReshardError, match="quant: a delta refit does not quantize"):
+        rt.reshard_many_({"w": (shard(SRC, rank, full), out, SRC, DST)}, delta=True, quant="tensor")
+    with pytest.raises(reshard.ReshardError, match="delta: w: dst_layout is fp8e4m3, and a delta refit does not quantize"):
         rt.reshard_many_({"w": (shard(SRC, rank, full), fp8_out, SRC, fp8)}, delta=True)
     with pytest.raises(reshard.ReshardError, match="version, previous: given only with delta"):
         rt.reshard_many_({"w": (shard(SRC, rank, full), out, SRC, DST)}, version=3)
@@ -347,7 +367,8 @@ def previous_and_options(rank, world):
     with pytest.raises(reshard.ReshardError, match="dst_local" if rank in (1, 2, 3) else "refused"):
         mine.refit({"w": (shard(SRC, rank, full), wrong, SRC, DST)})
     # the ranks disagree on the job: every rank names the difference
-    other = DST if rank != 3 else reshard.Layout((48, 4100), "bf16", mesh=3, ranks=[1, 2, 3], placements=["R"])
+    replicated = reshard.Layout((48, 4100), "bf16", mesh=3, ranks=[1, 2, 3], placements=["R"])
+    other = DST if rank != 3 else replicated
     bad = None if out is None else torch.zeros(other.local_shape(rank), dtype=torch.bfloat16)
     with pytest.raises(reshard.ReshardError, match="disagree"):
         mine.refit({"w": (shard(SRC, rank, full), bad, SRC, other)})
@@ -393,7 +414,8 @@ def refit_versions(rank, world, path):
     session = rt.DeltaSession(checksum=True)
     for version, density in enumerate([None, 0.0, 0.01, 1.0], start=1):
         if density is not None:
-            fulls = {n: nudged(f.to(torch.bfloat16), density, gen).to(torch.float32) for n, f in fulls.items()}
+            wire = {n: nudged(f.to(torch.bfloat16), density, gen) for n, f in fulls.items()}
+            fulls = {n: f.to(torch.float32) for n, f in wire.items()}
         src = {}
         for name in refit.rank_names(rank):
             s_layout = refit.layouts(name)[0]
