@@ -52,12 +52,33 @@ def _flat(view: torch.Tensor) -> torch.Tensor:
     return view.view(-1) if view.is_contiguous() else view.reshape(-1)
 
 
-def _by_peer(job, side: str) -> Dict[int, List[Tuple[str, object]]]:
+def _by_peer(job, members: List[int], side: str) -> Dict[int, List[Tuple[str, object]]]:
     out: Dict[int, List[Tuple[str, object]]] = {}
-    for name, plan in zip(job.names, job.plans):
-        for peer, pieces in getattr(plan, side).items():
-            out.setdefault(peer, []).extend((name, p) for p in pieces)
+    for i in members:
+        for peer, pieces in getattr(job.plans[i], side).items():
+            out.setdefault(peer, []).extend((job.names[i], p) for p in pieces)
     return out
+
+
+def _buckets(job, bucket_bytes: int) -> List[List[int]]:
+    """The tensors cut into buckets of about ``bucket_bytes`` of global tensor in the wire
+    dtype (one bucket for a larger one), from global sizes, which every rank knows alike."""
+    buckets: List[List[int]] = []
+    members: List[int] = []
+    filled = 0
+    for i, name in enumerate(job.names):
+        layout = job.pairs[name][2]
+        size = layout.elem_bytes
+        for n in layout.shape:
+            size *= n
+        if members and filled + size > bucket_bytes:
+            buckets.append(members)
+            members, filled = [], 0
+        members.append(i)
+        filled += size
+    if members:
+        buckets.append(members)
+    return buckets
 
 
 def _key(job, name: str, piece) -> tuple:
@@ -134,39 +155,36 @@ def _exchange(sends: Dict[int, torch.Tensor], recvs: Dict[int, int], group, devi
 
 
 def run(session, job, heard, version: int, report, device, rank: int) -> None:
-    """Moves the data of one refit whose fence passed, and fills ``report``'s statistics."""
-    group = session.group
+    """Moves the data of one refit whose fence passed, bucket by bucket, and fills
+    ``report``'s statistics. A rank that fails to apply a message goes on exchanging the
+    other buckets (its peers wait for them), then raises."""
     anchored = session.anchor is not None and version % session.anchor == 0
-    sends, recvs = _by_peer(job, "sends"), _by_peer(job, "recvs")
-
     bases: Dict[str, dict] = {}
-    messages = {}
-    for peer in sorted(sends):
-        held = heard[peer][_HELD]
-        messages[peer] = _encode(session, job, peer, sends[peer], held, anchored, report, bases, device)
+    failure: Optional[BaseException] = None
+    problem: Optional[str] = None
+    for members in _buckets(job, session.bucket_bytes):
+        sends, recvs = _by_peer(job, members, "sends"), _by_peer(job, members, "recvs")
+        messages = {}
+        for peer in sorted(sends):
+            held = heard[peer][_HELD]
+            messages[peer] = _encode(session, job, peer, sends[peer], held, anchored, report, bases, device)
+        landing = _move(session.group, messages, list(recvs), device, report)
+        for i in members:  # the regions this rank holds on both sides
+            src_local, dst_local = job.pairs[job.names[i]][0], job.pairs[job.names[i]][1]
+            for src_slices, dst_slices in job.plans[i].locals:
+                dst_local[dst_slices].copy_(src_local[src_slices])
+        for request in landing.pop(None):
+            request.wait()
+        if failure is not None:
+            continue
+        try:
+            for peer in sorted(recvs):
+                found = _apply(session, job, peer, recvs[peer], landing.get(peer), report, rank)
+                problem = problem or found
+        except Exception as e:  # raised below, after the other buckets
+            failure = e
 
-    # the sizes first (a message of nothing unchanged is not sent), then the messages
-    sizes_out = {
-        p: torch.tensor([0 if m is None else m.numel()], dtype=torch.int64, device=device).view(torch.uint8)
-        for p, m in messages.items()
-    }
-    sizes_in, requests = _exchange(sizes_out, {p: 8 for p in recvs}, group, device)
-    for request in requests:
-        request.wait()
-    sizes = {p: int(t.view(torch.int64)[0]) for p, t in sizes_in.items()}
-    outgoing = {p: m for p, m in messages.items() if m is not None}
-    report.bytes_sent = sum(m.numel() for m in outgoing.values())
-    landing, requests = _exchange(outgoing, {p: n for p, n in sizes.items() if n > 0}, group, device)
-
-    # the regions this rank holds on both sides, while the messages travel
-    for name, plan in zip(job.names, job.plans):
-        src_local, dst_local = job.pairs[name][0], job.pairs[name][1]
-        for src_slices, dst_slices in plan.locals:
-            dst_local[dst_slices].copy_(src_local[src_slices])
-    for request in requests:
-        request.wait()
-
-    # this rank sent what it sent: its bases are the new regions, whatever arrives here
+    # this rank sent what it sent: its bases are the new regions, whatever arrived here
     for name in job.names:
         if session.keep_base:
             session._bases[name] = bases.get(name, {})
@@ -175,19 +193,32 @@ def run(session, job, heard, version: int, report, device, rank: int) -> None:
     session._sent = version if session.keep_base else None
     session.last = version
     report.base_bytes = session.base_bytes
-    report.bytes_received = sum(sizes.values())
-
-    try:
-        problem = None
-        for peer in sorted(recvs):
-            problem = _apply(session, job, peer, recvs[peer], landing.get(peer), report, rank) or problem
-    except BaseException:
-        session.held = None  # a shard half applied holds no version
-        raise
-    if problem is not None:
-        session.held = None
+    if failure is not None or problem is not None:
+        session.held = None  # a shard not applied, or not the base, holds no version
+        if failure is not None:
+            raise failure
         raise ReshardError(problem)
     session.held = version
+
+
+def _move(group, messages, peers: List[int], device, report) -> dict:
+    """Sends this rank's messages of one bucket and posts the receives: first every
+    message's size (one that says nothing changed, without checksums, is not sent), then the
+    messages. The buffers that will arrive by peer, and under None the requests to wait."""
+    sizes_out = {
+        p: torch.tensor([0 if m is None else m.numel()], dtype=torch.int64, device=device).view(torch.uint8)
+        for p, m in messages.items()
+    }
+    sizes_in, requests = _exchange(sizes_out, {p: 8 for p in peers}, group, device)
+    for request in requests:
+        request.wait()
+    sizes = {p: int(t.view(torch.int64)[0]) for p, t in sizes_in.items()}
+    outgoing = {p: m for p, m in messages.items() if m is not None}
+    report.bytes_sent += sum(m.numel() for m in outgoing.values())
+    report.bytes_received += sum(sizes.values())
+    landing, requests = _exchange(outgoing, {p: n for p, n in sizes.items() if n > 0}, group, device)
+    landing[None] = requests
+    return landing
 
 
 def _apply(session, job, peer: int, items, buffer, report, rank: int) -> Optional[str]:

@@ -115,6 +115,10 @@ class DeltaSession:
     its regions dense in the same call, and the :class:`DeltaReport` says which ranks and why.
 
     ``anchor=N`` sends everything dense at every version that is a multiple of ``N``.
+    Tensors move in buckets of about ``bucket_bytes`` of global tensor (as in
+    :func:`reshard.torch.reshard_many_`), each bucket's messages built, exchanged and applied
+    before the next: the staging memory of a call is about a bucket's outgoing and incoming
+    messages (as large as its dense regions on a dense refit).
     ``checksum=True`` sends the CRC-32C of every new region, and the receiver compares it with
     its region after applying: a shard changed behind the session's back raises
     :class:`reshard.ReshardError` on that rank (which then holds no version, so the next refit
@@ -128,10 +132,21 @@ class DeltaSession:
     """
 
     def __init__(
-        self, group=None, *, checksum: bool = False, anchor: Optional[int] = None, keep_base: bool = True
+        self,
+        group=None,
+        *,
+        checksum: bool = False,
+        anchor: Optional[int] = None,
+        keep_base: bool = True,
+        bucket_bytes: int = 1 << 30,
     ) -> None:
         if anchor is not None and (isinstance(anchor, bool) or not isinstance(anchor, int) or anchor < 1):
             raise ReshardError(f"anchor: {anchor!r:.40} is invalid: it must be a positive integer or None")
+        if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
+            raise ReshardError(
+                f"bucket_bytes: {bucket_bytes!r:.40} is invalid: it must be a positive integer"
+            )
+        self.bucket_bytes = bucket_bytes
         self.group = group
         self.checksum = bool(checksum)
         self.anchor = anchor
@@ -168,7 +183,9 @@ class DeltaSession:
         None; every rank passes the same), sending only what changed where the destination
         holds the base. Returns this rank's :class:`DeltaReport`. Raises
         :class:`reshard.ReshardError` on every rank, before any data moves, when a rank's
-        arguments are bad or the ranks disagree on the job or the version."""
+        arguments are bad or the ranks disagree on the job or the version. A refit of some of
+        the tensors brings the rank to ``version`` all the same: those left out go dense the
+        next time they are refit (their bases are older than the version held)."""
         return _refit(self, pairs, version, src, dst, previous)
 
     reshard_many_ = refit
@@ -228,7 +245,8 @@ def _read(session: DeltaSession, given, src, dst, previous, rank: int, world: in
             label = f"{name}: " if name else ""
             _check_tensor(label, "previous", prev_pairs[name][0], src_layout, plan.src_shape, rank)
         plans.append(plan)
-    fingerprint = _fingerprint("delta refit", pairs, names, checksum=session.checksum, anchor=session.anchor)
+    options = dict(checksum=session.checksum, anchor=session.anchor, bucket_bytes=session.bucket_bytes)
+    fingerprint = _fingerprint("delta refit", pairs, names, **options)
     return _Job(pairs, names, plans, prev_pairs, fingerprint)
 
 
@@ -325,16 +343,22 @@ def _report(session: DeltaSession, job: _Job, heard, version: int) -> DeltaRepor
     return report
 
 
-# The sessions of reshard_many_(..., delta=True), by group and checksum option.
+# The sessions of reshard_many_(..., delta=True), by group and options.
 _SESSIONS: Dict[tuple, DeltaSession] = {}
 
 
-def refit_many(pairs, group, checksum: bool, session, version, src, dst, previous, **unsupported):
+def refit_many(
+    pairs, group, checksum: bool, bucket_bytes, session, version, src, dst, previous, **unsupported
+):
     """:func:`reshard.torch.reshard_many_` with ``delta=True`` or a ``session``: a refit of
-    ``session`` (with ``delta=True`` alone, the module's session of ``group``)."""
+    ``session`` (with ``delta=True`` alone, the module's session of ``group``, ``checksum``
+    and ``bucket_bytes``)."""
     problem = None
     if session is None:
-        session = _SESSIONS.setdefault((group, bool(checksum)), DeltaSession(group, checksum=checksum))
+        key = (group, bool(checksum), bucket_bytes)
+        if key not in _SESSIONS:
+            _SESSIONS[key] = DeltaSession(group, checksum=checksum, bucket_bytes=bucket_bytes)
+        session = _SESSIONS[key]
     elif not isinstance(session, DeltaSession):
         raise ReshardError(f"session: expected a reshard.torch.DeltaSession, got {type(session).__name__}")
     elif group is not None and group is not session.group:

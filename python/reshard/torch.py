@@ -206,7 +206,9 @@ def reshard_many_(
         return None  # not a member of the group: nothing to send or receive
     if delta or session is not None:
         unsupported = dict(quant=quant, scales=scales, scale_dtype=scale_dtype, src_scales=src_scales)
-        return refit_many(pairs, group, checksum, session, version, src, dst, previous, **unsupported)
+        return refit_many(
+            pairs, group, checksum, bucket_bytes, session, version, src, dst, previous, **unsupported
+        )
     if version is not None or previous is not None:
         _args.refuse("version, previous: given only with delta=True or a session", pairs, group, rank)
     given = pairs

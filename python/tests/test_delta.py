@@ -132,7 +132,8 @@ def random_refits(rank, world, cases):
             layouts[f"t{k}"] = (src, dst)
             fulls[f"t{k}"] = (torch.randn(shape, generator=gen) * 50).to(rt.torch_dtype(src))
         outs = {n: empty(d, rank) for n, (_, d) in layouts.items()}
-        session = rt.DeltaSession(checksum=case % 2 == 1)
+        # every other case with a bucket per tensor
+        session = rt.DeltaSession(checksum=case % 2 == 1, bucket_bytes=1 if case % 4 >= 2 else 1 << 30)
         densities = DENSITIES[:]
         rng.shuffle(densities)
         for version, density in enumerate([None] + densities, start=1):
@@ -290,6 +291,29 @@ def checksums_and_anchors(rank, world):
     assert report.fenced == {2: "holds no version (a new or restarted rank)"}
     expect(full, rank, out)
 
+    # a bucket per tensor: the rank whose first tensor fails its checksum still takes part in
+    # the second bucket and applies it, then raises
+    other = None if out is None else torch.zeros_like(out)
+    buckets = rt.DeltaSession(checksum=True, bucket_bytes=1)
+
+    def both():
+        mine = shard(SRC, rank, full)
+        return buckets.refit({"a": (mine, out, SRC, DST), "b": (mine, other, SRC, DST)})
+
+    both()
+    if rank == 2:
+        out[0, 0] += 1
+    full = nudged(full.to(torch.bfloat16), 0.001, gen).to(torch.float32)
+    if rank == 2:
+        with pytest.raises(reshard.ReshardError, match="a: region at offset .* checksum mismatch"):
+            both()
+    else:
+        both()
+    if other is not None:
+        assert bits_equal(other, rt.local_tensor(DST, rank, full.to(torch.bfloat16)))
+    both()
+    expect(full, rank, out)
+
     # anchor=3: versions 3 and 6 go dense to every destination
     anchored = rt.DeltaSession(anchor=3)
     for version in range(1, 8):
@@ -359,7 +383,8 @@ def previous_and_options(rank, world):
         assert want is None or bits_equal(fp8_out, want)
     with pytest.raises(reshard.ReshardError, match="quant: a delta refit does not quantize"):
         rt.reshard_many_({"w": (shard(SRC, rank, full), out, SRC, DST)}, delta=True, quant="tensor")
-    with pytest.raises(reshard.ReshardError, match="delta: w: dst_layout is fp8e4m3, and a delta refit does not quantize"):
+    refused = "delta: w: dst_layout is fp8e4m3, and a delta refit does not quantize"
+    with pytest.raises(reshard.ReshardError, match=refused):
         rt.reshard_many_({"w": (shard(SRC, rank, full), fp8_out, SRC, fp8)}, delta=True)
     with pytest.raises(reshard.ReshardError, match="version, previous: given only with delta"):
         rt.reshard_many_({"w": (shard(SRC, rank, full), out, SRC, DST)}, version=3)
