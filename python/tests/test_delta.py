@@ -418,7 +418,7 @@ TINY = {
 }
 
 
-def refit_versions(rank, world, path):
+def refit_versions(rank, world, path, lean):
     refit = reshard.Refit(path, train="tp=2", infer="tp=2", train_dtype="f32")
     gen = torch.Generator().manual_seed(17)
     fulls = {}
@@ -436,8 +436,11 @@ def refit_versions(rank, world, path):
         shape = list(refit.layouts(ms[0][0])[1].local_shape(rank))
         shape[ms[0][1]] = sum(extent for *_, extent in ms)
         dst[buffer] = torch.zeros(shape, dtype=torch.bfloat16)
-    session = rt.DeltaSession(checksum=True)
+    # lean: no bases kept, the trainer's tensors of the last version passed instead
+    session = rt.DeltaSession(checksum=True, keep_base=not lean)
+    src = None
     for version, density in enumerate([None, 0.0, 0.01, 1.0], start=1):
+        previous = src if lean else None
         if density is not None:
             wire = {n: nudged(f.to(torch.bfloat16), density, gen) for n, f in fulls.items()}
             fulls = {n: f.to(torch.float32) for n, f in wire.items()}
@@ -446,8 +449,9 @@ def refit_versions(rank, world, path):
             s_layout = refit.layouts(name)[0]
             if rank in s_layout.ranks:
                 src[name] = shard(s_layout, rank, fulls[name])
-        report = session.refit(refit, src=src, dst=dst)
+        report = session.refit(refit, src=src, dst=dst, previous=previous)
         assert report.version == version
+        assert (report.base_bytes == 0) == (lean or rank >= 2)
         for name in refit.names:
             d_layout = refit.layouts(name)[1]
             want = rt.local_tensor(d_layout, rank, fulls[name].to(torch.bfloat16))
@@ -465,7 +469,8 @@ def refit_versions(rank, world, path):
             assert report.regions_dense == 0 and report.bytes_sent < report.bytes_dense // 2
 
 
-def test_refit_of_a_model_over_versions(tmp_path):
+@pytest.mark.parametrize("lean", [False, True], ids=["kept-bases", "previous-tensors"])
+def test_refit_of_a_model_over_versions(tmp_path, lean):
     path = tmp_path / "tiny.json"
     path.write_text(json.dumps(TINY))
-    run_ranks(refit_versions, 4, str(path), timeout=60)
+    run_ranks(refit_versions, 4, str(path), lean, timeout=60)
