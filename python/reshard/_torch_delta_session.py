@@ -300,7 +300,9 @@ def _refit(session: DeltaSession, given, version, src, dst, previous, problem=No
             )
     assert job is not None
     if any(fields[_DIGEST] != digest for fields in heard):
-        _agree(job.fingerprint, lambda: None, group, rank)  # names what differs, on every rank
+        # names what differs, on every rank; the marker keeps it from any agreement kept
+        # from before (it never passes, so it is never kept itself)
+        _agree(job.fingerprint + [("fence", "disagreed")], lambda: None, group, rank)
         raise ReshardError("the ranks disagree on the job, so nothing was moved")
     for r, fields in enumerate(heard):
         if fields[_VERSION] != version:
@@ -309,7 +311,8 @@ def _refit(session: DeltaSession, given, version, src, dst, previous, problem=No
                 f"{version}, so nothing was moved"
             )
     report = _report(session, job, heard, version)
-    _exchange.run(session, job, heard, version, report, device, rank)
+    with torch.no_grad():  # parameters are read and written in place, outside autograd
+        _exchange.run(session, job, heard, version, report, device, rank)
     return report
 
 

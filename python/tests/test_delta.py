@@ -257,7 +257,11 @@ def checksums_and_anchors(rank, world):
     out = None if DST.local_region(rank) is None else torch.zeros(DST.local_shape(rank), dtype=torch.bfloat16)
 
     def run(session, version=None):
-        return session.refit({"w": (shard(SRC, rank, full), out, SRC, DST)}, version)
+        # parameters, as a trainer and an engine hold them: written in place all the same
+        mine = shard(SRC, rank, full)
+        mine = None if mine is None else torch.nn.Parameter(mine)
+        engine = None if out is None else torch.nn.Parameter(out)
+        return session.refit({"w": (mine, engine, SRC, DST)}, version)
 
     # without checksums, a shard changed behind the session's back stays wrong: nothing sees it
     plain = rt.DeltaSession()
