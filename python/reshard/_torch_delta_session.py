@@ -104,8 +104,9 @@ class DeltaSession:
     :func:`reshard.torch.reshard_many_` takes (a mapping of names to ``(src_local, dst_local,
     src_layout, dst_layout)``, or a :class:`reshard.Refit` with ``src`` and ``dst``), float
     casts included (an f32 source into a bf16 destination: the base is what was sent, in bf16,
-    so a change that vanishes in bf16 sends nothing). fp8 quantized destinations are refused
-    (``delta`` refits plain and cast tensors only).
+    so a change that vanishes in bf16 sends nothing). Quantizing into fp8 (``quant``, an fp8
+    destination of another source) is refused; fp8 already quantized on both sides moves as
+    its bytes, by delta too.
 
     The first refit is dense. Each later one sends, for every transfer, the blocks of 4096
     elements that differ bit for bit from what this rank sent of it last time (new values,
