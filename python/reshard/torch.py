@@ -34,6 +34,7 @@ from . import _torch_quant as _tq
 from ._core import Layout, Refit, ReshardError
 from ._torch_bucket import _Bucket, _check_entry, _LocalPlan, _plan_of, free_staging
 from ._torch_common import _agree, _fingerprint, torch_dtype
+from ._torch_delta_session import DeltaReport, DeltaSession, refit_many
 from ._torch_quant import scale_tensor
 
 # Kept on this module for the tests and tools that reach into it.
@@ -50,6 +51,8 @@ __all__ = [
     "free_staging",
     "scale_tensor",
     "DEFAULT_BUCKET_BYTES",
+    "DeltaSession",
+    "DeltaReport",
 ]
 
 #: Whether CPU tensors are packed by the Rust program (:class:`reshard._core.Packing`);
@@ -163,7 +166,11 @@ def reshard_many_(
     scales: Optional[Mapping[str, Optional[torch.Tensor]]] = None,
     scale_dtype: Optional[str] = None,
     src_scales: Optional[Mapping[str, Optional[torch.Tensor]]] = None,
-) -> None:
+    delta: bool = False,
+    session: Optional[DeltaSession] = None,
+    version: Optional[int] = None,
+    previous: Optional[Mapping[str, torch.Tensor]] = None,
+) -> Optional[DeltaReport]:
     """:func:`reshard_` for many tensors at once (a whole model): ``pairs`` maps a name to
     ``(src_local, dst_local, src_layout, dst_layout)``.
 
@@ -193,10 +200,25 @@ def reshard_many_(
     refit's and the scale shards come in ``dst`` under the engine's names
     (``X.weight_scale_inv``, fused ones as ``qkv_proj.weight_scale_inv``; see
     :attr:`reshard.Refit.scales` and :meth:`reshard.Refit.scale_fused`).
+
+    With ``delta=True`` or a ``session`` (a :class:`DeltaSession`), the call is a delta
+    refit: ``session.refit(pairs, version, src=src, dst=dst, previous=previous)``, which sends
+    only the blocks that changed since the session's last refit where the destination holds
+    it, and returns its :class:`DeltaReport`. ``delta=True`` alone uses one session per
+    ``group`` and ``checksum`` kept in this module (its bases live as long as the process);
+    make a :class:`DeltaSession` to choose ``anchor`` and ``keep_base``, or to forget. fp8
+    quantized tensors (``quant``, scales) are refused there.
     """
     rank, world = _group_rank(group)
     if rank < 0:
-        return  # not a member of the group: nothing to send or receive
+        return None  # not a member of the group: nothing to send or receive
+    if delta or session is not None:
+        unsupported = dict(quant=quant, scales=scales, scale_dtype=scale_dtype, src_scales=src_scales)
+        return refit_many(
+            pairs, group, checksum, bucket_bytes, session, version, src, dst, previous, **unsupported
+        )
+    if version is not None or previous is not None:
+        _args.refuse("version, previous: given only with delta=True or a session", pairs, group, rank)
     given = pairs
     try:
         if isinstance(pairs, Refit):  # DTensors: their local tensors, their boxes checked
@@ -216,6 +238,7 @@ def reshard_many_(
     if entries:
         _tq.reshard(entries, group, quant, scale_dtype, rank, world, checksum, native=_NATIVE)
     _args.passed(given, group)
+    return None
 
 
 def dtensor_layout(dt, group=None) -> Layout:

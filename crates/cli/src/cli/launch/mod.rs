@@ -76,7 +76,9 @@ fn forward(
     to_stdout: bool,
 ) -> Result<std::thread::JoinHandle<()>, Error> {
     let which = if to_stdout { "stdout" } else { "stderr" };
-    let spawned = std::thread::Builder::new().spawn(move || {
+    // a small stack: it copies through a buffer on the heap, and a launcher held to little
+    // memory (ulimit -v) must still start one per stream of every rank
+    let spawned = std::thread::Builder::new().stack_size(256 << 10).spawn(move || {
         if rank == 0 && to_stdout {
             // unchanged bytes, the lock taken per piece so that other ranks' lines get through
             let mut stream = stream;

@@ -446,10 +446,16 @@ fn print(args: &RunArgs, plan: &Plan, evolution: &Evolution, refits: &[Refit], r
             bytes(r.wire_bytes)
         );
     }
-    let base = refits.iter().map(|r| r.base_bytes).max().unwrap_or(0);
+    let mut kept: Vec<String> = Vec::new();
+    for method in ["delta", "gather-broadcast"] {
+        let most = refits.iter().filter(|r| r.method == method).map(|r| r.base_bytes).max();
+        if let Some(most) = most {
+            kept.push(format!("{method} {}", bytes(most)));
+        }
+    }
     println!(
-        "bases: up to {} per rank (one copy of what it sends, in the wire dtype); verified: {}",
-        bytes(base),
+        "kept between versions, most on one rank (bases: one copy of what it sends, in the wire dtype): {}; verified: {}",
+        kept.join(", "),
         if verified { "yes" } else { "no (add --verify)" }
     );
 }
