@@ -153,6 +153,24 @@ impl DeltaEncoder {
         range: Range<usize>,
         out: &mut Vec<u8>,
     ) -> Result<DeltaStats, DeltaError> {
+        let whole = self.encode_unless(pack, src, base, range, out, |_, _| false)?;
+        Ok(whole.unwrap_or_default())
+    }
+
+    /// [`DeltaEncoder::encode`], giving up as soon as `give_up(encoded, covered)` says so
+    /// after a block (`encoded` bytes of encoding so far for `covered` bytes of the stream):
+    /// the rest of `base` then takes the new values by a plain copy, `out` is left as it
+    /// was, and `None` says that the range is better sent dense. A sender asks this when it
+    /// would send a transfer dense anyway if its encoding is not smaller.
+    pub fn encode_unless(
+        &mut self,
+        pack: &CopyGeometry,
+        src: &[u8],
+        base: &mut [u8],
+        range: Range<usize>,
+        out: &mut Vec<u8>,
+        give_up: impl Fn(usize, usize) -> bool,
+    ) -> Result<Option<DeltaStats>, DeltaError> {
         let (elem, block_bytes) = (self.elem, self.elem * self.block_elems);
         let len = pack.len();
         if base.len() != len {
@@ -213,9 +231,16 @@ impl DeltaEncoder {
             stats.blocks[encoding as usize] += 1;
             stats.elems += n as u64;
             stats.changed += changed as u64;
+            let covered = at + n * elem - range.start;
+            if give_up(out.len() - start, covered) {
+                let rest = range.start + covered..range.end;
+                pack.copy(src, &mut base[rest.clone()], rest);
+                out.truncate(start);
+                return Ok(None);
+            }
         }
         stats.bytes = (out.len() - start) as u64;
-        Ok(stats)
+        Ok(Some(stats))
     }
 }
 

@@ -252,3 +252,42 @@ proptest! {
         prop_assert_eq!(changed, want);
     }
 }
+
+proptest! {
+    /// An encoding given up after any block leaves nothing in the output and the whole new
+    /// stream in the base, as a dense send would: the next delta is against what was sent.
+    #[test]
+    fn an_encoding_given_up_leaves_the_new_stream_as_base(
+        (shard, region) in arb_boxes(),
+        elem in prop::sample::select(vec![1usize, 2, 4, 8]),
+        block_elems in 1usize..70,
+        after in 0usize..400,
+        density in density(),
+        seed in any::<u64>(),
+    ) {
+        let shard_bytes = shard.volume() as usize * elem;
+        let pack = CopyGeometry::new(&region, Place::Within(&shard), Place::Stream, elem);
+        let old = bytes(shard_bytes, seed);
+        let new = evolve(&old, &pack, elem, density, seed ^ 0x51);
+        let mut base = vec![0u8; pack.len()];
+        pack.copy(&old, &mut base, 0..pack.len());
+        let mut new_stream = vec![0u8; pack.len()];
+        pack.copy(&new, &mut new_stream, 0..pack.len());
+        let mut out = vec![7u8; 3];
+        let mut encoder = DeltaEncoder::new(elem, block_elems).unwrap();
+        let cut = after * elem;
+        let got = encoder
+            .encode_unless(&pack, &new, &mut base, 0..pack.len(), &mut out, |_, covered| covered > cut)
+            .unwrap();
+        prop_assert_eq!(&base, &new_stream);
+        match got {
+            // gave up: the output is as it was
+            None => prop_assert_eq!(&out, &vec![7u8; 3]),
+            // never gave up: a whole encoding, after what was there
+            Some(stats) => {
+                prop_assert!(cut >= pack.len().saturating_sub(block_elems * elem));
+                prop_assert_eq!(stats.bytes as usize, out.len() - 3);
+            }
+        }
+    }
+}

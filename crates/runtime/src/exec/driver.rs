@@ -34,6 +34,7 @@ fn key(phase: &Phase<'_>) -> (usize, usize) {
         PhaseKind::Amax => 0,
         PhaseKind::Values => 1,
         PhaseKind::Round(j) => 1 + j,
+        PhaseKind::Forward => usize::MAX - 1,
         PhaseKind::Keep => usize::MAX,
     };
     (phase.part, at)

@@ -3,7 +3,7 @@
 
 use super::buffers::Buffers;
 use super::delta::{DeltaReport, DeltaRun};
-use super::delta_phase::PhaseWork;
+use super::delta_phase::{Kept, PhaseWork};
 use super::options::ExecOptions;
 use super::program::{Buf, Phase, PhaseKind, Program};
 use super::scaling::{self, Casts};
@@ -109,6 +109,8 @@ where
 /// phase under way.
 pub(crate) struct DeltaCtx<'a> {
     run: DeltaRun<'a>,
+    /// What this rank received as deltas, kept for a phase of forwards that follows.
+    kept: Option<Kept>,
     report: DeltaReport,
     work: Option<PhaseWork>,
     held: Option<u64>,
@@ -181,6 +183,7 @@ impl<'a> RankState<'a> {
                     ..DeltaReport::default()
                 },
                 run,
+                kept: forwards_hops(program).then(Kept::new),
                 work: None,
                 held,
             }
@@ -200,7 +203,7 @@ impl<'a> RankState<'a> {
 
     /// Whether `phase` runs as a delta phase: a phase of values of a delta refit.
     pub fn is_delta(&self, phase: &Phase<'_>) -> bool {
-        self.delta.is_some() && phase.kind == PhaseKind::Values
+        self.delta.is_some() && matches!(phase.kind, PhaseKind::Values | PhaseKind::Forward)
     }
 
     fn delta_ctx<'c>(
@@ -235,8 +238,10 @@ impl<'a> RankState<'a> {
         let work = ctx
             .work
             .insert(PhaseWork::new(index, &phase.steps, buffers, ctx.held));
+        let kept = ctx.kept.as_ref();
+        let none = Kept::new();
         work.fence(
-            &phase.steps,
+            (&phase.steps, &phase.forwards, kept.unwrap_or(&none)),
             &src,
             casts,
             &mut ctx.run,
@@ -293,8 +298,9 @@ impl<'a> RankState<'a> {
             detail: "the values of a delta phase before its fence".into(),
         })?;
         let (src, mut dst) = bufs.lend(*rank, &phase.src, &phase.dst)?;
+        let keep = ctx.kept.as_mut().filter(|_| phase.kind == PhaseKind::Values);
         let moved = work.values(
-            &phase.steps,
+            (&phase.steps, keep),
             &src,
             &mut dst,
             casts,
@@ -425,4 +431,12 @@ pub(crate) fn check_delta(program: &Program<'_>) -> Result<()> {
         });
     }
     Ok(())
+}
+
+/// Whether a rank forwards hops in a phase of forwards (it then keeps the deltas it receives).
+fn forwards_hops(program: &Program<'_>) -> bool {
+    program
+        .phases
+        .iter()
+        .any(|p| p.kind == PhaseKind::Forward && !p.forwards.is_empty())
 }

@@ -84,7 +84,10 @@ pub(crate) fn plan_phases<'p>(
             }
         })?,
     };
-    if job.plan.relays() {
+    // a delta refit moves a relay plan's own transfers in one phase, then forwards
+    // ([`forward_phase`]); without delta it runs round by round
+    let forwarding = job.plan.relays() && options.delta.is_some();
+    if job.plan.relays() && !forwarding {
         return relay_phases(program, job, part, cast, options);
     }
     let elem_bytes = job.dst_dtype.size();
@@ -98,7 +101,14 @@ pub(crate) fn plan_phases<'p>(
                 detail: "the plan receives from a rank that is not a source".into(),
             })
     };
-    let senders: Vec<Region> = job.plan.recvs.iter().map(sender).collect::<Result<_>>()?;
+    let own = |t: &&Transfer| t.via.is_none();
+    let senders: Vec<Region> = job
+        .plan
+        .recvs
+        .iter()
+        .filter(own)
+        .map(sender)
+        .collect::<Result<_>>()?;
     let mut src = vec![job.src.as_ref().map_or(NO_BUFFER, |s| s.buf)];
     let mut dst = vec![job.dst.as_ref().map_or(NO_BUFFER, |d| d.buf)];
     // quantizing: the amax exchange first, then the values with the scales beside them
@@ -147,6 +157,7 @@ pub(crate) fn plan_phases<'p>(
             .plan
             .sends
             .iter()
+            .filter(own)
             .map(|t| step(t, src_box.clone(), Cow::Borrowed(&t.region)))
             .collect();
         if let Some(dst_box) = dst_box {
@@ -163,6 +174,7 @@ pub(crate) fn plan_phases<'p>(
             .plan
             .recvs
             .iter()
+            .filter(own)
             .zip(senders)
             .map(|(t, b)| Step {
                 src_at: None,
@@ -187,7 +199,84 @@ pub(crate) fn plan_phases<'p>(
         phase.steps.locals.extend(extra.locals);
     }
     program.phases.push(phase);
+    if forwarding {
+        forward_phase(program, job, part);
+    }
     Ok(())
+}
+
+/// The forwards of a relay plan in a delta refit: each relaying rank sends on the regions it
+/// forwards, out of a copy of its shard made first (so that a rank may forward and receive
+/// forwards in the same phase), and the delta machinery sends each as the delta its hop came
+/// as, where the receiver holds its base.
+fn forward_phase<'p>(program: &mut Program<'p>, job: &PlanJob<'p>, part: usize) {
+    let rank = job.plan.rank;
+    let elem_bytes = job.dst_dtype.size();
+    let Some(dst) = job.dst.as_ref() else {
+        return;
+    };
+    let forwards: Vec<&'p Transfer> = job.plan.forwards().collect();
+    let received: Vec<&'p Transfer> = job.plan.recvs.iter().filter(|t| t.via.is_some()).collect();
+    if forwards.is_empty() && received.is_empty() {
+        return;
+    }
+    let len: usize = forwards
+        .iter()
+        .map(|t| t.region.volume() as usize * elem_bytes)
+        .sum();
+    let staged = program.add_scratch(len, "forwarded regions");
+    program.staging_bytes += len as u64;
+    let mut phase = Phase::new(
+        rank,
+        PhaseKind::Forward,
+        part,
+        vec![Buf::Scratch(staged)],
+        vec![dst.buf],
+    );
+    phase.skip_empty = true;
+    let mut at = 0;
+    for (i, t) in forwards.into_iter().enumerate() {
+        let bytes = at..at + t.region.volume() as usize * elem_bytes;
+        at = bytes.end;
+        phase.before.push(LocalCopy {
+            region: Cow::Borrowed(&t.region),
+            from: (dst.buf, dst.bytes.clone()),
+            from_box: dst.region.clone(),
+            to: (Buf::Scratch(staged), bytes.clone()),
+            to_box: Cow::Borrowed(&t.region),
+            elem_bytes,
+            cast: None,
+            counted: false,
+        });
+        phase.steps.sends.push(Step {
+            from: rank,
+            to: t.dst,
+            region: Cow::Borrowed(&t.region),
+            elem_bytes,
+            src_box: Cow::Borrowed(&t.region),
+            dst_box: Cow::Borrowed(&t.region),
+            src_at: Some((0, bytes)),
+            dst_at: None,
+            convert: Convert::Keep,
+            lands: Lands::Shard,
+        });
+        phase.forwards.insert(i, t.src);
+    }
+    for t in received {
+        phase.steps.recvs.push(Step {
+            from: t.via.unwrap_or(t.src),
+            to: rank,
+            region: Cow::Borrowed(&t.region),
+            elem_bytes,
+            src_box: Cow::Borrowed(&t.region),
+            dst_box: dst.region.clone(),
+            src_at: None,
+            dst_at: Some((0, dst.bytes.clone())),
+            convert: Convert::Keep,
+            lands: Lands::Shard,
+        });
+    }
+    program.phases.push(phase);
 }
 
 fn piece_key(slot: &Slot<'_>) -> (usize, usize) {

@@ -12,7 +12,7 @@
 //! here, for both ends of every transfer ([`cut_chunk`]). Nothing in this module does I/O.
 
 use std::borrow::Cow;
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::ops::Range;
 
 use reshard_core::copy::Cast;
@@ -185,6 +185,10 @@ pub enum PhaseKind {
     Values,
     /// Round `j` of a relay plan.
     Round(usize),
+    /// A delta refit's forwards of a relay plan: each relaying rank passes on what it
+    /// received for its own shard, as it came, to the ranks of its host that need the same
+    /// region ([`super::delta`]).
+    Forward,
     /// The baseline's copy of each destination box out of the full tensor.
     Keep,
 }
@@ -211,6 +215,9 @@ pub struct Phase<'p> {
     pub skip_empty: bool,
     /// Whether its counts join the rank's stats (the amax exchange's do not).
     pub counted: bool,
+    /// In a [`PhaseKind::Forward`] phase: the sends that forward a hop, by index, each with
+    /// the rank the hop came from.
+    pub forwards: BTreeMap<usize, Rank>,
 }
 
 impl<'p> Phase<'p> {
@@ -230,6 +237,7 @@ impl<'p> Phase<'p> {
             scaling: Vec::new(),
             skip_empty: false,
             counted: true,
+            forwards: BTreeMap::new(),
         }
     }
 

@@ -135,27 +135,10 @@ fn why_name(why: Dense) -> &'static str {
 /// One method's state from version to version on the ranks this process runs.
 struct Stream {
     method: Method,
-    /// The plan it runs: a delta refit plans without relaying (it does not relay yet), while
-    /// the dense reshard keeps the plan as asked.
+    /// The plan it runs.
     plan: Plan,
     session: DeltaSession,
     shards: BTreeMap<Rank, Vec<u8>>,
-}
-
-/// `plan` as it would be planned without relaying.
-fn without_relay(plan: &Plan) -> Result<Plan, Error> {
-    match plan.topology().filter(|t| t.relay) {
-        Some(t) => Plan::with_topology(
-            plan.src().clone(),
-            plan.dst().clone(),
-            plan.options(),
-            Some(reshard::plan::Topology {
-                hosts: t.hosts.clone(),
-                relay: false,
-            }),
-        ),
-        None => Ok(plan.clone()),
-    }
 }
 
 /// Runs `run --delta`.
@@ -187,13 +170,9 @@ pub(super) fn main(
                 .iter()
                 .map(|&r| Ok((r, vec![0u8; plan.dst().local_bytes(r) as usize])))
                 .collect::<Result<_, Error>>()?;
-            let plan = match method {
-                Method::Dense => plan.clone(),
-                _ => without_relay(plan)?,
-            };
             Ok(Stream {
                 method,
-                plan,
+                plan: plan.clone(),
                 session: DeltaSession::new(),
                 shards,
             })

@@ -94,6 +94,38 @@ proptest! {
     }
 }
 
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(400))]
+
+    /// Relay plans as deltas: each relaying rank forwards what its hop came as (the delta, or
+    /// dense), and every version lands exactly, with the ranks scattered over hosts.
+    #[test]
+    fn relayed_versions_land_exactly(
+        (src, dst, hosts, plan_options) in reshard_core::testing::arb_hosts_case(),
+        seed in any::<u64>(),
+        density in prop::sample::select(vec![0.0, 0.01, 0.5, 1.0]),
+        block_elems in prop_oneof![2usize..9, Just(4096)],
+        checksum in any::<bool>(),
+    ) {
+        use reshard_core::plan::Topology;
+        let evolution = Evolution::new(Fill::Hash { seed }, Update::Density(density), seed, src.dtype()).unwrap();
+        let plan = Plan::with_topology(src, dst, plan_options, Some(Topology::new(hosts, true))).unwrap();
+        let session = DeltaSession::new();
+        let delta = DeltaOptions { anchor: None, block_elems };
+        let mut shards = zeroed_shards(plan.dst()).unwrap();
+        for version in 1..=4 {
+            let sources = evolution.shards(plan.src(), version).unwrap();
+            let options = ExecOptions { checksum, ..options(&session, version, delta, 4 << 20) };
+            run_local(&plan, &sources, &mut shards, &options).unwrap();
+            evolution.verify_shards(plan.dst(), &shards, version).unwrap();
+            let reports = session.take_reports();
+            if version > 1 {
+                prop_assert!(reports.iter().all(|r| r.dense_to.iter().all(|d| d.1 == Dense::NotSmaller)), "{:?}", reports);
+            }
+        }
+    }
+}
+
 /// An 8x8 bf16 tensor from two row shards to four column shards, 8-element blocks.
 fn seed_plan() -> Plan {
     let src = layout("mesh=2 place=S(0)", &[64, 64], DType::Bf16, 0);
@@ -387,4 +419,42 @@ fn bad_delta_options_are_refused_naming_the_field() {
     )
     .unwrap_err();
     assert!(err.to_string().starts_with("delta_anchor: 0"), "{err}");
+}
+
+#[test]
+fn a_relaying_rank_forwards_the_deltas_its_hops_came_as() {
+    use reshard_core::plan::Topology;
+    use reshard_core::topology::HostMap;
+    // two replicas of a TP2 engine on the second host: each region crosses once
+    let src = layout("mesh=2 place=S(0)", &[64, 64], DType::Bf16, 0);
+    let dst = layout("mesh=2x2 place=R,S(0)", &[64, 64], DType::Bf16, 2);
+    let hosts = HostMap::from_indices(&[0, 0, 1, 1, 1, 1]).unwrap();
+    let plan = Plan::with_topology(src, dst, Default::default(), Some(Topology::new(hosts, true)))
+        .unwrap();
+    let relaying: Vec<Rank> = (2..6)
+        .filter(|&r| plan.rank_part(r).forwards().count() > 0)
+        .collect();
+    assert!(!relaying.is_empty(), "the plan relays");
+    let evolution =
+        Evolution::new(Fill::Hash { seed: 8 }, Update::Density(0.01), 9, DType::Bf16).unwrap();
+    let session = DeltaSession::new();
+    let mut shards = zeroed_shards(plan.dst()).unwrap();
+    for version in 1..=3 {
+        let sources = evolution.shards(plan.src(), version).unwrap();
+        let checked = ExecOptions {
+            checksum: true,
+            ..options(&session, version, small(), 4096)
+        };
+        run_local(&plan, &sources, &mut shards, &checked).unwrap();
+        evolution.verify_shards(plan.dst(), &shards, version).unwrap();
+        let reports = session.take_reports();
+        for r in reports.iter().filter(|r| relaying.contains(&r.rank)) {
+            // the forwards: as deltas once there is a base, dense before
+            assert_eq!(r.sent.delta > 0, version > 1, "{r:?}");
+            assert_eq!(r.sent.delta + r.sent.dense, 1, "{r:?}");
+        }
+        // what crosses between the hosts: one copy of each region (the sources' sends)
+        let crossing: u64 = reports.iter().filter(|r| r.rank < 2).map(|r| r.sent.dense_bytes).sum();
+        assert_eq!(crossing, 64 * 64 * 2);
+    }
 }

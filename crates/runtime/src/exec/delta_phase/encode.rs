@@ -14,6 +14,7 @@ use reshard_core::crc;
 use reshard_core::delta::DeltaEncoder;
 use reshard_core::error::{Error, Result, Side};
 use reshard_core::layout::Rank;
+use reshard_core::region::Region;
 
 /// Small messages and their steps.
 #[derive(Default)]
@@ -38,9 +39,49 @@ pub(super) fn add_blocks(to: &mut [u64; 4], from: [u64; 4]) {
     }
 }
 
+/// What a relaying rank received as deltas in its own transfers, by sender and region: the
+/// encodings it forwards as they came, with their headers.
+pub(crate) type Kept = BTreeMap<(Rank, Region), (Header, Vec<u8>)>;
+
+/// A forward of a hop from `hop`: the encoding the hop came as, when it came as a delta over
+/// the version the receiver holds; otherwise dense, out of the relaying rank's shard.
+fn forward(
+    kept: &Kept,
+    hop: Rank,
+    s: &Step<'_>,
+    receiver: Option<u64>,
+    sent: &mut Sent,
+) -> (Carries, Option<u32>) {
+    let Some((header, blob)) = kept.get(&(hop, s.region.clone().into_owned())) else {
+        return (Carries::Dense(Dense::NoBase), None);
+    };
+    match header.carries {
+        Carries::Delta { base, len } if receiver == Some(base) => {
+            sent.blobs.push(blob.clone());
+            (Carries::Delta { base, len }, header.crc)
+        }
+        Carries::Delta { .. } => (Carries::Dense(Dense::Stale), None),
+        Carries::Dense(why) => (Carries::Dense(why), None),
+    }
+}
+
+/// When a sender stops encoding a transfer of `len` bytes and sends it dense: once its
+/// encoding passes its values' bytes, or once an eighth of it has been encoded into 97% or
+/// more of that eighth's values (nearly everything changed: the rest would not save enough
+/// to be worth encoding).
+fn hopeless(len: usize) -> impl Fn(usize, usize) -> bool {
+    move |encoded, covered| {
+        encoded >= len || (covered >= len / 8 && encoded as u64 * 100 >= covered as u64 * 97)
+    }
+}
+
 /// A sender's encoding of its transfers in one phase.
 pub(super) struct Encode<'r, 'd> {
     pub phase: usize,
+    /// Of a phase of forwards: the sends that forward a hop (with the rank it came from),
+    /// and what this rank received and kept of its hops.
+    pub forwards: &'r BTreeMap<usize, Rank>,
+    pub kept: &'r Kept,
     pub rank: Rank,
     pub run: &'r mut DeltaRun<'d>,
     pub report: &'r mut DeltaReport,
@@ -89,8 +130,10 @@ impl Encode<'_, '_> {
                 ),
             };
             let receiver = held_by.get(&s.to).copied().flatten();
-            let (carries, crc) =
-                self.one((self.phase, i), s, src, casts, receiver, encoder, sent)?;
+            let (carries, crc) = match self.forwards.get(&i) {
+                Some(&hop) => forward(self.kept, hop, s, receiver, sent),
+                None => self.one((self.phase, i), s, src, casts, receiver, encoder, sent)?,
+            };
             let len = s.bytes();
             match carries {
                 Carries::Delta { len: n, .. } => {
@@ -191,23 +234,24 @@ impl Encode<'_, '_> {
                 let mut out = Vec::new();
                 let from = base.version;
                 let stats = encoder
-                    .encode(&pack, src, &mut base.bytes, 0..len, &mut out)
+                    .encode_unless(&pack, src, &mut base.bytes, 0..len, &mut out, hopeless(len))
                     .map_err(|e| Error::Internal {
                         rank,
                         detail: e.to_string(),
                     })?;
-                if out.len() >= len {
-                    Carries::Dense(Dense::NotSmaller)
-                } else {
-                    self.report.sent.elems += stats.elems;
-                    self.report.sent.changed += stats.changed;
-                    add_blocks(&mut self.report.sent.blocks, stats.blocks);
-                    let carries = Carries::Delta {
-                        base: from,
-                        len: out.len() as u64,
-                    };
-                    sent.blobs.push(out);
-                    carries
+                match stats {
+                    Some(stats) if out.len() < len => {
+                        self.report.sent.elems += stats.elems;
+                        self.report.sent.changed += stats.changed;
+                        add_blocks(&mut self.report.sent.blocks, stats.blocks);
+                        let carries = Carries::Delta {
+                            base: from,
+                            len: out.len() as u64,
+                        };
+                        sent.blobs.push(out);
+                        carries
+                    }
+                    _ => Carries::Dense(Dense::NotSmaller),
                 }
             }
             Some(why) => {

@@ -17,6 +17,7 @@ use crate::exec::program::Steps;
 use crate::exec::scaling::Casts;
 use crate::exec::stats::RankStats;
 use crate::exec::transfers::run_transfers;
+pub(crate) use encode::Kept;
 use encode::{Encode, Msgs, Sent, add_blocks};
 use reshard_core::checksum;
 use reshard_core::copy::{CopyGeometry, Place};
@@ -113,7 +114,7 @@ impl PhaseWork {
     #[allow(clippy::too_many_arguments)]
     pub fn fence<'buf, T: Transport<'buf> + ?Sized>(
         &'buf mut self,
-        steps: &Steps<'_, '_>,
+        (steps, forwards, kept): (&Steps<'_, '_>, &BTreeMap<usize, Rank>, &Kept),
         src_bufs: &[&[u8]],
         casts: &Casts,
         run: &mut DeltaRun<'_>,
@@ -148,6 +149,8 @@ impl PhaseWork {
         }
         let mut encode = Encode {
             phase: *phase,
+            forwards,
+            kept,
             rank: *rank,
             run,
             report,
@@ -210,7 +213,7 @@ impl PhaseWork {
     #[allow(clippy::too_many_arguments)]
     pub fn values<'buf, T: Transport<'buf> + ?Sized>(
         &'buf mut self,
-        steps: &Steps<'_, '_>,
+        (steps, kept): (&Steps<'_, '_>, Option<&mut Kept>),
         src_bufs: &[&'buf [u8]],
         dst_bufs: &mut [&mut [u8]],
         casts: &Casts,
@@ -233,6 +236,7 @@ impl PhaseWork {
             dsts.extend(got.blobs.iter_mut().map(Vec::as_mut_slice));
             run_transfers(data, &sources, &mut dsts, transport, chunk, casts, options)?
         };
+        let mut kept = kept;
         let mut blobs = got.blobs.iter();
         for (s, header) in steps.recvs.iter().zip(&got.headers) {
             let Some(Header {
@@ -240,6 +244,10 @@ impl PhaseWork {
                 crc,
             }) = header
             else {
+                // a relaying rank forwards a hop that came dense dense too, for the same reason
+                if let (Some(kept), Some(h)) = (kept.as_deref_mut(), header) {
+                    kept.insert((s.from, s.region.clone().into_owned()), (*h, Vec::new()));
+                }
                 continue;
             };
             let blob = blobs.next().map(Vec::as_slice).unwrap_or_default();
@@ -276,6 +284,10 @@ impl PhaseWork {
                         landed,
                     });
                 }
+            }
+            // what a relaying rank forwards later, as it came
+            if let (Some(kept), Some(h)) = (kept.as_deref_mut(), header) {
+                kept.insert((s.from, s.region.clone().into_owned()), (*h, blob.to_vec()));
             }
         }
         got.blobs.clear();
