@@ -340,3 +340,46 @@ fn restarted_ranks_are_sent_dense_and_verify_on_every_transport() {
         assert!(ranks(4).is_empty(), "{transport}");
     }
 }
+
+/// A relay plan (`--hosts`) as deltas, in one process and over tcp and shm: the relaying
+/// ranks forward what their hops came as, and every version of every method verifies.
+#[test]
+fn relay_plans_refit_as_deltas() {
+    for transport in ["local", "tcp", "shm"] {
+        let mut args = TENSOR.to_vec();
+        args.extend([
+            "mesh=2x2 place=R,S(0) ranks=2..6",
+            "--hosts",
+            "0,0,1,1,1,1",
+            "--delta",
+            "--steps",
+            "3",
+            "--delta-methods",
+            "delta,dense,gather-broadcast",
+            "--verify",
+            "--checksum",
+            "--json",
+        ]);
+        let out = match transport {
+            "local" => run(&args),
+            t => Command::new(EXE)
+                .args(["launch", "--nproc", "6", "--"])
+                .args(&args)
+                .args(["--transport", t])
+                .output()
+                .unwrap(),
+        };
+        let json = json_of(&out);
+        assert_eq!(json["verified"], true, "{transport}");
+        for v in 2..=3 {
+            assert!(
+                dense_reasons(&json, v, "delta").is_empty(),
+                "{transport}: {json}"
+            );
+            assert!(
+                wire(&json, v, "delta") * 4 < wire(&json, v, "dense"),
+                "{transport}"
+            );
+        }
+    }
+}

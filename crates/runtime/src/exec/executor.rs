@@ -298,7 +298,10 @@ impl<'a> RankState<'a> {
             detail: "the values of a delta phase before its fence".into(),
         })?;
         let (src, mut dst) = bufs.lend(*rank, &phase.src, &phase.dst)?;
-        let keep = ctx.kept.as_mut().filter(|_| phase.kind == PhaseKind::Values);
+        let keep = ctx
+            .kept
+            .as_mut()
+            .filter(|_| phase.kind == PhaseKind::Values);
         let moved = work.values(
             (&phase.steps, keep),
             &src,

@@ -78,28 +78,30 @@ fn forward(
     let which = if to_stdout { "stdout" } else { "stderr" };
     // a small stack: it copies through a buffer on the heap, and a launcher held to little
     // memory (ulimit -v) must still start one per stream of every rank
-    let spawned = std::thread::Builder::new().stack_size(256 << 10).spawn(move || {
-        if rank == 0 && to_stdout {
-            // unchanged bytes, the lock taken per piece so that other ranks' lines get through
-            let mut stream = stream;
-            let mut buf = vec![0u8; 64 << 10];
-            while let Ok(n @ 1..) = stream.read(&mut buf) {
-                let mut out = std::io::stdout().lock();
-                if out.write_all(&buf[..n]).and_then(|()| out.flush()).is_err() {
-                    return;
+    let spawned = std::thread::Builder::new()
+        .stack_size(256 << 10)
+        .spawn(move || {
+            if rank == 0 && to_stdout {
+                // unchanged bytes, the lock taken per piece so that other ranks' lines get through
+                let mut stream = stream;
+                let mut buf = vec![0u8; 64 << 10];
+                while let Ok(n @ 1..) = stream.read(&mut buf) {
+                    let mut out = std::io::stdout().lock();
+                    if out.write_all(&buf[..n]).and_then(|()| out.flush()).is_err() {
+                        return;
+                    }
                 }
+                return;
             }
-            return;
-        }
-        for line in BufReader::new(stream).split(b'\n').map_while(Result::ok) {
-            let text = format!("[rank {rank}] {}\n", String::from_utf8_lossy(&line));
-            let _ = if to_stdout {
-                std::io::stdout().lock().write_all(text.as_bytes())
-            } else {
-                std::io::stderr().lock().write_all(text.as_bytes())
-            };
-        }
-    });
+            for line in BufReader::new(stream).split(b'\n').map_while(Result::ok) {
+                let text = format!("[rank {rank}] {}\n", String::from_utf8_lossy(&line));
+                let _ = if to_stdout {
+                    std::io::stdout().lock().write_all(text.as_bytes())
+                } else {
+                    std::io::stderr().lock().write_all(text.as_bytes())
+                };
+            }
+        });
     spawned.map_err(|source| Error::ThreadStart {
         what: format!("forwarding rank {rank}'s {which}"),
         source,

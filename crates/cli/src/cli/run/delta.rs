@@ -427,7 +427,11 @@ fn print(args: &RunArgs, plan: &Plan, evolution: &Evolution, refits: &[Refit], r
     }
     let mut kept: Vec<String> = Vec::new();
     for method in ["delta", "gather-broadcast"] {
-        let most = refits.iter().filter(|r| r.method == method).map(|r| r.base_bytes).max();
+        let most = refits
+            .iter()
+            .filter(|r| r.method == method)
+            .map(|r| r.base_bytes)
+            .max();
         if let Some(most) = most {
             kept.push(format!("{method} {}", bytes(most)));
         }

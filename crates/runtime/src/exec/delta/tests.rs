@@ -429,14 +429,24 @@ fn a_relaying_rank_forwards_the_deltas_its_hops_came_as() {
     let src = layout("mesh=2 place=S(0)", &[64, 64], DType::Bf16, 0);
     let dst = layout("mesh=2x2 place=R,S(0)", &[64, 64], DType::Bf16, 2);
     let hosts = HostMap::from_indices(&[0, 0, 1, 1, 1, 1]).unwrap();
-    let plan = Plan::with_topology(src, dst, Default::default(), Some(Topology::new(hosts, true)))
-        .unwrap();
+    let plan = Plan::with_topology(
+        src,
+        dst,
+        Default::default(),
+        Some(Topology::new(hosts, true)),
+    )
+    .unwrap();
     let relaying: Vec<Rank> = (2..6)
         .filter(|&r| plan.rank_part(r).forwards().count() > 0)
         .collect();
     assert!(!relaying.is_empty(), "the plan relays");
-    let evolution =
-        Evolution::new(Fill::Hash { seed: 8 }, Update::Density(0.01), 9, DType::Bf16).unwrap();
+    let evolution = Evolution::new(
+        Fill::Hash { seed: 8 },
+        Update::Density(0.01),
+        9,
+        DType::Bf16,
+    )
+    .unwrap();
     let session = DeltaSession::new();
     let mut shards = zeroed_shards(plan.dst()).unwrap();
     for version in 1..=3 {
@@ -446,7 +456,9 @@ fn a_relaying_rank_forwards_the_deltas_its_hops_came_as() {
             ..options(&session, version, small(), 4096)
         };
         run_local(&plan, &sources, &mut shards, &checked).unwrap();
-        evolution.verify_shards(plan.dst(), &shards, version).unwrap();
+        evolution
+            .verify_shards(plan.dst(), &shards, version)
+            .unwrap();
         let reports = session.take_reports();
         for r in reports.iter().filter(|r| relaying.contains(&r.rank)) {
             // the forwards: as deltas once there is a base, dense before
@@ -454,7 +466,11 @@ fn a_relaying_rank_forwards_the_deltas_its_hops_came_as() {
             assert_eq!(r.sent.delta + r.sent.dense, 1, "{r:?}");
         }
         // what crosses between the hosts: one copy of each region (the sources' sends)
-        let crossing: u64 = reports.iter().filter(|r| r.rank < 2).map(|r| r.sent.dense_bytes).sum();
+        let crossing: u64 = reports
+            .iter()
+            .filter(|r| r.rank < 2)
+            .map(|r| r.sent.dense_bytes)
+            .sum();
         assert_eq!(crossing, 64 * 64 * 2);
     }
 }
