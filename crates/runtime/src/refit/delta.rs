@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 use super::RefitRun;
 use super::check::QuantCheck;
 use crate::batch::run_rank_batch;
-use crate::exec::delta::{DeltaOptions, DeltaRefit, DeltaSession, Dense};
+use crate::exec::delta::{DeltaOptions, DeltaRefit, DeltaSession};
 use crate::{Links, RunOptions, World};
 use reshard_core::Rank;
 use reshard_core::error::{Error, Field};
@@ -60,15 +60,6 @@ pub struct DeltaRefitReport {
     /// wire bytes over the deltas'.
     pub speedup: f64,
     pub wire_ratio: f64,
-}
-
-fn why(d: Dense) -> &'static str {
-    match d {
-        Dense::NoBase => "no base",
-        Dense::Stale => "holds another version",
-        Dense::Anchor => "anchor",
-        Dense::NotSmaller => "not smaller",
-    }
 }
 
 impl RefitRun {
@@ -188,7 +179,7 @@ impl RefitRun {
                 report.elems += r.sent.elems;
                 report.changed += r.sent.changed;
                 for &(to, d) in &r.dense_to {
-                    report.dense_to.push((to, why(d).into()));
+                    report.dense_to.push((to, d.to_string()));
                 }
             }
             // every byte and scale as the dense refit left them, and the values as they evolve

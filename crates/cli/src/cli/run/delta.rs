@@ -14,7 +14,7 @@ use serde::Serialize;
 use reshard::error::Field;
 use reshard::evolve::{Evolution, Update};
 use reshard::exec::ExecOptions;
-use reshard::exec::delta::{DeltaOptions, DeltaRefit, DeltaReport, DeltaSession, Dense};
+use reshard::exec::delta::{DeltaOptions, DeltaRefit, DeltaReport, DeltaSession};
 use reshard::fill::Fill;
 use reshard::runtime::{RunOptions, World};
 use reshard::{Error, Plan, Rank};
@@ -93,7 +93,7 @@ impl Refit {
             self.elems += r.sent.elems;
             self.changed += r.sent.changed;
             for &(to, why) in &r.dense_to {
-                let why = why_name(why).to_string();
+                let why = why.to_string();
                 if !self.dense_to.contains(&(to, why.clone())) {
                     self.dense_to.push((to, why));
                 }
@@ -120,15 +120,6 @@ impl Refit {
         all.dense_to.sort();
         all.dense_to.dedup();
         all
-    }
-}
-
-fn why_name(why: Dense) -> &'static str {
-    match why {
-        Dense::NoBase => "no base",
-        Dense::Stale => "holds another version",
-        Dense::Anchor => "anchor",
-        Dense::NotSmaller => "not smaller",
     }
 }
 

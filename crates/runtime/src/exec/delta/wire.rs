@@ -68,6 +68,18 @@ pub enum Dense {
     NotSmaller,
 }
 
+impl std::fmt::Display for Dense {
+    /// As reports print it.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Dense::NoBase => "no base",
+            Dense::Stale => "holds another version",
+            Dense::Anchor => "anchor",
+            Dense::NotSmaller => "not smaller",
+        })
+    }
+}
+
 impl Dense {
     fn tag(self) -> u8 {
         match self {
