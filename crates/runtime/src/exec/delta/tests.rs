@@ -474,3 +474,65 @@ fn a_relaying_rank_forwards_the_deltas_its_hops_came_as() {
         assert_eq!(crossing, 64 * 64 * 2);
     }
 }
+
+/// A rank that dies or stalls in the middle of a delta refit fails every rank that needed it
+/// (within the timeout, never a hang); the ranks whose refit failed hold no version
+/// afterwards, and the next refit brings every shard back exactly.
+#[test]
+fn a_rank_that_fails_mid_refit_fails_its_peers_and_the_next_refit_heals() {
+    use crate::exec::run_local_with_faults;
+    use reshard_transport::Fault;
+    let plan = seed_plan();
+    let evolution = Evolution::new(
+        Fill::Hash { seed: 10 },
+        Update::Density(0.05),
+        11,
+        DType::Bf16,
+    )
+    .unwrap();
+    for fault in [
+        Fault::Die {
+            rank: 1,
+            after_chunks: 1,
+        },
+        Fault::Stall {
+            rank: 0,
+            for_: Duration::from_millis(900),
+        },
+    ] {
+        let session = DeltaSession::new();
+        let mut shards = zeroed_shards(plan.dst()).unwrap();
+        let quick = |version| ExecOptions {
+            timeout: Duration::from_millis(300),
+            ..options(&session, version, small(), 4096)
+        };
+        for version in 1..=2 {
+            let sources = evolution.shards(plan.src(), version).unwrap();
+            run_local(&plan, &sources, &mut shards, &quick(version)).unwrap();
+        }
+        let sources = evolution.shards(plan.src(), 3).unwrap();
+        let started = std::time::Instant::now();
+        let err = run_local_with_faults(&plan, &sources, &mut shards, &quick(3), &[fault.clone()])
+            .unwrap_err();
+        assert!(started.elapsed() < Duration::from_secs(20), "{err}");
+        let text = err.to_string();
+        assert!(
+            text.contains("is gone") || text.contains("timed out"),
+            "{text}"
+        );
+        // every destination needed both sources: none holds a version now
+        for r in 2..6 {
+            assert_eq!(session.held(r), None, "rank {r} after {fault:?}");
+        }
+        let sources = evolution.shards(plan.src(), 4).unwrap();
+        run_local(&plan, &sources, &mut shards, &quick(4)).unwrap();
+        evolution.verify_shards(plan.dst(), &shards, 4).unwrap();
+        let reports = session.take_reports();
+        let last: Vec<_> = reports.iter().filter(|r| r.version == 4).collect();
+        assert!(
+            last.iter()
+                .filter(|r| r.rank >= 2)
+                .all(|r| r.held.is_none())
+        );
+    }
+}
