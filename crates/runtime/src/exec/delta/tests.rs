@@ -512,8 +512,8 @@ fn a_rank_that_fails_mid_refit_fails_its_peers_and_the_next_refit_heals() {
         }
         let sources = evolution.shards(plan.src(), 3).unwrap();
         let started = std::time::Instant::now();
-        let err = run_local_with_faults(&plan, &sources, &mut shards, &quick(3), &[fault.clone()])
-            .unwrap_err();
+        let err =
+            run_local_with_faults(&plan, &sources, &mut shards, &quick(3), &[fault]).unwrap_err();
         assert!(started.elapsed() < Duration::from_secs(20), "{err}");
         let text = err.to_string();
         assert!(
