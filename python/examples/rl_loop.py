@@ -3,6 +3,7 @@ ranks, an engine on two others holding vLLM's tensor-parallel buffers, a refit a
 step.
 
     python python/examples/rl_loop.py --steps 5            # Qwen3, then Qwen3-MoE
+    python python/examples/rl_loop.py --steps 5 --delta    # refits that send what changed
 
 Each step the engine samples a few tokens per prompt with a model built on its shards; the
 trainer takes a policy-gradient step on them (reward: the share of tokens in the lower half
@@ -12,6 +13,11 @@ must equal the trainer's bit for bit, or the loop stops. Each step prints the re
 the pause (the engine waiting: refit and rebuilding its model) and, measured in the same
 run, what the usual way costs: per-parameter ``full_tensor()`` on the trainer and a
 broadcast to every rank.
+
+With ``--delta`` every refit runs on one :class:`reshard.torch.DeltaSession` kept across the
+steps: the first is dense, each later one sends only the blocks that changed since the last,
+and the line adds the bytes sent against the dense refit's (summed over the senders, from
+the :class:`reshard.torch.DeltaReport`) and the share of the elements that changed.
 """
 
 from __future__ import annotations
@@ -134,6 +140,7 @@ def _run_model(rank, args, moe: bool, world_group, engine_group, train_mesh, pat
         engine = {n: torch.zeros(s, dtype=d) for n, (s, d) in engine_params(refit, rank).items()}
         engine_model = model
     src = dict(trainer.named_parameters()) if trainer is not None else None
+    delta = {"session": rt.DeltaSession()} if args.delta else {}  # one session across the steps
     gen = torch.Generator().manual_seed(1234)
     prompts = torch.randint(0, args.vocab, (args.batch, 4), generator=gen)
     baseline = {}
@@ -144,7 +151,7 @@ def _run_model(rank, args, moe: bool, world_group, engine_group, train_mesh, pat
         # the refit, timed on every rank; the pause lasts until the engine's model is rebuilt
         dist.barrier()
         start = time.perf_counter()
-        refit_engine_(refit, src, engine)
+        report = refit_engine_(refit, src, engine, **delta)
         refit_s = time.perf_counter() - start
         if engine is not None:
             full = _assemble(refit, engine, rank, engine_group)
@@ -190,12 +197,29 @@ def _run_model(rank, args, moe: bool, world_group, engine_group, train_mesh, pat
         else:
             reward = _train_step(trainer, optim if trainer is not None else None, tokens, prompts.shape[1], args.vocab)
             loss_text = f"reward {reward:.3f}"
+        delta_text = _delta_text(refit, report) if args.delta else ""
         if rank == 0:
             print(
                 f"{kind:9} step {step}  {loss_text:16} refit {times[0] * 1e3:7.2f} ms  pause {times[1] * 1e3:7.2f} ms  "
-                f"full_tensor+broadcast {times[2] * 1e3:7.2f} ms  ({times[2] / times[0]:.1f}x)  logits bitwise equal",
+                f"full_tensor+broadcast {times[2] * 1e3:7.2f} ms  ({times[2] / times[0]:.1f}x)  {delta_text}"
+                "logits bitwise equal",
                 flush=True,
             )
+
+
+def _delta_text(refit, report):
+    """The delta refit's bytes sent against the dense refit's and the share of elements
+    changed, summed over every rank's report (each counts what it sent); on every rank."""
+    counts = torch.tensor([report.bytes_sent, report.bytes_dense, report.changed], dtype=torch.float64)
+    dist.all_reduce(counts)
+    sent, dense, changed = counts.tolist()
+    elements = dense / refit.layouts(refit.names[0])[1].elem_bytes
+    if report.base is None:
+        return f"delta: dense {sent / 1e3:.1f} kB (first refit)  "
+    return (
+        f"delta: sent {sent / 1e3:.1f} of {dense / 1e3:.1f} kB ({sent / dense:.1%}), "
+        f"{changed / elements:.1%} changed  "
+    )
 
 
 def _full_tensor(src, name):
@@ -254,6 +278,7 @@ def main(argv=None) -> int:
     parser.add_argument("--layers", type=int, default=2, help="decoder layers")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--model", choices=["qwen3", "qwen3_moe", "both"], default="both")
+    parser.add_argument("--delta", action="store_true", help="refit by delta (one DeltaSession, the first dense)")
     args = parser.parse_args(argv)
     args.models = {"qwen3": [False], "qwen3_moe": [True], "both": [False, True]}[args.model]
     import torch.multiprocessing as mp

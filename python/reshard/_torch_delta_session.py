@@ -24,6 +24,7 @@ import torch.distributed as dist
 from . import _torch_args as _args
 from . import _torch_delta as _codec
 from . import _torch_delta_exchange as _exchange
+from . import _torch_dtensor as _dt
 from ._core import Refit, ReshardError
 from ._torch_bucket import _check_entry, _plan_of
 from ._torch_common import _agree, _check_tensor, _fingerprint
@@ -223,6 +224,11 @@ def _read(session: DeltaSession, given, src, dst, previous, rank: int, world: in
                 )
     if previous is not None and not isinstance(previous, Mapping):
         raise ReshardError(f"previous: expected a mapping of names to tensors, got {type(previous).__name__}")
+    if isinstance(given, Refit):  # DTensors (FSDP2's parameters): their local tensors, boxes checked
+        src, dst, previous = (
+            _dt.unwrap_refit(given, tensors, rank, side, session.group)
+            for tensors, side in ((src, "src"), (dst, "dst"), (previous, "src"))
+        )
     bucket = 1 << 30  # read's check of the plain path's option; a delta refit has no buckets
     pairs, names, entries, moves, _ = _args.read(given, rank, bucket, src, dst, None, None, None, None)
     if entries or moves:
@@ -351,6 +357,15 @@ def _report(session: DeltaSession, job: _Job, heard, version: int) -> DeltaRepor
 _SESSIONS: Dict[tuple, DeltaSession] = {}
 
 
+def module_session(group, checksum: bool, bucket_bytes) -> DeltaSession:
+    """The session :func:`reshard.torch.reshard_many_` with ``delta=True`` (and no
+    ``session``) refits with: one per group, ``checksum`` and ``bucket_bytes``."""
+    key = (group, bool(checksum), bucket_bytes)
+    if key not in _SESSIONS:
+        _SESSIONS[key] = DeltaSession(group, checksum=checksum, bucket_bytes=bucket_bytes)
+    return _SESSIONS[key]
+
+
 def refit_many(
     pairs, group, checksum: bool, bucket_bytes, session, version, src, dst, previous, **unsupported
 ):
@@ -359,10 +374,7 @@ def refit_many(
     and ``bucket_bytes``)."""
     problem = None
     if session is None:
-        key = (group, bool(checksum), bucket_bytes)
-        if key not in _SESSIONS:
-            _SESSIONS[key] = DeltaSession(group, checksum=checksum, bucket_bytes=bucket_bytes)
-        session = _SESSIONS[key]
+        session = module_session(group, checksum, bucket_bytes)
     elif not isinstance(session, DeltaSession):
         raise ReshardError(f"session: expected a reshard.torch.DeltaSession, got {type(session).__name__}")
     elif group is not None and group is not session.group:

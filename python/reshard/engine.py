@@ -31,6 +31,7 @@ compare with its ``named_parameters()``); :func:`refit_engine_` runs a refit int
 
 from __future__ import annotations
 
+import weakref
 from typing import Dict, List, Mapping, Optional, Tuple
 
 import torch
@@ -42,6 +43,10 @@ from ._torch_common import _TORCH_DTYPES, torch_dtype
 _VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
 
 ENGINES = ("vllm", "sglang")
+
+# A delta refit's scratch shards of the vocab tables, by session: (the version they hold,
+# {name: shard}). A delta writes only what changed, so they live as long as the session.
+_SCRATCH: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def _engine_name(name: str) -> str:
@@ -217,20 +222,29 @@ def refit_engine_(
     vocab_pad: int = 64,
     scale_name: str = "weight_scale_inv",
     **options,
-) -> None:
+):
     """:func:`reshard.torch.reshard_many_` of ``refit`` into an engine's own parameters:
     ``engine`` is this rank's ``dict(named_parameters())`` of vLLM or SGLang (None on a rank
     that holds none), shapes as :func:`engine_params` lists them, written in place; ``src``
-    this rank's training shards (DTensors too). Every rank of ``group`` calls it."""
+    this rank's training shards (DTensors too). Every rank of ``group`` calls it.
+
+    ``options`` go to ``reshard_many_``: with ``delta=True`` or ``session=`` (a
+    :class:`reshard.torch.DeltaSession`, ``version=``) it is a delta refit, and returns its
+    :class:`reshard.torch.DeltaReport` (None otherwise); the vocab rows that move once more
+    between the engine's ranks go dense, from scratch shards kept with the session."""
     from . import torch as rt
 
     _check_engine(engine_kind, scale_name, vocab_pad)
     rank, _ = rt._group_rank(group)
     if rank < 0:
-        return
+        return None
     names = set(refit.names)
     moves = _vocab_moves(refit, vocab_pad)
     staged = {name for name, *_ in moves}
+    session = _session(group, options) if moves else None
+    kept = _SCRATCH.get(session) if session is not None else None
+    if kept is not None and kept[0] != session.held:
+        kept = None  # the scratch does not hold the version the session says this rank holds
     dst, scratch, tables = None, {}, {}
     if engine is not None:
         dst = {}
@@ -248,14 +262,27 @@ def refit_engine_(
                             f"vocabulary to {split[2]} rows on rank {rank} (vocab_pad={vocab_pad})"
                         )
                     if refit_name in staged:
-                        scratch[refit_name] = torch.empty(layout.local_shape(rank), dtype=tensor.dtype)
-                        tensor = scratch[refit_name]
+                        shape = tuple(layout.local_shape(rank))
+                        old = kept[1].get(refit_name) if kept is not None else None
+                        if old is None or (tuple(old.shape), old.dtype, old.device) != (
+                            shape,
+                            tensor.dtype,
+                            tensor.device,
+                        ):
+                            old, kept = torch.empty(shape, dtype=tensor.dtype, device=tensor.device), None
+                        scratch[refit_name] = tensor = old
                     else:
                         tensor = tensor[: split[1]]
             dst[refit_name] = tensor
-    rt.reshard_many_(refit, group=group, src=src, dst=dst, **options)
+    if session is not None:
+        if kept is None and scratch:
+            session.restore(None)  # a new scratch holds nothing: this rank's regions go dense
+        _SCRATCH.pop(session, None)
+    report = rt.reshard_many_(refit, group=group, src=src, dst=dst, **options)
+    if session is not None:
+        _SCRATCH[session] = (session.held, scratch)
     if not moves:
-        return
+        return report
     pairs = {}
     for name, piece, s, s_row, r, r_row, rows in moves:
         layout = refit.layouts(name)[1]
@@ -269,3 +296,18 @@ def refit_engine_(
             Layout(shape, layout.dtype, 1, [r], ["R"]),
         )
     rt.reshard_many_(pairs, group=group)
+    return report
+
+
+def _session(group, options):
+    """The :class:`reshard.torch.DeltaSession` a delta refit with these options runs on (the
+    module's one of ``group`` with ``delta=True`` alone), or None."""
+    from ._torch_delta_session import DeltaSession, module_session
+
+    session = options.get("session")
+    if session is None and options.get("delta"):
+        from .torch import DEFAULT_BUCKET_BYTES
+
+        bucket_bytes = options.get("bucket_bytes", DEFAULT_BUCKET_BYTES)
+        session = module_session(group, options.get("checksum", False), bucket_bytes)
+    return session if isinstance(session, DeltaSession) else None

@@ -146,3 +146,52 @@ def test_refit_into_vllm_parameters(tmp_path, vocab):
     # move once more between the engine's ranks; 1024 rows land in place
     path = _path(tmp_path, dict(QWEN3_MOE, vocab_size=vocab))
     run_ranks(_engine_refit, 4, path, vocab, timeout=60)
+
+
+def _check_tables(refit, engine, full, rank, vocab):
+    per = -(-vocab // 64) * 64 // 2
+    lo, hi = min((rank - 2) * per, vocab), min((rank - 1) * per, vocab)
+    for table in ("model.embed_tokens.weight", "lm_head.weight"):
+        assert torch.equal(engine[table][: hi - lo], full[table][lo:hi]), table
+    norm = "model.norm.weight"
+    assert torch.equal(engine[norm], full[norm])
+
+
+def _engine_delta(rank, world, path):
+    from reshard import engine as engine_module
+
+    refit = Refit(path, "fsdp=2", "tp=2")
+    torch.manual_seed(0)
+    full = {name: torch.randn(refit.layouts(name)[0].shape) for name in refit.names}
+    src = engine = None
+    if rank < 2:  # views of the whole tensors: a change to them is a training step
+        src = {n: rt.local_tensor(refit.layouts(n)[0], rank, full[n]) for n in refit.rank_names(rank)}
+        src = {n: t for n, t in src.items() if t is not None}
+    else:
+        engine = {n: torch.zeros(s, dtype=d) for n, (s, d) in engine_params(refit, rank).items()}
+    session = rt.DeltaSession()
+    first = refit_engine_(refit, src, engine, session=session)
+    assert first.base is None and first.fenced
+    if engine is not None:
+        _check_tables(refit, engine, full, rank, 1000)
+    # row 505 lands in rank 3's scratch shard and moves on to rank 2: the scratch is kept
+    full["lm_head.weight"][505] += 1
+    full["model.norm.weight"][0] += 1
+    second = refit_engine_(refit, src, engine, session=session)
+    assert second.base == 1 and second.fenced == {}
+    if rank < 2:
+        assert second.bytes_sent < second.bytes_dense / 10
+    else:
+        _check_tables(refit, engine, full, rank, 1000)
+    # a rank whose scratch shard is new (dropped here) gets its regions dense
+    if rank == 2:
+        engine_module._SCRATCH.pop(session)
+    full["lm_head.weight"][3] -= 1
+    third = refit_engine_(refit, src, engine, session=session)
+    assert list(third.fenced) == [2], third.fenced
+    if engine is not None:
+        _check_tables(refit, engine, full, rank, 1000)
+
+
+def test_refit_into_vllm_parameters_by_delta(tmp_path):
+    run_ranks(_engine_delta, 4, _path(tmp_path, QWEN3), timeout=60)

@@ -1,6 +1,8 @@
 """The README's RL loop for 3 steps: FSDP2 trainer, vLLM-layout engine, a refit after every
-step, the engine's logits bitwise equal to the trainer's (the loop stops otherwise)."""
+step, the engine's logits bitwise equal to the trainer's (the loop stops otherwise); and with
+--delta, the refits after the first sending fewer bytes than dense."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -21,3 +23,20 @@ def test_rl_loop_three_steps():
     assert len(lines) == 8, done.stdout
     assert all(line.endswith("logits bitwise equal") for line in lines), lines
     assert sum(line.startswith("qwen3_moe") for line in lines) == 4
+
+
+def test_rl_loop_delta_sends_less_after_the_first_refit():
+    # 4 prompts of 4 tokens: rewards that differ, so every step changes the weights
+    args = [sys.executable, str(LOOP), "--steps", "3", "--model", "qwen3", "--delta"]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-4000:]
+    lines = [line for line in done.stdout.splitlines() if " step " in line]
+    assert len(lines) == 4, done.stdout
+    assert all(line.endswith("logits bitwise equal") for line in lines), lines
+    assert "(first refit)" in lines[0], lines[0]
+    # every later refit is a delta of a changed model: fewer bytes sent than the dense refit's
+    for line in lines[1:]:
+        found = re.search(r"delta: sent ([\d.]+) of ([\d.]+) kB \([\d.]+%\), ([\d.]+)% changed", line)
+        assert found, line
+        assert 0 < float(found[1]) < float(found[2]), line
+        assert float(found[3]) > 0, line
