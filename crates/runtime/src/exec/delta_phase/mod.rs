@@ -13,7 +13,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use super::delta::wire::{Carries, FENCE_BYTES, Fence, HEADER_BYTES, Header};
 use super::delta::{DeltaReport, DeltaRun};
 use crate::exec::options::ExecOptions;
-use crate::exec::program::Steps;
+use crate::exec::program::{Step, Steps};
 use crate::exec::scaling::Casts;
 use crate::exec::stats::RankStats;
 use crate::exec::transfers::run_transfers;
@@ -223,7 +223,6 @@ impl PhaseWork {
         chunk: usize,
         options: &ExecOptions,
     ) -> Result<RankStats> {
-        let rank = self.rank;
         let (n_src, n_dst) = self.buffers;
         let data: &'buf Steps<'static, 'static> = &self.data;
         let mut sources: Vec<&'buf [u8]> = src_bufs.to_vec();
@@ -237,62 +236,76 @@ impl PhaseWork {
             run_transfers(data, &sources, &mut dsts, transport, chunk, casts, options)?
         };
         let mut kept = kept;
-        let mut blobs = got.blobs.iter();
+        let mut blobs = std::mem::take(&mut got.blobs).into_iter();
         for (s, header) in steps.recvs.iter().zip(&got.headers) {
-            let Some(Header {
-                carries: Carries::Delta { base, .. },
-                crc,
-            }) = header
-            else {
-                // a relaying rank forwards a hop that came dense dense too, for the same reason
-                if let (Some(kept), Some(h)) = (kept.as_deref_mut(), header) {
-                    kept.insert((s.from, s.region.clone().into_owned()), (*h, Vec::new()));
-                }
+            let Some(h) = header else {
                 continue;
             };
-            let blob = blobs.next().map(Vec::as_slice).unwrap_or_default();
-            let shard = s
-                .dst_at
-                .clone()
-                .and_then(|(b, bytes)| dst_bufs.get_mut(b)?.get_mut(bytes))
-                .ok_or(Error::MissingBuffer {
-                    side: Side::Dst,
-                    rank,
-                })?;
-            let unpack = CopyGeometry::new(
-                &s.region,
-                Place::Stream,
-                Place::Within(&s.dst_box),
-                s.elem_bytes,
-            );
-            let applied = apply(&unpack, blob, shard)
-                .map_err(|e| protocol(rank, s.from, format!("its delta: {e}")))?;
-            report.received.elems += applied.elems;
-            report.received.changed += applied.changed;
-            add_blocks(&mut report.received.blocks, applied.blocks);
-            if let Some(sent) = crc {
-                let landed = region_crc(shard, &s.dst_box, &s.region, s.elem_bytes);
-                if landed != *sent {
-                    return Err(Error::DeltaMismatch {
-                        src: s.from,
-                        dst: rank,
-                        offset: s.region.offset.clone(),
-                        extent: Dims(s.region.extent.clone()),
-                        version: run.version,
-                        base: *base,
-                        sent: *sent,
-                        landed,
-                    });
+            let blob = match h.carries {
+                Carries::Delta { base, .. } => {
+                    let blob = blobs.next().unwrap_or_default();
+                    apply_one(s, &blob, dst_bufs, (base, h.crc), run.version, report)?;
+                    blob
                 }
-            }
-            // what a relaying rank forwards later, as it came
-            if let (Some(kept), Some(h)) = (kept.as_deref_mut(), header) {
-                kept.insert((s.from, s.region.clone().into_owned()), (*h, blob.to_vec()));
+                Carries::Dense(_) => Vec::new(),
+            };
+            // what a relaying rank forwards later, as it came (a hop that came dense goes on
+            // dense, for the same reason)
+            if let Some(kept) = kept.as_deref_mut() {
+                kept.insert((s.from, s.region.clone().into_owned()), (*h, blob));
             }
         }
-        got.blobs.clear();
         Ok(stats)
     }
+}
+
+/// Applies the delta `blob` that receive `s` landed, over version `base`, onto its
+/// destination (checked whole before a byte is written), then checks its region against the
+/// sender's CRC when it sent one.
+fn apply_one(
+    s: &Step<'_>,
+    blob: &[u8],
+    dst_bufs: &mut [&mut [u8]],
+    (base, crc): (u64, Option<u32>),
+    version: u64,
+    report: &mut DeltaReport,
+) -> Result<()> {
+    let rank = s.to;
+    let shard = s
+        .dst_at
+        .clone()
+        .and_then(|(b, bytes)| dst_bufs.get_mut(b)?.get_mut(bytes))
+        .ok_or(Error::MissingBuffer {
+            side: Side::Dst,
+            rank,
+        })?;
+    let unpack = CopyGeometry::new(
+        &s.region,
+        Place::Stream,
+        Place::Within(&s.dst_box),
+        s.elem_bytes,
+    );
+    let applied = apply(&unpack, blob, shard)
+        .map_err(|e| protocol(rank, s.from, format!("its delta: {e}")))?;
+    report.received.elems += applied.elems;
+    report.received.changed += applied.changed;
+    add_blocks(&mut report.received.blocks, applied.blocks);
+    if let Some(sent) = crc {
+        let landed = region_crc(shard, &s.dst_box, &s.region, s.elem_bytes);
+        if landed != sent {
+            return Err(Error::DeltaMismatch {
+                src: s.from,
+                dst: rank,
+                offset: s.region.offset.clone(),
+                extent: Dims(s.region.extent.clone()),
+                version,
+                base,
+                sent,
+                landed,
+            });
+        }
+    }
+    Ok(())
 }
 
 /// Lays out the values' steps (see [`PhaseWork::headers`]), checking every header against
