@@ -109,8 +109,10 @@ where
 /// phase under way.
 pub(crate) struct DeltaCtx<'a> {
     run: DeltaRun<'a>,
-    /// What this rank received as deltas, kept for a phase of forwards that follows.
-    kept: Option<Kept>,
+    /// What this rank received as deltas, kept for a phase of forwards that follows (when
+    /// `forwards`: it relays).
+    kept: Kept,
+    forwards: bool,
     report: DeltaReport,
     work: Option<PhaseWork>,
     held: Option<u64>,
@@ -183,7 +185,8 @@ impl<'a> RankState<'a> {
                     ..DeltaReport::default()
                 },
                 run,
-                kept: forwards_hops(program).then(Kept::new),
+                kept: Kept::new(),
+                forwards: forwards_hops(program),
                 work: None,
                 held,
             }
@@ -216,6 +219,18 @@ impl<'a> RankState<'a> {
         })
     }
 
+    /// The delta phase under way, after its fence (`what` names the exchange, for the error).
+    fn started<'c>(
+        rank: Rank,
+        work: &'c mut Option<PhaseWork>,
+        what: &str,
+    ) -> Result<&'c mut PhaseWork> {
+        work.as_mut().ok_or_else(|| Error::Internal {
+            rank,
+            detail: format!("the {what} of a delta phase before its fence"),
+        })
+    }
+
     /// The first exchange of a delta phase ([`PhaseWork::fence`]).
     pub fn delta_fence<'buf, T: Transport<'buf> + ?Sized>(
         &'buf mut self,
@@ -238,10 +253,8 @@ impl<'a> RankState<'a> {
         let work = ctx
             .work
             .insert(PhaseWork::new(index, &phase.steps, buffers, ctx.held));
-        let kept = ctx.kept.as_ref();
-        let none = Kept::new();
         work.fence(
-            (&phase.steps, &phase.forwards, kept.unwrap_or(&none)),
+            (&phase.steps, &phase.forwards, &ctx.kept),
             &src,
             casts,
             &mut ctx.run,
@@ -262,10 +275,7 @@ impl<'a> RankState<'a> {
     ) -> Result<()> {
         let rank = self.rank;
         let ctx = Self::delta_ctx(rank, &mut self.delta)?;
-        let work = ctx.work.as_mut().ok_or_else(|| Error::Internal {
-            rank,
-            detail: "the headers of a delta phase before its fence".into(),
-        })?;
+        let work = Self::started(rank, &mut ctx.work, "headers")?;
         work.headers(
             &phase.steps,
             &ctx.run,
@@ -293,15 +303,9 @@ impl<'a> RankState<'a> {
             ..
         } = self;
         let ctx = Self::delta_ctx(*rank, delta)?;
-        let work = ctx.work.as_mut().ok_or_else(|| Error::Internal {
-            rank: *rank,
-            detail: "the values of a delta phase before its fence".into(),
-        })?;
+        let work = Self::started(*rank, &mut ctx.work, "values")?;
         let (src, mut dst) = bufs.lend(*rank, &phase.src, &phase.dst)?;
-        let keep = ctx
-            .kept
-            .as_mut()
-            .filter(|_| phase.kind == PhaseKind::Values);
+        let keep = (ctx.forwards && phase.kind == PhaseKind::Values).then_some(&mut ctx.kept);
         let moved = work.values(
             (&phase.steps, keep),
             &src,
@@ -420,7 +424,8 @@ fn received_scratch(program: &Program<'_>) -> std::collections::BTreeSet<usize> 
         .collect()
 }
 
-/// Refuses a delta refit of a program that relays: its rounds stage bytes on the way.
+/// Refuses a delta refit of a program lowered without it: a relay plan's rounds stage bytes
+/// on the way, where a delta refit's lowering forwards them ([`PhaseKind::Forward`]).
 pub(crate) fn check_delta(program: &Program<'_>) -> Result<()> {
     if program
         .phases
