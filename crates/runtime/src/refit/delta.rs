@@ -175,7 +175,7 @@ impl RefitRun {
                 }
             }
             for r in session.take_reports() {
-                report.delta_wire_bytes += r.sent.bytes + r.control_bytes;
+                report.delta_wire_bytes += r.wire_bytes();
                 report.elems += r.sent.elems;
                 report.changed += r.sent.changed;
                 for &(to, d) in &r.dense_to {

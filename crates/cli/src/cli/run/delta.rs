@@ -89,7 +89,7 @@ struct Refit {
 impl Refit {
     fn absorb(&mut self, reports: &[DeltaReport]) {
         for r in reports {
-            self.wire_bytes += r.sent.bytes + r.control_bytes;
+            self.wire_bytes += r.wire_bytes();
             self.elems += r.sent.elems;
             self.changed += r.sent.changed;
             for &(to, why) in &r.dense_to {

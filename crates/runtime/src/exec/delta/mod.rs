@@ -219,6 +219,11 @@ pub struct DeltaReport {
 }
 
 impl DeltaReport {
+    /// Bytes this rank sent on the wire: its values (encoded or dense), fences and headers.
+    pub fn wire_bytes(&self) -> u64 {
+        self.sent.bytes + self.control_bytes
+    }
+
     pub(crate) fn note(list: &mut Vec<(Rank, Dense)>, peer: Rank, why: Dense) {
         if !list.contains(&(peer, why)) {
             list.push((peer, why));
