@@ -192,31 +192,36 @@ impl Evolution {
         version: u64,
     ) -> Result<()> {
         layout.check_buffers(crate::error::Side::Dst, shards)?;
-        let mut first = None;
+        // the first wrong byte of all, with every rank's count of them
+        let (mut first, mut mismatches) = (None, 0);
         for &rank in layout.mesh().ranks() {
-            if let Err(e) = self.verify_shard_from(from, layout, rank, &shards[&rank], version) {
-                first = Some(match (first, e) {
-                    (
-                        Some(Error::VerifyFailed {
-                            rank,
-                            offset,
-                            expected,
-                            found,
-                            mismatches,
-                        }),
-                        Error::VerifyFailed { mismatches: n, .. },
-                    ) => Error::VerifyFailed {
-                        rank,
-                        offset,
-                        expected,
-                        found,
-                        mismatches: mismatches + n,
-                    },
-                    (Some(e), _) | (None, e) => e,
-                });
+            match self.verify_shard_from(from, layout, rank, &shards[&rank], version) {
+                Ok(()) => {}
+                Err(e @ Error::VerifyFailed { .. }) => {
+                    if let Error::VerifyFailed { mismatches: n, .. } = e {
+                        mismatches += n;
+                    }
+                    first.get_or_insert(e);
+                }
+                Err(e) => return Err(e),
             }
         }
-        first.map_or(Ok(()), Err)
+        match first {
+            Some(Error::VerifyFailed {
+                rank,
+                offset,
+                expected,
+                found,
+                ..
+            }) => Err(Error::VerifyFailed {
+                rank,
+                offset,
+                expected,
+                found,
+                mismatches,
+            }),
+            _ => Ok(()),
+        }
     }
 
     /// Checks `rank`'s destination shard `buf` of `layout` against `version` (cast from
