@@ -359,8 +359,8 @@ impl World {
         options: &RunOptions,
     ) -> Result<RunStats> {
         let exec_options = self.exec_options(options);
-        // as a delta, the baseline is verl's: gathered to one rank, broadcast from it (a
-        // delta refit does not relay)
+        // as a delta, the baseline is verl's: the changes gathered to one rank, broadcast
+        // from it to every destination rank, minding no hosts
         let gb = match exec_options.delta {
             Some(_) => GatherBroadcast::new(plan.src(), plan.dst())?,
             None => GatherBroadcast::on_hosts(plan.src(), plan.dst(), plan.topology())?,
