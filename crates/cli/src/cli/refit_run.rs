@@ -75,7 +75,9 @@ pub fn main(
         .with("--iters", args.iters)
         .with("--warmup", args.warmup)
         .with("--delta", args.delta.delta)
-        .with("--steps", args.delta.steps);
+        .with("--steps", args.delta.steps)
+        .with("--delta-update", format!("{:?}", args.delta.update()))
+        .with("--delta-anchor", format!("{:?}", args.delta.delta_anchor));
     let fingerprint = args.exec.agreed(&options, fingerprint);
     let kind = args.exec.transport;
     let threads = || {

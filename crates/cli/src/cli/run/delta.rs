@@ -170,13 +170,17 @@ pub(super) fn main(
         })
         .collect::<Result<_, Error>>()?;
     if let Some(job) = world.job() {
-        let ready = world.check_size(plan.ranks().last().copied().unwrap_or(0));
+        let ready = world.check_size(super::highest(plan));
+        // what `run` agrees on (the plan's tensor and layouts, the fill, the options), and
+        // the stream
         world.agree("run", ready, || {
-            args.exec
-                .agreed(options, reshard::agreement::Fingerprint::new("run --delta"))
+            super::fingerprint(args, plan, fill, options)
+                .with("--delta", true)
                 .with("--steps", d.steps)
+                .with("--delta-update", format!("{:?}", d.update()))
+                .with("--delta-anchor", format!("{:?}", d.delta_anchor))
                 .with("--delta-methods", &args.delta_methods)
-                .with("--fill", fill)
+                .with("--delta-restart", args.delta_restart.join(","))
         })?;
         let outcome = versions(args, plan, &evolution, delta, options, world, &mut streams);
         let outcome = outcome.map(|refits| serde_json::json!({ "refits": refits }));
