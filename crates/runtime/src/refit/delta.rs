@@ -15,7 +15,7 @@ use crate::batch::run_rank_batch;
 use crate::exec::delta::{DeltaOptions, DeltaRefit, DeltaSession};
 use crate::{Links, RunOptions, World};
 use reshard_core::Rank;
-use reshard_core::error::{Error, Field};
+use reshard_core::error::Error;
 use reshard_core::evolve::{Evolution, Update};
 use reshard_core::fill::Fill;
 
@@ -104,15 +104,8 @@ impl RefitRun {
         stream: &DeltaStream,
         options: &RunOptions,
     ) -> Result<serde_json::Value, Error> {
-        let Some(job) = world.job() else {
-            return Err(Error::InvalidOption {
-                field: Field::Transport,
-                value: world.options().transport.name().into(),
-                reason: "a refit runs one rank per process".into(),
-            });
-        };
+        let job = self.job_of(world)?;
         stream.options.validate()?;
-        world.check_size(self.batch.world().saturating_sub(1))?;
         let rank = job.rank();
         let batch = &self.batch;
         let rb = batch.rank_batch(rank)?;

@@ -296,14 +296,7 @@ impl RefitRun {
         repeat: Repeat,
         options: &RunOptions,
     ) -> Result<serde_json::Value, Error> {
-        let Some(job) = world.job() else {
-            return Err(Error::InvalidOption {
-                field: Field::Transport,
-                value: world.options().transport.name().into(),
-                reason: "a refit runs one rank per process".into(),
-            });
-        };
-        world.check_size(self.batch.world().saturating_sub(1))?;
+        let job = self.job_of(world)?;
         let mut rank = RankRefit::new(self, world, job.rank(), world.exec_options(options))?;
         let found = compare(&mut rank, repeat, Some(job), &mut || {})?;
         let total = |b: &[crate::batch::Buffer]| b.iter().map(|b| b.len as u64).sum::<u64>();
@@ -315,6 +308,20 @@ impl RefitRun {
             "reshard": found.of(Method::Reshard).report(),
             "gather_broadcast": found.of(Method::GatherBroadcast).report(),
         }))
+    }
+
+    /// The job `world` runs this refit in, one rank per process, with ranks enough for it; a
+    /// world of threads is refused.
+    fn job_of<'w>(&self, world: &'w World) -> Result<&'w dyn reshard_transport::Job, Error> {
+        let Some(job) = world.job() else {
+            return Err(Error::InvalidOption {
+                field: Field::Transport,
+                value: world.options().transport.name().into(),
+                reason: "a refit runs one rank per process".into(),
+            });
+        };
+        world.check_size(self.batch.world().saturating_sub(1))?;
+        Ok(job)
     }
 
     /// The job's report from every rank's ([`RefitRun::run_rank`]).
