@@ -22,7 +22,7 @@ use std::collections::BTreeMap;
 
 use crate::dtype::DType;
 use crate::error::{Error, Field, Result};
-use crate::fill::{Fill, check_elements, mix, write_elements};
+use crate::fill::{Fill, check_elements, mix, verified, write_elements};
 use crate::layout::{Layout, Rank};
 use crate::region::Region;
 
@@ -272,16 +272,7 @@ impl Evolution {
             );
             out
         };
-        match check_elements(layout, region, buf, expect) {
-            None => Ok(()),
-            Some((offset, expected, found, mismatches)) => Err(Error::VerifyFailed {
-                rank,
-                offset: at + offset,
-                expected,
-                found,
-                mismatches,
-            }),
-        }
+        verified((rank, at), check_elements(layout, region, buf, expect))
     }
 
     /// The fraction of `samples` evenly spread elements of a tensor of `shape` in `dtype`

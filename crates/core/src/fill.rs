@@ -275,16 +275,7 @@ impl Fill {
         buf: &[u8],
         (rank, at): (Rank, u64),
     ) -> Result<()> {
-        match self.check_converted(from, layout, region, buf) {
-            None => Ok(()),
-            Some((offset, expected, found, mismatches)) => Err(Error::VerifyFailed {
-                rank,
-                offset: at + offset,
-                expected,
-                found,
-                mismatches,
-            }),
-        }
+        verified((rank, at), self.check_converted(from, layout, region, buf))
     }
 
     /// Checks every destination shard of `layout` against the fill, byte for byte.
@@ -347,6 +338,24 @@ pub(crate) fn write_elements(
 /// Checks `buf`, box `region` of `layout`'s tensor, against `expect(global index)` (as
 /// [`write_elements`] writes it): the first wrong byte's offset, the byte expected and the one
 /// found, and how many bytes are wrong.
+/// A check's outcome ([`check_elements`]) as the error that names the first wrong byte of a
+/// buffer starting at byte `at` of `rank`'s.
+pub(crate) fn verified(
+    (rank, at): (Rank, u64),
+    first_wrong: Option<(u64, u8, u8, u64)>,
+) -> Result<()> {
+    match first_wrong {
+        None => Ok(()),
+        Some((offset, expected, found, mismatches)) => Err(Error::VerifyFailed {
+            rank,
+            offset: at + offset,
+            expected,
+            found,
+            mismatches,
+        }),
+    }
+}
+
 pub(crate) fn check_elements(
     layout: &Layout,
     region: &Region,
