@@ -27,8 +27,8 @@ pub(super) struct Msgs {
 #[derive(Default)]
 pub(super) struct Sent {
     pub headers: Msgs,
-    /// Per send: what it carries (`None` for a send to itself, always dense).
-    pub carries: Vec<Option<Carries>>,
+    /// Per send: what it carries, and its CRC (`None` for a send to itself, always dense).
+    pub headers_of: Vec<Option<Header>>,
     /// The encodings, in the order of the delta sends.
     pub blobs: Vec<Vec<u8>>,
 }
@@ -101,13 +101,11 @@ impl Encode<'_, '_> {
     ) -> Result<()> {
         let rank = self.rank;
         let mut encoders: BTreeMap<usize, DeltaEncoder> = BTreeMap::new();
-        sent.carries.clear();
+        sent.headers_of.clear();
         sent.blobs.clear();
-        let mut headers = Vec::with_capacity(steps.sends.len());
         for (i, s) in steps.sends.iter().enumerate() {
             if s.from == s.to {
-                sent.carries.push(None);
-                headers.push(None);
+                sent.headers_of.push(None);
                 continue;
             }
             let src = s
@@ -147,8 +145,7 @@ impl Encode<'_, '_> {
                 }
             }
             self.report.sent.dense_bytes += len;
-            sent.carries.push(Some(carries));
-            headers.push(Some(Header { carries, crc }));
+            sent.headers_of.push(Some(Header { carries, crc }));
         }
         let encoded: u64 = sent.blobs.iter().map(|b| b.len() as u64).sum();
         self.report.peak_encoded_bytes = self.report.peak_encoded_bytes.max(encoded);
@@ -163,7 +160,7 @@ impl Encode<'_, '_> {
         };
         for (peer, sends) in by_peer(&steps.sends, |s| s.to) {
             let at = msgs.bytes.len();
-            for h in sends.into_iter().filter_map(|i| headers[i]) {
+            for h in sends.into_iter().filter_map(|i| sent.headers_of[i]) {
                 h.write(&mut msgs.bytes);
             }
             let len = msgs.bytes.len() - at;

@@ -199,7 +199,7 @@ impl PhaseWork {
             steps,
             self.held,
             self.buffers,
-            &self.sent.carries,
+            &self.sent.headers_of,
             &mut self.got,
             run,
             report,
@@ -314,7 +314,7 @@ fn lay_out(
     steps: &Steps<'_, '_>,
     held: Option<u64>,
     (n_src, n_dst): (usize, usize),
-    carries: &[Option<Carries>],
+    sends: &[Option<Header>],
     got: &mut Got,
     run: &DeltaRun<'_>,
     report: &mut DeltaReport,
@@ -327,11 +327,11 @@ fn lay_out(
     };
     // the encodings are lent after the phase's own buffers
     let mut k = 0;
-    for (s, c) in steps.sends.iter().zip(carries) {
-        match c {
+    for (s, h) in steps.sends.iter().zip(sends) {
+        match h.map(|h| h.carries) {
             Some(Carries::Delta { len, .. }) => {
                 data.sends
-                    .push(beside(s.from, s.to, *len as usize, true, n_src + k, 0));
+                    .push(beside(s.from, s.to, len as usize, true, n_src + k, 0));
                 k += 1;
             }
             _ => data.sends.push(owned(s)),
