@@ -203,3 +203,20 @@ fn a_rank_that_cannot_run_its_part_is_named_at_once() {
         assert_eq!(named, rank != 1, "rank {rank}: {err}");
     }
 }
+
+/// `run --delta` agrees on what `run` agrees on, and on its stream: a rank with other layouts
+/// or another density is refused on every rank before any byte moves.
+#[test]
+fn delta_streams_that_differ_are_refused_on_every_rank() {
+    let (src, dst) = ("mesh=2 place=S(0)", "mesh=2 place=S(1)");
+    let delta = |mut args: Vec<&'static str>, density: &'static str| {
+        args.extend(["--delta", "--steps", "2", "--delta-density", density]);
+        args
+    };
+    let mut jobs = vec![delta(run_args("f32", src, dst), "0.01"); 4];
+    jobs[2] = delta(run_args("f32", src, "mesh=2 place=S(0)"), "0.01");
+    every_rank_refused(&job(&jobs), &["rank 2", "--dst", "S(0)"]);
+    let mut jobs = vec![delta(run_args("f32", src, dst), "0.01"); 4];
+    jobs[3] = delta(run_args("f32", src, dst), "0.5");
+    every_rank_refused(&job(&jobs), &["rank 3", "--delta-update", "0.5"]);
+}
