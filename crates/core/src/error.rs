@@ -156,6 +156,43 @@ pub enum Error {
     )]
     InDoubt { rank: Rank, detail: String },
 
+    /// A staged refit's commit or abort on a rank that holds no staged version, or another
+    /// one than asked.
+    #[error(
+        "rank {rank}: cannot {action} version {asked}: {}",
+        .staged.map_or("it holds no staged version".to_string(), |v| format!("it holds version {v} staged"))
+    )]
+    NotStaged {
+        rank: Rank,
+        action: &'static str,
+        asked: u64,
+        staged: Option<u64>,
+    },
+
+    /// A commit onto shards that no longer hold the version the staging was prepared
+    /// against (a commit would mix the two).
+    #[error(
+        "rank {rank}: refuses to commit version {version}: it was staged onto {}, but the shards serve {}",
+        version_name(*.onto), version_name(*.serves)
+    )]
+    ServesOther {
+        rank: Rank,
+        version: u64,
+        onto: Option<u64>,
+        serves: Option<u64>,
+    },
+
+    /// A prepare on a rank that still holds a staged version, not yet committed nor aborted
+    /// (it may be in doubt: only a commit or an abort resolves it).
+    #[error(
+        "rank {rank}: cannot stage version {version}: version {staged} is still staged (commit or abort it first)"
+    )]
+    StillStaged {
+        rank: Rank,
+        version: u64,
+        staged: u64,
+    },
+
     #[error(
         "rank {rank}: {transfers} transfers ({bytes} bytes) did not arrive, from {}",
         .from.iter().map(|r| format!("rank {r}")).collect::<Vec<_>>().join(", ")
@@ -287,6 +324,11 @@ pub enum Error {
 }
 
 /// `bytes` in binary units with one decimal, e.g. `128.0 MiB`.
+/// A version as an error names it (`None`: no version known).
+fn version_name(v: Option<u64>) -> String {
+    v.map_or("no known version".into(), |v| format!("version {v}"))
+}
+
 fn human_bytes(bytes: u64) -> String {
     const UNITS: [&str; 6] = ["KiB", "MiB", "GiB", "TiB", "PiB", "EiB"];
     if bytes < 1024 {

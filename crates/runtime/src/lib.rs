@@ -146,6 +146,9 @@ pub struct RunOptions {
     /// One refit of a delta refit: only what changed since the version each destination
     /// holds moves ([`exec::delta`]).
     pub delta: Option<exec::delta::DeltaRefit>,
+    /// A staged refit: the destinations given are shadows of the live shards, to be
+    /// committed or aborted later ([`exec::stage`]).
+    pub stage: Option<exec::stage::StageRefit>,
 }
 
 impl Default for RunOptions {
@@ -155,6 +158,7 @@ impl Default for RunOptions {
             chunk_bytes: exec.chunk_bytes,
             checksum: exec.checksum,
             delta: None,
+            stage: None,
         }
     }
 }
@@ -275,6 +279,7 @@ impl World {
             timeout: self.options.timeout,
             checksum: run.checksum,
             delta: run.delta.clone(),
+            stage: run.stage.clone(),
         }
     }
 

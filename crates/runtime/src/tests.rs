@@ -616,6 +616,7 @@ fn a_prepared_quantizing_plan_writes_its_values_straight_into_the_shards_over_sh
                     checksum,
                     chunk_bytes: 40,
                     delta: None,
+                    stage: None,
                 };
                 let stats = mine.run(source.as_deref(), &run).unwrap();
                 let values = mine.destination().map(<[u8]>::to_vec);
@@ -862,6 +863,7 @@ fn a_direct_batch_writes_the_values_into_shared_shards_and_rings_the_scales() {
                 checksum,
                 chunk_bytes: 40,
                 delta: None,
+                stage: None,
             };
             let stats = run_rank_batch(
                 &batch,

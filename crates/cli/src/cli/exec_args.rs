@@ -102,6 +102,7 @@ impl ExecArgs {
             timeout: Duration::from_secs_f64(self.timeout),
             checksum: self.checksum,
             delta: None,
+            stage: None,
         };
         options.validate()?;
         Ok(options)
@@ -125,6 +126,7 @@ pub fn run_options(options: &ExecOptions) -> RunOptions {
         chunk_bytes: options.chunk_bytes,
         checksum: options.checksum,
         delta: options.delta.clone(),
+        stage: options.stage.clone(),
     }
 }
 

@@ -10,9 +10,10 @@ use std::time::Instant;
 
 use super::delta::{DeltaReport, DeltaRun};
 use super::delta_phase::both_ways;
-use super::executor::{RankState, check_delta};
+use super::executor::{RankState, check_delta, stage_of};
 use super::options::ExecOptions;
 use super::program::{Phase, PhaseKind, Program};
+use super::stage::Staged;
 use super::stats::{RankStats, RunStats};
 use crate::exec::threads::{RankThread, joined};
 use reshard_core::error::Result;
@@ -59,30 +60,51 @@ pub fn run_threads(
     options: &ExecOptions,
     faults: &[Fault],
 ) -> Result<RunStats> {
-    let Some(refit) = &options.delta else {
-        return run_all(runs, None, options, faults).map(|(stats, _)| stats);
+    let Some(session) = options.session() else {
+        return run_all(runs, None, Vec::new(), options, faults).map(|(stats, _, _)| stats);
     };
-    for r in &runs {
-        check_delta(&r.program)?;
+    if options.delta.is_some() {
+        for r in &runs {
+            check_delta(&r.program)?;
+        }
     }
     let ranks: Vec<Rank> = runs.iter().map(|r| r.program.rank).collect();
-    let mut states = refit.session.take(ranks.iter().copied());
-    let deltas = states
-        .iter_mut()
-        .map(|state| DeltaRun {
-            state,
-            version: refit.version,
-            options: refit.options,
-        })
+    let mut states = session.take(ranks.iter().copied());
+    let stages: Result<Vec<_>> = ranks
+        .iter()
+        .zip(&states)
+        .map(|(&rank, state)| stage_of(rank, options, state))
         .collect();
-    let outcome = run_threads_delta(runs, deltas, options, faults);
+    let outcome = stages.and_then(|stages| {
+        let deltas = options.delta.as_ref().map(|refit| {
+            states
+                .iter_mut()
+                .map(|state| DeltaRun::new(state, refit))
+                .collect()
+        });
+        run_all(runs, deltas, stages, options, faults)
+    });
     let (stats, reports) = match outcome {
-        Ok((stats, reports)) => (Ok(stats), reports),
-        Err(e) => (Err(e), Vec::new()),
+        Ok((stats, reports, staged)) => {
+            for (state, staged) in states.iter_mut().zip(staged) {
+                if staged.is_some() {
+                    state.staged = staged;
+                }
+            }
+            (Ok(stats), reports)
+        }
+        Err(e) => {
+            if options.stage.is_some() {
+                // nothing is staged anywhere: the scratch that ranks which completed keep
+                // holds the version dropped
+                for state in &mut states {
+                    state.scratch.clear();
+                }
+            }
+            (Err(e), Vec::new())
+        }
     };
-    refit
-        .session
-        .give_back(ranks.into_iter().zip(states), reports);
+    session.give_back(ranks.into_iter().zip(states), reports);
     stats
 }
 
@@ -100,21 +122,26 @@ pub fn run_threads_delta<'a>(
             detail: format!("{} delta states for {} ranks", deltas.len(), runs.len()),
         });
     }
-    run_all(runs, Some(deltas), options, faults)
+    run_all(runs, Some(deltas), Vec::new(), options, faults).map(|(s, r, _)| (s, r))
 }
 
+/// Every rank's run; `stages` (empty: in place) say what each rank stages. Returns the
+/// stats, the delta reports and each rank's staging, in the order of `runs`.
 fn run_all<'a>(
     runs: Vec<RankRun<'a, '_>>,
     deltas: Option<Vec<DeltaRun<'a>>>,
+    stages: Vec<Option<(u64, Option<u64>)>>,
     options: &ExecOptions,
     faults: &[Fault],
-) -> Result<(RunStats, Vec<DeltaReport>)> {
+) -> Result<(RunStats, Vec<DeltaReport>, Vec<Option<Staged>>)> {
     let started = Instant::now();
     let mut runners = Vec::with_capacity(runs.len());
     let mut deltas = deltas.map(Vec::into_iter);
+    let mut stages = stages.into_iter();
     for r in runs {
         let run = deltas.as_mut().and_then(Iterator::next);
-        let state = RankState::with_delta(&r.program, r.src, r.dst, run)?;
+        let stage = stages.next().flatten();
+        let state = RankState::with_delta(&r.program, r.src, r.dst, run, stage)?;
         runners.push(Runner {
             program: r.program,
             state: Ok(state),
@@ -143,19 +170,20 @@ fn run_all<'a>(
             state.after(phase)
         });
     }
-    let mut reports = Vec::new();
+    let (mut reports, mut staged) = (Vec::new(), Vec::new());
     let results: Vec<Result<RankStats>> = runners
         .into_iter()
         .map(|r| {
             r.state.map(|s| {
-                let (stats, report) = s.finish_delta(&r.program);
+                let (stats, report, st) = s.finish_all(&r.program);
                 reports.extend(report);
+                staged.push(st);
                 stats
             })
         })
         .collect();
     let stats = RunStats::gather(started.elapsed(), results)?;
-    Ok((stats, reports))
+    Ok((stats, reports, staged))
 }
 
 /// Which exchange of a phase the driver runs: a phase's transfers, or one of the three

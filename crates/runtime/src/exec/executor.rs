@@ -2,11 +2,12 @@
 //! copies before, its transfers ([`run_transfers`]), its local copies and scales after).
 
 use super::buffers::Buffers;
-use super::delta::{DeltaReport, DeltaRun};
+use super::delta::{DeltaReport, DeltaRun, RankDelta};
 use super::delta_phase::{Kept, PhaseWork};
 use super::options::ExecOptions;
 use super::program::{Buf, Phase, PhaseKind, Program};
 use super::scaling::{self, Casts};
+use super::stage::{Patch, Staged};
 use super::stats::RankStats;
 use super::transfers::run_transfers;
 use reshard_core::error::{Error, Result};
@@ -27,20 +28,21 @@ pub fn run_program<T>(
 where
     T: for<'b> Transport<'b> + ?Sized,
 {
-    if let Some(refit) = &options.delta {
-        let mut states = refit.session.take([program.rank]);
+    if let Some(session) = options.session() {
+        let rank = program.rank;
+        let mut states = session.take([rank]);
         let mut state = states.pop().unwrap_or_default();
-        let run = DeltaRun {
-            state: &mut state,
-            version: refit.version,
-            options: refit.options,
-        };
-        let outcome = run_program_delta(program, src, dst, transport, options, run);
+        let outcome = run_in_session(program, src, dst, transport, options, &mut state);
         let (stats, report) = match outcome {
-            Ok((stats, report)) => (Ok(stats), Some(report)),
+            Ok((stats, report, staged)) => {
+                if staged.is_some() {
+                    state.staged = staged;
+                }
+                (Ok(stats), report)
+            }
             Err(e) => (Err(e), None),
         };
-        refit.session.give_back([(program.rank, state)], report);
+        session.give_back([(rank, state)], report);
         return stats;
     }
     let mut state = RankState::new(
@@ -50,6 +52,58 @@ where
     )?;
     run_phases(program, &mut state, transport, options)?;
     Ok(state.finish(program))
+}
+
+/// A run whose rank keeps state in a session (a delta refit, a staged refit, or both):
+/// returns its stats, its delta report and what it staged.
+fn run_in_session<T>(
+    program: &Program<'_>,
+    src: &[&[u8]],
+    dst: &mut [&mut [u8]],
+    transport: &T,
+    options: &ExecOptions,
+    state: &mut RankDelta,
+) -> Result<(RankStats, Option<DeltaReport>, Option<Staged>)>
+where
+    T: for<'b> Transport<'b> + ?Sized,
+{
+    let stage = stage_of(program.rank, options, state)?;
+    let delta = options.delta.as_ref();
+    if delta.is_some() {
+        check_delta(program)?;
+    }
+    let run = delta.map(|refit| DeltaRun::new(state, refit));
+    let mut rank = RankState::with_delta(
+        program,
+        src.to_vec(),
+        dst.iter_mut().map(|b| &mut **b).collect(),
+        run,
+        stage,
+    )?;
+    run_phases(program, &mut rank, transport, options)?;
+    Ok(rank.finish_all(program))
+}
+
+/// What a staged run stages (its version, and the version the rank serves, which it is
+/// staged onto), or nothing for a run in place; a rank that still holds a staged version is
+/// refused before any byte moves.
+pub(crate) fn stage_of(
+    rank: Rank,
+    options: &ExecOptions,
+    state: &RankDelta,
+) -> Result<Option<(u64, Option<u64>)>> {
+    let Some(stage) = &options.stage else {
+        return Ok(None);
+    };
+    stage.check(options.delta.as_ref())?;
+    if let Some(st) = &state.staged {
+        return Err(Error::StillStaged {
+            rank,
+            version: stage.version,
+            staged: st.version,
+        });
+    }
+    Ok(Some((stage.version, state.serving)))
 }
 
 /// [`run_program`] as one refit of a delta refit ([`super::delta`]): its phases of values
@@ -72,9 +126,10 @@ where
         src.to_vec(),
         dst.iter_mut().map(|b| &mut **b).collect(),
         Some(run),
+        None,
     )?;
     run_phases(program, &mut state, transport, options)?;
-    let (stats, report) = state.finish_delta(program);
+    let (stats, report, _) = state.finish_all(program);
     Ok((stats, report.unwrap_or_default()))
 }
 
@@ -127,23 +182,34 @@ pub(crate) struct RankState<'a> {
     grids: Vec<reshard_core::convert::AmaxGrid>,
     stats: RankStats,
     delta: Option<DeltaCtx<'a>>,
+    stage: Option<StageCtx>,
+}
+
+/// A staged run while it runs: the version it stages, onto which, and the patches it keeps.
+struct StageCtx {
+    version: u64,
+    onto: Option<u64>,
+    patches: Vec<Patch>,
 }
 
 impl<'a> RankState<'a> {
     /// The rank's buffers, its scratch allocated ([`Error::OutOfMemory`] when it does not fit).
     pub fn new(program: &Program<'_>, src: Vec<&'a [u8]>, dst: Vec<&'a mut [u8]>) -> Result<Self> {
-        Self::with_delta(program, src, dst, None)
+        Self::with_delta(program, src, dst, None, None)
     }
 
     /// [`RankState::new`] for one refit of a delta refit, when `run` is given: the scratch
     /// its phases of values receive into is the one the last refit left (it holds that
     /// version), the rest zeroed; the version held is taken from its state until the refit
-    /// completes, so that a failed one leaves none.
+    /// completes, so that a failed one leaves none. With `stage` (the version staged, and the
+    /// version served, which it is staged onto), `dst` are shadows of the live shards, and
+    /// the run ends with what a commit applies ([`super::stage`]).
     pub fn with_delta(
         program: &Program<'_>,
         src: Vec<&'a [u8]>,
         dst: Vec<&'a mut [u8]>,
         run: Option<DeltaRun<'a>>,
+        stage: Option<(u64, Option<u64>)>,
     ) -> Result<Self> {
         let rank = program.rank;
         let lens: Vec<usize> = program.scratch.iter().map(|s| s.len).collect();
@@ -177,6 +243,10 @@ impl<'a> RankState<'a> {
         };
         let delta = run.map(|run| {
             let held = run.state.held.take();
+            if stage.is_none() {
+                // written in place: until it completes, the shards serve nothing known
+                run.state.serving = None;
+            }
             DeltaCtx {
                 report: DeltaReport {
                     rank,
@@ -201,6 +271,11 @@ impl<'a> RankState<'a> {
                 ..RankStats::default()
             },
             delta,
+            stage: stage.map(|(version, onto)| StageCtx {
+                version,
+                onto,
+                patches: Vec::new(),
+            }),
         })
     }
 
@@ -300,14 +375,16 @@ impl<'a> RankState<'a> {
             casts,
             delta,
             stats,
+            stage,
             ..
         } = self;
         let ctx = Self::delta_ctx(*rank, delta)?;
         let work = Self::started(*rank, &mut ctx.work, "values")?;
         let (src, mut dst) = bufs.lend(*rank, &phase.src, &phase.dst)?;
         let keep = (ctx.forwards && phase.kind == PhaseKind::Values).then_some(&mut ctx.kept);
+        let patches = stage.as_mut().map(|s| (&phase.dst[..], &mut s.patches));
         let moved = work.values(
-            (&phase.steps, keep),
+            (&phase.steps, keep, patches),
             &src,
             &mut dst,
             casts,
@@ -386,26 +463,43 @@ impl<'a> RankState<'a> {
 
     /// The rank's stats, with the program's own staging.
     pub fn finish(self, program: &Program<'_>) -> RankStats {
-        self.finish_delta(program).0
+        self.finish_all(program).0
     }
 
-    /// [`RankState::finish`] of a refit that completed, and its delta report: its state now
-    /// holds the new version, and keeps the scratch for the next refit.
-    pub fn finish_delta(self, program: &Program<'_>) -> (RankStats, Option<DeltaReport>) {
+    /// [`RankState::finish`] of a refit that completed, its delta report and what it staged.
+    /// Its delta state keeps the scratch for the next refit and now holds the new version,
+    /// or, staged, still the one it was staged onto (a commit moves it on).
+    pub fn finish_all(
+        self,
+        program: &Program<'_>,
+    ) -> (RankStats, Option<DeltaReport>, Option<Staged>) {
         let mut stats = self.stats;
         stats.rank = program.rank;
         stats.peak_staging_bytes += program.staging_bytes;
+        let staged = self.stage.map(|st| {
+            let lens = self.bufs.dst.iter().map(|b| b.len()).collect();
+            Staged::new(st.version, st.onto, lens, st.patches)
+        });
         let report = self.delta.map(|ctx| {
             let DeltaCtx {
-                run, mut report, ..
+                run,
+                mut report,
+                held,
+                ..
             } = ctx;
-            run.state.held = Some(run.version);
+            match &staged {
+                Some(_) => run.state.held = held,
+                None => {
+                    run.state.held = Some(run.version);
+                    run.state.serving = Some(run.version);
+                }
+            }
             run.state.scratch = self.bufs.scratch;
             report.base_bytes = run.state.base_bytes();
             report.kept_scratch_bytes = run.state.kept_scratch_bytes();
             report
         });
-        (stats, report)
+        (stats, report, staged)
     }
 }
 

@@ -51,7 +51,8 @@
 //! steps against buffers (`steps`), the executor (`executor`, with the buffers it lends,
 //! `buffers`, and the arithmetic of quantization, `scaling`), the driver ([`driver`]), the
 //! bookkeeping of what is due and what arrived, without I/O ([`progress`]), the counts
-//! ([`RankStats`], [`RunStats`]), relay rounds ([`relay`]) and the baseline ([`baseline`]).
+//! ([`RankStats`], [`RunStats`]), relay rounds ([`relay`]), the baseline ([`baseline`]), delta
+//! refit ([`delta`]) and staged refit ([`stage`]).
 
 pub mod baseline;
 mod buffers;
@@ -68,6 +69,7 @@ pub mod progress;
 mod quant;
 pub mod relay;
 mod scaling;
+pub mod stage;
 mod stats;
 mod steps;
 pub(crate) mod threads;

@@ -20,6 +20,9 @@ pub struct ExecOptions {
     /// A delta refit: the phases of values move only what changed since the version each
     /// receiver holds ([`super::delta`]).
     pub delta: Option<super::delta::DeltaRefit>,
+    /// A staged refit: the destination buffers are shadows of the live shards, and the
+    /// session keeps what a commit applies ([`super::stage`]).
+    pub stage: Option<super::stage::StageRefit>,
 }
 
 impl Default for ExecOptions {
@@ -30,6 +33,7 @@ impl Default for ExecOptions {
             timeout: Duration::from_secs(60),
             checksum: false,
             delta: None,
+            stage: None,
         }
     }
 }
@@ -64,6 +68,16 @@ impl ExecOptions {
         if let Some(d) = &self.delta {
             d.options.validate()?;
         }
+        if let Some(s) = &self.stage {
+            s.check(self.delta.as_ref())?;
+        }
         Ok(())
+    }
+}
+
+impl ExecOptions {
+    /// The session a run keeps its ranks' state in: a delta refit's, or a staged refit's.
+    pub fn session(&self) -> Option<&super::delta::DeltaSession> {
+        (self.stage.as_ref().map(|s| &s.session)).or(self.delta.as_ref().map(|d| &d.session))
     }
 }

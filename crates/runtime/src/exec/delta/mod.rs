@@ -93,8 +93,14 @@ pub(crate) struct Base {
 /// One rank's memory of its past refits, kept by the caller from one refit to the next.
 #[derive(Debug, Default)]
 pub struct RankDelta {
-    /// The version its destination shards hold.
+    /// The version its destination shards hold, as the base of the deltas sent to it (while
+    /// a version is staged, the version its shadows were staged onto).
     pub(crate) held: Option<u64>,
+    /// The version its live shards serve: set by a refit in place that completed, or by a
+    /// commit; `None` after a refit in place that failed (the shards are half-written).
+    pub(crate) serving: Option<u64>,
+    /// The version it holds staged beside its live shards ([`crate::exec::stage`]).
+    pub(crate) staged: Option<crate::exec::stage::Staged>,
     /// As a sender: each transfer's base, by (phase, transfer) of its program.
     pub(crate) bases: BTreeMap<(usize, usize), Base>,
     /// The program's scratch as the last refit left it (a receiving blob of a batch, the
@@ -122,9 +128,20 @@ impl RankDelta {
     /// that version, or everything dense when they hold no such base.
     pub fn set_held(&mut self, version: Option<u64>) {
         self.held = version;
+        self.serving = version;
     }
 
-    /// Forgets everything, as a restarted rank would: no version held, no bases.
+    /// The version its live shards serve (see [`RankDelta::held`] for the base of deltas).
+    pub fn serving(&self) -> Option<u64> {
+        self.serving
+    }
+
+    /// The version it holds staged, not yet committed nor aborted.
+    pub fn staged(&self) -> Option<&crate::exec::stage::Staged> {
+        self.staged.as_ref()
+    }
+
+    /// Forgets everything, as a restarted rank would: no version held or staged, no bases.
     pub fn forget(&mut self) {
         *self = RankDelta::default();
     }
@@ -175,6 +192,16 @@ pub struct DeltaRun<'d> {
     pub state: &'d mut RankDelta,
     pub version: u64,
     pub options: DeltaOptions,
+}
+
+impl<'d> DeltaRun<'d> {
+    pub fn new(state: &'d mut RankDelta, refit: &DeltaRefit) -> DeltaRun<'d> {
+        DeltaRun {
+            state,
+            version: refit.version,
+            options: refit.options,
+        }
+    }
 }
 
 /// What a rank's transfers carried, one direction.

@@ -1,11 +1,15 @@
-//! A stream of delta refits as a caller holds it: the [`RankDelta`] of every rank this
-//! process runs, kept from one refit to the next ([`DeltaSession`]), and one refit of it
-//! ([`DeltaRefit`]), which the executor's options carry ([`crate::exec::ExecOptions::delta`]).
+//! A stream of refits as a caller holds it: the [`RankDelta`] of every rank this process
+//! runs, kept from one refit to the next ([`DeltaSession`]: delta bases, the version each
+//! rank serves, what it holds staged), and one delta refit of it ([`DeltaRefit`]), which the
+//! executor's options carry ([`crate::exec::ExecOptions::delta`]; a staged refit,
+//! [`crate::exec::ExecOptions::stage`], names its session too).
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use super::{DeltaOptions, DeltaReport, RankDelta};
+use crate::exec::stage::CommitReport;
+use reshard_core::error::{Error, Result};
 use reshard_core::layout::Rank;
 
 /// The delta state of the ranks a process runs, from one refit to the next: a handle, cheap
@@ -38,6 +42,118 @@ impl DeltaSession {
     /// The version `rank`'s destination shards hold.
     pub fn held(&self, rank: Rank) -> Option<u64> {
         self.lock().ranks.get(&rank).and_then(RankDelta::held)
+    }
+
+    /// The version `rank`'s live shards serve ([`RankDelta::serving`]).
+    pub fn serving(&self, rank: Rank) -> Option<u64> {
+        self.lock().ranks.get(&rank).and_then(RankDelta::serving)
+    }
+
+    /// The version `rank` holds staged, not yet committed nor aborted.
+    pub fn staged(&self, rank: Rank) -> Option<u64> {
+        let s = self.lock();
+        s.ranks
+            .get(&rank)
+            .and_then(|r| r.staged.as_ref().map(|st| st.version))
+    }
+
+    /// Bytes a commit of `rank`'s staging copies from its shadows, and bytes of the patches
+    /// it applies (`None` when nothing is staged).
+    pub fn staged_bytes(&self, rank: Rank) -> Option<(u64, u64)> {
+        let s = self.lock();
+        let st = s.ranks.get(&rank)?.staged.as_ref()?;
+        Some((st.copy_bytes(), st.patch_bytes()))
+    }
+
+    /// Commits `rank`'s staged `version`: applies it from `shadows` (the buffers it was
+    /// staged into) onto `live` (its shards, which must still serve the version it was staged
+    /// onto), in place; they then serve `version`. Refused, before a byte is written, when
+    /// the rank holds no such staging, when the shards serve another version, or when the
+    /// buffers are not those it was staged for.
+    pub fn commit(
+        &self,
+        rank: Rank,
+        version: u64,
+        shadows: &[&[u8]],
+        live: &mut [&mut [u8]],
+    ) -> Result<CommitReport> {
+        // taken out, so that other ranks' commits do not wait on this one's copy
+        let staged = {
+            let mut s = self.lock();
+            let state = s.ranks.entry(rank).or_default();
+            match &state.staged {
+                Some(st) if st.version == version => {
+                    if st.onto != state.serving {
+                        return Err(Error::ServesOther {
+                            rank,
+                            version,
+                            onto: st.onto,
+                            serves: state.serving,
+                        });
+                    }
+                    st.check(rank, shadows, live)?;
+                }
+                other => {
+                    return Err(Error::NotStaged {
+                        rank,
+                        action: "commit",
+                        asked: version,
+                        staged: other.as_ref().map(|st| st.version),
+                    });
+                }
+            }
+            state.staged.take()
+        };
+        let Some(staged) = staged else {
+            return Err(Error::Internal {
+                rank,
+                detail: "a staging vanished while checked".into(),
+            });
+        };
+        let report = staged.apply(rank, shadows, live);
+        let mut s = self.lock();
+        let state = s.ranks.entry(rank).or_default();
+        match &report {
+            Ok(_) => {
+                state.serving = Some(version);
+                state.held = Some(version);
+            }
+            // the shards are half-written: they serve nothing known
+            Err(_) => {
+                state.serving = None;
+                state.held = None;
+            }
+        }
+        report
+    }
+
+    /// Drops `rank`'s staged `version`: its shards keep serving the version they serve.
+    /// Refused when it holds no such staging.
+    pub fn abort(&self, rank: Rank, version: u64) -> Result<()> {
+        let mut s = self.lock();
+        let state = s.ranks.entry(rank).or_default();
+        match &state.staged {
+            Some(st) if st.version == version => {
+                let onto = st.onto;
+                state.staged = None;
+                // the kept scratch holds the version dropped: the next refit starts afresh
+                // there, and sends deltas against what the shards serve elsewhere
+                state.scratch.clear();
+                state.held = onto;
+                Ok(())
+            }
+            other => Err(Error::NotStaged {
+                rank,
+                action: "abort",
+                asked: version,
+                staged: other.as_ref().map(|st| st.version),
+            }),
+        }
+    }
+
+    /// Whether `other` is a handle to this same session.
+    pub fn same(&self, other: &DeltaSession) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
     }
 
     /// Bytes of every rank's bases.
@@ -83,7 +199,7 @@ pub struct DeltaRefit {
 
 impl PartialEq for DeltaRefit {
     fn eq(&self, other: &DeltaRefit) -> bool {
-        Arc::ptr_eq(&self.session.0, &other.session.0)
+        self.session.same(&other.session)
             && self.version == other.version
             && self.options == other.options
     }

@@ -31,6 +31,7 @@ fn options(session: &DeltaSession, version: u64, delta: DeltaOptions, chunk: usi
             version,
             options: delta,
         }),
+        stage: None,
     }
 }
 

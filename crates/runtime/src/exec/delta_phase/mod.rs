@@ -13,8 +13,9 @@ use std::collections::{BTreeMap, BTreeSet};
 use super::delta::wire::{Carries, FENCE_BYTES, Fence, HEADER_BYTES, Header};
 use super::delta::{DeltaReport, DeltaRun};
 use crate::exec::options::ExecOptions;
-use crate::exec::program::{Step, Steps};
+use crate::exec::program::{Buf, Step, Steps};
 use crate::exec::scaling::Casts;
+use crate::exec::stage::Patch;
 use crate::exec::stats::RankStats;
 use crate::exec::transfers::run_transfers;
 pub(crate) use encode::Kept;
@@ -213,7 +214,7 @@ impl PhaseWork {
     #[allow(clippy::too_many_arguments)]
     pub fn values<'buf, T: Transport<'buf> + ?Sized>(
         &'buf mut self,
-        (steps, kept): (&Steps<'_, '_>, Option<&mut Kept>),
+        (steps, kept, patches): Patching<'_, '_>,
         src_bufs: &[&'buf [u8]],
         dst_bufs: &mut [&mut [u8]],
         casts: &Casts,
@@ -235,7 +236,7 @@ impl PhaseWork {
             dsts.extend(got.blobs.iter_mut().map(Vec::as_mut_slice));
             run_transfers(data, &sources, &mut dsts, transport, chunk, casts, options)?
         };
-        let mut kept = kept;
+        let (mut kept, mut patches) = (kept, patches);
         let mut blobs = std::mem::take(&mut got.blobs).into_iter();
         for (s, header) in steps.recvs.iter().zip(&got.headers) {
             let Some(h) = header else {
@@ -245,6 +246,9 @@ impl PhaseWork {
                 Carries::Delta { base, .. } => {
                     let blob = blobs.next().unwrap_or_default();
                     apply_one(s, &blob, dst_bufs, (base, h.crc), run.version, report)?;
+                    if let Some((bufs, patches)) = patches.as_mut() {
+                        stage_patch(s, &blob, bufs, patches);
+                    }
                     blob
                 }
                 Carries::Dense(_) => Vec::new(),
@@ -306,6 +310,34 @@ fn apply_one(
         }
     }
     Ok(())
+}
+
+/// What [`PhaseWork::values`] works on besides its buffers: the phase's steps, where a
+/// relaying rank keeps the deltas it receives, and, in a staged refit, the phase's
+/// destination buffers with the patches it keeps.
+type Patching<'a, 'b> = (
+    &'a Steps<'b, 'b>,
+    Option<&'a mut Kept>,
+    Option<(&'a [Buf], &'a mut Vec<Patch>)>,
+);
+
+/// Keeps the delta `blob` that receive `s` applied onto a shadow of a live shard, for the
+/// commit to apply onto the live shard itself (a delta that landed in the program's scratch
+/// reaches the shards by a local copy, which the commit copies).
+fn stage_patch(s: &Step<'_>, blob: &[u8], bufs: &[Buf], patches: &mut Vec<Patch>) {
+    let Some((b, at)) = s.dst_at.clone() else {
+        return;
+    };
+    if let Some(&Buf::Dst(buf)) = bufs.get(b) {
+        patches.push(Patch {
+            buf,
+            at,
+            dst_box: s.dst_box.clone().into_owned(),
+            region: s.region.clone().into_owned(),
+            elem: s.elem_bytes,
+            blob: blob.to_vec(),
+        });
+    }
 }
 
 /// Lays out the values' steps (see [`PhaseWork::headers`]), checking every header against

@@ -26,6 +26,7 @@ fn options(chunk_bytes: usize, staging_bytes: usize, checksum: bool) -> ExecOpti
         timeout: Duration::from_secs(30),
         checksum,
         delta: None,
+        stage: None,
     }
 }
 
