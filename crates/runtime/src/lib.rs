@@ -41,6 +41,7 @@ pub mod harness;
 mod prepared;
 pub mod refit;
 mod run;
+pub mod serve;
 
 use reshard_core::error::Field;
 use std::str::FromStr;

@@ -54,8 +54,10 @@ pub struct Coordinator {
     collecting: Option<Collecting>,
     /// When waiting members are next told that rank 0 is working.
     next_beat: Option<Instant>,
-    /// Whether this rank has made its decision call (one a job).
-    decided: bool,
+    /// Per member, the votes of decisions already settled without them (rank 0 gave up
+    /// waiting at the deadline) that may still come: each is dropped when it does, so that
+    /// a late vote is never taken for a later decision's, nor for a barrier or a report.
+    late: Vec<u32>,
 }
 
 impl Coordinator {
@@ -68,7 +70,7 @@ impl Coordinator {
             waiting: vec![false; world],
             collecting: None,
             next_beat: None,
-            decided: false,
+            late: vec![0; world],
         }
     }
 
@@ -92,22 +94,14 @@ impl Coordinator {
         match event {
             Event::Call(call) => {
                 let step = Step::of(&call);
-                let refusal = if self.collecting.is_some() {
-                    Some("a control call was made while another was in progress")
-                } else if step == Step::Decide && self.decided {
-                    Some("a second decision was asked for in one job")
-                } else {
-                    None
-                };
-                if let Some(detail) = refusal {
+                if self.collecting.is_some() {
                     let error = Error::Internal {
                         rank: 0,
-                        detail: detail.into(),
+                        detail: "a control call was made while another was in progress".into(),
                     };
                     actions.push(Action::refused(step, error));
                     return actions;
                 }
-                self.decided |= step == Step::Decide;
                 let heard = vec![Heard::Pending; self.world];
                 self.collecting = Some(Collecting {
                     step,
@@ -123,7 +117,14 @@ impl Coordinator {
             Event::Message { from, msg } => {
                 // members have no reason to send heartbeats: one is dropped, not answered
                 let member = (1..self.world).contains(&from) && self.gone[from].is_none();
-                if member && msg != Msg::Working {
+                // a member's messages come in the order of its calls: a vote while one is late
+                // is that late vote, for a decision already settled without it
+                let stale = member
+                    && matches!(msg, Msg::Prepared | Msg::NotPrepared { .. })
+                    && self.late[from] > 0;
+                if stale {
+                    self.late[from] -= 1;
+                } else if member && msg != Msg::Working {
                     self.waiting[from] = true;
                     if self.next_beat.is_none() {
                         self.next_beat = Some(later(now, self.timeout));
@@ -193,8 +194,10 @@ impl Coordinator {
                 ) => Heard::Fine(report),
                 // still waiting at the barrier this rank failed before: it hears the verdict
                 (Step::Finish, Msg::Barrier) => Heard::Fine(serde_json::Value::Null),
-                // still waiting for a decision this rank skipped (it failed before): the same
-                (Step::Finish, Msg::Prepared) if !self.decided => {
+                // still waiting for a decision this rank skipped (it failed before, whichever
+                // decisions it made earlier): the same. A rank 0 that reports success made
+                // every decision of the job, so there it is a vote for none.
+                (Step::Finish, Msg::Prepared) if matches!(c.mine, Call::Finish(Err(_))) => {
                     Heard::Fine(serde_json::Value::Null)
                 }
                 (step, Msg::Status { error, .. }) => Heard::Failed(error.unwrap_or_else(|| {
@@ -248,6 +251,10 @@ impl Coordinator {
         };
         for (peer, h) in c.heard.iter_mut().enumerate().skip(1) {
             if matches!(h, Heard::Pending) {
+                if c.step == Step::Decide {
+                    // its vote may still come, after the decision that went without it
+                    self.late[peer] += 1;
+                }
                 let waited = timeout.saturating_mul(COORDINATOR_PATIENCE);
                 *h = Heard::Failed(
                     Error::Timeout {

@@ -33,8 +33,10 @@ pub struct Member {
     inbox: VecDeque<Msg>,
     gone: Option<Lost>,
     awaiting: Option<Awaiting>,
-    /// Whether this rank has made its decision call (one a job).
-    decided: bool,
+    /// Decisions this rank gave up waiting for (rank 0 silent past its patience) whose
+    /// message may still come: rank 0 answers in the order of the calls, so each decision
+    /// that comes while one is owed is that one, dropped, never taken for a later call's.
+    owed: u32,
 }
 
 impl Member {
@@ -45,7 +47,7 @@ impl Member {
             inbox: VecDeque::new(),
             gone: None,
             awaiting: None,
-            decided: false,
+            owed: 0,
         }
     }
 
@@ -62,22 +64,14 @@ impl Member {
         match event {
             Event::Call(call) => {
                 let step = Step::of(&call);
-                let refusal = if self.awaiting.is_some() {
-                    Some("a control call was made while another was in progress")
-                } else if step == Step::Decide && self.decided {
-                    Some("a second decision was asked for in one job")
-                } else {
-                    None
-                };
-                if let Some(detail) = refusal {
+                if self.awaiting.is_some() {
                     let error = Error::Internal {
                         rank: self.rank,
-                        detail: detail.into(),
+                        detail: "a control call was made while another was in progress".into(),
                     };
                     actions.push(Action::refused(step, error));
                     return actions;
                 }
-                self.decided |= step == Step::Decide;
                 let prepared = matches!(call, Call::Decide(Ok(()))) && self.gone.is_none();
                 let (msg, my_error) = match call {
                     Call::Agree(fingerprint) => (Msg::Agree { fingerprint }, None),
@@ -117,7 +111,10 @@ impl Member {
                 }
             }
             Event::Message { from: 0, msg } => {
-                if self.awaiting.is_some() {
+                if self.owed > 0 && matches!(msg, Msg::Commit | Msg::Abort { .. }) {
+                    // the late decision this rank gave up on
+                    self.owed -= 1;
+                } else if self.awaiting.is_some() {
                     self.answer(now, msg, &mut actions);
                 } else if msg != Msg::Working {
                     self.inbox.push_back(msg);
@@ -151,6 +148,9 @@ impl Member {
                 };
                 self.settle(Err(error), &mut actions);
             } else if now >= a.deadline {
+                if a.step == Step::Decide {
+                    self.owed += 1;
+                }
                 let error = Error::Timeout {
                     rank,
                     peer: 0,

@@ -1,10 +1,10 @@
 //! The control protocol of a job of processes, as a state machine without I/O or clocks.
 //!
 //! After rendezvous every member (rank 1 and up) holds one control link to rank 0, the
-//! coordinator; the protocol runs over these links alone. A rank's code makes four calls,
-//! in this order: [`Call::Agree`] once, [`Call::Barrier`] any number of times,
-//! [`Call::Decide`] at most once (when the job stages a new version: see *Two-phase
-//! decision* below), and [`Call::Finish`] once. Each call is one exchange:
+//! coordinator; the protocol runs over these links alone. A rank's code makes four calls:
+//! [`Call::Agree`] once, then any sequence of [`Call::Barrier`] and [`Call::Decide`] (one
+//! decision for each version the job stages: see *Two-phase decision* below), the same on
+//! every rank, then [`Call::Finish`] once. Each call is one exchange:
 //!
 //! | call | a member sends | rank 0 answers every member, once it has heard all of them |
 //! |---|---|---|
@@ -13,7 +13,7 @@
 //! | decide | [`Msg::Prepared`], or [`Msg::NotPrepared`] (why) | [`Msg::Commit`] (every rank was prepared) or [`Msg::Abort`] (the ranks that were not, and why) |
 //! | finish | [`Msg::Status`] (its report, or its error) | [`Msg::Verdict`] (empty when all went well) |
 //!
-//! A member that fails between two calls skips the barriers (and the decision) and goes
+//! A member that fails between two calls skips the barriers (and the decisions) and goes
 //! straight to finish: rank 0, at its barrier, takes that member's [`Msg::Status`] for its
 //! failure and tells every member at once, so nobody waits for a rank that will never come.
 //!
@@ -39,7 +39,21 @@
 //! [`Decision::Abort`] otherwise, naming every rank that was not prepared and why. It writes
 //! the decision to every member's link before its own call returns it, so rank 0 applies a
 //! commit only once every link that still stands carries it (a link that takes nothing
-//! within a timeout is dropped, its member lost). One decision a job: a second is refused.
+//! within a timeout is dropped, its member lost).
+//!
+//! *Several decisions.* A job that refits version after version makes one decision for
+//! each, one at a time, with barriers between them or not. Each is its own exchange, and
+//! independent of the others: an abort ends that version only, and the job goes on to its
+//! next call. A rank lost on the way is a different matter: it is named by the next
+//! decision's abort (it cannot vote) and by the next barrier's or the finish's verdict, so
+//! the job fails there. No message names its decision; the calls' order does. Every rank
+//! makes the same calls in the same order (one that fails skips the rest and goes to
+//! finish), each member's messages reach rank 0 in the order it sent them, and rank 0
+//! answers in the order of its calls. So rank 0 drops the vote of a decision it settled
+//! without it (it gave up at the deadline) when that vote comes late, and a member drops
+//! the decision it gave up waiting for; neither is taken for a later call. A member still
+//! waiting at a decision that rank 0 skipped (it failed before, after any number of earlier
+//! decisions) hears rank 0's verdict as an abort.
 //!
 //! - *Presumed abort.* A member lost or silent (two timeouts) before its vote counts as not
 //!   prepared, and so does one lost after voting prepared but before rank 0 decided: what
