@@ -40,6 +40,7 @@ pub mod exec;
 pub mod harness;
 mod prepared;
 pub mod refit;
+pub mod rollout;
 mod run;
 pub mod serve;
 
@@ -53,6 +54,7 @@ use reshard_core::error::{Error, Result};
 use reshard_core::layout::{Layout, Rank};
 use reshard_core::topology::HostMap;
 use reshard_transport::Job;
+pub use reshard_transport::control::Decision;
 use reshard_transport::group::{Group, GroupEnv};
 
 pub use connect::{AnyTransport, Destination, Links};
@@ -310,6 +312,22 @@ impl World {
     /// threads); fails on every rank if one failed before.
     pub fn barrier(&self) -> Result<()> {
         self.job().map_or(Ok(()), Job::barrier)
+    }
+
+    /// The job's two-phase decision on a staged version ([`Job::decide`]): `prepared` is this
+    /// process's vote (`Ok` when its ranks hold their whole next version, staged and checked).
+    /// Between threads the vote is the decision: one process runs every rank, and a run that
+    /// failed on any rank staged nothing anywhere.
+    pub fn decide(&self, prepared: std::result::Result<(), String>) -> Result<Decision> {
+        match self.job() {
+            Some(job) => job.decide(prepared),
+            None => Ok(match prepared {
+                Ok(()) => Decision::Commit,
+                Err(why) => Decision::Abort {
+                    ranks: vec![(0, why)],
+                },
+            }),
+        }
     }
 
     /// Checks that the job has a process for every rank up to `highest`.

@@ -220,8 +220,8 @@ pub trait Job {
     /// Waits until every rank has called `barrier`; fails on every rank if one failed before.
     fn barrier(&self) -> Result<()>;
 
-    /// The two-phase decision on a staged version, between the data movement and `finish`,
-    /// at most once a job: every rank votes `Ok` when it holds its whole next version, staged
+    /// The two-phase decision on a staged version, after its data movement: one at a time,
+    /// any number a job (one per version), each its own exchange: every rank votes `Ok` when it holds its whole next version, staged
     /// and checked, or says why not; rank 0 decides [`Decision::Commit`] only when every rank
     /// did, [`Decision::Abort`] (naming the ranks that did not, and why) otherwise, and every
     /// rank gets the decision. A rank that voted prepared and lost rank 0 before the decision

@@ -57,6 +57,16 @@ impl DeltaSession {
             .and_then(|r| r.staged.as_ref().map(|st| st.version))
     }
 
+    /// The ranks that hold `version` staged.
+    pub fn staged_ranks(&self, version: u64) -> Vec<Rank> {
+        let s = self.lock();
+        s.ranks
+            .iter()
+            .filter(|(_, r)| r.staged.as_ref().is_some_and(|st| st.version == version))
+            .map(|(&rank, _)| rank)
+            .collect()
+    }
+
     /// Bytes a commit of `rank`'s staging copies from its shadows, and bytes of the patches
     /// it applies (`None` when nothing is staged).
     pub fn staged_bytes(&self, rank: Rank) -> Option<(u64, u64)> {
