@@ -466,6 +466,88 @@ impl Rollout {
     }
 }
 
+/// One method over a stream, as the report sums it up.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct MethodSummary {
+    pub method: String,
+    /// Versions it moved, and those committed (or written in place).
+    pub versions: usize,
+    pub served: usize,
+    /// Medians over the versions after the first (the first has no base for a delta):
+    /// seconds to move a version, of the longest pause any rank's engine saw, and of the
+    /// commit.
+    pub refit_s: f64,
+    pub pause_s: f64,
+    pub commit_s: f64,
+    /// The median pause over the median refit in place (when `in-place` ran too).
+    pub pause_over_in_place: Option<f64>,
+    /// Passes the engines served while versions were moved, after the first.
+    pub passes_during_refit: u64,
+    /// The most bytes of shadows, and of patches, one rank held.
+    pub staging_bytes_per_rank: u64,
+    pub patch_bytes_per_rank: u64,
+    /// Whether any pass of any engine saw a mix of versions.
+    pub mixed: bool,
+}
+
+fn median(mut xs: Vec<f64>) -> f64 {
+    xs.sort_by(f64::total_cmp);
+    match xs.len() {
+        0 => 0.0,
+        n if n % 2 == 1 => xs[n / 2],
+        n => (xs[n / 2 - 1] + xs[n / 2]) / 2.0,
+    }
+}
+
+/// Each method's summary over `versions` (every rank's, combined), in the order the methods
+/// first appear.
+pub fn summarize(versions: &[VersionServed]) -> Vec<MethodSummary> {
+    let mut methods: Vec<String> = Vec::new();
+    for v in versions {
+        if !methods.contains(&v.method) {
+            methods.push(v.method.clone());
+        }
+    }
+    let later = |m: &str| -> Vec<&VersionServed> {
+        let all: Vec<&VersionServed> = versions.iter().filter(|v| v.method == m).collect();
+        match all.len() > 1 {
+            true => all.into_iter().filter(|v| v.version > 1).collect(),
+            false => all,
+        }
+    };
+    let in_place = median(later("in-place").iter().map(|v| v.refit_s).collect());
+    methods
+        .iter()
+        .map(|m| {
+            let all: Vec<&VersionServed> = versions.iter().filter(|v| &v.method == m).collect();
+            let after = later(m);
+            let pause_s = median(after.iter().map(|v| v.pause_s()).collect());
+            let most = |f: fn(&RankServed) -> u64| {
+                all.iter().flat_map(|v| v.ranks.iter().map(f)).max().unwrap_or(0)
+            };
+            MethodSummary {
+                method: m.clone(),
+                versions: all.len(),
+                served: all
+                    .iter()
+                    .filter(|v| v.outcome == "commit" || v.outcome == "in place")
+                    .count(),
+                refit_s: median(after.iter().map(|v| v.refit_s).collect()),
+                pause_s,
+                commit_s: median(after.iter().map(|v| v.commit_s).collect()),
+                pause_over_in_place: (in_place > 0.0).then(|| pause_s / in_place),
+                passes_during_refit: after
+                    .iter()
+                    .flat_map(|v| v.ranks.iter().map(|r| r.passes_during_refit))
+                    .sum(),
+                staging_bytes_per_rank: most(|r| r.staging_bytes),
+                patch_bytes_per_rank: most(|r| r.patch_bytes),
+                mixed: all.iter().any(|v| v.mixed()),
+            }
+        })
+        .collect()
+}
+
 fn read(live: &Live) -> std::sync::RwLockReadGuard<'_, Vec<Vec<u8>>> {
     live.read().unwrap_or_else(|e| e.into_inner())
 }

@@ -1,5 +1,6 @@
-//! What a stream of delta refits takes on the command line (`run --delta`, `refit --run
-//! --delta`): how many versions, how the tensors evolve between them, and the anchors.
+//! What a stream of refits takes on the command line (`run --delta`, `run --stage`, `refit
+//! --run --delta`, `refit --run --stage`): how many versions, how the tensors evolve between
+//! them, the anchors, and whether each version is staged beside the served one and committed.
 
 use clap::Args;
 
@@ -16,28 +17,120 @@ pub struct DeltaArgs {
     /// since the version it holds (the first version is sent whole).
     #[arg(long)]
     pub delta: bool,
-    /// Versions in the stream (with --delta): the first is dense, the rest deltas.
-    #[arg(long, default_value_t = 4, requires = "delta", value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
-    pub steps: u64,
-    /// The fraction of elements each version changes by one ulp of the source dtype.
-    #[arg(
-        long,
-        value_name = "D",
-        requires = "delta",
-        conflicts_with = "delta_lr"
-    )]
+    /// Versions in the stream (with --delta or --stage): with --delta the first is dense,
+    /// the rest deltas. Default 4.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
+    pub steps: Option<u64>,
+    /// The fraction of elements each version changes by one ulp of the source dtype (with
+    /// --delta or --stage; default 0.01).
+    #[arg(long, value_name = "D", conflicts_with = "delta_lr")]
     pub delta_density: Option<f64>,
     /// A training-like update instead: f32 masters (the source) take an Adam-like step of
     /// this learning rate every version, and the fraction that changes in the wire dtype
     /// follows from the values (needs --fill normal).
-    #[arg(long, value_name = "LR", requires = "delta")]
+    #[arg(long, value_name = "LR")]
     pub delta_lr: Option<f32>,
     /// Send everything dense every N versions.
     #[arg(long, value_name = "N", requires = "delta")]
     pub delta_anchor: Option<u64>,
+    /// Refit while serving: every destination rank serves from its live shards (a stand-in
+    /// engine reading them pass after pass) while each version is staged beside them; the
+    /// job then commits it on every rank or on none, in place, in a pause of one copy (or
+    /// one patch apply, with --delta). Compared with the refit in place (the engine stopped).
+    #[arg(long)]
+    pub stage: bool,
+    /// With --stage: the methods compared, in turn: in-place, staged, and with --delta
+    /// in-place-delta and staged-delta. Default: in-place,staged (and staged-delta with
+    /// --delta).
+    #[arg(long, value_name = "LIST", requires = "stage")]
+    pub stage_methods: Option<String>,
+    /// With --stage: commit the destination ranks in G groups of equal size (inference
+    /// replicas, contiguous ranks), one group at a time, so that the others keep serving.
+    #[arg(long, value_name = "G", requires = "stage", value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
+    pub rolling: Option<u64>,
+}
+
+/// How a version of a staged stream moves (`--stage-methods`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StageMethod {
+    pub staged: bool,
+    pub delta: bool,
+}
+
+impl StageMethod {
+    pub fn name(self) -> &'static str {
+        match (self.staged, self.delta) {
+            (false, false) => "in-place",
+            (false, true) => "in-place-delta",
+            (true, false) => "staged",
+            (true, true) => "staged-delta",
+        }
+    }
 }
 
 impl DeltaArgs {
+    /// Versions in the stream.
+    pub fn steps(&self) -> u64 {
+        self.steps.unwrap_or(4)
+    }
+
+    /// Refuses the stream's options without a stream (neither --delta nor --stage).
+    pub fn check(&self) -> Result<(), Error> {
+        if self.delta || self.stage {
+            return Ok(());
+        }
+        let given = [
+            ("--steps", self.steps.map(|s| s.to_string())),
+            ("--delta-density", self.delta_density.map(|d| d.to_string())),
+            ("--delta-lr", self.delta_lr.map(|l| l.to_string())),
+        ];
+        match given.into_iter().find_map(|(flag, v)| Some((flag, v?))) {
+            Some((flag, value)) => Err(Error::InvalidOption {
+                field: reshard::error::Field::Flag(flag),
+                value,
+                reason: "applies to a stream of refits: add --delta or --stage".into(),
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// The methods `--stage-methods` lists (checked against --delta).
+    pub fn stage_methods(&self) -> Result<Vec<StageMethod>, Error> {
+        let default = match self.delta {
+            true => "in-place,staged,staged-delta",
+            false => "in-place,staged",
+        };
+        let list = self.stage_methods.as_deref().unwrap_or(default);
+        let mut out = Vec::new();
+        for m in list.split(',').map(str::trim) {
+            let method = match m {
+                "in-place" => StageMethod { staged: false, delta: false },
+                "in-place-delta" => StageMethod { staged: false, delta: true },
+                "staged" => StageMethod { staged: true, delta: false },
+                "staged-delta" => StageMethod { staged: true, delta: true },
+                other => {
+                    return Err(Error::InvalidOption {
+                        field: reshard::error::Field::Flag("--stage-methods"),
+                        value: other.into(),
+                        reason: "expected a list of in-place, staged, in-place-delta, staged-delta"
+                            .into(),
+                    });
+                }
+            };
+            if method.delta && !self.delta {
+                return Err(Error::InvalidOption {
+                    field: reshard::error::Field::Flag("--stage-methods"),
+                    value: m.into(),
+                    reason: "moves deltas: add --delta".into(),
+                });
+            }
+            if !out.contains(&method) {
+                out.push(method);
+            }
+        }
+        Ok(out)
+    }
+
     /// How the tensors evolve from version to version.
     pub fn update(&self) -> Update {
         match (self.delta_lr, self.delta_density) {

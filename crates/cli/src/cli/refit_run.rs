@@ -75,7 +75,7 @@ pub fn main(
         .with("--iters", args.iters)
         .with("--warmup", args.warmup)
         .with("--delta", args.delta.delta)
-        .with("--steps", args.delta.steps)
+        .with("--steps", args.delta.steps())
         .with("--delta-update", format!("{:?}", args.delta.update()))
         .with("--delta-anchor", format!("{:?}", args.delta.delta_anchor));
     let fingerprint = args.exec.agreed(&options, fingerprint);
@@ -114,7 +114,7 @@ pub fn main(
         .and_then(|bytes| check_memory(bytes, &shape));
     if args.delta.delta {
         let stream = DeltaStream {
-            steps: args.delta.steps,
+            steps: args.delta.steps(),
             update: args.delta.update(),
             options: args.delta.options()?,
         };

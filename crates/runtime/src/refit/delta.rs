@@ -78,7 +78,7 @@ impl RefitRun {
 
     /// Every tensor's evolution: the refit's own fill under `update` (a training-like update
     /// steps f32 masters drawn from normal values).
-    fn evolutions(&self, update: Update) -> Result<Vec<Evolution>, Error> {
+    pub(super) fn evolutions(&self, update: Update) -> Result<Vec<Evolution>, Error> {
         let mut out = Vec::new();
         for (i, &fill) in self.fills.iter().enumerate() {
             let fill = match update {

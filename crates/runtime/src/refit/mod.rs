@@ -56,6 +56,7 @@
 
 pub mod check;
 pub mod delta;
+pub mod stage;
 #[cfg(test)]
 mod tests;
 

@@ -176,7 +176,7 @@ pub(super) fn main(
         world.agree("run", ready, || {
             super::fingerprint(args, plan, fill, options)
                 .with("--delta", true)
-                .with("--steps", d.steps)
+                .with("--steps", d.steps())
                 .with("--delta-update", format!("{:?}", d.update()))
                 .with("--delta-anchor", format!("{:?}", d.delta_anchor))
                 .with("--delta-methods", &args.delta_methods)
@@ -220,7 +220,7 @@ fn versions(
     let mut refits = Vec::new();
     let src_ranks: Vec<Rank> = world.ranks(plan.src()).collect();
     let restarts = restarts(&args.delta_restart)?;
-    for version in 1..=args.delta.steps {
+    for version in 1..=args.delta.steps() {
         for stream in streams.iter_mut() {
             for &(rank, _) in restarts.iter().filter(|&&(_, v)| v == version) {
                 if let Some(shard) = stream.shards.get_mut(&rank) {
@@ -366,7 +366,7 @@ struct DeltaJson<'a> {
 
 fn print(args: &RunArgs, plan: &Plan, evolution: &Evolution, refits: &[Refit], ranks: usize) {
     let dst = plan.dst();
-    let changed = if args.delta.steps > 1 {
+    let changed = if args.delta.steps() > 1 {
         evolution.changed_fraction(dst.shape(), dst.dtype(), 2, 1 << 16)
     } else {
         0.0
@@ -397,7 +397,7 @@ fn print(args: &RunArgs, plan: &Plan, evolution: &Evolution, refits: &[Refit], r
         "delta refit of {} {}: {} versions, {update} ({:.3}% of the elements change per version in {}), {ranks} ranks",
         reshard::error::Dims(dst.shape().to_vec()),
         dst.dtype(),
-        args.delta.steps,
+        args.delta.steps(),
         100.0 * changed,
         dst.dtype(),
     );

@@ -1,0 +1,277 @@
+//! A refit while serving, as a stream of versions ([`RefitRun::run_staged`]): every tensor
+//! evolves between versions ([`reshard_core::evolve`]) and each version is moved by every
+//! method asked for, in turn, each into live shards of its own that an engine stand-in serves
+//! from meanwhile ([`crate::rollout`]): in place (the engine stopped for the whole refit) or
+//! staged beside the live shards and committed on every rank or on none, dense or as deltas.
+//! Every version of every method is checked: its unquantized tensors against the evolution,
+//! element by element, and every byte and scale against the other methods' of the same
+//! version.
+
+use std::collections::BTreeMap;
+
+use serde::Serialize;
+
+use super::RefitRun;
+use super::check::QuantCheck;
+use crate::batch::run_rank_batch;
+use crate::exec::delta::{DeltaOptions, DeltaRefit, DeltaSession};
+use crate::rollout::{Method, MethodSummary, Rollout, VersionServed, rolling_groups, summarize};
+use crate::serve::ServeOptions;
+use crate::{Links, RunOptions, World};
+use reshard_core::Rank;
+use reshard_core::error::Error;
+use reshard_core::evolve::Update;
+
+/// How one method of a staged stream moves each version.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StageMethod {
+    pub staged: bool,
+    pub delta: bool,
+}
+
+impl StageMethod {
+    pub fn name(self) -> &'static str {
+        match (self.staged, self.delta) {
+            (false, false) => "in-place",
+            (false, true) => "in-place-delta",
+            (true, false) => "staged",
+            (true, true) => "staged-delta",
+        }
+    }
+}
+
+/// What a staged stream is: its versions, how the tensors evolve, the methods compared and
+/// how commits roll.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StageStream {
+    pub steps: u64,
+    pub update: Update,
+    pub delta: DeltaOptions,
+    pub methods: Vec<StageMethod>,
+    /// Commit groups, as many contiguous groups of the destination ranks (`None`: all at
+    /// once).
+    pub rolling: Option<usize>,
+    pub serve: ServeOptions,
+}
+
+/// What `refit --run --stage` reports.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct StagedRefitReport {
+    pub transport: String,
+    pub steps: u64,
+    pub update: String,
+    /// Every version of every method checked on every rank.
+    pub verified: bool,
+    /// Bytes of the destination ranks' shards (values and scales), all ranks.
+    pub dst_bytes: u64,
+    pub versions: Vec<VersionServed>,
+    pub methods: Vec<MethodSummary>,
+}
+
+impl RefitRun {
+    /// Runs a staged stream ([`StageStream`]) on this rank, then hands its report to rank 0,
+    /// which returns the job's. Every rank of the job calls it alike.
+    pub fn run_staged(
+        &self,
+        world: &World,
+        stream: &StageStream,
+        options: &RunOptions,
+    ) -> Result<Option<StagedRefitReport>, Error> {
+        let outcome = self.run_staged_rank(world, stream, options);
+        let reports = world.finish(outcome)?;
+        Ok(reports.map(|ranks| staged_report(stream, &ranks)))
+    }
+
+    /// The destination ranks of the batch (those with bytes to receive), in rank order.
+    fn destination_ranks(&self) -> Result<Vec<Rank>, Error> {
+        let mut out = Vec::new();
+        for r in 0..self.batch.world() {
+            let rb = self.batch.rank_batch(r)?;
+            if rb.dst.iter().chain(&rb.scales).any(|b| b.len > 0) {
+                out.push(r);
+            }
+        }
+        Ok(out)
+    }
+
+    /// This rank's part of the stream; returns its report for rank 0.
+    pub fn run_staged_rank(
+        &self,
+        world: &World,
+        stream: &StageStream,
+        options: &RunOptions,
+    ) -> Result<serde_json::Value, Error> {
+        let job = self.job_of(world)?;
+        stream.delta.validate()?;
+        let rank = job.rank();
+        let batch = &self.batch;
+        let rb = batch.rank_batch(rank)?;
+        let groups = match stream.rolling {
+            Some(g) => rolling_groups(&self.destination_ranks()?, g)?,
+            None => Vec::new(),
+        };
+        let evolutions = self.evolutions(stream.update)?;
+        let zeroed = |bufs: &[crate::batch::Buffer]| -> Result<Vec<Vec<u8>>, Error> {
+            bufs.iter()
+                .map(|b| {
+                    reshard_core::memory::zeroed(b.len as u64, || {
+                        format!("rank {rank}'s {}", b.name)
+                    })
+                })
+                .collect()
+        };
+        let mut src = zeroed(&rb.src)?;
+        let n_dst = rb.dst.len();
+        let receives = rb.dst.iter().chain(&rb.scales).any(|b| b.len > 0);
+        let mut rollouts = Vec::new();
+        for m in &stream.methods {
+            let mut live = BTreeMap::new();
+            if receives {
+                let mut bufs = zeroed(&rb.dst)?;
+                bufs.extend(QuantCheck::scale_buffers(&rb)?);
+                live.insert(rank, bufs);
+            }
+            let method = match m.staged {
+                true => Method::Staged,
+                false => Method::InPlace,
+            };
+            let rollout = Rollout::new(
+                method,
+                DeltaSession::new(),
+                live,
+                stream.serve.clone(),
+                groups.clone(),
+            )?;
+            rollouts.push((*m, rollout));
+        }
+        let layouts = batch.tensors().iter().map(|t| &t.src);
+        let transport = world.connect(&Links::of_batch(&rb), layouts, None)?;
+        let mut versions = Vec::new();
+        for version in 1..=stream.steps {
+            for (buffer, bytes) in rb.src.iter().zip(&mut src) {
+                for p in &buffer.pieces {
+                    let layout = &batch.tensors()[p.tensor].src;
+                    let piece = &mut bytes[p.bytes.clone()];
+                    evolutions[self.ids[p.tensor]].fill_region(layout, &p.region, piece, version);
+                }
+            }
+            let n = rollouts.len();
+            for k in 0..n {
+                // the methods in turn, their order rotating
+                let (method, rollout) = &mut rollouts[(k + version as usize) % n];
+                let mut run = options.clone();
+                run.delta = method.delta.then(|| DeltaRefit {
+                    session: rollout.session().clone(),
+                    version,
+                    options: stream.delta,
+                });
+                let srcs: Vec<&[u8]> = src.iter().map(Vec::as_slice).collect();
+                let mut served = rollout.refit(world, version, &run, |bufs, run| {
+                    let mut mine: Vec<&mut [u8]> = bufs
+                        .get_mut(&rank)
+                        .map(|b| b.iter_mut().map(Vec::as_mut_slice).collect())
+                        .unwrap_or_default();
+                    let split = n_dst.min(mine.len());
+                    let mut scales = mine.split_off(split);
+                    let exec = world.exec_options(run);
+                    run_rank_batch(batch, &rb, &srcs, &mut mine, &mut scales, &*transport, &exec)
+                        .map(|_| ())
+                })?;
+                served.method = method.name().into();
+                versions.push(served);
+            }
+            // every method serves this version now: each checked against the evolution, and
+            // all alike, byte for byte
+            let mut first: Option<Vec<Vec<u8>>> = None;
+            for (method, rollout) in &rollouts {
+                let Some(live) = rollout.live(rank) else {
+                    continue;
+                };
+                let live = live.read().unwrap_or_else(|e| e.into_inner());
+                if rollout.session().serving(rank) != Some(version) {
+                    return Err(Error::Internal {
+                        rank,
+                        detail: format!(
+                            "version {version} by {}: the shards serve {:?}",
+                            method.name(),
+                            rollout.session().serving(rank)
+                        ),
+                    });
+                }
+                match &first {
+                    Some(f) if *f != *live => {
+                        return Err(Error::Internal {
+                            rank,
+                            detail: format!(
+                                "version {version}: {} left other bytes than {}",
+                                method.name(),
+                                rollouts[0].0.name()
+                            ),
+                        });
+                    }
+                    Some(_) => {}
+                    None => first = Some(live.clone()),
+                }
+                for (buffer, bytes) in rb.dst.iter().zip(live.iter()) {
+                    for p in &buffer.pieces {
+                        let t = &batch.tensors()[p.tensor];
+                        if t.quant.is_some() {
+                            continue;
+                        }
+                        let piece = bytes.get(p.bytes.clone()).unwrap_or_default();
+                        evolutions[self.ids[p.tensor]].verify_region_from(
+                            t.src.dtype(),
+                            &t.dst,
+                            &p.region,
+                            piece,
+                            (rank, p.bytes.start as u64),
+                            version,
+                        )?;
+                    }
+                }
+            }
+        }
+        let dst_bytes: u64 = rb.dst.iter().chain(&rb.scales).map(|b| b.len as u64).sum();
+        Ok(serde_json::json!({
+            "transport": transport.name(),
+            "verified": true,
+            "dst_bytes": dst_bytes,
+            "versions": versions,
+        }))
+    }
+}
+
+/// The job's report from every rank's ([`RefitRun::run_staged_rank`]).
+fn staged_report(stream: &StageStream, ranks: &[serde_json::Value]) -> StagedRefitReport {
+    let per_rank: Vec<Vec<VersionServed>> = ranks
+        .iter()
+        .map(|r| serde_json::from_value(r["versions"].clone()).unwrap_or_default())
+        .collect();
+    let n = per_rank.iter().map(Vec::len).max().unwrap_or(0);
+    let versions: Vec<VersionServed> = (0..n)
+        .map(|i| {
+            let parts: Vec<VersionServed> =
+                per_rank.iter().filter_map(|p| p.get(i).cloned()).collect();
+            VersionServed::combine(&parts)
+        })
+        .collect();
+    StagedRefitReport {
+        transport: ranks
+            .first()
+            .and_then(|r| r["transport"].as_str())
+            .unwrap_or("?")
+            .to_string(),
+        steps: stream.steps,
+        update: match stream.update {
+            Update::Density(d) => format!("density {d}"),
+            Update::Training { lr } => format!("training lr {lr}"),
+        },
+        verified: !ranks.is_empty() && ranks.iter().all(|r| r["verified"] == true),
+        dst_bytes: ranks
+            .iter()
+            .map(|r| r["dst_bytes"].as_u64().unwrap_or(0))
+            .sum(),
+        methods: summarize(&versions),
+        versions,
+    }
+}
