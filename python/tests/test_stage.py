@@ -3,6 +3,8 @@ gloo processes on loopback: the live shards stay bit for bit what they were unti
 the staging holds what a plain refit produces, and a rank that fails to prepare leaves every
 rank on the old version."""
 
+import json
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -10,7 +12,7 @@ torch = pytest.importorskip("torch")
 import reshard  # noqa: E402
 import reshard.torch as rt  # noqa: E402
 from conftest import run_ranks  # noqa: E402
-from test_delta import DST, SRC, bits_equal, nudged, shard  # noqa: E402
+from test_delta import DST, SRC, TINY, bits_equal, nudged, shard  # noqa: E402
 
 
 def same(a, b):
@@ -53,6 +55,7 @@ def stage_commit_abort(rank, world):
     before = clone(out)
     report = session.prepare(pairs(out), 1)
     ref.refit(pairs(ref_out), 1)
+    assert isinstance(report, rt.StageReport) and isinstance(report.refit, rt.DeltaReport)
     assert report.version == 1 and report.onto is None and report.allocated
     assert report.staging_bytes == nbytes and report.refit.version == 1
     assert session.staged == 1 and session.serving is None and session.held is None
@@ -68,6 +71,7 @@ def stage_commit_abort(rank, world):
     assert session.staged == 1 and same(out, before)
 
     done = session.commit(1)
+    assert isinstance(done, rt.CommitReport)
     assert done.version == 1 and done.previous is None and done.bytes_copied == nbytes
     assert same(out, ref_out)
     assert session.serving == session.held == 1 and session.staged is None and not session.staging
@@ -209,3 +213,59 @@ def failed_prepares(rank, world):
 
 def test_a_rank_that_fails_to_prepare_leaves_every_rank_on_the_old_version():
     run_ranks(failed_prepares, 4, timeout=60)
+
+
+def staged_model(rank, world, path):
+    refit = reshard.Refit(path, train="tp=2", infer="tp=2", train_dtype="f32")
+    gen = torch.Generator().manual_seed(31)
+    fulls = {}
+    for name in refit.names:
+        s_layout, _ = refit.layouts(name)
+        fulls[name] = (torch.randn(s_layout.shape, generator=gen) * 4).to(torch.bfloat16).to(torch.float32)
+    # the engine's tensors: its fused buffers (qkv_proj, gate_up_proj) and the others
+    fused = refit.fused(rank)
+    members = {m for ms in fused.values() for m, *_ in ms}
+    dst = {}
+    for name in refit.rank_names(rank):
+        d_layout = refit.layouts(name)[1]
+        if rank in d_layout.ranks and name not in members:
+            dst[name] = torch.zeros(d_layout.local_shape(rank), dtype=torch.bfloat16)
+    for buffer, ms in fused.items():
+        shape = list(refit.layouts(ms[0][0])[1].local_shape(rank))
+        shape[ms[0][1]] = sum(extent for *_, extent in ms)
+        dst[buffer] = torch.zeros(shape, dtype=torch.bfloat16)
+    session = rt.DeltaSession(checksum=True)
+    for version, density in enumerate([None, 0.01], start=1):
+        if density is not None:
+            fulls = {n: step(f, gen, density) for n, f in fulls.items()}
+        src = {}
+        for name in refit.rank_names(rank):
+            s_layout = refit.layouts(name)[0]
+            if rank in s_layout.ranks:
+                src[name] = shard(s_layout, rank, fulls[name])
+        before = {n: t.clone() for n, t in dst.items()}
+        nbytes = session.staging_bytes(refit, dst=dst)
+        assert nbytes == sum(t.numel() * t.element_size() for t in dst.values())
+        report = session.prepare(refit, src=src, dst=dst)
+        assert report.version == version and report.staging_bytes == nbytes
+        assert set(session.staging) == set(dst)  # a staging per buffer, fused ones as such
+        assert all(bits_equal(dst[n], before[n]) for n in dst)
+        if density is not None and rank in (0, 1):
+            assert report.refit.regions_dense == 0 and report.refit.bytes_sent < report.refit.bytes_dense // 2
+        session.commit(version)
+        for name in refit.names:
+            want = rt.local_tensor(refit.layouts(name)[1], rank, fulls[name].to(torch.bfloat16))
+            if want is None:
+                continue
+            got = dst.get(name)
+            for buffer, ms in fused.items():
+                for member, dim, offset, extent in ms:
+                    if member == name:
+                        got = dst[buffer].narrow(dim, offset, extent)
+            assert bits_equal(got, want), (version, name)
+
+
+def test_staged_refit_of_a_model_with_fused_buffers(tmp_path):
+    path = tmp_path / "tiny.json"
+    path.write_text(json.dumps(TINY))
+    run_ranks(staged_model, 4, str(path), timeout=60)
