@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from typing import Dict, List, Mapping, Optional, Tuple
+from typing import TYPE_CHECKING, Dict, List, Mapping, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -28,6 +28,9 @@ from . import _torch_dtensor as _dt
 from ._core import Refit, ReshardError
 from ._torch_bucket import _check_entry, _plan_of
 from ._torch_common import _agree, _check_tensor, _fingerprint
+
+if TYPE_CHECKING:
+    from ._torch_stage import CommitReport, StageReport
 
 # The fence's fields, one int64 each (-1 for none).
 _OK, _HELD, _BASE, _VERSION, _DIGEST = range(5)
@@ -131,6 +134,12 @@ class DeltaSession:
     it keeps nothing, and the caller passes ``previous=`` (its source tensors at the last
     refit's version, as ``src`` or the pairs' sources are given) to send a delta, or sends
     dense without it. Bases live on the tensors' device.
+
+    Staged: :meth:`prepare` refits into a staging beside the live destination shards (which
+    an engine keeps serving from) and returns once every rank holds the new version whole;
+    :meth:`commit` then copies it onto the live shards, and :meth:`abort` drops it. A refit
+    that fails on one rank so leaves every rank on the old version, and the engine pauses
+    only for the copy.
     """
 
     def __init__(
@@ -158,8 +167,29 @@ class DeltaSession:
         #: The version of the last refit this rank took part in.
         self.last: Optional[int] = None
         self._sent: Optional[int] = None  # the version of the bases kept
+        self._serving: Optional[int] = None  # the version the live destination shards serve
+        self._stage = None  # the staged version (reshard._torch_stage._Stage), or None
+        self._epoch = 0  # changes to the live shards: a staging prepared before one is stale
         # name -> (sender's piece key -> (version, the region as sent))
         self._bases: Dict[str, Dict[tuple, Tuple[int, torch.Tensor]]] = {}
+
+    @property
+    def serving(self) -> Optional[int]:
+        """The version this rank's live destination shards serve: the last one a
+        :meth:`refit` or :meth:`commit` brought them to, or :meth:`restore` said (None before
+        the first, or after a refit that failed while writing them)."""
+        return self._serving
+
+    @property
+    def staged(self) -> Optional[int]:
+        """The version :meth:`prepare` staged and no :meth:`commit` or :meth:`abort` has
+        ended yet, or None."""
+        return None if self._stage is None else self._stage.version
+
+    @property
+    def staging(self) -> Dict[str, torch.Tensor]:
+        """The staged version's tensors by destination name (empty when nothing is staged)."""
+        return {} if self._stage is None else dict(self._stage.shadows)
 
     @property
     def base_bytes(self) -> int:
@@ -168,15 +198,20 @@ class DeltaSession:
 
     def forget(self) -> None:
         """Drops this rank's bases and held version, as a restarted rank has neither: the next
-        refit sends everything it sends dense and gets everything it receives dense."""
+        refit sends everything it sends dense and gets everything it receives dense; a staged
+        version is dropped too (a restarted rank has none)."""
+        self._stage = None
         self._bases.clear()
         self._sent = None
         self.held = None
 
     def restore(self, version: Optional[int]) -> None:
         """Says that this rank's destination shards now hold ``version`` (they were loaded from
-        a snapshot of it; None: unknown)."""
+        a snapshot of it; None: unknown), and serve it: a version staged before no longer
+        commits."""
         self.held = None if version is None else _check_version("version", version)
+        self._serving = self.held
+        self._epoch += 1
 
     def refit(
         self, pairs, version: Optional[int] = None, *, src=None, dst=None, previous=None
@@ -187,10 +222,55 @@ class DeltaSession:
         :class:`reshard.ReshardError` on every rank, before any data moves, when a rank's
         arguments are bad or the ranks disagree on the job or the version. A refit of some of
         the tensors brings the rank to ``version`` all the same: those left out go dense the
-        next time they are refit (their bases are older than the version held)."""
-        return _refit(self, pairs, version, src, dst, previous)
+        next time they are refit (their bases are older than the version held). The shards
+        serve ``version`` after it (:attr:`serving`); a version staged before no longer
+        commits."""
+        return _refit_live(self, pairs, version, src, dst, previous)
 
     reshard_many_ = refit
+
+    def prepare(
+        self, pairs, version: Optional[int] = None, *, src=None, dst=None, previous=None, staging=None
+    ) -> StageReport:
+        """The first phase of a staged refit: moves ``version`` into a staging beside the
+        destination tensors given (the live shards, which keep serving and are never written),
+        as :meth:`refit` would into them, then every rank votes whether its staging is whole.
+        Returns this rank's :class:`StageReport` once every rank is prepared; otherwise every
+        rank drops its staging and raises :class:`reshard.ReshardError` naming the ranks that
+        were not, and the live shards serve what they served everywhere.
+
+        ``staging=None`` allocates one copy of each destination tensor (``staging_bytes``);
+        ``staging=`` gives the caller's tensors by destination name (each of the destination's
+        shape, dtype and device), which are first filled from the live shards: a delta applies
+        to what they hold. While a version is staged, a second prepare is refused."""
+        from . import _torch_stage
+
+        return _torch_stage.prepare(self, pairs, version, src, dst, previous, staging)
+
+    def commit(self, version: Optional[int] = None) -> CommitReport:
+        """The second phase: copies the staged version onto the live shards in place (the
+        engine's only pause), on this rank alone: every rank already knows that every rank is
+        prepared, so there is nothing to agree on. Refuses when nothing is staged, when
+        ``version`` is not the staged one, or when the live shards changed since
+        :meth:`prepare` (a refit or restore). Returns this rank's :class:`CommitReport`."""
+        from . import _torch_stage
+
+        return _torch_stage.commit(self, version)
+
+    def abort(self, version: Optional[int] = None) -> Optional[int]:
+        """Drops the staged version (``version``, if given, must be it): the live shards keep
+        serving theirs, and the next refit sends them dense where the senders' bases moved on
+        to the version dropped. Returns the version dropped (None: nothing was staged)."""
+        from . import _torch_stage
+
+        return _torch_stage.abort(self, version)
+
+    def staging_bytes(self, pairs, *, dst=None) -> int:
+        """The bytes :meth:`prepare` with these arguments allocates on this rank for its
+        staging, known before anything moves (the size of this rank's destination tensors)."""
+        from . import _torch_stage
+
+        return _torch_stage.staging_bytes(pairs, dst)
 
 
 @dataclass
@@ -278,6 +358,22 @@ def _fence(session: DeltaSession, job, ok: bool, version: int, digest: int, devi
     gathered = [torch.zeros(5, dtype=torch.int64, device=device) for _ in range(world)]
     dist.all_gather(gathered, torch.tensor(mine, dtype=torch.int64, device=device), group=session.group)
     return [t.tolist() for t in gathered]
+
+
+def _refit_live(session: DeltaSession, given, version, src, dst, previous, problem=None) -> DeltaReport:
+    """A refit into the live shards: they serve its version after it, and none after one that
+    failed while writing them."""
+    last, held = session.last, session.held
+    try:
+        report = _refit(session, given, version, src, dst, previous, problem)
+    except BaseException:
+        if session.last != last or session.held != held:  # data moved, so the shards are a mix
+            session._serving = None
+            session._epoch += 1
+        raise
+    session._serving = report.version
+    session._epoch += 1
+    return report
 
 
 def _refit(session: DeltaSession, given, version, src, dst, previous, problem=None) -> DeltaReport:
@@ -384,4 +480,4 @@ def refit_many(
     for what, value in unsupported.items():
         if value is not None and problem is None:
             problem = f"{what}: a delta refit does not quantize into fp8; refit such tensors without delta"
-    return _refit(session, pairs, version, src, dst, previous, problem)
+    return _refit_live(session, pairs, version, src, dst, previous, problem)

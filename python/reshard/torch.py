@@ -36,6 +36,7 @@ from ._torch_bucket import _Bucket, _check_entry, _LocalPlan, _plan_of, free_sta
 from ._torch_common import _agree, _fingerprint, torch_dtype
 from ._torch_delta_session import DeltaReport, DeltaSession, refit_many
 from ._torch_quant import scale_tensor
+from ._torch_stage import CommitReport, StageReport
 
 # Kept on this module for the tests and tools that reach into it.
 from ._torch_bucket import _STAGING, _local_plan, _Message  # noqa: F401, E402
@@ -53,6 +54,8 @@ __all__ = [
     "DEFAULT_BUCKET_BYTES",
     "DeltaSession",
     "DeltaReport",
+    "StageReport",
+    "CommitReport",
 ]
 
 #: Whether CPU tensors are packed by the Rust program (:class:`reshard._core.Packing`);
