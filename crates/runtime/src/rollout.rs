@@ -193,14 +193,24 @@ impl Rollout {
 
     /// Bytes of `rank`'s shadows (nothing in place).
     pub fn staging_bytes(&self, rank: Rank) -> u64 {
-        self.ranks.get(&rank).map_or(0, |s| {
-            s.shadows.iter().map(|b| b.len() as u64).sum::<u64>()
-        })
+        self.ranks
+            .get(&rank)
+            .map_or(0, |s| s.shadows.iter().map(|b| b.len() as u64).sum::<u64>())
     }
 
     /// `rank`'s live shards (a clone of the handle its engine reads through).
     pub fn live(&self, rank: Rank) -> Option<Live> {
         self.ranks.get(&rank).map(|s| s.live.clone())
+    }
+
+    /// Where `rank` stands: the version its shards serve, and any it holds staged.
+    pub fn standing(&self, rank: Rank) -> Standing {
+        Standing {
+            rank,
+            method: self.method.name().into(),
+            serving: self.session.serving(rank),
+            staged: self.session.staged(rank),
+        }
     }
 
     /// The group `rank` commits in.
@@ -251,9 +261,15 @@ impl Rollout {
         let mut reports: BTreeMap<Rank, CommitReport> = BTreeMap::new();
         let outcome = match self.method {
             Method::InPlace => self.in_place(world, version, options, run, &servers, &mut out),
-            Method::Staged => {
-                self.staged(world, version, options, run, &servers, &mut out, &mut reports)
-            }
+            Method::Staged => self.staged(
+                world,
+                version,
+                options,
+                run,
+                &servers,
+                &mut out,
+                &mut reports,
+            ),
         };
         for s in servers.values() {
             s.mark("after");
@@ -401,7 +417,10 @@ impl Rollout {
             Ok(Decision::Commit) => {}
             Ok(Decision::Abort { ranks }) => {
                 self.drop_staged(version);
-                let why: Vec<String> = ranks.iter().map(|(r, e)| format!("rank {r}: {e}")).collect();
+                let why: Vec<String> = ranks
+                    .iter()
+                    .map(|(r, e)| format!("rank {r}: {e}"))
+                    .collect();
                 out.outcome = format!("abort ({})", why.join("; "));
                 // this rank's own failure is its error; the others report the abort
                 return prepared;
@@ -466,6 +485,30 @@ impl Rollout {
     }
 }
 
+/// Where a destination rank of a stream stands, as it says when the stream stops.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Standing {
+    pub rank: Rank,
+    pub method: String,
+    pub serving: Option<u64>,
+    /// A version still staged: only a rank in doubt keeps one.
+    pub staged: Option<u64>,
+}
+
+impl std::fmt::Display for Standing {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.serving {
+            Some(v) => write!(f, "rank {} serves version {v}", self.rank)?,
+            None => write!(f, "rank {} serves no known version", self.rank)?,
+        }
+        write!(f, " ({})", self.method)?;
+        if let Some(v) = self.staged {
+            write!(f, ", version {v} staged (in doubt)")?;
+        }
+        Ok(())
+    }
+}
+
 /// One method over a stream, as the report sums it up.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct MethodSummary {
@@ -523,7 +566,10 @@ pub fn summarize(versions: &[VersionServed]) -> Vec<MethodSummary> {
             let after = later(m);
             let pause_s = median(after.iter().map(|v| v.pause_s()).collect());
             let most = |f: fn(&RankServed) -> u64| {
-                all.iter().flat_map(|v| v.ranks.iter().map(f)).max().unwrap_or(0)
+                all.iter()
+                    .flat_map(|v| v.ranks.iter().map(f))
+                    .max()
+                    .unwrap_or(0)
             };
             MethodSummary {
                 method: m.clone(),
@@ -592,10 +638,21 @@ mod tests {
     }
 
     /// A stream of `versions` by `method` (deltas when `delta`), committed in `groups`.
-    fn stream(method: Method, delta: bool, groups: Vec<Vec<Rank>>, fail_at: Option<u64>) -> Vec<Result<VersionServed>> {
+    fn stream(
+        method: Method,
+        delta: bool,
+        groups: Vec<Vec<Rank>>,
+        fail_at: Option<u64>,
+    ) -> Vec<Result<VersionServed>> {
         let plan = plan();
         let world = World::join(JoinOptions::default()).unwrap();
-        let evolution = Evolution::new(Fill::Hash { seed: 1 }, Update::Density(0.01), 1, DType::Bf16).unwrap();
+        let evolution = Evolution::new(
+            Fill::Hash { seed: 1 },
+            Update::Density(0.01),
+            1,
+            DType::Bf16,
+        )
+        .unwrap();
         let live = plan
             .dst()
             .mesh()
@@ -604,7 +661,14 @@ mod tests {
             .map(|&r| (r, vec![vec![0u8; plan.dst().local_bytes(r) as usize]]))
             .collect();
         let session = DeltaSession::new();
-        let mut rollout = Rollout::new(method, session.clone(), live, ServeOptions::default(), groups).unwrap();
+        let mut rollout = Rollout::new(
+            method,
+            session.clone(),
+            live,
+            ServeOptions::default(),
+            groups,
+        )
+        .unwrap();
         let mut out = Vec::new();
         for version in 1..=3 {
             let mut sources = evolution.shards(plan.src(), version).unwrap();
@@ -618,8 +682,10 @@ mod tests {
                 options: DeltaOptions::default(),
             });
             let served = rollout.refit(&world, version, &options, |bufs, options| {
-                let mut dst: BTreeMap<Rank, Vec<u8>> =
-                    bufs.iter_mut().map(|(&r, b)| (r, std::mem::take(&mut b[0]))).collect();
+                let mut dst: BTreeMap<Rank, Vec<u8>> = bufs
+                    .iter_mut()
+                    .map(|(&r, b)| (r, std::mem::take(&mut b[0])))
+                    .collect();
                 let result = world.run(&plan, &sources, &mut dst, options).map(|_| ());
                 for (r, b) in dst {
                     bufs.get_mut(&r).unwrap()[0] = b;
@@ -655,7 +721,12 @@ mod tests {
                 assert_eq!(served.outcome, "commit");
                 assert_eq!(served.ranks.len(), 4);
                 assert!(!served.mixed(), "{served:?}");
-                assert!(served.ranks.iter().all(|r| r.serving == Some(served.version)));
+                assert!(
+                    served
+                        .ranks
+                        .iter()
+                        .all(|r| r.serving == Some(served.version))
+                );
                 assert!(served.ranks.iter().all(|r| r.staging_bytes == 256 * 64 * 2));
             }
         }
@@ -672,7 +743,10 @@ mod tests {
             assert!(!served.mixed());
         }
         assert!(rolling_groups(&[2, 3, 4, 5], 3).is_err());
-        assert_eq!(rolling_groups(&[2, 3, 4, 5], 2).unwrap(), vec![vec![2, 3], vec![4, 5]]);
+        assert_eq!(
+            rolling_groups(&[2, 3, 4, 5], 2).unwrap(),
+            vec![vec![2, 3], vec![4, 5]]
+        );
     }
 
     #[test]
@@ -680,7 +754,14 @@ mod tests {
         for served in stream(Method::InPlace, false, Vec::new(), None) {
             let served = served.unwrap();
             assert_eq!(served.outcome, "in place");
-            assert_eq!(served.ranks.iter().map(|r| r.passes_during_refit).sum::<u64>(), 0);
+            assert_eq!(
+                served
+                    .ranks
+                    .iter()
+                    .map(|r| r.passes_during_refit)
+                    .sum::<u64>(),
+                0
+            );
             assert!(served.pause_s() >= served.refit_s * 0.99, "{served:?}");
         }
     }

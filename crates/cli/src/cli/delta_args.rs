@@ -9,6 +9,7 @@ use reshard::Error;
 use reshard::evolve::{Evolution, Update};
 use reshard::exec::delta::DeltaOptions;
 use reshard::fill::Fill;
+use reshard::runtime::refit::stage::StageMethod;
 
 /// What `run --delta` takes beside `run`'s own arguments.
 #[derive(Args, Debug, Default)]
@@ -50,24 +51,6 @@ pub struct DeltaArgs {
     pub rolling: Option<u64>,
 }
 
-/// How a version of a staged stream moves (`--stage-methods`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct StageMethod {
-    pub staged: bool,
-    pub delta: bool,
-}
-
-impl StageMethod {
-    pub fn name(self) -> &'static str {
-        match (self.staged, self.delta) {
-            (false, false) => "in-place",
-            (false, true) => "in-place-delta",
-            (true, false) => "staged",
-            (true, true) => "staged-delta",
-        }
-    }
-}
-
 impl DeltaArgs {
     /// Versions in the stream.
     pub fn steps(&self) -> u64 {
@@ -104,10 +87,22 @@ impl DeltaArgs {
         let mut out = Vec::new();
         for m in list.split(',').map(str::trim) {
             let method = match m {
-                "in-place" => StageMethod { staged: false, delta: false },
-                "in-place-delta" => StageMethod { staged: false, delta: true },
-                "staged" => StageMethod { staged: true, delta: false },
-                "staged-delta" => StageMethod { staged: true, delta: true },
+                "in-place" => StageMethod {
+                    staged: false,
+                    delta: false,
+                },
+                "in-place-delta" => StageMethod {
+                    staged: false,
+                    delta: true,
+                },
+                "staged" => StageMethod {
+                    staged: true,
+                    delta: false,
+                },
+                "staged-delta" => StageMethod {
+                    staged: true,
+                    delta: true,
+                },
                 other => {
                     return Err(Error::InvalidOption {
                         field: reshard::error::Field::Flag("--stage-methods"),

@@ -11,6 +11,7 @@ mod plan;
 mod refit;
 mod refit_run;
 mod run;
+mod stage_report;
 mod units;
 
 use std::process::ExitCode;

@@ -277,6 +277,9 @@ pub fn main(args: &RefitArgs) -> Result<(), Failure> {
                 super::refit_run::Outcome::Delta(d) => {
                     print!("{}", super::refit_run::describe_delta(d))
                 }
+                super::refit_run::Outcome::Staged(d) => {
+                    print!("{}", super::refit_run::describe_staged(d))
+                }
             }
         }
     }

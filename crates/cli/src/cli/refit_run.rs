@@ -12,6 +12,8 @@ use reshard::model::Refit;
 use reshard::runtime::harness::{MethodJson, Repeat};
 use reshard::runtime::refit::RefitRun;
 use reshard::runtime::refit::delta::{DeltaRefitReport, DeltaStream};
+use reshard::runtime::refit::stage::{StageStream, StagedRefitReport};
+use reshard::runtime::serve::ServeOptions;
 
 use super::delta_args::DeltaArgs;
 use reshard::{Error, PlanOptions};
@@ -51,6 +53,7 @@ pub struct RefitRunArgs {
 pub enum Outcome {
     Methods(RunJson),
     Delta(DeltaRefitReport),
+    Staged(StagedRefitReport),
 }
 
 /// The report of a run: the `run` object of the refit JSON.
@@ -77,7 +80,15 @@ pub fn main(
         .with("--delta", args.delta.delta)
         .with("--steps", args.delta.steps())
         .with("--delta-update", format!("{:?}", args.delta.update()))
-        .with("--delta-anchor", format!("{:?}", args.delta.delta_anchor));
+        .with("--delta-anchor", format!("{:?}", args.delta.delta_anchor))
+        .with("--stage", args.delta.stage)
+        .with("--stage-methods", format!("{:?}", args.delta.stage_methods))
+        .with("--rolling", format!("{:?}", args.delta.rolling));
+    args.delta.check()?;
+    let stage_methods = match args.delta.stage {
+        true => args.delta.stage_methods()?,
+        false => Vec::new(),
+    };
     let fingerprint = args.exec.agreed(&options, fingerprint);
     let kind = args.exec.transport;
     let threads = || {
@@ -112,6 +123,27 @@ pub fn main(
     let checked = run
         .rank_bytes(rank)
         .and_then(|bytes| check_memory(bytes, &shape));
+    if args.delta.stage {
+        let stream = StageStream {
+            steps: args.delta.steps(),
+            update: args.delta.update(),
+            delta: args.delta.options()?,
+            methods: stage_methods,
+            rolling: args.delta.rolling.map(|g| g as usize),
+            serve: ServeOptions::default(),
+        };
+        let mut standing = Vec::new();
+        let outcome = checked.and_then(|()| {
+            run.run_staged_rank(&world, &stream, &run_options(&options), &mut standing)
+        });
+        if outcome.is_err() {
+            for s in &standing {
+                eprintln!("{s}");
+            }
+        }
+        return Ok(conclude(&world, outcome)?
+            .map(|reports| Outcome::Staged(run.staged_report(&stream, &reports.ranks))));
+    }
     if args.delta.delta {
         let stream = DeltaStream {
             steps: args.delta.steps(),
@@ -126,6 +158,22 @@ pub fn main(
     let outcome = checked.and_then(|()| run.run_rank(&world, repeat, &run_options(&options)));
     Ok(conclude(&world, outcome)?
         .map(|reports| Outcome::Methods(run.report(repeat, &reports.ranks))))
+}
+
+/// The text lines of a stream of refits while serving.
+pub fn describe_staged(d: &StagedRefitReport) -> String {
+    format!(
+        "\nrefit while serving over {}: {} versions, {}, {} of destination shards, {}\n{}",
+        d.transport,
+        d.steps,
+        d.update,
+        bytes(d.dst_bytes),
+        match d.verified {
+            true => "every version of every method verified",
+            false => "NOT every version verified",
+        },
+        super::stage_report::describe(&d.versions, &d.methods)
+    )
 }
 
 /// The text lines of a stream of delta refits.

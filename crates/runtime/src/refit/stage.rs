@@ -15,7 +15,9 @@ use super::RefitRun;
 use super::check::QuantCheck;
 use crate::batch::run_rank_batch;
 use crate::exec::delta::{DeltaOptions, DeltaRefit, DeltaSession};
-use crate::rollout::{Method, MethodSummary, Rollout, VersionServed, rolling_groups, summarize};
+use crate::rollout::{
+    Method, MethodSummary, Rollout, Standing, VersionServed, rolling_groups, summarize,
+};
 use crate::serve::ServeOptions;
 use crate::{Links, RunOptions, World};
 use reshard_core::Rank;
@@ -77,9 +79,9 @@ impl RefitRun {
         stream: &StageStream,
         options: &RunOptions,
     ) -> Result<Option<StagedRefitReport>, Error> {
-        let outcome = self.run_staged_rank(world, stream, options);
+        let outcome = self.run_staged_rank(world, stream, options, &mut Vec::new());
         let reports = world.finish(outcome)?;
-        Ok(reports.map(|ranks| staged_report(stream, &ranks)))
+        Ok(reports.map(|ranks| self.staged_report(stream, &ranks)))
     }
 
     /// The destination ranks of the batch (those with bytes to receive), in rank order.
@@ -94,12 +96,15 @@ impl RefitRun {
         Ok(out)
     }
 
-    /// This rank's part of the stream; returns its report for rank 0.
+    /// This rank's part of the stream; returns its report for rank 0. `standing` says, after
+    /// every version and whatever happened, where this rank stands by each method (what its
+    /// shards serve), for a caller to tell when the stream stops short.
     pub fn run_staged_rank(
         &self,
         world: &World,
         stream: &StageStream,
         options: &RunOptions,
+        standing: &mut Vec<Standing>,
     ) -> Result<serde_json::Value, Error> {
         let job = self.job_of(world)?;
         stream.delta.validate()?;
@@ -158,7 +163,9 @@ impl RefitRun {
             let n = rollouts.len();
             for k in 0..n {
                 // the methods in turn, their order rotating
-                let (method, rollout) = &mut rollouts[(k + version as usize) % n];
+                let at = (k + version as usize) % n;
+                let (method, rollout) = &mut rollouts[at];
+                let method = *method;
                 let mut run = options.clone();
                 run.delta = method.delta.then(|| DeltaRefit {
                     session: rollout.session().clone(),
@@ -166,7 +173,7 @@ impl RefitRun {
                     options: stream.delta,
                 });
                 let srcs: Vec<&[u8]> = src.iter().map(Vec::as_slice).collect();
-                let mut served = rollout.refit(world, version, &run, |bufs, run| {
+                let served = rollout.refit(world, version, &run, |bufs, run| {
                     let mut mine: Vec<&mut [u8]> = bufs
                         .get_mut(&rank)
                         .map(|b| b.iter_mut().map(Vec::as_mut_slice).collect())
@@ -174,9 +181,26 @@ impl RefitRun {
                     let split = n_dst.min(mine.len());
                     let mut scales = mine.split_off(split);
                     let exec = world.exec_options(run);
-                    run_rank_batch(batch, &rb, &srcs, &mut mine, &mut scales, &*transport, &exec)
-                        .map(|_| ())
-                })?;
+                    run_rank_batch(
+                        batch,
+                        &rb,
+                        &srcs,
+                        &mut mine,
+                        &mut scales,
+                        &*transport,
+                        &exec,
+                    )
+                    .map(|_| ())
+                });
+                *standing = rollouts
+                    .iter()
+                    .filter(|(_, r)| r.live(rank).is_some())
+                    .map(|(m, r)| Standing {
+                        method: m.name().into(),
+                        ..r.standing(rank)
+                    })
+                    .collect();
+                let mut served = served?;
                 served.method = method.name().into();
                 versions.push(served);
             }
@@ -241,37 +265,43 @@ impl RefitRun {
     }
 }
 
-/// The job's report from every rank's ([`RefitRun::run_staged_rank`]).
-fn staged_report(stream: &StageStream, ranks: &[serde_json::Value]) -> StagedRefitReport {
-    let per_rank: Vec<Vec<VersionServed>> = ranks
-        .iter()
-        .map(|r| serde_json::from_value(r["versions"].clone()).unwrap_or_default())
-        .collect();
-    let n = per_rank.iter().map(Vec::len).max().unwrap_or(0);
-    let versions: Vec<VersionServed> = (0..n)
-        .map(|i| {
-            let parts: Vec<VersionServed> =
-                per_rank.iter().filter_map(|p| p.get(i).cloned()).collect();
-            VersionServed::combine(&parts)
-        })
-        .collect();
-    StagedRefitReport {
-        transport: ranks
-            .first()
-            .and_then(|r| r["transport"].as_str())
-            .unwrap_or("?")
-            .to_string(),
-        steps: stream.steps,
-        update: match stream.update {
-            Update::Density(d) => format!("density {d}"),
-            Update::Training { lr } => format!("training lr {lr}"),
-        },
-        verified: !ranks.is_empty() && ranks.iter().all(|r| r["verified"] == true),
-        dst_bytes: ranks
+impl RefitRun {
+    /// The job's report from every rank's ([`RefitRun::run_staged_rank`]).
+    pub fn staged_report(
+        &self,
+        stream: &StageStream,
+        ranks: &[serde_json::Value],
+    ) -> StagedRefitReport {
+        let per_rank: Vec<Vec<VersionServed>> = ranks
             .iter()
-            .map(|r| r["dst_bytes"].as_u64().unwrap_or(0))
-            .sum(),
-        methods: summarize(&versions),
-        versions,
+            .map(|r| serde_json::from_value(r["versions"].clone()).unwrap_or_default())
+            .collect();
+        let n = per_rank.iter().map(Vec::len).max().unwrap_or(0);
+        let versions: Vec<VersionServed> = (0..n)
+            .map(|i| {
+                let parts: Vec<VersionServed> =
+                    per_rank.iter().filter_map(|p| p.get(i).cloned()).collect();
+                VersionServed::combine(&parts)
+            })
+            .collect();
+        StagedRefitReport {
+            transport: ranks
+                .first()
+                .and_then(|r| r["transport"].as_str())
+                .unwrap_or("?")
+                .to_string(),
+            steps: stream.steps,
+            update: match stream.update {
+                Update::Density(d) => format!("density {d}"),
+                Update::Training { lr } => format!("training lr {lr}"),
+            },
+            verified: !ranks.is_empty() && ranks.iter().all(|r| r["verified"] == true),
+            dst_bytes: ranks
+                .iter()
+                .map(|r| r["dst_bytes"].as_u64().unwrap_or(0))
+                .sum(),
+            methods: summarize(&versions),
+            versions,
+        }
     }
 }
