@@ -28,6 +28,7 @@ mod dump;
 mod method;
 mod prequant;
 mod report;
+mod stage;
 
 pub use args::RunArgs;
 pub(super) use dump::check_dump_dir;
@@ -49,6 +50,7 @@ pub fn main(args: &RunArgs) -> Result<(), Failure> {
         let world = args.exec.join(&options)?;
         return prequant::main(args, &mv, fill, &options, &world);
     }
+    args.delta.check()?;
     let plan = args.tensor.plan()?;
     let fill: Fill = args.fill.parse()?;
     fill.check_dtype(plan.src().dtype())?;
@@ -62,6 +64,9 @@ pub fn main(args: &RunArgs) -> Result<(), Failure> {
         Some(learned) => args.tensor.plan_on(Some(learned))?,
         None => plan,
     };
+    if args.delta.stage {
+        return stage::main(args, &plan, fill, &options, &world);
+    }
     if args.delta.delta {
         return delta::main(args, &plan, fill, &options, &world);
     }

@@ -32,7 +32,7 @@ pub fn describe(versions: &[VersionServed], methods: &[MethodSummary]) -> String
             }
         );
         let groups = v.groups();
-        if groups.len() > 1 {
+        if groups.len() > 1 && v.outcome == "commit" {
             let each: Vec<String> = groups
                 .iter()
                 .map(|(ranks, pause)| format!("{ranks:?} {pause:.4} s"))
