@@ -45,10 +45,15 @@ PANIC = re.compile(r"panicked at", re.IGNORECASE)
 # what the surviving ranks' errors say about where the kill landed, first match wins
 PHASES = [
     ("in doubt", re.compile(r"in doubt", re.IGNORECASE)),
+    # the stream was over: the kill landed in the job's final report, nothing stopped short
+    ("finish (after the stream)", re.compile(r"exited without reporting")),
     ("exited before voting", re.compile(r"exited before voting", re.IGNORECASE)),
     ("not prepared", re.compile(r"not prepared", re.IGNORECASE)),
     ("abort", re.compile(r"abort", re.IGNORECASE)),
     ("commit", re.compile(r"commit", re.IGNORECASE)),
+    ("verdict", re.compile(r"during the verdict")),
+    ("barrier", re.compile(r"during the barrier")),
+    ("transfer", re.compile(r"did not complete|connection closed during bytes")),
     ("timeout", re.compile(r"timed out|timeout", re.IGNORECASE)),
     ("peer exited", re.compile(r"exited|closed|reset|broken pipe|eof", re.IGNORECASE)),
 ]
@@ -239,7 +244,8 @@ def judge(res, err, nproc):
     clean = sorted(r for r in surviving if r not in errors and r not in launch_killed)
     if failed_mid_stream and clean:
         reasons.append(f"ranks {clean} ended without an error while others failed")
-    if failed_mid_stream and not reported:
+    after_stream = any("exited without reporting" in m for e in errors.values() for m in e)
+    if failed_mid_stream and not reported and not after_stream:
         reasons.append("no surviving destination rank reported what it serves")
     versions = sorted(set(reported.values()))
     if len(versions) > 1:

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ._core import Refit, ReshardError
-from ._torch_delta_session import DeltaReport, _check_version, _device_of, _group_rank, _refit
+from ._torch_delta_refit import DeltaReport, _check_version, _device_of, _group_rank, _refit
 
 
 @dataclass

@@ -151,7 +151,7 @@ pub struct RunOptions {
     pub delta: Option<exec::delta::DeltaRefit>,
     /// A staged refit: the destinations given are shadows of the live shards, to be
     /// committed or aborted later ([`exec::stage`]).
-    pub stage: Option<exec::stage::StageRefit>,
+    pub stage: Option<exec::delta::StageRefit>,
 }
 
 impl Default for RunOptions {

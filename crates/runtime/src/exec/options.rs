@@ -22,7 +22,7 @@ pub struct ExecOptions {
     pub delta: Option<super::delta::DeltaRefit>,
     /// A staged refit: the destination buffers are shadows of the live shards, and the
     /// session keeps what a commit applies ([`super::stage`]).
-    pub stage: Option<super::stage::StageRefit>,
+    pub stage: Option<super::delta::StageRefit>,
 }
 
 impl Default for ExecOptions {

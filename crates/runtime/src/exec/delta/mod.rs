@@ -35,7 +35,7 @@ use reshard_core::error::{Error, Field, Result};
 use reshard_core::layout::Rank;
 use reshard_core::region::Region;
 
-pub use session::{DeltaRefit, DeltaSession};
+pub use session::{DeltaRefit, DeltaSession, StageRefit};
 pub use wire::Dense;
 
 /// How a delta refit runs.

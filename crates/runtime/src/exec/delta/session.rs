@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use super::{DeltaOptions, DeltaReport, RankDelta};
 use crate::exec::stage::CommitReport;
-use reshard_core::error::{Error, Result};
+use reshard_core::error::{Error, Field, Result};
 use reshard_core::layout::Rank;
 
 /// The delta state of the ranks a process runs, from one refit to the next: a handle, cheap
@@ -216,3 +216,44 @@ impl PartialEq for DeltaRefit {
 }
 
 impl Eq for DeltaRefit {}
+
+/// One staged refit of a session: the version the run stages.
+#[derive(Clone, Debug)]
+pub struct StageRefit {
+    pub session: DeltaSession,
+    pub version: u64,
+}
+
+impl PartialEq for StageRefit {
+    fn eq(&self, other: &StageRefit) -> bool {
+        self.session.same(&other.session) && self.version == other.version
+    }
+}
+
+impl Eq for StageRefit {}
+
+impl StageRefit {
+    /// Refuses a staged run whose delta refit (if any) is of another session or version: the
+    /// staging and the delta's state live in one session.
+    pub fn check(&self, delta: Option<&DeltaRefit>) -> Result<()> {
+        match delta {
+            Some(d) if !d.session.same(&self.session) || d.version != self.version => {
+                Err(Error::InvalidOption {
+                    field: Field::Flag("--stage"),
+                    value: format!("version {}", self.version),
+                    reason: format!(
+                        "a staged delta refit runs in one session and one version; the delta \
+                         is of version {}{}",
+                        d.version,
+                        if d.session.same(&self.session) {
+                            ""
+                        } else {
+                            " in another session"
+                        }
+                    ),
+                })
+            }
+            _ => Ok(()),
+        }
+    }
+}

@@ -17,61 +17,19 @@
 //! Every patch was applied once already, onto the shadow, where it was checked whole (and
 //! against its sender's CRC with `--checksum`), so a commit cannot fail half-way: it checks
 //! versions and buffers before it writes a byte. A rank's staging and the version its shards
-//! serve live in its [`super::delta::RankDelta`], in the caller's
-//! [`super::delta::DeltaSession`]: [`super::delta::DeltaSession::commit`] and
-//! [`super::delta::DeltaSession::abort`] end a staging; a new one is refused until then.
+//! serve live in its `RankDelta`, in the caller's `DeltaSession` (`exec::delta`), whose
+//! `commit` and `abort` end a staging; a new one is refused until then. A run stages when its
+//! options carry a `StageRefit` of that session.
 
 use std::ops::Range;
 use std::time::Instant;
 
 use serde::Serialize;
 
-use super::delta::DeltaSession;
 use reshard_core::copy::{CopyGeometry, Place};
 use reshard_core::error::{Error, Field, Result};
 use reshard_core::layout::Rank;
 use reshard_core::region::Region;
-
-/// One staged refit of a session: the version the run stages.
-#[derive(Clone, Debug)]
-pub struct StageRefit {
-    pub session: DeltaSession,
-    pub version: u64,
-}
-
-impl PartialEq for StageRefit {
-    fn eq(&self, other: &StageRefit) -> bool {
-        self.session.same(&other.session) && self.version == other.version
-    }
-}
-
-impl Eq for StageRefit {}
-
-impl StageRefit {
-    /// Refuses a staged run whose delta refit (if any) is of another session or version: the
-    /// staging and the delta's state live in one session.
-    pub fn check(&self, delta: Option<&super::delta::DeltaRefit>) -> Result<()> {
-        match delta {
-            Some(d) if !d.session.same(&self.session) || d.version != self.version => {
-                Err(Error::InvalidOption {
-                    field: Field::Flag("--stage"),
-                    value: format!("version {}", self.version),
-                    reason: format!(
-                        "a staged delta refit runs in one session and one version; the delta \
-                         is of version {}{}",
-                        d.version,
-                        if d.session.same(&self.session) {
-                            ""
-                        } else {
-                            " in another session"
-                        }
-                    ),
-                })
-            }
-            _ => Ok(()),
-        }
-    }
-}
 
 /// A delta that landed in a shadow, kept to be applied onto the live shard at commit.
 #[derive(Debug)]

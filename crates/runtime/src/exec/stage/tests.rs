@@ -3,7 +3,7 @@ use std::collections::BTreeMap;
 use proptest::prelude::*;
 
 use super::*;
-use crate::exec::delta::{DeltaOptions, DeltaRefit};
+use crate::exec::delta::{DeltaOptions, DeltaRefit, DeltaSession, StageRefit};
 use crate::exec::{ExecOptions, run_local, zeroed_shards};
 use reshard_core::dtype::DType;
 use reshard_core::evolve::{Evolution, Update};
