@@ -136,12 +136,15 @@ pub fn main(
         let outcome = checked.and_then(|()| {
             run.run_staged_rank(&world, &stream, &run_options(&options), &mut standing)
         });
-        if outcome.is_err() {
+        let stopped = outcome.is_err();
+        let concluded = conclude(&world, outcome);
+        // a stream that stopped short, or whose job failed at its end: say what is served
+        if stopped || concluded.is_err() {
             for s in &standing {
                 eprintln!("{s}");
             }
         }
-        return Ok(conclude(&world, outcome)?
+        return Ok(concluded?
             .map(|reports| Outcome::Staged(run.staged_report(&stream, &reports.ranks))));
     }
     if args.delta.delta {

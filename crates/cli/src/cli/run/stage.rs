@@ -95,15 +95,18 @@ pub(super) fn main(
             .with("--rolling", format!("{:?}", d.rolling))
     })?;
     let outcome = versions(args, plan, &evolution, delta, options, world, &mut streams);
-    if outcome.is_err() {
+    let stopped = outcome.is_err();
+    let outcome = outcome.map(|v| serde_json::json!({ "versions": v }));
+    let concluded = conclude(world, outcome);
+    // a stream that stopped short, or whose job failed at its end: say what is served
+    if stopped || concluded.is_err() {
         for s in &streams {
             for &r in &mine {
                 eprintln!("{}", standing(s, r));
             }
         }
     }
-    let outcome = outcome.map(|v| serde_json::json!({ "versions": v }));
-    if let Some(reports) = conclude(world, outcome)? {
+    if let Some(reports) = concluded? {
         let per_rank: Vec<Vec<VersionServed>> = reports
             .ranks
             .iter()
