@@ -306,3 +306,58 @@ fn delta_streams_under_mpirun() {
         assert_eq!(json["refits"].as_array().unwrap().len(), 9);
     }
 }
+
+/// `run --stage` under mpirun: each version staged beside the served one and committed on
+/// every rank (the job's two-phase decision over MPI's control links, once per version),
+/// rolling by replica, every version verified and no pass of an engine seeing a mix.
+#[test]
+fn staged_streams_under_mpirun() {
+    for transport in ["mpi", "shm"] {
+        let out = mpirun(6)
+            .args([
+                "run",
+                "--shape",
+                "96x80",
+                "--dtype",
+                "bf16",
+                "--src",
+                "mesh=2 place=S(0)",
+                "--dst",
+                "mesh=2x2 place=R,S(1) ranks=2..6",
+                "--stage",
+                "--delta",
+                "--rolling",
+                "2",
+                "--steps",
+                "3",
+                "--verify",
+                "--checksum",
+                "--json",
+                "--transport",
+                transport,
+            ])
+            .env_remove("MASTER_PORT")
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(json["verified"], true, "{json}");
+        let versions = json["versions"].as_array().unwrap();
+        assert_eq!(versions.len(), 9);
+        for v in versions {
+            let expected = match v["method"].as_str().unwrap().starts_with("staged") {
+                true => "commit",
+                false => "in place",
+            };
+            assert_eq!(v["outcome"], expected, "{v}");
+            assert!(
+                v["ranks"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .all(|r| r["mixed"] == false && r["serving"] == v["version"]),
+                "{v}"
+            );
+        }
+    }
+}

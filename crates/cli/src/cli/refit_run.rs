@@ -144,8 +144,9 @@ pub fn main(
                 eprintln!("{s}");
             }
         }
-        return Ok(concluded?
-            .map(|reports| Outcome::Staged(run.staged_report(&stream, &reports.ranks))));
+        return Ok(
+            concluded?.map(|reports| Outcome::Staged(run.staged_report(&stream, &reports.ranks)))
+        );
     }
     if args.delta.delta {
         let stream = DeltaStream {

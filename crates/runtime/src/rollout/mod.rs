@@ -86,13 +86,20 @@ impl Rollout {
                     Method::Staged => bufs
                         .iter()
                         .map(|b| {
-                            reshard_core::memory::zeroed(b.len() as u64, || {
+                            let mut s = reshard_core::memory::zeroed(b.len() as u64, || {
                                 format!("rank {rank}'s staging shadow")
-                            })
+                            })?;
+                            touch(&mut s);
+                            Ok(s)
                         })
                         .collect::<Result<_>>()?,
                     Method::InPlace => Vec::new(),
                 };
+                // resident, as an engine's weights are (a first commit would fault them in)
+                let mut bufs = bufs;
+                for b in bufs.iter_mut() {
+                    touch(b);
+                }
                 let live = Live::new(std::sync::RwLock::new(bufs));
                 Ok((rank, Shards { live, shadows }))
             })
@@ -384,6 +391,11 @@ impl Rollout {
         }
         out.commit_s = started.elapsed().as_secs_f64();
         out.outcome = "commit".into();
+        // every rank has committed before any goes on (and its work does not slow another's
+        // commit)
+        if let Err(e) = world.barrier() {
+            lost.get_or_insert(e);
+        }
         lost.map_or(Ok(()), Err)
     }
 
@@ -405,6 +417,13 @@ impl Rollout {
         for r in self.session.staged_ranks(version) {
             let _ = self.session.abort(r, version);
         }
+    }
+}
+
+/// Writes every page of `buf` (keeping its bytes), so that it is resident.
+fn touch(buf: &mut [u8]) {
+    for i in (0..buf.len()).step_by(4096) {
+        buf[i] = std::hint::black_box(buf[i]);
     }
 }
 
