@@ -220,6 +220,22 @@ fn fingerprint(args: &RunArgs, plan: &Plan, fill: Fill, options: &ExecOptions) -
 }
 
 /// The highest rank a plan uses.
+/// Refuses a stream of refits (`flag`: `--delta`, `--stage`) of a quantizing plan: `run`'s
+/// streams move one unquantized tensor; `refit --run` streams a quantized refit.
+fn stream_of_one_tensor(plan: &Plan, flag: &'static str) -> Result<(), Error> {
+    match plan.quant() {
+        Some(q) => Err(Error::InvalidOption {
+            field: reshard::error::Field::Flag(flag),
+            value: q.quant.scheme.to_string(),
+            reason: format!(
+                "run {flag} moves one unquantized tensor; a quantized refit streams with \
+                 refit --run {flag}"
+            ),
+        }),
+        None => Ok(()),
+    }
+}
+
 fn highest(plan: &Plan) -> Rank {
     plan.ranks().last().copied().unwrap_or(0)
 }

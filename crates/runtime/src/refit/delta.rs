@@ -128,13 +128,7 @@ impl RefitRun {
         let session = DeltaSession::new();
         let mut versions = Vec::new();
         for version in 1..=stream.steps {
-            for (buffer, bytes) in rb.src.iter().zip(&mut src) {
-                for p in &buffer.pieces {
-                    let layout = &batch.tensors()[p.tensor].src;
-                    let piece = &mut bytes[p.bytes.clone()];
-                    evolutions[self.ids[p.tensor]].fill_region(layout, &p.region, piece, version);
-                }
-            }
+            self.fill_version(&rb, &mut src, &evolutions, version);
             let mut report = VersionReport {
                 version,
                 ..VersionReport::default()
@@ -184,23 +178,7 @@ impl RefitRun {
                     ),
                 });
             }
-            for (buffer, bytes) in rb.dst.iter().zip(&delta_dst) {
-                for p in &buffer.pieces {
-                    let t = &batch.tensors()[p.tensor];
-                    if t.quant.is_some() {
-                        continue;
-                    }
-                    let piece = bytes.get(p.bytes.clone()).unwrap_or_default();
-                    evolutions[self.ids[p.tensor]].verify_region_from(
-                        t.src.dtype(),
-                        &t.dst,
-                        &p.region,
-                        piece,
-                        (rank, p.bytes.start as u64),
-                        version,
-                    )?;
-                }
-            }
+            self.verify_version(&rb, &delta_dst, &evolutions, version)?;
             versions.push(report);
         }
         Ok(serde_json::json!({
@@ -210,6 +188,52 @@ impl RefitRun {
             "versions": versions,
             "base_bytes": session.base_bytes(),
         }))
+    }
+
+    /// Fills this rank's source buffers `src` with `version` of every tensor.
+    pub(super) fn fill_version(
+        &self,
+        rb: &crate::batch::RankBatch,
+        src: &mut [Vec<u8>],
+        evolutions: &[Evolution],
+        version: u64,
+    ) {
+        for (buffer, bytes) in rb.src.iter().zip(src) {
+            for p in &buffer.pieces {
+                let layout = &self.batch.tensors()[p.tensor].src;
+                let piece = &mut bytes[p.bytes.clone()];
+                evolutions[self.ids[p.tensor]].fill_region(layout, &p.region, piece, version);
+            }
+        }
+    }
+
+    /// Checks this rank's destination buffers `dst` against `version` of every unquantized
+    /// tensor, element by element.
+    pub(super) fn verify_version(
+        &self,
+        rb: &crate::batch::RankBatch,
+        dst: &[Vec<u8>],
+        evolutions: &[Evolution],
+        version: u64,
+    ) -> Result<(), Error> {
+        for (buffer, bytes) in rb.dst.iter().zip(dst) {
+            for p in &buffer.pieces {
+                let t = &self.batch.tensors()[p.tensor];
+                if t.quant.is_some() {
+                    continue;
+                }
+                let piece = bytes.get(p.bytes.clone()).unwrap_or_default();
+                evolutions[self.ids[p.tensor]].verify_region_from(
+                    t.src.dtype(),
+                    &t.dst,
+                    &p.region,
+                    piece,
+                    (rb.rank, p.bytes.start as u64),
+                    version,
+                )?;
+            }
+        }
+        Ok(())
     }
 
     /// The job's report from every rank's ([`RefitRun::run_delta_rank`]).

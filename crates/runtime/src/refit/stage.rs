@@ -153,13 +153,7 @@ impl RefitRun {
         let transport = world.connect(&Links::of_batch(&rb), layouts, None)?;
         let mut versions = Vec::new();
         for version in 1..=stream.steps {
-            for (buffer, bytes) in rb.src.iter().zip(&mut src) {
-                for p in &buffer.pieces {
-                    let layout = &batch.tensors()[p.tensor].src;
-                    let piece = &mut bytes[p.bytes.clone()];
-                    evolutions[self.ids[p.tensor]].fill_region(layout, &p.region, piece, version);
-                }
-            }
+            self.fill_version(&rb, &mut src, &evolutions, version);
             let n = rollouts.len();
             for k in 0..n {
                 // the methods in turn, their order rotating
@@ -236,23 +230,7 @@ impl RefitRun {
                     Some(_) => {}
                     None => first = Some(live.clone()),
                 }
-                for (buffer, bytes) in rb.dst.iter().zip(live.iter()) {
-                    for p in &buffer.pieces {
-                        let t = &batch.tensors()[p.tensor];
-                        if t.quant.is_some() {
-                            continue;
-                        }
-                        let piece = bytes.get(p.bytes.clone()).unwrap_or_default();
-                        evolutions[self.ids[p.tensor]].verify_region_from(
-                            t.src.dtype(),
-                            &t.dst,
-                            &p.region,
-                            piece,
-                            (rank, p.bytes.start as u64),
-                            version,
-                        )?;
-                    }
-                }
+                self.verify_version(&rb, &live, &evolutions, version)?;
             }
         }
         let dst_bytes: u64 = rb.dst.iter().chain(&rb.scales).map(|b| b.len as u64).sum();

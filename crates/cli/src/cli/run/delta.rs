@@ -141,15 +141,7 @@ pub(super) fn main(
     world: &World,
 ) -> Result<(), Failure> {
     let d = &args.delta;
-    if let Some(q) = plan.quant() {
-        return Err(Failure::from(Error::InvalidOption {
-            field: Field::Flag("--delta"),
-            value: q.quant.scheme.to_string(),
-            reason: "run --delta moves one unquantized tensor; a quantized refit runs as deltas \
-                     with refit --run --delta"
-                .into(),
-        }));
-    }
+    super::stream_of_one_tensor(plan, "--delta")?;
     let methods = methods(&args.delta_methods)?;
     let evolution = d.evolution(fill, plan.src().dtype())?;
     let delta = d.options()?;

@@ -7,7 +7,6 @@
 
 use std::collections::BTreeMap;
 
-use reshard::error::Field;
 use reshard::evolve::Evolution;
 use reshard::exec::ExecOptions;
 use reshard::exec::delta::{DeltaOptions, DeltaRefit, DeltaSession};
@@ -40,15 +39,7 @@ pub(super) fn main(
     world: &World,
 ) -> Result<(), Failure> {
     let d = &args.delta;
-    if let Some(q) = plan.quant() {
-        return Err(Failure::from(Error::InvalidOption {
-            field: Field::Flag("--stage"),
-            value: q.quant.scheme.to_string(),
-            reason: "run --stage moves one unquantized tensor; a quantized refit runs staged \
-                     with refit --run --stage"
-                .into(),
-        }));
-    }
+    super::stream_of_one_tensor(plan, "--stage")?;
     let methods = d.stage_methods()?;
     let evolution = d.evolution(fill, plan.src().dtype())?;
     let delta = d.options()?;
