@@ -21,7 +21,7 @@ import torch
 
 from . import _torch_stage
 from ._core import ReshardError
-from ._torch_delta_refit import DeltaReport, _check_version, _refit
+from ._torch_delta_refit import DeltaReport, _check_version, _refit_live
 from ._torch_stage import CommitReport, StageReport
 
 

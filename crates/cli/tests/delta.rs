@@ -216,26 +216,13 @@ fn delta_flags_are_checked_before_any_byte_moves() {
     refused(&["--delta", "--steps", "0"], "--steps");
 }
 
-fn tiny_dense(dir: &std::path::Path) -> std::path::PathBuf {
-    let path = dir.join("dense.json");
-    std::fs::write(
-        &path,
-        r#"{"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
-            "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
-            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-            "head_dim": 16, "tie_word_embeddings": false, "torch_dtype": "bfloat16"}"#,
-    )
-    .unwrap();
-    path
-}
-
 /// `refit --run --delta`: a whole model as a stream of versions, into bf16 and into an fp8
 /// engine (values and scales diffed after quantizing), over tcp and shm: every version
 /// verified, the first dense for want of a base, the later ones far smaller on the wire.
 #[test]
 fn refit_streams_of_a_whole_model_verify() {
     let dir = common::temp_dir("delta-refit");
-    let model = tiny_dense(dir.path());
+    let model = common::tiny_qwen3(dir.path());
     for (transport, quant, update) in [
         ("tcp", "none", ["--delta-density", "0.01"]),
         ("shm", "fp8-block:8x8", ["--delta-lr", "1e-4"]),

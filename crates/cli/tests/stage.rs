@@ -145,25 +145,12 @@ fn a_rolling_commit_goes_group_by_group() {
     }
 }
 
-fn tiny_model(dir: &std::path::Path) -> std::path::PathBuf {
-    let path = dir.join("dense.json");
-    std::fs::write(
-        &path,
-        r#"{"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
-            "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
-            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-            "head_dim": 16, "tie_word_embeddings": false, "torch_dtype": "bfloat16"}"#,
-    )
-    .unwrap();
-    path
-}
-
 /// `refit --run --stage`: a whole model, into bf16 and into an fp8 engine, staged dense and
 /// as deltas beside the refit in place, every version of every method verified and alike.
 #[test]
 fn refits_of_a_whole_model_while_serving_verify() {
     let dir = common::temp_dir("stage-refit");
-    let model = tiny_model(dir.path());
+    let model = common::tiny_qwen3(dir.path());
     for (transport, quant) in [("tcp", "none"), ("shm", "fp8-block:8x8")] {
         let out = Command::new(EXE)
             .args(["launch", "--nproc", "4", "--", "refit", "--model"])

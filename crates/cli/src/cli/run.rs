@@ -220,6 +220,26 @@ fn fingerprint(args: &RunArgs, plan: &Plan, fill: Fill, options: &ExecOptions) -
 }
 
 /// The highest rank a plan uses.
+/// The source shards of `ranks` at `version` of `evolution`.
+fn sources_at(
+    plan: &Plan,
+    evolution: &reshard::evolve::Evolution,
+    ranks: &[Rank],
+    version: u64,
+) -> std::collections::BTreeMap<Rank, Vec<u8>> {
+    let src = plan.src();
+    ranks
+        .iter()
+        .map(|&r| {
+            let mut buf = vec![0u8; src.local_bytes(r) as usize];
+            if let Some(region) = src.local_region(r) {
+                evolution.fill_region(src, &region, &mut buf, version);
+            }
+            (r, buf)
+        })
+        .collect()
+}
+
 /// Refuses a stream of refits (`flag`: `--delta`, `--stage`) of a quantizing plan: `run`'s
 /// streams move one unquantized tensor; `refit --run` streams a quantized refit.
 fn stream_of_one_tensor(plan: &Plan, flag: &'static str) -> Result<(), Error> {

@@ -277,3 +277,18 @@ pub fn mpirun(n: u64) -> std::process::Command {
         .stderr(std::process::Stdio::piped());
     c
 }
+
+/// A dense qwen3 config of 2 small layers, written into `dir`: a whole model that refits in
+/// a blink.
+pub fn tiny_qwen3(dir: &Path) -> PathBuf {
+    let path = dir.join("dense.json");
+    std::fs::write(
+        &path,
+        r#"{"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
+            "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "head_dim": 16, "tie_word_embeddings": false, "torch_dtype": "bfloat16"}"#,
+    )
+    .unwrap();
+    path
+}

@@ -110,15 +110,7 @@ impl RefitRun {
         let batch = &self.batch;
         let rb = batch.rank_batch(rank)?;
         let evolutions = self.evolutions(stream.update)?;
-        let zeroed = |bufs: &[crate::batch::Buffer]| -> Result<Vec<Vec<u8>>, Error> {
-            bufs.iter()
-                .map(|b| {
-                    reshard_core::memory::zeroed(b.len as u64, || {
-                        format!("rank {rank}'s {}", b.name)
-                    })
-                })
-                .collect()
-        };
+        let zeroed = |bufs: &[crate::batch::Buffer]| super::zeroed_buffers(rank, bufs);
         let mut src = zeroed(&rb.src)?;
         let (mut delta_dst, mut dense_dst) = (zeroed(&rb.dst)?, zeroed(&rb.dst)?);
         let mut delta_scales = QuantCheck::scale_buffers(&rb)?;

@@ -394,6 +394,13 @@ fn buffers(batch: &Batch, ids: &[usize], fills: &[Fill], rb: &RankBatch) -> Resu
 /// Overwrites buffers with a pattern no fill produces everywhere. Within a repetition the
 /// full-tensor buffer passes from tensor to tensor unpoisoned: each tensor's own seed keeps
 /// the bytes one left behind from verifying as the next one's.
+/// Zeroed buffers of `bufs`' sizes for `rank` ([`Error::OutOfMemory`] when they do not fit).
+fn zeroed_buffers(rank: Rank, bufs: &[crate::batch::Buffer]) -> Result<Vec<Vec<u8>>, Error> {
+    bufs.iter()
+        .map(|b| reshard_core::memory::zeroed(b.len as u64, || format!("rank {rank}'s {}", b.name)))
+        .collect()
+}
+
 fn poison<'b>(bufs: impl IntoIterator<Item = &'b mut Vec<u8>>) {
     bufs.into_iter().for_each(|b| crate::harness::poison(b));
 }

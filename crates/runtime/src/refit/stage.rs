@@ -116,15 +116,7 @@ impl RefitRun {
             None => Vec::new(),
         };
         let evolutions = self.evolutions(stream.update)?;
-        let zeroed = |bufs: &[crate::batch::Buffer]| -> Result<Vec<Vec<u8>>, Error> {
-            bufs.iter()
-                .map(|b| {
-                    reshard_core::memory::zeroed(b.len as u64, || {
-                        format!("rank {rank}'s {}", b.name)
-                    })
-                })
-                .collect()
-        };
+        let zeroed = |bufs: &[crate::batch::Buffer]| super::zeroed_buffers(rank, bufs);
         let mut src = zeroed(&rb.src)?;
         let n_dst = rb.dst.len();
         let receives = rb.dst.iter().chain(&rb.scales).any(|b| b.len > 0);
@@ -250,18 +242,7 @@ impl RefitRun {
         stream: &StageStream,
         ranks: &[serde_json::Value],
     ) -> StagedRefitReport {
-        let per_rank: Vec<Vec<VersionServed>> = ranks
-            .iter()
-            .map(|r| serde_json::from_value(r["versions"].clone()).unwrap_or_default())
-            .collect();
-        let n = per_rank.iter().map(Vec::len).max().unwrap_or(0);
-        let versions: Vec<VersionServed> = (0..n)
-            .map(|i| {
-                let parts: Vec<VersionServed> =
-                    per_rank.iter().filter_map(|p| p.get(i).cloned()).collect();
-                VersionServed::combine(&parts)
-            })
-            .collect();
+        let versions = VersionServed::of_job(ranks);
         StagedRefitReport {
             transport: ranks
                 .first()

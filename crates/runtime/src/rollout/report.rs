@@ -78,6 +78,23 @@ impl VersionServed {
         all
     }
 
+    /// The job's versions from every rank's report (each a JSON object whose `versions` are
+    /// that rank's, in the same order on every rank), combined version by version.
+    pub fn of_job(ranks: &[serde_json::Value]) -> Vec<VersionServed> {
+        let per_rank: Vec<Vec<VersionServed>> = ranks
+            .iter()
+            .map(|r| serde_json::from_value(r["versions"].clone()).unwrap_or_default())
+            .collect();
+        let n = per_rank.iter().map(Vec::len).max().unwrap_or(0);
+        (0..n)
+            .map(|i| {
+                let parts: Vec<VersionServed> =
+                    per_rank.iter().filter_map(|p| p.get(i).cloned()).collect();
+                VersionServed::combine(&parts)
+            })
+            .collect()
+    }
+
     /// Each commit group's pause (the longest of its ranks') and its ranks, in commit order.
     pub fn groups(&self) -> Vec<(Vec<Rank>, f64)> {
         let mut groups: BTreeMap<usize, (Vec<Rank>, f64)> = BTreeMap::new();

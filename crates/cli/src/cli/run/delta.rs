@@ -221,14 +221,7 @@ fn versions(
                 }
             }
         }
-        let mut sources = BTreeMap::new();
-        for &r in &src_ranks {
-            let mut buf = vec![0u8; plan.src().local_bytes(r) as usize];
-            if let Some(region) = plan.src().local_region(r) {
-                evolution.fill_region(plan.src(), &region, &mut buf, version);
-            }
-            sources.insert(r, buf);
-        }
+        let mut sources = super::sources_at(plan, evolution, &src_ranks, version);
         let n = streams.len();
         for k in 0..n {
             let stream = &mut streams[(k + version as usize) % n];

@@ -98,19 +98,7 @@ pub(super) fn main(
         }
     }
     if let Some(reports) = concluded? {
-        let per_rank: Vec<Vec<VersionServed>> = reports
-            .ranks
-            .iter()
-            .map(|r| serde_json::from_value(r["versions"].clone()).unwrap_or_default())
-            .collect();
-        let n = per_rank.iter().map(Vec::len).max().unwrap_or(0);
-        let combined: Vec<VersionServed> = (0..n)
-            .map(|i| {
-                let parts: Vec<VersionServed> =
-                    per_rank.iter().filter_map(|p| p.get(i).cloned()).collect();
-                VersionServed::combine(&parts)
-            })
-            .collect();
+        let combined = VersionServed::of_job(&reports.ranks);
         print(args, plan, &evolution, &combined, job.world());
     }
     Ok(())
@@ -136,14 +124,7 @@ fn versions(
     let mut out = Vec::new();
     let src_ranks: Vec<Rank> = world.ranks(plan.src()).collect();
     for version in 1..=args.delta.steps() {
-        let mut sources = BTreeMap::new();
-        for &r in &src_ranks {
-            let mut buf = vec![0u8; plan.src().local_bytes(r) as usize];
-            if let Some(region) = plan.src().local_region(r) {
-                evolution.fill_region(plan.src(), &region, &mut buf, version);
-            }
-            sources.insert(r, buf);
-        }
+        let sources = super::sources_at(plan, evolution, &src_ranks, version);
         let n = streams.len();
         for k in 0..n {
             let stream = &mut streams[(k + version as usize) % n];
