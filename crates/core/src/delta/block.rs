@@ -263,6 +263,28 @@ pub(super) fn apply(unpack: &CopyGeometry, block: &Block<'_>, dst: &mut [u8]) {
     }
 }
 
+/// How far past the element being written the shard is asked for (bytes). A sparse block's
+/// writes land a few cache lines apart, in increasing order, too sparse for the hardware
+/// prefetchers to follow: a shard far larger than the caches then waits on every line. Asked
+/// a few writes ahead, its lines arrive while the earlier ones are written. Measured on a
+/// 288 MiB bf16 shard at 1% changed (a staged commit, 12 samples): 41 ms median to apply
+/// without, 31 ms with (1.5 to 8 KiB ahead do about as well).
+const SCATTER_AHEAD: usize = 2048;
+
+/// Asks for the cache line of `dst` at `at`, if it lies inside (a hint: it never faults,
+/// and does nothing where the CPU has no such instruction).
+#[inline(always)]
+fn prefetch(dst: &[u8], at: usize) {
+    #[cfg(target_arch = "x86_64")]
+    if at < dst.len() {
+        use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
+        // SAFETY: `at` lies inside `dst`; a prefetch only hints the caches.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(dst.as_ptr().add(at).cast()) };
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (dst, at);
+}
+
 /// Writes a sparse block's values at its changed elements: the elements in order, walked
 /// beside the block's runs in the shard.
 fn scatter<const N: usize>(unpack: &CopyGeometry, block: &Block<'_>, dst: &mut [u8]) {
@@ -276,6 +298,7 @@ fn scatter<const N: usize>(unpack: &CopyGeometry, block: &Block<'_>, dst: &mut [
                 break;
             }
             let to = d + (at - s);
+            prefetch(dst, to + SCATTER_AHEAD);
             let value: [u8; N] = values
                 .next()
                 .and_then(|v| v.try_into().ok())
