@@ -35,6 +35,16 @@ pub enum Update {
     Training { lr: f32 },
 }
 
+impl std::fmt::Display for Update {
+    /// As the reports name it: `density 0.01`, `training lr 0.00001`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Update::Density(d) => write!(f, "density {d}"),
+            Update::Training { lr } => write!(f, "training lr {lr}"),
+        }
+    }
+}
+
 /// A tensor's contents at every version.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Evolution {

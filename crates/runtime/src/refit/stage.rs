@@ -250,10 +250,7 @@ impl RefitRun {
                 .unwrap_or("?")
                 .to_string(),
             steps: stream.steps,
-            update: match stream.update {
-                Update::Density(d) => format!("density {d}"),
-                Update::Training { lr } => format!("training lr {lr}"),
-            },
+            update: stream.update.to_string(),
             verified: !ranks.is_empty() && ranks.iter().all(|r| r["verified"] == true),
             dst_bytes: ranks
                 .iter()

@@ -12,7 +12,7 @@ use std::time::Instant;
 use serde::Serialize;
 
 use reshard::error::Field;
-use reshard::evolve::{Evolution, Update};
+use reshard::evolve::Evolution;
 use reshard::exec::ExecOptions;
 use reshard::exec::delta::{DeltaOptions, DeltaRefit, DeltaReport, DeltaSession};
 use reshard::fill::Fill;
@@ -356,10 +356,7 @@ fn print(args: &RunArgs, plan: &Plan, evolution: &Evolution, refits: &[Refit], r
     } else {
         0.0
     };
-    let update = match evolution.update {
-        Update::Density(d) => format!("density {d}"),
-        Update::Training { lr } => format!("training lr {lr}"),
-    };
+    let update = evolution.update.to_string();
     let verified = !refits.is_empty() && refits.iter().all(|r| r.verified);
     if args.json {
         let json = DeltaJson {

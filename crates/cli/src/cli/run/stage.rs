@@ -215,10 +215,7 @@ fn print(
     ranks: usize,
 ) {
     let dst = plan.dst();
-    let update = match evolution.update {
-        reshard::evolve::Update::Density(d) => format!("density {d}"),
-        reshard::evolve::Update::Training { lr } => format!("training lr {lr}"),
-    };
+    let update = evolution.update.to_string();
     let methods = summarize(versions);
     if args.json {
         let json = StageJson {
