@@ -113,10 +113,6 @@ impl Rollout {
         })
     }
 
-    pub fn method(&self) -> Method {
-        self.method
-    }
-
     pub fn session(&self) -> &DeltaSession {
         &self.session
     }
@@ -276,19 +272,11 @@ impl Rollout {
         drop(guards);
         out.refit_s = started.elapsed().as_secs_f64();
         out.outcome = "in place".into();
-        match &result {
-            Ok(()) if options.delta.is_none() => {
-                for &r in self.ranks.keys() {
-                    self.session.with_rank(r, |s| s.set_held(Some(version)));
-                }
-            }
-            Ok(()) => {}
-            // half-written: the shards serve nothing known
-            Err(_) => {
-                for &r in self.ranks.keys() {
-                    self.session.with_rank(r, |s| s.set_held(None));
-                }
-            }
+        // as a delta refit's executor says too; a failed one leaves them half-written, serving
+        // nothing known
+        let serving = result.is_ok().then_some(version);
+        for &r in self.ranks.keys() {
+            self.session.with_rank(r, |s| s.set_held(serving));
         }
         result
     }

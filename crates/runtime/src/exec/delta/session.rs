@@ -67,14 +67,6 @@ impl DeltaSession {
             .collect()
     }
 
-    /// Bytes a commit of `rank`'s staging copies from its shadows, and bytes of the patches
-    /// it applies (`None` when nothing is staged).
-    pub fn staged_bytes(&self, rank: Rank) -> Option<(u64, u64)> {
-        let s = self.lock();
-        let st = s.ranks.get(&rank)?.staged.as_ref()?;
-        Some((st.copy_bytes(), st.patch_bytes()))
-    }
-
     /// Commits `rank`'s staged `version`: applies it from `shadows` (the buffers it was
     /// staged into) onto `live` (its shards, which must still serve the version it was staged
     /// onto), in place; they then serve `version`. Refused, before a byte is written, when

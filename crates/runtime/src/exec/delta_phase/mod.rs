@@ -244,10 +244,15 @@ impl PhaseWork {
             };
             let blob = match h.carries {
                 Carries::Delta { base, .. } => {
-                    let blob = blobs.next().unwrap_or_default();
+                    let mut blob = blobs.next().unwrap_or_default();
                     apply_one(s, &blob, dst_bufs, (base, h.crc), run.version, report)?;
                     if let Some((bufs, patches)) = patches.as_mut() {
-                        stage_patch(s, &blob, bufs, patches);
+                        // copied only when a relaying rank keeps it to forward too
+                        let patch = match kept.is_some() {
+                            true => blob.clone(),
+                            false => std::mem::take(&mut blob),
+                        };
+                        stage_patch(s, patch, bufs, patches);
                     }
                     blob
                 }
@@ -324,7 +329,7 @@ type Patching<'a, 'b> = (
 /// Keeps the delta `blob` that receive `s` applied onto a shadow of a live shard, for the
 /// commit to apply onto the live shard itself (a delta that landed in the program's scratch
 /// reaches the shards by a local copy, which the commit copies).
-fn stage_patch(s: &Step<'_>, blob: &[u8], bufs: &[Buf], patches: &mut Vec<Patch>) {
+fn stage_patch(s: &Step<'_>, blob: Vec<u8>, bufs: &[Buf], patches: &mut Vec<Patch>) {
     let Some((b, at)) = s.dst_at.clone() else {
         return;
     };
@@ -335,7 +340,7 @@ fn stage_patch(s: &Step<'_>, blob: &[u8], bufs: &[Buf], patches: &mut Vec<Patch>
             dst_box: s.dst_box.clone().into_owned(),
             region: s.region.clone().into_owned(),
             elem: s.elem_bytes,
-            blob: blob.to_vec(),
+            blob,
         });
     }
 }

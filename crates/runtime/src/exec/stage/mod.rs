@@ -120,21 +120,6 @@ impl Staged {
         }
     }
 
-    /// Bytes the commit copies from the shadows.
-    pub fn copy_bytes(&self) -> u64 {
-        self.copies.iter().flatten().map(|r| r.len() as u64).sum()
-    }
-
-    /// Bytes of the patches it holds (encoded).
-    pub fn patch_bytes(&self) -> u64 {
-        self.patches.iter().map(|p| p.blob.len() as u64).sum()
-    }
-
-    /// Each destination buffer's length.
-    pub fn lens(&self) -> &[usize] {
-        &self.lens
-    }
-
     /// Checks that `shadows` and `live` are the buffers this staging was made for (empty
     /// buffers at the end may be left out: a rank with no destination shard gives none).
     pub(crate) fn check(&self, rank: Rank, shadows: &[&[u8]], live: &[&mut [u8]]) -> Result<()> {
