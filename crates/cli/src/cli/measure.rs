@@ -16,11 +16,7 @@ pub struct Reports {
 impl Reports {
     /// The transport the ranks name in their reports' `transport` field.
     pub fn transport(&self) -> String {
-        self.ranks
-            .first()
-            .and_then(|r| r["transport"].as_str())
-            .unwrap_or("?")
-            .to_string()
+        reshard::runtime::harness::reported_transport(&self.ranks)
     }
 }
 

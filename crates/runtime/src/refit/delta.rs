@@ -266,14 +266,10 @@ impl RefitRun {
             .map(|v| (v.delta_wire_bytes, v.dense_wire_bytes))
             .fold((0, 0), |(a, b), (x, y)| (a + x, b + y));
         DeltaRefitReport {
-            transport: ranks
-                .first()
-                .and_then(|r| r["transport"].as_str())
-                .unwrap_or("?")
-                .to_string(),
+            transport: crate::harness::reported_transport(ranks),
             steps: stream.steps,
             update: stream.update.to_string(),
-            verified: !ranks.is_empty() && ranks.iter().all(|r| r["verified"] == true),
+            verified: crate::harness::all_verified(ranks),
             versions,
             base_bytes_per_rank: ranks
                 .iter()

@@ -335,15 +335,10 @@ impl RefitRun {
         };
         let (reshard, gather_broadcast) = (method("reshard"), method("gather_broadcast"));
         RefitReport {
-            transport: ranks
-                .first()
-                .and_then(|r| r["transport"].as_str())
-                .unwrap_or("?")
-                .to_string(),
+            transport: crate::harness::reported_transport(ranks),
             iters: repeat.iters,
             // what every rank's checks covered (a failed one fails the job before this)
-            verified: !ranks.is_empty()
-                && ranks.iter().all(|r| r["verified"].as_bool() == Some(true)),
+            verified: crate::harness::all_verified(ranks),
             pack_below: self.pack_below,
             dst_bytes,
             scale_bytes: self.full.as_ref().map(|_| sum("scale_bytes")),

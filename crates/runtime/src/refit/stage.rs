@@ -244,14 +244,10 @@ impl RefitRun {
     ) -> StagedRefitReport {
         let versions = VersionServed::of_job(ranks);
         StagedRefitReport {
-            transport: ranks
-                .first()
-                .and_then(|r| r["transport"].as_str())
-                .unwrap_or("?")
-                .to_string(),
+            transport: crate::harness::reported_transport(ranks),
             steps: stream.steps,
             update: stream.update.to_string(),
-            verified: !ranks.is_empty() && ranks.iter().all(|r| r["verified"] == true),
+            verified: crate::harness::all_verified(ranks),
             dst_bytes: ranks
                 .iter()
                 .map(|r| r["dst_bytes"].as_u64().unwrap_or(0))
