@@ -146,10 +146,8 @@ impl RefitRun {
         let mut versions = Vec::new();
         for version in 1..=stream.steps {
             self.fill_version(&rb, &mut src, &evolutions, version);
-            let n = rollouts.len();
-            for k in 0..n {
-                // the methods in turn, their order rotating
-                let at = (k + version as usize) % n;
+            // the methods in turn, each going first in turn
+            for at in crate::harness::in_turn((0..rollouts.len()).collect(), version as u32) {
                 let (method, rollout) = &mut rollouts[at];
                 let method = *method;
                 let mut run = options.clone();

@@ -16,6 +16,7 @@ use reshard::evolve::Evolution;
 use reshard::exec::ExecOptions;
 use reshard::exec::delta::{DeltaOptions, DeltaRefit, DeltaReport, DeltaSession};
 use reshard::fill::Fill;
+use reshard::runtime::harness::in_turn;
 use reshard::runtime::{RunOptions, World};
 use reshard::{Error, Plan, Rank};
 
@@ -222,9 +223,9 @@ fn versions(
             }
         }
         let mut sources = super::sources_at(plan, evolution, &src_ranks, version);
-        let n = streams.len();
-        for k in 0..n {
-            let stream = &mut streams[(k + version as usize) % n];
+        // the methods in turn, each going first in turn
+        for at in in_turn((0..streams.len()).collect(), version as u32) {
+            let stream = &mut streams[at];
             let mut run = run_options(options);
             run.delta = match stream.method {
                 Method::Dense => None,

@@ -11,6 +11,7 @@ use reshard::evolve::Evolution;
 use reshard::exec::ExecOptions;
 use reshard::exec::delta::{DeltaOptions, DeltaRefit, DeltaSession};
 use reshard::fill::Fill;
+use reshard::runtime::harness::in_turn;
 use reshard::runtime::refit::stage::StageMethod;
 use reshard::runtime::rollout::{
     Method, Rollout, Standing, VersionServed, rolling_groups, summarize,
@@ -125,9 +126,9 @@ fn versions(
     let src_ranks: Vec<Rank> = world.ranks(plan.src()).collect();
     for version in 1..=args.delta.steps() {
         let sources = super::sources_at(plan, evolution, &src_ranks, version);
-        let n = streams.len();
-        for k in 0..n {
-            let stream = &mut streams[(k + version as usize) % n];
+        // the methods in turn, each going first in turn
+        for at in in_turn((0..streams.len()).collect(), version as u32) {
+            let stream = &mut streams[at];
             let mut run = run_options(options);
             run.delta = stream.method.delta.then(|| DeltaRefit {
                 session: stream.rollout.session().clone(),
