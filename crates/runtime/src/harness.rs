@@ -362,6 +362,20 @@ impl MethodJson {
     }
 }
 
+/// The transport every rank's report names (its `transport` field), `?` when none does.
+pub fn reported_transport(ranks: &[serde_json::Value]) -> String {
+    ranks
+        .first()
+        .and_then(|r| r["transport"].as_str())
+        .unwrap_or("?")
+        .to_string()
+}
+
+/// Whether every rank's report says it checked everything (its `verified` field).
+pub fn all_verified(ranks: &[serde_json::Value]) -> bool {
+    !ranks.is_empty() && ranks.iter().all(|r| r["verified"].as_bool() == Some(true))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -464,18 +478,4 @@ mod tests {
         assert!(log.calls.iter().all(|c| !c.starts_with("poison")));
         assert!(log.calls.iter().all(|c| !c.starts_with("verify")));
     }
-}
-
-/// The transport every rank's report names (its `transport` field), `?` when none does.
-pub fn reported_transport(ranks: &[serde_json::Value]) -> String {
-    ranks
-        .first()
-        .and_then(|r| r["transport"].as_str())
-        .unwrap_or("?")
-        .to_string()
-}
-
-/// Whether every rank's report says it checked everything (its `verified` field).
-pub fn all_verified(ranks: &[serde_json::Value]) -> bool {
-    !ranks.is_empty() && ranks.iter().all(|r| r["verified"].as_bool() == Some(true))
 }
