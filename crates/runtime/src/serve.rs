@@ -14,6 +14,7 @@
 //! gap between two passes (the pause), and the distinct digests, which
 //! [`Served::only`] checks against the digests of the versions ([`Served::digest`]).
 
+use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::thread::JoinHandle;
@@ -78,7 +79,7 @@ pub struct Server {
 impl Server {
     /// Starts serving from `live`: pass after pass, each under a read lock of `live`, a
     /// CRC-32C digest of a fixed sample of its bytes, then `idle`.
-    pub fn start(live: Live, options: ServeOptions) -> Server {
+    pub fn start(live: Live, options: ServeOptions) -> reshard_core::error::Result<Server> {
         let shared = Arc::new(Shared {
             stop: AtomicBool::new(false),
             passes: AtomicU64::new(0),
@@ -88,11 +89,14 @@ impl Server {
         let thread = std::thread::Builder::new()
             .name("reshard-serve".into())
             .spawn(move || serve(&live, &options, &theirs))
-            .expect("spawning the serving thread");
-        Server {
+            .map_err(|source| reshard_core::error::Error::ThreadStart {
+                what: "the serving thread".into(),
+                source,
+            })?;
+        Ok(Server {
             shared,
             thread: Some(thread),
-        }
+        })
     }
 
     /// Names the stage of the refit from now on (e.g. "prepare", "decide", "commit"), so that
@@ -141,11 +145,17 @@ fn serve(live: &Live, options: &ServeOptions, shared: &Shared) -> Served {
     let mut longest_gap: Option<(Duration, usize)> = None;
     let mut busy = Duration::ZERO;
     let mut last_end: Option<Instant> = None;
+    // the sample of the buffers' lengths, worked out again only if they change
+    let mut sampled: (Vec<usize>, Vec<(usize, Range<usize>)>) = (Vec::new(), Vec::new());
     while !shared.stop.load(Ordering::Acquire) {
         let buffers = live.read().unwrap_or_else(|e| e.into_inner());
         let start = Instant::now();
         let stage = shared.stage();
-        let digest = Served::digest(&buffers, options.sample_bytes);
+        if !buffers.iter().map(Vec::len).eq(sampled.0.iter().copied()) {
+            let lens: Vec<usize> = buffers.iter().map(Vec::len).collect();
+            sampled = (lens.clone(), sample(&lens, options.sample_bytes));
+        }
+        let digest = digest_of(&buffers, &sampled.1);
         drop(buffers);
         let end = Instant::now();
         busy += end - start;
@@ -219,11 +229,7 @@ impl Served {
     /// versions v and v+1, computed outside the server.
     pub fn digest(buffers: &[Vec<u8>], sample_bytes: usize) -> u32 {
         let lens: Vec<usize> = buffers.iter().map(Vec::len).collect();
-        let mut sum = 0;
-        for (i, range) in sample(&lens, sample_bytes) {
-            sum = reshard_core::crc::append(sum, &buffers[i][range]);
-        }
-        sum
+        digest_of(buffers, &sample(&lens, sample_bytes))
     }
 
     /// Whether every pass saw one of `versions`' digests whole (no mix): every entry of
@@ -233,11 +239,18 @@ impl Served {
     }
 }
 
+/// The CRC-32C of the `sample` of `buffers`, in order.
+fn digest_of(buffers: &[Vec<u8>], sample: &[(usize, Range<usize>)]) -> u32 {
+    sample.iter().fold(0, |sum, (i, range)| {
+        reshard_core::crc::append(sum, &buffers[*i][range.clone()])
+    })
+}
+
 /// The bytes a pass sums, as (buffer, range) in order, given the buffers' lengths: every byte
 /// when they hold at most `sample_bytes`; otherwise each buffer's share in proportion to its
 /// size (at least its first [`HEAD`] bytes), in pieces of [`PIECE`] bytes at even strides
 /// from its first byte to its last.
-fn sample(lens: &[usize], sample_bytes: usize) -> Vec<(usize, std::ops::Range<usize>)> {
+fn sample(lens: &[usize], sample_bytes: usize) -> Vec<(usize, Range<usize>)> {
     let total: u128 = lens.iter().map(|&l| l as u128).sum();
     let mut ranges = Vec::new();
     for (i, &len) in lens.iter().enumerate() {
@@ -305,7 +318,7 @@ mod tests {
     #[test]
     fn a_held_write_lock_is_the_longest_gap() {
         let live = live(version(0, 4, 16 << 10));
-        let server = Server::start(Arc::clone(&live), ServeOptions::default());
+        let server = Server::start(Arc::clone(&live), ServeOptions::default()).unwrap();
         passes_after(&server, 0, 2);
         server.mark("commit");
         {
@@ -329,7 +342,7 @@ mod tests {
         );
         assert_ne!(d0, d1);
         let live = live(v0.clone());
-        let server = Server::start(Arc::clone(&live), opts);
+        let server = Server::start(Arc::clone(&live), opts).unwrap();
         for i in 0..40 {
             let next = if i % 2 == 0 { &v1 } else { &v0 };
             live.write().unwrap().clone_from(next);
@@ -354,7 +367,7 @@ mod tests {
             Served::digest(&mixed, sample),
         );
         let live = live(v0.clone());
-        let server = Server::start(Arc::clone(&live), ServeOptions::default());
+        let server = Server::start(Arc::clone(&live), ServeOptions::default()).unwrap();
         let seen = {
             let mut buffers = live.write().unwrap();
             buffers[..2].clone_from_slice(&v1[..2]);
@@ -376,7 +389,7 @@ mod tests {
     #[test]
     fn passes_count_per_mark() {
         let live = live(version(0, 2, 4 << 10));
-        let server = Server::start(live, ServeOptions::default());
+        let server = Server::start(live, ServeOptions::default()).unwrap();
         passes_after(&server, 0, 1);
         for stage in ["prepare", "decide", "commit"] {
             server.mark(stage);
@@ -405,7 +418,7 @@ mod tests {
             idle: Duration::from_secs(3600),
             ..ServeOptions::default()
         };
-        let server = Server::start(live(version(0, 1, 64)), options);
+        let server = Server::start(live(version(0, 1, 64)), options).unwrap();
         passes_after(&server, 0, 1);
         let served = server.stop();
         assert_eq!(served.passes, 1);
@@ -422,7 +435,7 @@ mod tests {
         })
         .join();
         assert!(live.is_poisoned());
-        let server = Server::start(Arc::clone(&live), ServeOptions::default());
+        let server = Server::start(Arc::clone(&live), ServeOptions::default()).unwrap();
         passes_after(&server, 0, 2);
         let served = server.stop();
         let expected = Served::digest(&version(0, 2, 256), 4 << 20);

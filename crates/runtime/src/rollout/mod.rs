@@ -172,8 +172,8 @@ impl Rollout {
         let servers: BTreeMap<Rank, Server> = self
             .ranks
             .iter()
-            .map(|(&r, s)| (r, Server::start(s.live.clone(), self.serve.clone())))
-            .collect();
+            .map(|(&r, s)| Ok((r, Server::start(s.live.clone(), self.serve.clone())?)))
+            .collect::<Result<_>>()?;
         // each engine serving before the version starts, so that its first gap counts
         let deadline = Instant::now() + std::time::Duration::from_secs(5);
         while servers.values().any(|s| s.passes() == 0) && Instant::now() < deadline {
