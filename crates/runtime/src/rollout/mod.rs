@@ -54,6 +54,9 @@ impl Method {
 struct Shards {
     live: Live,
     shadows: Vec<Vec<u8>>,
+    /// Whether the shadows hold what the live shards hold: after a commit they do (the
+    /// commit made the live shards what was staged), after a prepare or an abort not.
+    in_step: bool,
 }
 
 /// A stream of refits of the destination ranks this process runs, by one method, each
@@ -101,7 +104,14 @@ impl Rollout {
                     touch(b);
                 }
                 let live = Live::new(std::sync::RwLock::new(bufs));
-                Ok((rank, Shards { live, shadows }))
+                Ok((
+                    rank,
+                    Shards {
+                        live,
+                        shadows,
+                        in_step: false,
+                    },
+                ))
             })
             .collect::<Result<_>>()?;
         Ok(Rollout {
@@ -297,12 +307,16 @@ impl Rollout {
     where
         F: FnOnce(&mut BTreeMap<Rank, Vec<Vec<u8>>>, &RunOptions) -> Result<()>,
     {
-        // the shadows hold what the live shards hold (a delta applies over that version)
-        for (&rank, s) in &mut self.ranks {
+        // the shadows hold what the live shards hold (a delta applies over that version):
+        // copied unless the last commit left them so
+        for (&rank, s) in self.ranks.iter_mut().filter(|(_, s)| !s.in_step) {
             let live = read(&s.live);
             let bufs: Vec<&[u8]> = live.iter().map(Vec::as_slice).collect();
             let mut shadows: Vec<&mut [u8]> = s.shadows.iter_mut().map(|b| &mut b[..]).collect();
             crate::exec::stage::refresh_shadows(rank, &mut shadows, &bufs)?;
+        }
+        for s in self.ranks.values_mut() {
+            s.in_step = false;
         }
         world.barrier()?;
         for s in servers.values() {
@@ -395,9 +409,9 @@ impl Rollout {
         let shadows: Vec<&[u8]> = s.shadows.iter().map(Vec::as_slice).collect();
         let mut live = s.live.write().unwrap_or_else(|e| e.into_inner());
         let mut bufs: Vec<&mut [u8]> = live.iter_mut().map(Vec::as_mut_slice).collect();
-        self.session
-            .commit(rank, version, &shadows, &mut bufs)
-            .map(Some)
+        let report = self.session.commit(rank, version, &shadows, &mut bufs)?;
+        s.in_step = true;
+        Ok(Some(report))
     }
 
     /// Drops what this process's ranks staged of `version`.
