@@ -86,9 +86,14 @@ def destinations(given, dst) -> Dict[str, torch.Tensor]:
     return out
 
 
+def _bytes(tensors) -> int:
+    """The bytes of these tensors' memory on this rank."""
+    return sum(_local(t).numel() * _local(t).element_size() for t in tensors)
+
+
 def staging_bytes(given, dst) -> int:
     """The bytes a staging of these destination tensors takes on this rank."""
-    return sum(_local(t).numel() * _local(t).element_size() for t in destinations(given, dst).values())
+    return _bytes(destinations(given, dst).values())
 
 
 def _check_staging(staging, live: Dict[str, torch.Tensor]) -> None:
@@ -174,7 +179,7 @@ def prepare(session, given, version, src, dst, previous, staging) -> StageReport
     if int(votes.item()) == 1:
         assert report is not None
         session._stage = _Stage(report.version, session.serving, session._epoch, live, shadows)
-        nbytes = staging_bytes(given, dst)
+        nbytes = _bytes(live.values())
         seconds = time.perf_counter() - start
         return StageReport(report.version, session.serving, nbytes, staging is None, report, seconds)
     # every rank knows a rank failed: all gather the votes, so that each names the same ranks
@@ -211,11 +216,9 @@ def commit(session, version) -> CommitReport:
             f"serve {now} (a refit or restore came in between): abort it and prepare again"
         )
     start = time.perf_counter()
-    nbytes = 0
     with torch.no_grad():
         for name, live in stage.live.items():
             live.copy_(stage.shadows[name])
-            nbytes += _local(live).numel() * _local(live).element_size()
     devices = {_local(t).device for t in stage.live.values() if _local(t).device.type == "cuda"}
     for device in devices:  # the pause ends when the copies have
         torch.cuda.synchronize(device)
@@ -224,7 +227,7 @@ def commit(session, version) -> CommitReport:
     previous = session.serving
     session._serving = session.held = stage.version
     session._epoch += 1
-    return CommitReport(stage.version, previous, nbytes, seconds)
+    return CommitReport(stage.version, previous, _bytes(stage.live.values()), seconds)
 
 
 def abort(session, version) -> Optional[int]:
