@@ -147,3 +147,12 @@ def _agree(fingerprint, prepare, group, rank: int):
     if len(_AGREED) > _AGREED_MAX:
         _AGREED.popitem(last=False)
     return result
+
+
+def _group_rank(group) -> Tuple[int, int]:
+    """This process's rank in ``group`` (the default group when None), and the group's size."""
+    if not dist.is_initialized():
+        raise ReshardError("torch.distributed is not initialized (call init_process_group first)")
+    if group is None:
+        return dist.get_rank(), dist.get_world_size()
+    return dist.get_rank(group), dist.get_world_size(group)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from typing import Dict, List, Mapping, Optional, Tuple
+from typing import Dict, List, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -22,7 +22,7 @@ from . import _torch_delta_exchange as _exchange
 from . import _torch_dtensor as _dt
 from ._core import Refit, ReshardError
 from ._torch_bucket import _check_entry, _plan_of
-from ._torch_common import _agree, _check_tensor, _fingerprint
+from ._torch_common import _agree, _check_tensor, _fingerprint, _group_rank
 
 _OK, _HELD, _BASE, _VERSION, _DIGEST = range(5)
 _MAX_VERSION = (1 << 63) - 1
@@ -60,14 +60,6 @@ class DeltaReport:
     base_bytes: int = 0
     #: Received regions whose checksum was compared after applying (``checksum=True``).
     checked: int = 0
-
-
-def _group_rank(group) -> Tuple[int, int]:
-    if not dist.is_initialized():
-        raise ReshardError("torch.distributed is not initialized (call init_process_group first)")
-    if group is None:
-        return dist.get_rank(), dist.get_world_size()
-    return dist.get_rank(group), dist.get_world_size(group)
 
 
 def _device_of(given, src, dst, group) -> torch.device:

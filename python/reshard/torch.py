@@ -25,7 +25,6 @@ import collections
 from typing import List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
-import torch.distributed as dist
 
 from . import _torch_args as _args
 from . import _torch_dtensor as _dt
@@ -33,7 +32,7 @@ from . import _torch_prequant as _tpq
 from . import _torch_quant as _tq
 from ._core import Layout, Refit, ReshardError
 from ._torch_bucket import _Bucket, _check_entry, _LocalPlan, _plan_of, free_staging
-from ._torch_common import _agree, _fingerprint, torch_dtype
+from ._torch_common import _agree, _fingerprint, _group_rank, torch_dtype
 from ._torch_delta_session import DeltaReport, DeltaSession, refit_many
 from ._torch_quant import scale_tensor
 from ._torch_stage import CommitReport, StageReport
@@ -77,14 +76,6 @@ def local_tensor(layout: Layout, rank: int, global_tensor: torch.Tensor) -> Opti
 
 def _slices(offset: Sequence[int], extent: Sequence[int]) -> Tuple[slice, ...]:
     return tuple(slice(o, o + n) for o, n in zip(offset, extent))
-
-
-def _group_rank(group) -> Tuple[int, int]:
-    if not dist.is_initialized():
-        raise ReshardError("torch.distributed is not initialized (call init_process_group first)")
-    if group is None:
-        return dist.get_rank(), dist.get_world_size()
-    return dist.get_rank(group), dist.get_world_size(group)
 
 
 def reshard_(

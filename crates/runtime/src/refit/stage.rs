@@ -32,6 +32,14 @@ pub struct StageMethod {
 }
 
 impl StageMethod {
+    /// How it reaches the live shards.
+    pub fn method(self) -> Method {
+        match self.staged {
+            true => Method::Staged,
+            false => Method::InPlace,
+        }
+    }
+
     pub fn name(self) -> &'static str {
         match (self.staged, self.delta) {
             (false, false) => "in-place",
@@ -128,12 +136,8 @@ impl RefitRun {
                 bufs.extend(QuantCheck::scale_buffers(&rb)?);
                 live.insert(rank, bufs);
             }
-            let method = match m.staged {
-                true => Method::Staged,
-                false => Method::InPlace,
-            };
             let rollout = Rollout::new(
-                method,
+                m.method(),
                 DeltaSession::new(),
                 live,
                 stream.serve.clone(),

@@ -13,9 +13,7 @@ use reshard::exec::delta::{DeltaOptions, DeltaRefit, DeltaSession};
 use reshard::fill::Fill;
 use reshard::runtime::harness::in_turn;
 use reshard::runtime::refit::stage::StageMethod;
-use reshard::runtime::rollout::{
-    Method, Rollout, Standing, VersionServed, rolling_groups, summarize,
-};
+use reshard::runtime::rollout::{Rollout, Standing, VersionServed, rolling_groups, summarize};
 use reshard::runtime::serve::ServeOptions;
 use reshard::runtime::{PlanRank, World};
 use reshard::{Error, Plan, Rank};
@@ -57,12 +55,8 @@ pub(super) fn main(
             .iter()
             .map(|&r| (r, vec![vec![0u8; plan.dst().local_bytes(r) as usize]]))
             .collect();
-        let kind = match method.staged {
-            true => Method::Staged,
-            false => Method::InPlace,
-        };
         let rollout = Rollout::new(
-            kind,
+            method.method(),
             DeltaSession::new(),
             live,
             ServeOptions::default(),
