@@ -41,7 +41,10 @@ fn allowed() -> BTreeMap<&'static str, BTreeSet<&'static str>> {
             ]),
         ),
         ("reshard-cli", set(&["reshard"])),
-        ("reshard-python", set(&["reshard-core", "reshard-model"])),
+        (
+            "reshard-python",
+            set(&["reshard-core", "reshard-model", "reshard-transport"]),
+        ),
     ])
 }
 

@@ -32,7 +32,9 @@ use super::frame;
 use super::screen::Screen;
 
 mod env;
-pub use env::{DEFAULT_TOKEN, GroupEnv, MAX_HOST_BYTES, MAX_TOKEN_BYTES, MAX_WORLD, check_token};
+pub use env::{
+    DEFAULT_TOKEN, GroupEnv, MAX_HOST_BYTES, MAX_TOKEN_BYTES, MAX_WORLD, check_token, host_identity,
+};
 
 /// What a connecting process says first.
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -121,14 +123,35 @@ fn same_token(a: &str, b: &str) -> bool {
 impl Group {
     /// Joins the job: rendezvous through rank 0, within `timeout`.
     pub fn join(env: GroupEnv, timeout: Duration) -> Result<Group> {
+        Group::join_on(env, timeout, None)
+    }
+
+    /// Rank 0's rendezvous port, bound before the job is joined: a port the system picked
+    /// (`MASTER_PORT` 0) is known, and can be told to the other ranks by another channel (a
+    /// torch process group's store), before [`Group::join_on`] waits for them.
+    pub fn bind(env: &GroupEnv) -> Result<TcpListener> {
+        let master = env.master()?;
+        TcpListener::bind(master).map_err(|e| Error::Io {
+            path: format!("MASTER_ADDR:MASTER_PORT {master}"),
+            source: e,
+        })
+    }
+
+    /// [`Group::join`], rank 0 on `listener` (from [`Group::bind`]) when given.
+    pub fn join_on(
+        env: GroupEnv,
+        timeout: Duration,
+        listener: Option<TcpListener>,
+    ) -> Result<Group> {
         let deadline = Instant::now() + timeout;
         let master = env.master()?;
         let rank = env.rank;
         if rank == 0 {
-            let listener = TcpListener::bind(master).map_err(|e| Error::Io {
-                path: format!("MASTER_ADDR:MASTER_PORT {master}"),
-                source: e,
-            })?;
+            let listener = match listener {
+                Some(l) => l,
+                None => Group::bind(&env)?,
+            };
+            let master = listener.local_addr().unwrap_or(master);
             let mut addrs = vec![master; env.world];
             let mut pids = vec![std::process::id(); env.world];
             let mut names = vec![env.host.clone(); env.world];
