@@ -263,6 +263,20 @@ pub(super) fn apply(unpack: &CopyGeometry, block: &Block<'_>, dst: &mut [u8]) {
     }
 }
 
+/// Calls `f(element, value)` for every element a checked block writes, in order: `element`
+/// its index in the region's stream.
+pub(super) fn each_written(block: &Block<'_>, f: &mut impl FnMut(usize, &[u8])) {
+    let (elem, first) = (block.elem, block.bytes.start / block.elem);
+    let values = block.values.chunks_exact(elem);
+    match block.encoding {
+        Encoding::Unchanged => {}
+        Encoding::Dense => values.enumerate().for_each(|(i, v)| f(first + i, v)),
+        Encoding::Bitmask | Encoding::Offsets => ChangedElements::new(block)
+            .zip(values)
+            .for_each(|(i, v)| f(first + i, v)),
+    }
+}
+
 /// How far past the element being written the shard is asked for (bytes). A sparse block's
 /// writes land a few cache lines apart, in increasing order, too sparse for the hardware
 /// prefetchers to follow: a shard far larger than the caches then waits on every line. Asked

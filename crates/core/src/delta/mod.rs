@@ -282,3 +282,27 @@ pub fn apply(
     }
     Ok(stats)
 }
+
+/// Calls `f(element, value)` for every element that applying `encoded` onto a region's stream
+/// of `len` bytes writes, in stream order: `element` its index in the stream, `value` its new
+/// bytes (every element of a dense block, the changed ones of the others). Checks the whole
+/// encoding first, as [`apply`] does, so `f` sees nothing of a malformed one. For a receiver
+/// that writes the values itself (a shard in another device's memory).
+pub fn for_each_written(
+    encoded: &[u8],
+    len: usize,
+    mut f: impl FnMut(usize, &[u8]),
+) -> Result<DeltaStats, DeltaError> {
+    let blocks = wire::parse(encoded, len)?;
+    let mut stats = DeltaStats {
+        bytes: encoded.len() as u64,
+        ..DeltaStats::default()
+    };
+    for b in &blocks {
+        block::each_written(b, &mut f);
+        stats.blocks[b.encoding as usize] += 1;
+        stats.elems += b.elems as u64;
+        stats.changed += b.changed as u64;
+    }
+    Ok(stats)
+}

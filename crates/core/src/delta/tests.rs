@@ -291,3 +291,46 @@ proptest! {
         }
     }
 }
+
+proptest! {
+    /// The elements an encoding writes, written by hand onto the base's stream, give the new
+    /// stream, as `apply` does; they come in increasing order, as many as it counts.
+    #[test]
+    fn the_written_elements_are_what_apply_writes(
+        (shard, region) in arb_boxes(),
+        elem in prop::sample::select(vec![1usize, 2, 4, 8]),
+        block_elems in prop_oneof![1usize..70, Just(BLOCK_ELEMS)],
+        density in density(),
+        seed in any::<u64>(),
+    ) {
+        let shard_bytes = shard.volume() as usize * elem;
+        let pack = CopyGeometry::new(&region, Place::Within(&shard), Place::Stream, elem);
+        let old = bytes(shard_bytes, seed);
+        let new = evolve(&old, &pack, elem, density, seed ^ 0x77);
+        let mut base = vec![0u8; pack.len()];
+        pack.copy(&old, &mut base, 0..pack.len());
+        let mut stream = base.clone();
+        let mut new_stream = vec![0u8; pack.len()];
+        pack.copy(&new, &mut new_stream, 0..pack.len());
+        let mut wire = Vec::new();
+        let sent = DeltaEncoder::new(elem, block_elems)
+            .unwrap()
+            .encode(&pack, &new, &mut base, 0..pack.len(), &mut wire)
+            .unwrap();
+        let (mut written, mut last) = (0u64, None);
+        let got = for_each_written(&wire, pack.len(), |i, value| {
+            assert!(last.is_none_or(|l| i > l), "element {i} after {last:?}");
+            last = Some(i);
+            written += 1;
+            stream[i * elem..(i + 1) * elem].copy_from_slice(value);
+        })
+        .unwrap();
+        prop_assert_eq!(&stream, &new_stream);
+        prop_assert_eq!(written, got.changed);
+        prop_assert_eq!((sent.blocks, sent.elems, sent.bytes), (got.blocks, got.elems, got.bytes));
+        // a cut encoding calls nothing and is refused
+        let mut called = false;
+        let cut = for_each_written(&wire[..wire.len() - 1], pack.len(), |_, _| called = true);
+        prop_assert!(cut.is_err() && !called);
+    }
+}
