@@ -167,11 +167,6 @@ fn class_of(e: &Error) -> Class {
 #[pymodule]
 mod _core {
     #[pymodule_export]
-    use super::{
-        AbortedError, AgreementError, ArgumentError, ChecksumError, InDoubtError, PeerLostError,
-        ReshardError, VersionError,
-    };
-    #[pymodule_export]
     use super::checksum::crc32c;
     #[pymodule_export]
     use super::control::{PyControl, PyControlListener};
@@ -188,6 +183,11 @@ mod _core {
     };
     #[pymodule_export]
     use super::refit::PyRefit;
+    #[pymodule_export]
+    use super::{
+        AbortedError, AgreementError, ArgumentError, ChecksumError, InDoubtError, PeerLostError,
+        ReshardError, VersionError,
+    };
 
     #[pymodule_init]
     fn init(m: &pyo3::Bound<'_, pyo3::types::PyModule>) -> pyo3::PyResult<()> {

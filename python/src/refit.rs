@@ -5,7 +5,7 @@ use pyo3::types::PyDict;
 use reshard_core::PlanOptions;
 
 use crate::layout::*;
-use crate::{ReshardError, error, plan_options};
+use crate::{error, plan_options};
 
 /// A whole-model refit: every parameter of a model with its training (Megatron-LM) and
 /// inference (vLLM) layouts, and the fused buffers of both sides, from the core's model rules.
@@ -23,7 +23,7 @@ impl PyRefit {
             .get(name)
             .map(|&i| &self.inner.tensors[i])
             .ok_or_else(|| {
-                ReshardError::new_err(format!(
+                error(format!(
                     "name: `{name}` is not a parameter of {} (see Refit.names)",
                     self.inner.model
                 ))
@@ -66,7 +66,7 @@ impl PyRefit {
     /// `model`: a shipped model's name (`qwen3-0.6b`, `deepseek-v3`, ...), an HF
     /// `config.json` or a checkpoint folder; `train` and `infer`: the parallelism as on the
     /// command line (`"tp=2,pp=2"`, `"tp=4"`); `overrides`: `[train:|infer:]GLOB=KIND` rules
-    /// applied before the defaults. Raises `ReshardError` with the command line's message.
+    /// applied before the defaults. Raises `ArgumentError` with the command line's message.
     #[new]
     ///
     /// `infer_quant`: the inference side's fp8 weights as `refit --infer-quant` takes them
@@ -210,7 +210,7 @@ impl PyRefit {
             "infer" => (reshard_core::Side::Dst, &self.inner.dst_fused),
             "train" => (reshard_core::Side::Src, &self.inner.src_fused),
             other => {
-                return Err(ReshardError::new_err(format!(
+                return Err(error(format!(
                     "side: `{other}` is invalid: expected `train` or `infer`"
                 )));
             }
@@ -285,7 +285,7 @@ impl PyRefit {
     /// tensors (a DTensor's shape is its global one) and a fused buffer of `side`
     /// (`gate_up_proj`, `w13_weight`, `linear_fc1`) stands for its members; with `rank`,
     /// they are that rank's local shards, as `reshard_many_` takes them. Raises
-    /// `ReshardError` naming the first difference: a name the refit does not have, a
+    /// `ArgumentError` naming the first difference: a name the refit does not have, a
     /// parameter missing, a shape or a dtype.
     #[pyo3(signature = (tensors, side = "train", rank = None))]
     fn check(&self, tensors: &Bound<'_, PyDict>, side: &str, rank: Option<usize>) -> PyResult<()> {
@@ -293,7 +293,7 @@ impl PyRefit {
             "train" => (&self.inner.src_fused, |t| &t.src),
             "infer" => (&self.inner.dst_fused, |t| &t.dst),
             other => {
-                return Err(ReshardError::new_err(format!(
+                return Err(error(format!(
                     "side: `{other}` is invalid: expected `train` or `infer`"
                 )));
             }
@@ -336,26 +336,26 @@ impl PyRefit {
                 });
                 (f.members.clone(), want.flatten())
             } else {
-                return Err(ReshardError::new_err(format!(
+                return Err(error(format!(
                     "tensors: {name} is neither a parameter of {model} nor a fused buffer of its {side} side (see Refit.names and Refit.fused): the config may not describe this model"
                 )));
             };
             let Some(want) = want else {
-                return Err(ReshardError::new_err(format!(
+                return Err(error(format!(
                     "tensors: {name}: rank {} holds no shard of it on the {side} side, yet a tensor was given",
                     rank.unwrap_or(0)
                 )));
             };
             let shape: Vec<u64> = tensor.getattr("shape")?.extract()?;
             if shape != want {
-                return Err(ReshardError::new_err(format!(
+                return Err(error(format!(
                     "tensors: {name}: shape {shape:?}, but the refit of {model} has {want:?} on the {side} side{at}: the config may not describe this model"
                 )));
             }
             let dtype = crate::values::dtype_of(&tensor.getattr("dtype")?)?;
             let layout = of(&self.inner.tensors[members[0]]);
             if dtype != layout.dtype() {
-                return Err(ReshardError::new_err(format!(
+                return Err(error(format!(
                     "tensors: {name}: dtype {dtype}, but the refit of {model} holds {} on the {side} side (give Refit(..., {side}_dtype=...))",
                     layout.dtype()
                 )));
@@ -369,7 +369,7 @@ impl PyRefit {
             .zip(&covered)
             .find(|(t, c)| !**c && rank.is_none_or(|r| of(t).mesh().contains(r)));
         if let Some((t, _)) = missing {
-            return Err(ReshardError::new_err(format!(
+            return Err(error(format!(
                 "tensors: {} is a parameter of {model} on the {side} side{at}, but none was given: the config may not describe this model",
                 t.name
             )));
