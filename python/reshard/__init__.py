@@ -17,11 +17,26 @@ own shard, from a rank that holds them, instead of an all-gather followed by a b
 Layouts, plans and errors come from the Rust core (``reshard._core``). ``reshard.torch``
 moves torch tensors with ``torch.distributed`` point-to-point; it imports torch, this module
 does not.
+
+Every error is a :class:`ReshardError` (a ``ValueError``), and of one subclass that says its
+kind: :class:`ArgumentError` (a bad argument, tensor or layout), :class:`AgreementError` (the
+ranks disagree, or another rank refused: nothing was moved), :class:`ChecksumError` (a
+transfer arrived changed), :class:`PeerLostError` (a peer died, closed its link or timed out),
+:class:`InDoubtError` (a rank voted prepared and lost the coordinator before the decision),
+:class:`VersionError` (a version reused, out of order, not staged or stale) and
+:class:`AbortedError` (the job decided to abort a staged version); what fits none of them
+(an internal failure, a malformed transfer) is a plain :class:`ReshardError`.
 """
 
 from ._core import (
     DEFAULT_MIN_SPLIT_BYTES,
+    AbortedError,
+    AgreementError,
+    ArgumentError,
+    ChecksumError,
+    InDoubtError,
     Layout,
+    PeerLostError,
     Plan,
     RankPlan,
     Refit,
@@ -29,6 +44,7 @@ from ._core import (
     ReshardError,
     Shard,
     Transfer,
+    VersionError,
     __version__,
     plan,
     quant_scale_dtype,
@@ -38,7 +54,13 @@ from ._core import (
 
 __all__ = [
     "DEFAULT_MIN_SPLIT_BYTES",
+    "AbortedError",
+    "AgreementError",
+    "ArgumentError",
+    "ChecksumError",
+    "InDoubtError",
     "Layout",
+    "PeerLostError",
     "Plan",
     "RankPlan",
     "Refit",
@@ -46,6 +68,7 @@ __all__ = [
     "ReshardError",
     "Shard",
     "Transfer",
+    "VersionError",
     "__version__",
     "plan",
     "quant_scale_dtype",

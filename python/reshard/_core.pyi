@@ -7,7 +7,29 @@ __version__: str
 DEFAULT_MIN_SPLIT_BYTES: int
 
 class ReshardError(ValueError):
-    """Bad input: the message is the command line's, naming the field and the value."""
+    """Every error of reshard (its subclasses say which kind): the message is the command
+    line's, naming the field and the value."""
+
+class ArgumentError(ReshardError):
+    """A bad argument, tensor or layout: the message names the argument and the value."""
+
+class AgreementError(ReshardError):
+    """The ranks disagree on the job, or another rank refused its part: nothing was moved."""
+
+class ChecksumError(ReshardError):
+    """A transfer arrived changed: what landed differs from what its sender sent."""
+
+class PeerLostError(ReshardError):
+    """A peer died, closed its link or timed out: the message names the rank."""
+
+class InDoubtError(ReshardError):
+    """A rank voted prepared, then lost the coordinator before the decision came."""
+
+class VersionError(ReshardError):
+    """A version reused or lower than the last, nothing staged, a stale staging, another asked for."""
+
+class AbortedError(ReshardError):
+    """The job decided to abort a staged version: some rank voted not to commit it."""
 
 @final
 class Shard:
