@@ -105,6 +105,24 @@ pub enum Error {
         reason: String,
     },
 
+    /// Rolling commit groups that cut an inference replica: between the commits of the groups
+    /// it falls into, the replica would serve a mix of two versions.
+    #[error(
+        "{}: {count} is invalid: it cuts the inference replica of ranks {} across commit groups {}, so that replica would serve a mix of two versions between their commits; the {ranks} destination ranks form {}, and each group must hold whole replicas",
+        Field::Rolling, rank_list(.replica), and_list(.groups), counted(*.replicas, "replica")
+    )]
+    CutReplica {
+        /// The number of groups asked for (`--rolling`).
+        count: usize,
+        /// The ranks of the replica cut, in rank order.
+        replica: Vec<Rank>,
+        /// The groups (from 0, in commit order) its ranks fall into.
+        groups: Vec<usize>,
+        /// How many replicas the destination ranks form, and how many ranks they are.
+        replicas: usize,
+        ranks: usize,
+    },
+
     /// A tensor or buffer of a many-tensor reshard (a model refit) that does not fit.
     #[error("{what} `{name}`: {reason}")]
     Batch {
@@ -327,6 +345,32 @@ pub enum Error {
 /// A version as an error names it (`None`: no version known).
 fn version_name(v: Option<u64>) -> String {
     v.map_or("no known version".into(), |v| format!("version {v}"))
+}
+
+/// Ranks as a list: `2,3,5`.
+fn rank_list(ranks: &[Rank]) -> String {
+    let parts: Vec<String> = ranks.iter().map(Rank::to_string).collect();
+    parts.join(",")
+}
+
+/// `1 replica`, `2 replicas`.
+fn counted(n: usize, what: &str) -> String {
+    match n {
+        1 => format!("1 {what}"),
+        n => format!("{n} {what}s"),
+    }
+}
+
+/// Numbers as a sentence lists them: `0 and 1`, `0, 1 and 2`.
+fn and_list(items: &[usize]) -> String {
+    match items {
+        [] => String::new(),
+        [one] => one.to_string(),
+        [init @ .., last] => {
+            let init: Vec<String> = init.iter().map(usize::to_string).collect();
+            format!("{} and {last}", init.join(", "))
+        }
+    }
 }
 
 fn human_bytes(bytes: u64) -> String {

@@ -10,6 +10,7 @@
 //! - [`plan`]: the transfers between two layouts, computed without communication;
 //! - [`convert`]: precision in flight: float casts, fp8, quantization schemes and scales;
 //! - [`fill`]: deterministic contents for running and verifying reshards;
+//! - [`rolling`]: a rolling commit's groups, each of whole inference replicas;
 //! - [`agreement`]: a rank's fingerprint of its job and the first difference between two;
 //! - [`sim`]: a cluster cost model that prices plans at scales this machine cannot run;
 //! - [`limits`]: every bound on the size of the input, and why;
@@ -41,6 +42,7 @@ pub mod memory;
 pub mod plan;
 mod rank;
 pub mod region;
+pub mod rolling;
 pub mod sim;
 pub mod topology;
 

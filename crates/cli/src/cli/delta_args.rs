@@ -45,8 +45,10 @@ pub struct DeltaArgs {
     /// --delta).
     #[arg(long, value_name = "LIST", requires = "stage")]
     pub stage_methods: Option<String>,
-    /// With --stage: commit the destination ranks in G groups of equal size (inference
-    /// replicas, contiguous ranks), one group at a time, so that the others keep serving.
+    /// With --stage: commit the destination ranks in G groups of equal size, one group at a
+    /// time, so that the others keep serving. Each group must be whole inference replicas
+    /// (for `run`, the ranks of one copy of the tensor; for `refit`, an engine's tp x pp
+    /// ranks): a G that would cut a replica is refused, naming it.
     #[arg(long, value_name = "G", requires = "stage", value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
     pub rolling: Option<u64>,
 }

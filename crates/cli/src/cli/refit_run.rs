@@ -89,6 +89,10 @@ pub fn main(
         true => args.delta.stage_methods()?,
         false => Vec::new(),
     };
+    // each group whole inference replicas, refused before the job starts
+    if let Some(g) = args.delta.rolling {
+        run.rolling_groups(g as usize)?;
+    }
     let fingerprint = args.exec.agreed(&options, fingerprint);
     let kind = args.exec.transport;
     let threads = || {

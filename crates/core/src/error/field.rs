@@ -47,6 +47,9 @@ pub enum Field {
     DeltaAnchor,
     /// The fraction of elements a version changes (`--delta-density`).
     DeltaDensity,
+    /// How many groups a staged refit's destination ranks commit in, one after the other
+    /// (`--rolling`).
+    Rolling,
     /// An option only the command line has (`--nproc`, `--dump`): named by its flag everywhere.
     Flag(&'static str),
 }
@@ -78,6 +81,7 @@ impl Field {
             Field::InferDType => "infer_dtype",
             Field::DeltaAnchor => "delta_anchor",
             Field::DeltaDensity => "delta_density",
+            Field::Rolling => "rolling",
             Field::Flag(flag) => flag,
         }
     }
@@ -108,6 +112,7 @@ impl Field {
             Field::InferDType => "--infer-dtype",
             Field::DeltaAnchor => "--delta-anchor",
             Field::DeltaDensity => "--delta-density",
+            Field::Rolling => "--rolling",
             Field::Flag(flag) => flag,
         }
     }

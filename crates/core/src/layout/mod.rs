@@ -372,6 +372,25 @@ impl Layout {
         self.mixed_radix(position, |p| *p == Placement::Replicate)
     }
 
+    /// The replicas of the whole tensor: the ranks that together hold one copy of it. Ranks
+    /// that differ only along replicated axes hold different replicas; ranks that differ
+    /// along a sharding axis hold parts of the same one. In [`Layout::replica_index`] order,
+    /// each replica's ranks in mesh order.
+    ///
+    /// ```
+    /// use reshard_core::{DType, layout::LayoutSpec};
+    /// let l = LayoutSpec::parse("mesh=2x2 ranks=2..6 place=R,S(1)").unwrap();
+    /// let l = l.resolve(&[8, 8], DType::Bf16, 0).unwrap();
+    /// assert_eq!(l.replicas(), vec![vec![2, 3], vec![4, 5]]);
+    /// ```
+    pub fn replicas(&self) -> Vec<Vec<Rank>> {
+        let mut out = vec![Vec::new(); self.replication()];
+        for (position, &rank) in self.mesh.ranks().iter().enumerate() {
+            out[self.replica_index(position)].push(rank);
+        }
+        out
+    }
+
     /// The rank's position among the ranks of one replica: the mixed-radix number of its
     /// coordinates along the sharding axes. Without replicated axes, the mesh position itself.
     pub fn shard_position(&self, position: usize) -> usize {

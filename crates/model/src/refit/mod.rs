@@ -12,11 +12,12 @@ use reshard_core::plan::{self, Plan, PlanOptions, RankPlan};
 use super::fused::{Fused, megatron_fused, transformers5_fused, vllm_fused};
 use super::parallel::{Inference, Training};
 use super::params::{ExpertNames, Model};
-use super::rules::{ModelFacts, Rules, Which, infer_layout, train_layout};
+use super::rules::{ModelFacts, Rules, Which, infer_engines, infer_layout, train_layout};
 use crate::error::ModelError;
 
 mod json;
 mod quant;
+mod replicas;
 
 pub use json::{RefitGatherBroadcastJson, RefitJson, RefitQuantJson, RefitReshardJson};
 pub use quant::{RefitQuant, RefitScale};
@@ -65,6 +66,10 @@ pub struct Refit {
     pub infer_ranks: usize,
     /// The first inference rank.
     pub infer_base: Rank,
+    /// The inference side's engines, as its parallelism numbers them: each data-parallel
+    /// replica's `tp x pp` ranks ([`crate::rules::infer_engines`]). Empty when not known:
+    /// the layouts alone then say which ranks serve together ([`Refit::replicas`]).
+    pub infer_engines: Vec<Vec<Rank>>,
     /// Into an fp8 engine ([`Refit::quantized`]): what is quantized, and the scales.
     pub quant: Option<RefitQuant>,
 }
@@ -144,6 +149,7 @@ impl Refit {
             train_ranks: train.world(),
             infer_ranks: infer.world(),
             infer_base,
+            infer_engines: infer_engines(infer, infer_base),
             quant: None,
         };
         refit.validate_fused()?;

@@ -88,7 +88,7 @@ mod vllm;
 
 pub use megatron::train_layout;
 pub use stages::{ModelFacts, stage_of_layer, stages_of};
-pub use vllm::infer_layout;
+pub use vllm::{infer_engines, infer_layout};
 
 /// How a parameter is split, independently of the parallelism sizes (see the module docs).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

@@ -39,3 +39,13 @@ pub fn infer_layout(
     }
     build(param, base + stages[0] * i.tp, &axes, which)
 }
+
+/// The inference side's engines, ranks from `base`: engine `d` (a data-parallel replica) is
+/// its `tp x pp` ranks `base + t + tp x (s + pp x d)`, numbered as [`infer_layout`] numbers
+/// them. In engine order, each in rank order.
+pub fn infer_engines(i: &Inference, base: Rank) -> Vec<Vec<Rank>> {
+    let size = i.tp * i.pp;
+    (0..i.dp)
+        .map(|d| (base + d * size..base + (d + 1) * size).collect())
+        .collect()
+}

@@ -30,6 +30,7 @@
 //!     train_ranks: 2,
 //!     infer_ranks: 2,
 //!     infer_base: 2,
+//!     infer_engines: vec![vec![2, 3]],
 //!     quant: None,
 //! };
 //! let run = RefitRun::new(&refit, PlanOptions::default(), 0).unwrap();
@@ -194,6 +195,8 @@ pub struct RefitRun {
     /// Every tensor's fill, by refit index.
     fills: Vec<Fill>,
     pack_below: u64,
+    /// The inference replicas ([`Refit::replicas`]): what a rolling commit's groups hold.
+    replicas: Vec<Vec<Rank>>,
 }
 
 impl RefitRun {
@@ -216,7 +219,15 @@ impl RefitRun {
             baseline,
             fills,
             pack_below,
+            replicas: refit.replicas(),
         })
+    }
+
+    /// The commit groups of a rolling commit in `count` groups, each of whole inference
+    /// replicas ([`Refit::rolling_groups`]); refused, before any byte moves, naming a
+    /// replica that `count` would cut.
+    pub fn rolling_groups(&self, count: usize) -> Result<Vec<Vec<Rank>>, Error> {
+        reshard_core::rolling::rolling_groups(&self.replicas, count)
     }
 
     /// The batch the reshard runs.

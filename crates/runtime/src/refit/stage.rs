@@ -15,12 +15,9 @@ use super::RefitRun;
 use super::check::QuantCheck;
 use crate::batch::run_rank_batch;
 use crate::exec::delta::{DeltaOptions, DeltaRefit, DeltaSession};
-use crate::rollout::{
-    Method, MethodSummary, Rollout, Standing, VersionServed, rolling_groups, summarize,
-};
+use crate::rollout::{Method, MethodSummary, Rollout, Standing, VersionServed, summarize};
 use crate::serve::ServeOptions;
 use crate::{Links, RunOptions, World};
-use reshard_core::Rank;
 use reshard_core::error::Error;
 use reshard_core::evolve::Update;
 
@@ -58,8 +55,8 @@ pub struct StageStream {
     pub update: Update,
     pub delta: DeltaOptions,
     pub methods: Vec<StageMethod>,
-    /// Commit groups, as many contiguous groups of the destination ranks (`None`: all at
-    /// once).
+    /// Commit groups, as many groups of whole inference replicas ([`RefitRun::rolling_groups`];
+    /// `None`: all at once).
     pub rolling: Option<usize>,
     pub serve: ServeOptions,
 }
@@ -92,18 +89,6 @@ impl RefitRun {
         Ok(reports.map(|ranks| self.staged_report(stream, &ranks)))
     }
 
-    /// The destination ranks of the batch (those with bytes to receive), in rank order.
-    fn destination_ranks(&self) -> Result<Vec<Rank>, Error> {
-        let mut out = Vec::new();
-        for r in 0..self.batch.world() {
-            let rb = self.batch.rank_batch(r)?;
-            if rb.dst.iter().chain(&rb.scales).any(|b| b.len > 0) {
-                out.push(r);
-            }
-        }
-        Ok(out)
-    }
-
     /// This rank's part of the stream; returns its report for rank 0. `standing` says, after
     /// every version and whatever happened, where this rank stands by each method (what its
     /// shards serve), for a caller to tell when the stream stops short.
@@ -120,7 +105,7 @@ impl RefitRun {
         let batch = &self.batch;
         let rb = batch.rank_batch(rank)?;
         let groups = match stream.rolling {
-            Some(g) => rolling_groups(&self.destination_ranks()?, g)?,
+            Some(g) => self.rolling_groups(g)?,
             None => Vec::new(),
         };
         let evolutions = self.evolutions(stream.update)?;

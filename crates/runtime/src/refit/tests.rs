@@ -36,6 +36,7 @@ fn tiny() -> Refit {
         train_ranks: 2,
         infer_ranks: 2,
         infer_base: 2,
+        infer_engines: vec![],
         quant: None,
     }
 }

@@ -7,8 +7,9 @@
 //! prepared into shadows beside the live shards ([`crate::exec::stage`]) while the engine
 //! serves, every rank votes in the job's two-phase decision ([`World::decide`]), and on
 //! commit each rank applies its staging in place under the engine's lock: the only pause.
-//! With a rolling commit the destination ranks commit one group (an inference replica) at a
-//! time, a barrier between groups, so that the other groups serve meanwhile.
+//! With a rolling commit the destination ranks commit one group (whole inference replicas,
+//! [`rolling_groups`]) at a time, a barrier between groups, so that the other groups serve
+//! meanwhile.
 //!
 //! Every destination rank runs a serving stand-in ([`crate::serve::Server`]) during each
 //! version: its longest gap between passes is the pause an engine's users would see, and its
@@ -22,6 +23,8 @@ use serde::{Deserialize, Serialize};
 mod report;
 
 pub use report::{MethodSummary, RankServed, Standing, VersionServed, summarize};
+/// A rolling commit's groups, each of whole inference replicas.
+pub use reshard_core::rolling::rolling_groups;
 
 use crate::exec::delta::DeltaSession;
 use crate::exec::delta::StageRefit;
@@ -431,23 +434,6 @@ fn touch(buf: &mut [u8]) {
 
 fn read(live: &Live) -> std::sync::RwLockReadGuard<'_, Vec<Vec<u8>>> {
     live.read().unwrap_or_else(|e| e.into_inner())
-}
-
-/// Commit groups of `ranks` (the destination ranks, in rank order) cut into `count`
-/// contiguous groups of equal size, as inference engines number their replicas' ranks.
-pub fn rolling_groups(ranks: &[Rank], count: usize) -> Result<Vec<Vec<Rank>>> {
-    if count == 0 || ranks.is_empty() || !ranks.len().is_multiple_of(count) {
-        return Err(Error::InvalidOption {
-            field: reshard_core::error::Field::Flag("--rolling"),
-            value: count.to_string(),
-            reason: format!(
-                "must divide the {} destination ranks into groups of equal size",
-                ranks.len()
-            ),
-        });
-    }
-    let size = ranks.len() / count;
-    Ok(ranks.chunks(size).map(<[Rank]>::to_vec).collect())
 }
 
 #[cfg(test)]

@@ -123,9 +123,12 @@ fn a_rolling_commit_reports_each_group() {
         assert_eq!(groups[0].0, vec![2, 3]);
         assert!(!served.mixed());
     }
-    assert!(rolling_groups(&[2, 3, 4, 5], 3).is_err());
+    // two TP2 replicas: a group each, or a replica cut in halves
+    let replicas = [vec![2, 3], vec![4, 5]];
+    assert!(rolling_groups(&replicas, 3).is_err());
+    assert!(rolling_groups(&replicas, 4).is_err());
     assert_eq!(
-        rolling_groups(&[2, 3, 4, 5], 2).unwrap(),
+        rolling_groups(&replicas, 2).unwrap(),
         vec![vec![2, 3], vec![4, 5]]
     );
 }

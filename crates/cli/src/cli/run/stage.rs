@@ -42,10 +42,9 @@ pub(super) fn main(
     let methods = d.stage_methods()?;
     let evolution = d.evolution(fill, plan.src().dtype())?;
     let delta = d.options()?;
-    let mut dst_ranks: Vec<Rank> = plan.dst().mesh().ranks().to_vec();
-    dst_ranks.sort_unstable();
+    // each group whole replicas of the destination layout, refused before any byte moves
     let groups = match d.rolling {
-        Some(g) => rolling_groups(&dst_ranks, g as usize)?,
+        Some(g) => rolling_groups(&plan.dst().replicas(), g as usize)?,
         None => Vec::new(),
     };
     let mine: Vec<Rank> = world.ranks(plan.dst()).collect();
