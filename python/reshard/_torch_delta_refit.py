@@ -20,11 +20,11 @@ from . import _torch_args as _args
 from . import _torch_delta as _codec
 from . import _torch_delta_exchange as _exchange
 from . import _torch_dtensor as _dt
-from ._core import Refit, ReshardError
+from ._core import AgreementError, ArgumentError, Refit, ReshardError, VersionError
 from ._torch_bucket import _check_entry, _plan_of
 from ._torch_common import _agree, _check_tensor, _fingerprint, _group_rank
 
-_OK, _HELD, _BASE, _VERSION, _DIGEST = range(5)
+_OK, _HELD, _BASE, _VERSION, _DIGEST, _NEWEST = range(6)
 _MAX_VERSION = (1 << 63) - 1
 
 
@@ -80,8 +80,51 @@ def _device_of(given, src, dst, group) -> torch.device:
 
 def _check_version(what: str, version) -> int:
     if isinstance(version, bool) or not isinstance(version, int) or not 0 <= version <= _MAX_VERSION:
-        raise ReshardError(f"{what}: {version!r:.40} is invalid: a version is an integer in 0..2^63-1")
+        raise ArgumentError(f"{what}: {version!r:.40} is invalid: a version is an integer in 0..2^63-1")
     return version
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's memory on this rank: a DTensor's local tensor, any other tensor itself."""
+    return getattr(t, "_local_tensor", t)
+
+
+def destinations(given, dst) -> Dict[str, torch.Tensor]:
+    """This rank's destination tensors by name as the caller gave them: the pairs'
+    ``dst_local``, or a Refit's ``dst`` (fused buffers as such). What is not a tensor is left
+    to the refit's own checks."""
+    if isinstance(given, Refit):
+        items = dst.items() if isinstance(dst, Mapping) else ()
+        return {n: t for n, t in items if isinstance(t, torch.Tensor)}
+    if not isinstance(given, Mapping):
+        return {}
+    out = {}
+    for name, item in given.items():
+        if isinstance(item, (tuple, list)) and len(item) == 4 and isinstance(item[1], torch.Tensor):
+            out[name] = item[1]
+    return out
+
+
+def identity(t: torch.Tensor) -> tuple:
+    """Which memory a tensor is, and how it is laid out there: two tensors alike are one."""
+    m = local(t)
+    return (m.device, m.data_ptr(), tuple(m.shape), tuple(m.stride()), m.dtype)
+
+
+def identities(tensors: Mapping[str, torch.Tensor]) -> Dict[str, tuple]:
+    return {name: identity(t) for name, t in tensors.items()}
+
+
+def _same_destinations(session, now: Dict[str, tuple]) -> Optional[str]:
+    """Why this rank's destination tensors are not the ones the session last refit (another
+    model's tensors under the same names, say), or None: a destination that is not the one
+    that holds the session's version gets everything dense."""
+    for name, ident in now.items():
+        before = session._destinations.get(name)
+        if before is not None and before != ident:
+            label = f"{name}: " if name else ""
+            return f"{label}the destination tensor is not the one the session refit last"
+    return None
 
 
 
@@ -100,7 +143,7 @@ def _read(session, given, src, dst, previous, rank: int, world: int) -> _Job:
     """Checks this rank's arguments: the pairs as the plain path reads them, with float casts
     turned into moves in the wire dtype; raises :class:`ReshardError` naming what is wrong."""
     if isinstance(given, Refit) and given.quant is not None:
-        raise ReshardError(
+        raise ArgumentError(
             f"delta: the refit quantizes into fp8 ({given.quant}), which a delta refit does not "
             "move; refit it without delta"
         )
@@ -110,12 +153,13 @@ def _read(session, given, src, dst, previous, rank: int, world: int) -> _Job:
                 continue  # read() names it
             src_dtype, dst_dtype = (str(getattr(layout, "dtype", "")) for layout in item[2:])
             if dst_dtype.startswith("fp8") and not src_dtype.startswith("fp8"):
-                raise ReshardError(
+                raise ArgumentError(
                     f"delta: {name}: dst_layout is {dst_dtype}, and a delta refit does not "
                     "quantize into fp8; refit such tensors without delta"
                 )
     if previous is not None and not isinstance(previous, Mapping):
-        raise ReshardError(f"previous: expected a mapping of names to tensors, got {type(previous).__name__}")
+        got = type(previous).__name__
+        raise ArgumentError(f"previous: expected a mapping of names to tensors, got {got}")
     if isinstance(given, Refit):  # DTensors (FSDP2's parameters): their local tensors, boxes checked
         src, dst, previous = (
             _dt.unwrap_refit(given, tensors, rank, side, session.group)
@@ -124,7 +168,7 @@ def _read(session, given, src, dst, previous, rank: int, world: int) -> _Job:
     bucket = 1 << 30  # read's check of the plain path's option; a delta refit has no buckets
     pairs, names, entries, moves, _ = _args.read(given, rank, bucket, src, dst, None, None, None, None)
     if entries or moves:
-        raise ReshardError(f"delta: {sorted({**entries, **moves})[0]}: fp8 tensors are not refit by delta")
+        raise ArgumentError(f"delta: {sorted({**entries, **moves})[0]}: fp8 tensors are not refit by delta")
     prev_pairs = None
     if previous is not None:
         if isinstance(given, Refit):
@@ -132,7 +176,7 @@ def _read(session, given, src, dst, previous, rank: int, world: int) -> _Job:
         else:
             extra = sorted(set(previous) - set(given))
             if extra:
-                raise ReshardError(f"previous: {extra[0]!r} is not one of the tensors")
+                raise ArgumentError(f"previous: {extra[0]!r} is not one of the tensors")
             raw = {n: (previous.get(n), item[1], item[2], item[3]) for n, item in given.items()}
             prev_pairs = _args.read(raw, rank, bucket, None, None, None, None, None, None)[0]
     plans = []
@@ -166,8 +210,9 @@ def _fence(session, job, ok: bool, version: int, digest: int, device, world: int
         -1 if base is None else base,
         version,
         digest,
+        -1 if session.newest is None else session.newest,
     ]
-    gathered = [torch.zeros(5, dtype=torch.int64, device=device) for _ in range(world)]
+    gathered = [torch.zeros(len(mine), dtype=torch.int64, device=device) for _ in range(world)]
     dist.all_gather(gathered, torch.tensor(mine, dtype=torch.int64, device=device), group=session.group)
     return [t.tolist() for t in gathered]
 
@@ -177,7 +222,8 @@ def _refit_live(session, given, version, src, dst, previous, problem=None) -> De
     failed while writing them."""
     last, held = session.last, session.held
     try:
-        report = _refit(session, given, version, src, dst, previous, problem)
+        live = destinations(given, dst)
+        report = _refit(session, given, version, src, dst, previous, problem, live)
     except BaseException:
         if session.last != last or session.held != held:  # data moved, so the shards are a mix
             session._serving = None
@@ -188,29 +234,36 @@ def _refit_live(session, given, version, src, dst, previous, problem=None) -> De
     return report
 
 
-def _refit(session, given, version, src, dst, previous, problem=None) -> DeltaReport:
+def _refit(session, given, version, src, dst, previous, problem=None, live=None) -> DeltaReport:
+    """One delta refit of ``session``; ``live`` are the destination tensors whose version the
+    session tracks (the live shards, also when the refit writes into a staging beside them)."""
     group = session.group
     rank, world = _group_rank(group)
     if rank < 0:
-        raise ReshardError("this process is not a member of the session's group")
+        raise ArgumentError("this process is not a member of the session's group")
     job = None
+    own = ArgumentError
     try:
         if problem is not None:
-            raise ReshardError(problem)
+            raise ArgumentError(problem)
         if version is None:
             version = 1 if session.last is None else session.last + 1
         version = _check_version("version", version)
         job = _read(session, given, src, dst, previous, rank, world)
     except ReshardError as e:
-        problem = str(e)
+        problem, own = str(e), type(e)
     device = _device_of(given, src, dst, group)
     digest = 0 if job is None else _digest(job.fingerprint)
+    now = identities(live if live is not None else {})
+    other = _same_destinations(session, now) if problem is None else None
+    if other is not None:
+        session.held = None  # dense for this rank: its tensors do not hold the session's version
     heard = _fence(session, job, problem is None, version if problem is None else 0, digest, device, world)
     if problem is not None:
-        raise ReshardError(problem)
+        raise own(problem)
     for r, fields in enumerate(heard):
         if not fields[_OK]:
-            raise ReshardError(
+            raise AgreementError(
                 f"nothing was moved: rank {r} refused its arguments (its own error names them)"
             )
     assert job is not None
@@ -218,13 +271,22 @@ def _refit(session, given, version, src, dst, previous, problem=None) -> DeltaRe
         # names what differs, on every rank; the marker keeps it from any agreement kept
         # from before (it never passes, so it is never kept itself)
         _agree(job.fingerprint + [("fence", "disagreed")], lambda: None, group, rank)
-        raise ReshardError("the ranks disagree on the job, so nothing was moved")
+        raise AgreementError("the ranks disagree on the job, so nothing was moved")
     for r, fields in enumerate(heard):
         if fields[_VERSION] != version:
-            raise ReshardError(
+            raise AgreementError(
                 f"version: rank {r} refits version {fields[_VERSION]} but rank {rank} version "
                 f"{version}, so nothing was moved"
             )
+    for r, fields in enumerate(heard):
+        if fields[_NEWEST] >= version:
+            raise VersionError(
+                f"version: {version} is not above version {fields[_NEWEST]}, which rank {r} "
+                "already refit, staged or restored (versions only increase: a version reused "
+                "with other weights would leave a snapshot of it wrong), so nothing was moved"
+            )
+    session._destinations.update(now)
+    session.newest = version
     report = _report(session, job, heard, version)
     with torch.no_grad():  # parameters are read and written in place, outside autograd
         _exchange.run(session, job, heard, version, report, device, rank)

@@ -20,7 +20,7 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from . import _torch_stage
-from ._core import ReshardError
+from ._core import ArgumentError
 from ._torch_delta_refit import DeltaReport, _check_version, _refit_live
 from ._torch_stage import CommitReport, StageReport
 
@@ -76,9 +76,9 @@ class DeltaSession:
         bucket_bytes: int = 1 << 30,
     ) -> None:
         if anchor is not None and (isinstance(anchor, bool) or not isinstance(anchor, int) or anchor < 1):
-            raise ReshardError(f"anchor: {anchor!r:.40} is invalid: it must be a positive integer or None")
+            raise ArgumentError(f"anchor: {anchor!r:.40} is invalid: it must be a positive integer or None")
         if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
-            raise ReshardError(
+            raise ArgumentError(
                 f"bucket_bytes: {bucket_bytes!r:.40} is invalid: it must be a positive integer"
             )
         self.bucket_bytes = bucket_bytes
@@ -90,6 +90,16 @@ class DeltaSession:
         self.held: Optional[int] = None
         #: The version of the last refit this rank took part in.
         self.last: Optional[int] = None
+        #: The highest version this rank has refit, staged or restored: the next one must be
+        #: above it on every rank (versions only increase).
+        self.newest: Optional[int] = None
+        # name -> identity of the destination tensor last refit: other tensors under a name
+        # (another model's) do not hold the session's version, so they get everything dense
+        self._destinations: Dict[str, tuple] = {}
+        # the staging tensors by name, allocated once and kept across versions
+        self._spare: Dict[str, torch.Tensor] = {}
+        self._in_doubt = None  # a staged version whose decision this rank never heard
+        self._spare_epoch = None  # the epoch at which the staging and the live were alike
         self._sent: Optional[int] = None  # the version of the bases kept
         self._serving: Optional[int] = None  # the version the live destination shards serve
         self._stage = None  # the staged version (reshard._torch_stage._Stage), or None
@@ -125,9 +135,11 @@ class DeltaSession:
         refit sends everything it sends dense and gets everything it receives dense; a staged
         version is dropped too (a restarted rank has none)."""
         self._stage = None
+        self._in_doubt = None
         self._bases.clear()
         self._sent = None
         self.held = None
+        self._destinations.clear()
 
     def restore(self, version: Optional[int]) -> None:
         """Says that this rank's destination shards now hold ``version`` (they were loaded from
@@ -136,6 +148,8 @@ class DeltaSession:
         self.held = None if version is None else _check_version("version", version)
         self._serving = self.held
         self._epoch += 1
+        if self.held is not None and (self.newest is None or self.newest < self.held):
+            self.newest = self.held
 
     def refit(
         self, pairs, version: Optional[int] = None, *, src=None, dst=None, previous=None
@@ -144,7 +158,11 @@ class DeltaSession:
         None; every rank passes the same), sending only what changed where the destination
         holds the base. Returns this rank's :class:`DeltaReport`. Raises
         :class:`reshard.ReshardError` on every rank, before any data moves, when a rank's
-        arguments are bad or the ranks disagree on the job or the version. A refit of some of
+        arguments are bad or the ranks disagree on the job or the version, or when
+        ``version`` is not above every version a rank has refit, staged or restored before
+        (:class:`reshard.VersionError`: versions only increase). A rank whose destination
+        tensors are not the ones the session refit last (another model's under the same
+        names) gets everything dense, so a session shared by two models stays exact. A refit of some of
         the tensors brings the rank to ``version`` all the same: those left out go dense the
         next time they are refit (their bases are older than the version held). The shards
         serve ``version`` after it (:attr:`serving`); a version staged before no longer
@@ -158,30 +176,47 @@ class DeltaSession:
     ) -> StageReport:
         """The first phase of a staged refit: moves ``version`` into a staging beside the
         destination tensors given (the live shards, which keep serving and are never written),
-        as :meth:`refit` would into them, then every rank votes whether its staging is whole.
-        Returns this rank's :class:`StageReport` once every rank is prepared; otherwise every
-        rank drops its staging and raises :class:`reshard.ReshardError` naming the ranks that
-        were not, and the live shards serve what they served everywhere.
+        as :meth:`refit` would into them, then every rank votes, through the job's control
+        plane, whether its staging is whole. Returns this rank's :class:`StageReport` once
+        every rank is prepared; otherwise every rank drops its staging and raises naming the
+        ranks that were not, and the live shards serve what they served everywhere.
 
-        ``staging=None`` allocates one copy of each destination tensor (``staging_bytes``);
-        ``staging=`` gives the caller's tensors by destination name (each of the destination's
-        shape, dtype and device), which are first filled from the live shards: a delta applies
-        to what they hold. While a version is staged, a second prepare is refused."""
+        ``staging=None`` allocates one copy of each destination tensor on the first prepare
+        and keeps it for the next versions (``staging_bytes``); ``staging=`` gives the
+        caller's tensors by destination name (each of the destination's shape, dtype and
+        device, none sharing memory with a live tensor or another staging), which are first
+        filled from the live shards: a delta applies to what they hold. While a version is
+        staged, a second prepare is refused."""
         return _torch_stage.prepare(self, pairs, version, src, dst, previous, staging)
 
     def commit(self, version: Optional[int] = None) -> CommitReport:
-        """The second phase: copies the staged version onto the live shards in place (the
-        engine's only pause), on this rank alone: every rank already knows that every rank is
-        prepared, so there is nothing to agree on. Refuses when nothing is staged, when
-        ``version`` is not the staged one, or when the live shards changed since
-        :meth:`prepare` (a refit or restore). Returns this rank's :class:`CommitReport`."""
+        """The second phase, a decision of the whole job: this rank checks that its live
+        tensors are still those staged onto (same memory, shape and dtype) and votes to
+        commit; every rank learns one decision, through the job's control plane. On commit,
+        every rank copies the staged version onto its live shards in place (the engine's only
+        pause) and returns its :class:`CommitReport`. On abort (a rank called :meth:`abort`,
+        or could not commit), no rank writes anything, the staging is dropped everywhere and
+        this call raises :class:`reshard.AbortedError` naming the ranks and why. A rank that
+        voted and lost the job's rank 0 before the decision raises
+        :class:`reshard.InDoubtError` and keeps its staging: :meth:`resolve` applies what the
+        job decided once a later job learns it. Refused (on every rank alike) when nothing
+        is staged or ``version`` is not the staged one."""
         return _torch_stage.commit(self, version)
 
     def abort(self, version: Optional[int] = None) -> Optional[int]:
-        """Drops the staged version (``version``, if given, must be it): the live shards keep
-        serving theirs, and the next refit sends them dense where the senders' bases moved on
-        to the version dropped. Returns the version dropped (None: nothing was staged)."""
+        """Votes against the staged version (``version``, if given, must be it) in the job's
+        decision: no rank commits it, every rank drops it (the ranks that called
+        :meth:`commit` raise :class:`reshard.AbortedError`), the live shards keep serving
+        theirs, and the next refit sends them dense where the senders' bases moved on to the
+        version dropped. Returns the version dropped (None: nothing was staged)."""
         return _torch_stage.abort(self, version)
+
+    def resolve(self, commit: bool) -> Optional[int]:
+        """Ends a decision this rank is in doubt about (:class:`reshard.InDoubtError`), as the
+        job decided it: ``commit=True`` when any rank applied the commit, ``False`` when any
+        aborted (or none knows: no living rank committed). On this rank alone. Returns the
+        version the live shards then serve."""
+        return _torch_stage.resolve(self, commit)
 
     def staging_bytes(self, pairs, *, dst=None) -> int:
         """The bytes :meth:`prepare` with these arguments allocates on this rank for its
@@ -189,29 +224,43 @@ class DeltaSession:
         return _torch_stage.staging_bytes(pairs, dst)
 
 
+# (process group, model, checksum, bucket_bytes) -> the session of reshard_many_(delta=True)
 _SESSIONS: Dict[tuple, DeltaSession] = {}
 
 
-def module_session(group, checksum: bool, bucket_bytes) -> DeltaSession:
+def module_session(group, checksum: bool, bucket_bytes, model: Optional[str] = None) -> DeltaSession:
     """The session :func:`reshard.torch.reshard_many_` with ``delta=True`` (and no
-    ``session``) refits with: one per group, ``checksum`` and ``bucket_bytes``."""
-    key = (group, bool(checksum), bucket_bytes)
+    ``session``) refits with: one per process group (a group destroyed and made again gets
+    new ones), ``model``, ``checksum`` and ``bucket_bytes``."""
+    import torch.distributed as dist
+
+    world = dist.distributed_c10d._world.pg_map
+    for key in [k for k in _SESSIONS if k[0] not in world]:
+        del _SESSIONS[key]  # its group was destroyed
+    pg = dist.distributed_c10d._get_default_group() if group is None else group
+    key = (pg, model, bool(checksum), bucket_bytes)
     if key not in _SESSIONS:
         _SESSIONS[key] = DeltaSession(group, checksum=checksum, bucket_bytes=bucket_bytes)
     return _SESSIONS[key]
 
 
 def refit_many(
-    pairs, group, checksum: bool, bucket_bytes, session, version, src, dst, previous, **unsupported
+    pairs, group, checksum: bool, bucket_bytes, session, version, src, dst, previous, model=None,
+    **unsupported,
 ):
     """:func:`reshard.torch.reshard_many_` with ``delta=True`` or a ``session``: a refit of
-    ``session`` (with ``delta=True`` alone, the module's session of ``group``, ``checksum``
-    and ``bucket_bytes``)."""
+    ``session`` (with ``delta=True`` alone, the module's session of ``group``, ``model``,
+    ``checksum`` and ``bucket_bytes``)."""
     problem = None
+    if model is not None and not isinstance(model, str):
+        problem = f"model: expected a name (str), got {type(model).__name__}"
+        model = None
     if session is None:
-        session = module_session(group, checksum, bucket_bytes)
+        session = module_session(group, checksum, bucket_bytes, model)
     elif not isinstance(session, DeltaSession):
-        raise ReshardError(f"session: expected a reshard.torch.DeltaSession, got {type(session).__name__}")
+        raise ArgumentError(f"session: expected a reshard.torch.DeltaSession, got {type(session).__name__}")
+    elif model is not None:
+        problem = "model: given with a session (a DeltaSession is one model's already)"
     elif group is not None and group is not session.group:
         problem = "group: differs from the session's group (a DeltaSession refits the group it was made with)"
     elif checksum and not session.checksum:

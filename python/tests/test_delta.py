@@ -390,7 +390,7 @@ def previous_and_options(rank, world):
     refused = "delta: w: dst_layout is fp8e4m3, and a delta refit does not quantize"
     with pytest.raises(reshard.ReshardError, match=refused):
         rt.reshard_many_({"w": (shard(SRC, rank, full), fp8_out, SRC, fp8)}, delta=True)
-    with pytest.raises(reshard.ReshardError, match="version, previous: given only with delta"):
+    with pytest.raises(reshard.ReshardError, match="version, previous, model: given only with delta"):
         rt.reshard_many_({"w": (shard(SRC, rank, full), out, SRC, DST)}, version=3)
     wrong = None if out is None else torch.zeros(out.shape, dtype=torch.float32)
     with pytest.raises(reshard.ReshardError, match="dst_local" if rank in (1, 2, 3) else "refused"):

@@ -136,17 +136,19 @@ def stage_commit_abort(rank, world):
     full = step(full, gen)
     session.refit(pairs(out), 8)
     ref.refit(pairs(ref_out), 8)
+    # every rank votes against it, so the job aborts it everywhere and drops the staging
     stale = "version 7 was staged onto shards serving version 6, but they now serve version 8"
-    with pytest.raises(reshard.ReshardError, match=stale):
+    with pytest.raises(reshard.AbortedError, match=stale):
         session.commit()
-    assert session.abort() == 7 and session.serving == 8 and same(out, ref_out)
+    assert session.staged is None and session.abort() is None
+    assert session.serving == 8 and same(out, ref_out)
 
     # so does a restore
     session.prepare(pairs(out), 9)
     session.restore(8)
-    with pytest.raises(reshard.ReshardError, match="but they now serve version 8 .a refit or restore"):
+    with pytest.raises(reshard.AbortedError, match="but they now serve version 8 .a refit or restore"):
         session.commit(9)
-    session.abort()
+    assert session.abort() is None
 
 
 def test_prepare_commit_abort_and_the_next_refit():

@@ -1,0 +1,153 @@
+"""The job's control plane for the torch path: the runtime's own (:class:`reshard._core.Control`),
+joined once per process group, beside whatever carries the data (gloo, NCCL).
+
+Agreement, the two-phase decision of a staged refit and its timeouts are the runtime's calls,
+over its own authenticated links through the group's rank 0: a rank that dies or stalls makes
+every other rank's call raise :class:`reshard.PeerLostError` (or, for a rank that voted
+prepared and lost rank 0, :class:`reshard.InDoubtError`) within a bounded time, naming it,
+however the data plane is blocked. Rank 0 binds a port the system picks and tells the others
+its address and a fresh token once, through the group; every later call is the runtime's.
+
+A control plane belongs to one process group and lives as long as it: a group destroyed and
+made again gets a new one. After a failure (a rank lost, a decision in doubt) the job is
+over: the group's communicator is aborted, and every later call on it raises at once, so that
+the process forms a new group instead of waiting on a broken one.
+
+``RESHARD_TIMEOUT`` (seconds, default 60) bounds every wait; ``RESHARD_CONTROL_ADDR`` is the
+address rank 0 binds (default ``MASTER_ADDR``, else loopback).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import time
+import weakref
+from typing import List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ._core import Control, ControlListener, PeerLostError, ReshardError
+
+#: Seconds a rank waits for a peer before it names it as lost, when ``RESHARD_TIMEOUT`` is unset.
+DEFAULT_TIMEOUT = 60.0
+
+# Per process group: its control plane, or the error that ended its job.
+_CONTROLS: "weakref.WeakKeyDictionary[object, object]" = weakref.WeakKeyDictionary()
+
+
+def timeout() -> float:
+    """The job's timeout in seconds: ``RESHARD_TIMEOUT``, or :data:`DEFAULT_TIMEOUT`."""
+    raw = os.environ.get("RESHARD_TIMEOUT")
+    if raw is None:
+        return DEFAULT_TIMEOUT
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0 or value != value or value == float("inf"):
+        raise ReshardError(f"RESHARD_TIMEOUT: {raw!r:.40} is invalid: a positive number of seconds")
+    return value
+
+
+def _process_group(group):
+    return dist.distributed_c10d._get_default_group() if group is None else group
+
+
+def control(group) -> Control:
+    """This rank's control plane of ``group`` (joined on first use, by every rank at once)."""
+    pg = _process_group(group)
+    known = _CONTROLS.get(pg)
+    if isinstance(known, Control):
+        return known
+    if isinstance(known, BaseException):
+        raise type(known)(
+            f"the job on this process group failed before ({known}); its communicator was "
+            "aborted: make a new process group"
+        )
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    wait = timeout()
+    listener = None
+    offer: List[object] = [None, None, None]
+    if rank == 0:
+        addr = os.environ.get("RESHARD_CONTROL_ADDR") or os.environ.get("MASTER_ADDR") or "127.0.0.1"
+        listener = ControlListener(addr)
+        offer = [addr, listener.port, secrets.token_hex(16)]
+    # once per group: where rank 0 listens, and the job's token, from rank 0 to the others
+    dist.broadcast_object_list(offer, src=dist.get_global_rank(pg, 0), group=group)
+    addr, port, token = offer
+    made = Control(rank, world, str(addr), int(port), str(token), wait, listener)
+    _CONTROLS[pg] = made
+    return made
+
+
+def failed(group, error: BaseException) -> None:
+    """Ends the job on ``group`` after ``error`` (a rank lost, a decision in doubt): its
+    control plane is dropped, its communicator aborted where the backend can, and every later
+    call on the group raises at once."""
+    pg = _process_group(group)
+    _CONTROLS[pg] = error
+    abort = getattr(pg, "abort", None)
+    if abort is not None:
+        try:
+            abort()
+        except Exception:  # gloo aborts nothing: its pending operations fail on their own
+            pass
+
+
+def wait(works: Sequence[object], peers: Sequence[int], group, what: str) -> None:
+    """Waits for the data plane's operations ``works`` (each with its peer, a rank of
+    ``group``) for at most the job's timeout, polling: a peer that never answers is named in
+    a :class:`reshard.PeerLostError` after the timeout, and one whose connection broke (the
+    backend raised) at once; the job on ``group`` then fails (:func:`failed`)."""
+    deadline = time.monotonic() + timeout()
+    pending = list(zip(works, peers))
+    pause = 1e-5
+    me = dist.get_rank(group)
+    while pending:
+        still = []
+        for work, peer in pending:
+            try:
+                done = work.is_completed()
+                if done:
+                    work.wait()
+            except RuntimeError as e:
+                error = PeerLostError(f"rank {me}: peer rank {peer} is gone: {what}: {e}")
+                failed(group, error)
+                raise error from e
+            if not done:
+                still.append((work, peer))
+        pending = still
+        if not pending:
+            return
+        if time.monotonic() > deadline:
+            peer = pending[0][1]
+            error = PeerLostError(
+                f"rank {me}: timed out after {timeout():g} s waiting for peer rank {peer}: {what}"
+            )
+            failed(group, error)
+            raise error
+        time.sleep(pause)
+        pause = min(pause * 2, 2e-3)
+
+
+def device_of(tensors, group) -> torch.device:
+    """Where the group's small exchanges live: the tensors' device, else the backend's."""
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            return t.device
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def decide(group, why_not: Optional[str]):
+    """The two-phase decision through the control plane: None (commit) or the ranks that
+    were not prepared, with why (abort). A lost peer or a decision in doubt ends the job."""
+    ctl = control(group)
+    try:
+        return ctl.decide(why_not)
+    except ReshardError as e:
+        failed(group, e)
+        raise
