@@ -25,7 +25,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from ._core import QuantPacking, ReshardError
+from ._core import ArgumentError, QuantPacking
 
 # Rust's AMAX_FLOOR: the lower clamp of a block's amax for block, channel and tensor scales.
 _AMAX_FLOOR = 1e-4
@@ -137,7 +137,7 @@ class Source:
             element = [o + i for o, i in zip(self.offset, reversed(local))]
             value = float(x[tuple(e - o for e, o in zip(element, self.offset))])
             block = [e // b for e, b in zip(element, self.block)]
-            raise ReshardError(
+            raise ArgumentError(
                 f"block {block} holds a non-finite value ({_value_text(value)}) at element "
                 f"{element}, which fp8 cannot carry"
             )

@@ -5,128 +5,89 @@ A rank's arguments can be wrong on that rank alone: a ``scale`` given without ``
 malformed pair, a Refit's fused buffer of the wrong shape, a name that no tensor has. Raising
 there, on that rank only, would leave the others waiting in the group's agreement for a rank
 that gave up, until the backend's timeout. So a rank whose arguments are bad takes part in the
-agreement the others run on their first call with these layouts (:func:`reshard._torch_common._agree`),
-as a rank whose tensors do not fit its shards does: every rank raises, the bad one with its own
-message, the others naming it, before any byte moves.
-
-Later calls with layouts the group has already agreed on skip the agreement on every rank (a
-refit every step exchanges nothing but the data). There, a bad argument raises on its own rank
-at once, as a tensor of the wrong shape does, so that the job stops instead of that rank
-waiting for a collective the others do not run.
+agreement the others run on every call (:func:`reshard._torch_common._agree`), as a rank whose
+tensors do not fit its shards does: every rank raises before any byte moves, the bad one its
+own :class:`reshard.ArgumentError`, the others :class:`reshard.AgreementError` naming it. On
+layouts the group has agreed on before (a refit every step), that agreement is one
+``all_reduce`` of a few integers; the messages go through the group only when a rank failed.
 """
 
 from __future__ import annotations
 
-import collections
 import functools
-from typing import Dict, Mapping, NoReturn, Optional, Tuple
+from typing import Dict, Mapping, NoReturn, Tuple, Union
 
 import torch
 
 from . import _torch_cast as _tc
 from . import _torch_quant as _tq
-from ._core import Layout, Refit, ReshardError
-from ._torch_common import _agree
+from ._core import ArgumentError, Layout, Refit, ReshardError
+from ._torch_common import _agree, _control_device
 
 
 def read(pairs, rank: int, bucket_bytes, src, dst, quant, scales, scale_dtype, src_scales):
     """Checks this rank's arguments and sorts its tensors by how they move: ``(pairs, names,
     entries, moves, quant)`` as :func:`reshard._torch_quant.route` gives them, with a Refit's
-    parameters and scale shards taken from ``src`` and ``dst``. Raises :class:`ReshardError`
+    parameters and scale shards taken from ``src`` and ``dst``. Raises :class:`ArgumentError`
     naming the argument that is wrong."""
     for what, given in (("scales", scales), ("src_scales", src_scales), ("src", src), ("dst", dst)):
         if given is not None and not isinstance(given, Mapping):
-            raise ReshardError(f"{what}: expected a mapping of names to tensors, got {type(given).__name__}")
+            raise ArgumentError(f"{what}: expected a mapping of names to tensors, got {type(given).__name__}")
     if isinstance(pairs, Refit):
         if pairs.quant is not None:
             if quant is not None and quant != pairs.quant:
-                raise ReshardError(f"quant: {quant} differs from the refit's {pairs.quant}")
+                raise ArgumentError(f"quant: {quant} differs from the refit's {pairs.quant}")
             if scales is not None:
-                raise ReshardError("scales: with a reshard.Refit, the scale shards come in dst")
+                raise ArgumentError("scales: with a reshard.Refit, the scale shards come in dst")
             quant = pairs.quant
             dst, scales = _tq.refit_scales(pairs, dst, rank)
         pairs = _refit_pairs(pairs, src, dst, rank)
     elif src is not None or dst is not None:
-        raise ReshardError("src, dst: given only with a reshard.Refit (pairs carry their tensors)")
+        raise ArgumentError("src, dst: given only with a reshard.Refit (pairs carry their tensors)")
     elif not isinstance(pairs, Mapping):
-        raise ReshardError(
+        raise ArgumentError(
             f"pairs: expected a mapping of names or a reshard.Refit, got {type(pairs).__name__}"
         )
     if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, (int, float)) or not bucket_bytes > 0:
-        raise ReshardError(f"bucket_bytes: {bucket_bytes!r:.40} is invalid: it must be a positive number")
+        raise ArgumentError(f"bucket_bytes: {bucket_bytes!r:.40} is invalid: it must be a positive number")
     for name, item in pairs.items():
         if not isinstance(name, str):
-            raise ReshardError(f"pairs: names are strings, got {name!r:.40} ({type(name).__name__})")
+            raise ArgumentError(f"pairs: names are strings, got {name!r:.40} ({type(name).__name__})")
         if not isinstance(item, (tuple, list)) or len(item) != 4:
-            raise ReshardError(
+            raise ArgumentError(
                 f"{name}: expected (src_local, dst_local, src_layout, dst_layout), got {item!r:.80}"
             )
         for what, layout in (("src_layout", item[2]), ("dst_layout", item[3])):
             if not isinstance(layout, Layout):
                 label = f"{name}: " if name else ""
-                raise ReshardError(f"{label}{what}: expected a reshard.Layout, got {type(layout).__name__}")
+                raise ArgumentError(f"{label}{what}: expected a reshard.Layout, got {type(layout).__name__}")
     # float casts (f32 -> bf16): converted by their source ranks, then moved in one dtype
     pairs = _tc.cast_at_source(pairs, sorted(pairs))
     return (*_tq.route(pairs, sorted(pairs), quant, scales, scale_dtype, src_scales), quant)
 
 
-def _layouts(pairs) -> Optional[tuple]:
-    """The names and layouts of a call, the same on every rank that runs the same job; None
-    where the arguments do not say them."""
-    if isinstance(pairs, Refit):
-        return _refit_layouts(pairs)
-    if not isinstance(pairs, Mapping):
-        return None
-    out = []
-    for name, item in pairs.items():
-        if not isinstance(name, str) or not isinstance(item, (tuple, list)) or len(item) != 4:
-            return None
-        if not isinstance(item[2], Layout) or not isinstance(item[3], Layout):
-            return None
-        out.append((name, item[2], item[3]))
-    return tuple(sorted(out, key=lambda entry: entry[0]))
-
-
-# The names and layouts of the calls that passed, by group, oldest first: with them, the other
-# ranks have most likely agreed already and skip the agreement.
-_PASSED: "collections.OrderedDict[Tuple[object, tuple], None]" = collections.OrderedDict()
-_PASSED_MAX = 64
-
-
-def passed(pairs, group) -> None:
-    """Notes that a call with these names and layouts was agreed on by the group."""
-    layouts = _layouts(pairs)
-    if layouts is None:
-        return
-    key = (group, layouts)
-    if key in _PASSED:
-        _PASSED.move_to_end(key)
-        return
-    _PASSED[key] = None
-    if len(_PASSED) > _PASSED_MAX:
-        _PASSED.popitem(last=False)
-
-
-def refuse(problem: str, pairs, group, rank: int) -> NoReturn:
-    """Raises ``problem`` (this rank's bad argument) on this rank and, on a first call with
-    these layouts, through the group's agreement on every other rank, naming this one."""
-    # raised while the caller handles the check's own error: that one is the same problem
-    layouts = _layouts(pairs)
-    if layouts is not None and (group, layouts) in _PASSED:
-        # the others skip the agreement on layouts they have run: none would hear of it
-        raise ReshardError(problem) from None
+def refuse(problem: Union[str, ReshardError], pairs, group, rank: int) -> NoReturn:
+    """Raises ``problem`` (this rank's bad argument: an error, or the message of an
+    :class:`reshard.ArgumentError`) on this rank and, through the group's agreement that the
+    other ranks run on every call, an :class:`reshard.AgreementError` naming this rank on
+    every other one."""
+    error = ArgumentError(problem) if isinstance(problem, str) else problem
 
     def prepare():
-        raise ReshardError(problem)
+        raise error
 
+    tensors = []
+    if isinstance(pairs, Mapping):
+        tensors = [t for item in pairs.values() if isinstance(item, (tuple, list)) for t in item[:2]]
     try:
-        # a fingerprint that no group ever agrees on, so the exchange always happens
-        _agree([("command", "refused"), ("problem", problem)], prepare, group, rank)
+        # a fingerprint that no group ever agrees on: the refusal reaches every rank
+        fingerprint = [("command", "refused"), ("problem", str(error))]
+        _agree(fingerprint, prepare, group, rank, device=_control_device(group, tensors))
     except ReshardError as e:
         raise e from None
     except RuntimeError as e:
         # the group broke while this rank told the others; its own problem comes first
-        raise ReshardError(problem) from e
+        raise error from e
     raise AssertionError("an agreement on a refused call cannot pass")
 
 
@@ -139,10 +100,10 @@ def _views(refit: Refit, tensors: Mapping[str, torch.Tensor], rank: int, side: s
     for name, tensor in tensors.items():
         if name in fused:
             if not isinstance(tensor, torch.Tensor):
-                raise ReshardError(f"{what}: {name}: expected a tensor, got {type(tensor).__name__}")
+                raise ArgumentError(f"{what}: {name}: expected a tensor, got {type(tensor).__name__}")
             for member, dim, offset, extent in fused[name]:
                 if tensor.dim() <= dim or tensor.shape[dim] < offset + extent:
-                    raise ReshardError(
+                    raise ArgumentError(
                         f"{what}: {name}: rank {rank}'s fused buffer has shape "
                         f"{tuple(tensor.shape)}, but {member} lies at {offset}..{offset + extent} "
                         f"of dim {dim}"
@@ -174,7 +135,7 @@ def _refit_pairs(refit: Refit, src, dst, rank: int):
         pairs[name] = (srcs.pop(name, None), dsts.pop(name, None), src_layout, dst_layout)
     for what, left in (("src", srcs), ("dst", dsts)):
         if left:
-            raise ReshardError(
+            raise ArgumentError(
                 f"{what}: {sorted(left)[0]} is neither a parameter of {refit.model} nor a fused "
                 f"buffer that rank {rank} holds (see Refit.names and Refit.fused)"
             )

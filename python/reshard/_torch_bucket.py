@@ -15,7 +15,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from ._core import Layout, Packing, ReshardError, crc32c, rank_plan
+from ._core import ArgumentError, ChecksumError, Layout, Packing, ReshardError, crc32c, rank_plan
 from ._torch_common import _check_ranks, _check_tensor, torch_dtype
 
 # Regions inside a packed buffer start at multiples of this, so that a byte buffer can be
@@ -98,7 +98,7 @@ def _check_entry(name: str, src_local, dst_local, src_layout, dst_layout, plan, 
     _check_tensor(label, "src_local", src_local, src_layout, plan.src_shape, rank)
     _check_tensor(label, "dst_local", dst_local, dst_layout, plan.dst_shape, rank)
     if src_local is not None and dst_local is not None and src_local.device != dst_local.device:
-        raise ReshardError(f"{label}src_local is on {src_local.device} but dst_local on {dst_local.device}")
+        raise ArgumentError(f"{label}src_local is on {src_local.device} but dst_local on {dst_local.device}")
 
 
 def _plan_of(name: str, src_layout, dst_layout, rank: int, world: int) -> _LocalPlan:
@@ -108,14 +108,14 @@ def _plan_of(name: str, src_layout, dst_layout, rank: int, world: int) -> _Local
     if src_layout.dtype != dst_layout.dtype:
         # float casts were turned into moves of one dtype before (_torch_cast); what is left
         # is a conversion no engine loads (integers, bool, fp8 without quant)
-        raise ReshardError(
+        raise ArgumentError(
             f"{label}dst_layout: dtype {dst_layout.dtype} differs from src_layout's {src_layout.dtype}, "
             "and only float dtypes (f64, f32, bf16, f16) convert into each other"
         )
     try:
         return _local_plan(src_layout, dst_layout, rank)
     except ReshardError as e:
-        raise ReshardError(f"{label}{e}") from None
+        raise type(e)(f"{label}{e}") from None  # of the core's kind, naming the tensor
 
 
 def _aligned(n: int) -> int:
@@ -183,7 +183,7 @@ class _Message:
         landed = self.sums_of(buffer)
         for (_, piece, _), s, got in zip(self.parts, sent, landed):
             if s != got:
-                raise ReshardError(
+                raise ChecksumError(
                     f"rank {group_rank}: checksum mismatch in the transfer from rank "
                     f"{piece.src} to rank {piece.dst} at offset {list(piece.offset)} extent "
                     f"{'x'.join(map(str, piece.shape))}: sent with crc32c {s:#010x} but "

@@ -13,7 +13,7 @@ from typing import List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from ._core import Layout, ReshardError
+from ._core import AgreementError, ArgumentError, Layout, ReshardError
 
 _TORCH_DTYPES = {
     name: getattr(torch, attr)
@@ -42,7 +42,7 @@ def torch_dtype(layout: Layout) -> torch.dtype:
     try:
         return _TORCH_DTYPES[layout.dtype]
     except KeyError:
-        raise ReshardError(
+        raise ArgumentError(
             f"dtype {layout.dtype} has no torch equivalent in torch {torch.__version__}"
         ) from None
 
@@ -53,19 +53,19 @@ def _check_tensor(
     """A rank in the layout gives a tensor of its shard's shape and dtype; others give None."""
     if shape is None:
         if tensor is not None:
-            raise ReshardError(
+            raise ArgumentError(
                 f"{name}{what}: rank {rank} is not part of this layout ({layout.spec}), "
                 "yet a tensor was given for it (pass None)"
             )
         return
     dtype = torch_dtype(layout)
     if not isinstance(tensor, torch.Tensor):
-        raise ReshardError(
+        raise ArgumentError(
             f"{name}{what}: rank {rank} holds a shard of shape {shape} ({layout.dtype}) in "
             f"{layout.spec}, but {type(tensor).__name__} was given instead of a tensor"
         )
     if tuple(tensor.shape) != shape or tensor.dtype != dtype:
-        raise ReshardError(
+        raise ArgumentError(
             f"{name}{what}: rank {rank} holds a shard of shape {shape} ({layout.dtype}) in "
             f"{layout.spec}, but the tensor given has shape {tuple(tensor.shape)} and dtype "
             f"{str(tensor.dtype).removeprefix('torch.')}"
@@ -75,7 +75,7 @@ def _check_tensor(
 def _check_ranks(name: str, what: str, layout: Layout, world: int) -> None:
     beyond = [r for r in layout.ranks if r >= world]
     if beyond:
-        raise ReshardError(
+        raise ArgumentError(
             f"{name}{what}: rank {beyond[0]} of {layout.spec} is not in the process group (size {world})"
         )
 
@@ -94,8 +94,9 @@ def _fingerprint(command: str, pairs, names: List[str], **options) -> List[Tuple
 
 
 # The fingerprints every rank of a group has agreed on, oldest first: a job's later calls
-# with the same tensors and layouts (a refit every step) skip the exchange. Every rank of a
-# group that agreed sees the same calls in the same order, so all skip alike.
+# with the same tensors and layouts (a refit every step) exchange their digest only, not
+# the whole fingerprint. Every rank of a group that agreed sees the same calls in the same
+# order, so all know alike (and where they do not, the exchange says so).
 _AGREED: "collections.OrderedDict[Tuple[object, str], None]" = collections.OrderedDict()
 _AGREED_MAX = 4096
 
@@ -110,36 +111,80 @@ def _first_difference(ours, theirs) -> Optional[Tuple[str, str, str]]:
     return None
 
 
-def _agree(fingerprint, prepare, group, rank: int):
-    """Runs ``prepare`` (this rank's local checks and plans) and, on a fingerprint this group
-    has not agreed on yet, compares every rank's fingerprint and outcome through the group:
-    a difference or a rank's bad input raises :class:`ReshardError` on every rank (its own
-    message on the rank with bad input, naming that rank elsewhere), before any byte moves."""
-    digest = hashlib.blake2b(repr(fingerprint).encode(), digest_size=16).hexdigest()
+def digest_of(fingerprint) -> str:
+    """The digest of a fingerprint (hex, 128 bits): equal on ranks that run the same job."""
+    return hashlib.blake2b(repr(fingerprint).encode(), digest_size=16).hexdigest()
+
+
+def _control_device(group, tensors=()) -> torch.device:
+    """Where the group's backend takes the few integers of an agreement: the CPU for gloo
+    (and for a group whose CPU tensors go through gloo), the device of the call's tensors
+    (or devices, among ``tensors``) or the current CUDA device for NCCL."""
+    backend = str(dist.get_backend(group))
+    if backend == "gloo" or "cpu:" in backend:
+        return torch.device("cpu")
+    for t in tensors:
+        device = t.device if isinstance(t, torch.Tensor) else t
+        if isinstance(device, torch.device) and device.type != "cpu":
+            return device
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _refusal_text(e: BaseException) -> str:
+    """A rank's refusal as the other ranks name it."""
+    return str(e) if isinstance(e, ReshardError) else f"{type(e).__name__}: {e}"
+
+
+def _agree(fingerprint, prepare, group, rank: int, *, digest: Optional[str] = None, device=None):
+    """Runs ``prepare`` (this rank's local checks and plans) and agrees with the group, on
+    every call, before any byte moves: one ``all_reduce`` of four integers on ``device`` (the
+    backend's: :func:`_control_device` when None) says whether every rank's checks passed and
+    whether every rank runs the same job (a 63-bit digest of its ``fingerprint``). A rank
+    whose checks failed raises its own error; every other rank raises
+    :class:`AgreementError` naming it; ranks that run different jobs all raise
+    :class:`AgreementError` naming the first field that differs. The whole fingerprints and
+    the failures' messages go through the group (``all_gather_object``) only on the first
+    call with a fingerprint, or when a rank failed or the digests differ. ``digest`` (of
+    ``fingerprint``, :func:`digest_of`) saves computing it again; then ``fingerprint`` may be
+    a function that returns it, called only where it is sent."""
+    if digest is None:
+        digest = digest_of(fingerprint)
     key = (group, digest)
-    if key in _AGREED:
-        _AGREED.move_to_end(key)
-        return prepare()
+    known = key in _AGREED
     try:
-        result, problem = prepare(), None
-    except ReshardError as e:
-        result, problem = None, str(e)
+        result, refusal = prepare(), None
+    except Exception as e:  # this rank's refusal: raised below, once every rank knows of it
+        result, refusal = None, e
+    word = int(digest[:16], 16) >> 1  # 63 bits: its negation fits an int64 too
+    if device is None:
+        device = _control_device(group)
+    flags = torch.tensor(
+        [refusal is None, known, word, -word], dtype=torch.int64, device=device
+    )
+    dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=group)
+    passed, agreed, least, most = (int(v) for v in flags.tolist())
+    if passed and agreed and least == -most:
+        _AGREED.move_to_end(key)
+        return result
     heard = [None] * dist.get_world_size(group)
+    problem = None if refusal is None else _refusal_text(refusal)
     dist.all_gather_object(heard, (digest, problem), group=group)
-    if problem is not None:
-        raise ReshardError(problem)  # this rank's own bad input, as its checks said it
+    if refusal is not None:
+        raise refusal  # this rank's own error, of its own kind
     for r, (_, their_problem) in enumerate(heard):
         if their_problem is not None:
-            raise ReshardError(f"nothing was moved: rank {r}: {their_problem}")
+            raise AgreementError(f"nothing was moved: rank {r}: {their_problem}")
     if any(d != digest for d, _ in heard):
         # rare: the whole fingerprints, to name what differs
         everyone = [None] * len(heard)
-        dist.all_gather_object(everyone, fingerprint, group=group)
+        dist.all_gather_object(everyone, fingerprint() if callable(fingerprint) else fingerprint, group=group)
         for r, theirs in enumerate(everyone):
             diff = _first_difference(everyone[0], theirs)
             if diff is not None:
                 field, ours, other = diff
-                raise ReshardError(
+                raise AgreementError(
                     "the ranks disagree on the job, so nothing was moved: "
                     f"rank {r} runs {field} {other}; rank 0 runs {field} {ours}"
                 )
@@ -149,10 +194,28 @@ def _agree(fingerprint, prepare, group, rank: int):
     return result
 
 
+def _refuse_together(refusal: Optional[BaseException], group, device) -> None:
+    """Every rank of the group learns whether one of them failed (``refusal``, None where
+    it did not), through one ``all_reduce`` of a flag on ``device`` and, only when one did,
+    the messages: the failed rank raises its own error, the others :class:`AgreementError`
+    naming it."""
+    flag = torch.tensor([refusal is None], dtype=torch.int64, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    if int(flag.item()):
+        return
+    heard: List[Optional[str]] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(heard, None if refusal is None else _refusal_text(refusal), group=group)
+    if refusal is not None:
+        raise refusal
+    for r, theirs in enumerate(heard):
+        if theirs is not None:
+            raise AgreementError(f"nothing was moved: rank {r}: {theirs}")
+
+
 def _group_rank(group) -> Tuple[int, int]:
     """This process's rank in ``group`` (the default group when None), and the group's size."""
     if not dist.is_initialized():
-        raise ReshardError("torch.distributed is not initialized (call init_process_group first)")
+        raise ArgumentError("torch.distributed is not initialized (call init_process_group first)")
     if group is None:
         return dist.get_rank(), dist.get_world_size()
     return dist.get_rank(group), dist.get_world_size(group)

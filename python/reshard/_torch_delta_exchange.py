@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from . import _torch_delta as _codec
-from ._core import ReshardError, crc32c
+from ._core import ChecksumError, ReshardError, crc32c
 from ._torch_bucket import _peer
 
 # The fence's field of a rank's held version (as _torch_delta_session gathers it).
@@ -197,7 +197,7 @@ def run(session, job, heard, version: int, report, device, rank: int) -> None:
         session.held = None  # a shard not applied, or not the base, holds no version
         if failure is not None:
             raise failure
-        raise ReshardError(problem)
+        raise ChecksumError(problem)
     session.held = version
 
 

@@ -23,7 +23,7 @@ from typing import Dict, List, Mapping, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from ._core import Layout, Refit, ReshardError
+from ._core import AgreementError, ArgumentError, Layout, Refit
 
 
 def is_dtensor(t) -> bool:
@@ -46,7 +46,7 @@ def _group_ranks(ranks: List[int], group) -> List[int]:
     for r in ranks:
         g = dist.get_group_rank(group, r)
         if g < 0:
-            raise ReshardError(f"ranks: global rank {r} of the DTensor's mesh is not in the group")
+            raise ArgumentError(f"ranks: global rank {r} of the DTensor's mesh is not in the group")
         out.append(g)
     return out
 
@@ -127,7 +127,7 @@ def _order(shape, mesh, placements) -> Tuple[List[int], List[object]]:
                 if product >= split:
                     break
         if product != split or last is None:
-            raise ReshardError(
+            raise ArgumentError(
                 f"placements: _StridedShard(dim={dim}, split_factor={split}) on mesh axis {axis} "
                 f"of a tensor of shape {list(shape)}: the later mesh axes that shard dim {dim} "
                 f"(sizes {[mesh[o] for o in order[at + 1:] if placements[o][0] == 'shard']}) do "
@@ -155,7 +155,7 @@ def _check_boxes(desc, layout: Layout, ranks: List[int]) -> None:
             region = layout.local_region(rank)
             got = list(range(region[0][dim], region[0][dim] + region[1][dim]))
             if want[pos] != got:
-                raise ReshardError(
+                raise ArgumentError(
                     f"placements: {_text(placements)} over mesh {list(mesh)} of a tensor of shape "
                     f"{list(shape)}: rank {rank} holds indices {want[pos][:8]}... of dim {dim}, "
                     "not one contiguous piece (uneven sizes interleave the strided shards)"
@@ -245,7 +245,7 @@ def unwrap_pairs(pairs, group, rank: int):
                 layouts.append(layout_of(descs[f"{side}:{name}"], group))
             else:
                 label = f"{name}: " if name else ""
-                raise ReshardError(
+                raise ArgumentError(
                     f"{label}{side}_layout: None, and no rank holds a DTensor of it: give the layout"
                 )
         out[name] = (local_of(p[0]), local_of(p[1]), layouts[0], layouts[1])
@@ -266,7 +266,7 @@ def unwrap_refit(refit: Refit, tensors, rank: int, side: str, group):
             theirs = layout_of(t, group)
             ours = refit.layouts(name)[0 if side == "src" else 1]
             if theirs.local_region(rank) != ours.local_region(rank):
-                raise ReshardError(
+                raise ArgumentError(
                     f"{name}: the DTensor holds {theirs.local_region(rank)} (offset, extent) on "
                     f"rank {rank} ({theirs.spec}), but the refit's {side} layout holds "
                     f"{ours.local_region(rank)} ({ours.spec})"
@@ -281,7 +281,9 @@ def state_dict_of(obj) -> Optional[Mapping[str, object]]:
         return obj
     if isinstance(obj, torch.nn.Module):
         return dict(obj.state_dict(keep_vars=True))
-    raise ReshardError(f"expected a torch.nn.Module or a mapping of names to DTensors, got {type(obj).__name__}")
+    raise ArgumentError(
+        f"expected a torch.nn.Module or a mapping of names to DTensors, got {type(obj).__name__}"
+    )
 
 
 def state_dict_pairs(src, dst, group) -> Dict[str, tuple]:
@@ -304,13 +306,15 @@ def state_dict_pairs(src, dst, group) -> Dict[str, tuple]:
     descs = gather_layouts(mine, group)
     if "!problem" in descs:
         text, where = descs.pop("!problem")
-        raise ReshardError(text if problem == text else f"nothing was moved: rank {where}: {text}")
+        if problem == text:
+            raise ArgumentError(text)
+        raise AgreementError(f"nothing was moved: rank {where}: {text}")
     src_names = {k[4:] for k in descs if k.startswith("src:")}
     dst_names = {k[4:] for k in descs if k.startswith("dst:")}
     if src_names != dst_names:
         missing = sorted(src_names ^ dst_names)[0]
         which = "the source" if missing in dst_names else "the destination"
-        raise ReshardError(f"{missing}: no rank holds it in {which}: both sides must name the same tensors")
+        raise ArgumentError(f"{missing}: no rank holds it in {which}: both sides must name the same tensors")
     pairs = {}
     for name in sorted(src_names):
         pairs[name] = (

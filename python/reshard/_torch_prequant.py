@@ -17,8 +17,8 @@ from typing import Dict, List, Mapping, Optional, Tuple
 
 import torch
 
-from ._core import Layout, ReshardError, quantized_scale_layouts
-from ._torch_common import _agree, _check_ranks, _check_tensor, _fingerprint
+from ._core import ArgumentError, Layout, ReshardError, quantized_scale_layouts
+from ._torch_common import _agree, _check_ranks, _check_tensor, _control_device, _fingerprint
 
 # The scale tensor of ``name`` among the plain reshard's tensors.
 _SCALES = "{} (scales)"
@@ -32,9 +32,9 @@ def is_prequantized(src_layout: Layout, dst_layout: Layout) -> bool:
 def _scale_layouts(label: str, src: Layout, dst: Layout, quant: str, scale_dtype) -> Tuple[Layout, Layout]:
     """The scale tensor's layouts on both sides, or the core's refusal naming the tensor."""
     if not isinstance(quant, str):
-        raise ReshardError(f"{label}quant: expected a scheme such as 'block:128x128', got {quant!r:.60}")
+        raise ArgumentError(f"{label}quant: expected a scheme such as 'block:128x128', got {quant!r:.60}")
     if scale_dtype is not None and not isinstance(scale_dtype, str):
-        raise ReshardError(f"{label}scale_dtype: expected 'f32' or 'e8m0', got {scale_dtype!r:.60}")
+        raise ArgumentError(f"{label}scale_dtype: expected 'f32' or 'e8m0', got {scale_dtype!r:.60}")
     try:
         return quantized_scale_layouts(src, dst, quant, scale_dtype)
     except ReshardError as e:
@@ -42,7 +42,7 @@ def _scale_layouts(label: str, src: Layout, dst: Layout, quant: str, scale_dtype
         text = str(e)
         if label:
             text = label + text.removeprefix("tensor: ")
-        raise ReshardError(text) from None
+        raise type(e)(text) from None
 
 
 def _empty_as(tensor, layout: Layout, rank: int):
@@ -75,7 +75,7 @@ def plan(
         out = {}
         for name in order:
             if _SCALES.format(name) in pairs or _SCALES.format(name) in moves:
-                raise ReshardError(f"{name}: the name {_SCALES.format(name)!r} is taken by another tensor")
+                raise ArgumentError(f"{name}: the name {_SCALES.format(name)!r} is taken by another tensor")
             src_local, dst_local, src_layout, dst_layout, src_scale, scale = moves[name]
             label = f"{name}: " if name else ""
             for what, layout in (("src_layout", src_layout), ("dst_layout", dst_layout)):
@@ -95,7 +95,7 @@ def plan(
                     given.append((what, tensor))
             for what, tensor in given[1:]:
                 if tensor.device != given[0][1].device:
-                    raise ReshardError(
+                    raise ArgumentError(
                         f"{label}{what} is on {tensor.device} but {given[0][0]} on {given[0][1].device}"
                     )
             out[name] = (
@@ -105,7 +105,8 @@ def plan(
         return out
 
     fingerprint = _fingerprint("reshard quantized", moves, order, quant=quant, scale_dtype=scale_dtype)
-    checked = _agree(fingerprint, prepare, group, rank)
+    device = _control_device(group, (t for name in order for t in moves[name][:2]))
+    checked = _agree(fingerprint, prepare, group, rank, device=device)
     pairs = dict(pairs)
     for name in order:
         values, scales = checked[name]
@@ -121,7 +122,7 @@ def split(entries: Mapping[str, tuple], src_scales: Mapping[str, object]):
     quantized (their source scale shards from ``src_scales``, None where not given)."""
     extra = sorted(set(src_scales) - set(entries))
     if extra:
-        raise ReshardError(f"src_scales: {extra[0]!r} is not one of the tensors quantized as quant says")
+        raise ArgumentError(f"src_scales: {extra[0]!r} is not one of the tensors quantized as quant says")
     quantize, moves = {}, {}
     for name, (src_local, dst_local, src_layout, dst_layout, scale) in entries.items():
         if is_prequantized(src_layout, dst_layout):
@@ -134,7 +135,7 @@ def split(entries: Mapping[str, tuple], src_scales: Mapping[str, object]):
 def refuse_src_scale(label: str, src_scale, src_layout: Layout) -> None:
     """A source quantized in flight has no scales yet: one given is a mistake."""
     if src_scale is not None:
-        raise ReshardError(
+        raise ArgumentError(
             f"{label}src_scale: given for a {src_layout.dtype} source; only an fp8 source "
             "(already quantized) comes with its scales"
         )

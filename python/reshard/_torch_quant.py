@@ -23,8 +23,15 @@ import torch.distributed as dist
 
 from . import _quant_ops as _ops
 from . import _torch_prequant as _tpq
-from ._core import Layout, QuantPacking, ReshardError, crc32c, quant_scale_shape
-from ._torch_common import _agree, _check_ranks, _check_tensor, _fingerprint
+from ._core import ArgumentError, ChecksumError, Layout, QuantPacking, ReshardError, crc32c, quant_scale_shape
+from ._torch_common import (
+    _agree,
+    _check_ranks,
+    _check_tensor,
+    _control_device,
+    _fingerprint,
+    _refuse_together,
+)
 
 _SCALE_DTYPES = {"f32": torch.float32, "e8m0": torch.uint8}
 
@@ -35,17 +42,17 @@ def _packing(src: Layout, dst: Layout, rank: int, quant: str, scale_dtype: Optio
 
 
 def packing_of(label: str, src: Layout, dst: Layout, rank: int, quant: str, scale_dtype) -> QuantPacking:
-    """This rank's part, or :class:`ReshardError` naming the tensor."""
+    """This rank's part, or :class:`ArgumentError` naming the tensor."""
     if not isinstance(quant, str):
-        raise ReshardError(f"{label}quant: expected a scheme such as 'block:128x128', got {quant!r:.60}")
+        raise ArgumentError(f"{label}quant: expected a scheme such as 'block:128x128', got {quant!r:.60}")
     if scale_dtype is not None and not isinstance(scale_dtype, str):
-        raise ReshardError(f"{label}scale_dtype: expected 'f32' or 'e8m0', got {scale_dtype!r:.60}")
+        raise ArgumentError(f"{label}scale_dtype: expected 'f32' or 'e8m0', got {scale_dtype!r:.60}")
     try:
         return _packing(src, dst, rank, quant, scale_dtype)
     except ReshardError as e:
         # the core says "tensor: ..." where it has no name; the caller's name says which
         text = str(e)
-        raise ReshardError(label + text.removeprefix("tensor: ") if label else text) from None
+        raise type(e)(label + text.removeprefix("tensor: ") if label else text) from None
 
 
 def check_scale(label: str, scale, packing: QuantPacking, rank: int) -> None:
@@ -54,19 +61,19 @@ def check_scale(label: str, scale, packing: QuantPacking, rank: int) -> None:
     shape = packing.scale_shape
     if shape is None:
         if scale is not None:
-            raise ReshardError(
+            raise ArgumentError(
                 f"{label}scale: rank {rank} holds no destination shard, "
                 "yet a scale tensor was given (pass None)"
             )
         return
     want = _SCALE_DTYPES[packing.scale_dtype]
     if not isinstance(scale, torch.Tensor):
-        raise ReshardError(
+        raise ArgumentError(
             f"{label}scale: rank {rank} holds a scale shard of shape {tuple(shape)} "
             f"({packing.scale_dtype}), but {type(scale).__name__} was given instead of a tensor"
         )
     if tuple(scale.shape) != tuple(shape) or scale.dtype != want:
-        raise ReshardError(
+        raise ArgumentError(
             f"{label}scale: rank {rank} holds a scale shard of shape {tuple(shape)} "
             f"({packing.scale_dtype}, torch {str(want).removeprefix('torch.')}), but the tensor "
             f"given has shape {tuple(scale.shape)} and dtype {str(scale.dtype).removeprefix('torch.')}"
@@ -79,7 +86,7 @@ def check_devices(label: str, src_local, dst_local, scale) -> None:
     given = [(what, t) for what, t in tensors if t is not None]
     for what, tensor in given[1:]:
         if tensor.device != given[0][1].device:
-            raise ReshardError(
+            raise ArgumentError(
                 f"{label}{what} is on {tensor.device} but {given[0][0]} on {given[0][1].device}"
             )
 
@@ -163,21 +170,10 @@ def _check_message(label: str, packing: QuantPacking, message, buffer: torch.Ten
     else:
         _, offset, extent = scales[i - len(values)]
         what = f"the scales from rank {message[0]} to rank {me} of blocks at {_box(offset, extent)}"
-    raise ReshardError(
+    raise ChecksumError(
         f"rank {me}: {label}checksum mismatch in {what}: sent with crc32c {sent:#010x} but "
         f"arrived as {got:#010x}"
     )
-
-
-def _agree_on(problem: Optional[str], group) -> None:
-    """Every rank of the group learns whether one of them failed, and all raise."""
-    heard: List[Optional[str]] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(heard, problem, group=group)
-    if problem is not None:
-        raise ReshardError(problem)
-    for r, theirs in enumerate(heard):
-        if theirs is not None:
-            raise ReshardError(f"nothing was moved: rank {r}: {theirs}")
 
 
 def run(items, group, checksum: bool = False, native: bool = True) -> None:
@@ -215,11 +211,11 @@ def run(items, group, checksum: bool = False, native: bool = True) -> None:
                 states.append(source)
                 outgoing.append(source.payloads())
         except ReshardError as e:
-            problem = f"{label}src_local: {e}"
+            problem = type(e)(f"{label}src_local: {e}")
             break
     # a non-finite value fails on its own rank; every rank of the group learns it before any
     # value moves, so none waits for a peer that gave up
-    _agree_on(problem, group)
+    _refuse_together(problem, group, _control_device(group, [device]))
 
     # partial amax: both ends of a pair post their messages in tensor order, then peer order
     extra = 4 if checksum else 0
@@ -245,12 +241,12 @@ def run(items, group, checksum: bool = False, native: bool = True) -> None:
             for (peer, offset, extent), (_, n), got in zip(packing.amax_blocks, packing.amax_messages, inbox):
                 bad = _mismatch(got, n, [(0, n)])
                 if bad is not None and problem is None:
-                    problem = (
+                    problem = ChecksumError(
                         f"{label}checksum mismatch in the partial amax from rank {peer} "
                         f"to rank {me} of blocks at {_box(offset, extent)}: sent with crc32c "
                         f"{bad[1]:#010x} but arrived as {bad[2]:#010x}"
                     )
-        _agree_on(problem, group)
+        _refuse_together(problem, group, _control_device(group, [device]))
     scales = []
     for (_, packing, *_), state, inbox in zip(items, states, inboxes):
         landed = [t[: t.numel() - extra] for t in inbox]
@@ -264,7 +260,7 @@ def run(items, group, checksum: bool = False, native: bool = True) -> None:
     ops, landed = [], []
     for (_, packing, *_), src, sc in zip(items, srcs, scales):
         sends, recvs = _messages(packing, "sends"), _messages(packing, "recvs")
-        room = (lambda m: _aligned(m[1]) + 4 * len(_spans(packing, m))) if checksum else (lambda m: m[1])
+        room = (lambda m, p=packing: _aligned(m[1]) + 4 * len(_spans(p, m))) if checksum else (lambda m: m[1])
         out = [torch.empty(room(m), dtype=torch.uint8, device=wire) for m in sends]
         into = [torch.empty(room(m), dtype=torch.uint8, device=wire) for m in recvs]
         local = None
@@ -339,7 +335,8 @@ def reshard(
     fingerprint = _fingerprint(
         "reshard quant", entries, names, quant=quant, scale_dtype=scale_dtype, checksum=bool(checksum)
     )
-    run(_agree(fingerprint, prepare, group, rank), group, bool(checksum), native)
+    device = _control_device(group, (t for name in names for t in entries[name][:2]))
+    run(_agree(fingerprint, prepare, group, rank, device=device), group, bool(checksum), native)
 
 
 def _is_fp8(layout: Layout) -> bool:
@@ -354,9 +351,9 @@ def route(pairs, names, quant, scales, scale_dtype, src_scales):
     of other sources, and whatever the caller gives scales for (the core then names what
     does not fit)."""
     if quant is None and (scales is not None or scale_dtype is not None):
-        raise ReshardError("scale, scale_dtype: given only with quant")
+        raise ArgumentError("scale, scale_dtype: given only with quant")
     if quant is None and src_scales is not None:
-        raise ReshardError("src_scale: given only with quant")
+        raise ArgumentError("src_scale: given only with quant")
     quantized = {
         name: pairs[name]
         for name in names
@@ -366,14 +363,14 @@ def route(pairs, names, quant, scales, scale_dtype, src_scales):
         return pairs, names, {}, {}
     if quant is None:
         name = sorted(quantized)[0]
-        raise ReshardError(
+        raise ArgumentError(
             f"{name + ': ' if name else ''}dst_layout: dtype {pairs[name][3].dtype} needs quant "
             f"(a scheme such as 'block:128x128') and the scale shards"
         )
     scales = dict(scales or {})
     extra = sorted(set(scales) - set(quantized))
     if extra:
-        raise ReshardError(f"scales: {extra[0]!r} is not one of the tensors")
+        raise ArgumentError(f"scales: {extra[0]!r} is not one of the tensors")
     entries = {name: (*item, scales.get(name)) for name, item in quantized.items()}
     entries, moves = _tpq.split(entries, dict(src_scales or {}))
     names = [n for n in names if n not in quantized]
@@ -392,10 +389,10 @@ def refit_scales(refit, dst, rank: int):
         if tensor is None:
             continue
         if not isinstance(tensor, torch.Tensor):
-            raise ReshardError(f"dst: {buffer}: expected a tensor, got {type(tensor).__name__}")
+            raise ArgumentError(f"dst: {buffer}: expected a tensor, got {type(tensor).__name__}")
         for weight, dim, offset, extent in members:
             if tensor.dim() <= dim or tensor.shape[dim] < offset + extent:
-                raise ReshardError(
+                raise ArgumentError(
                     f"dst: {buffer}: rank {rank}'s fused scale buffer has shape "
                     f"{tuple(tensor.shape)}, but {weight}'s scales lie at "
                     f"{offset}..{offset + extent} of dim {dim}"

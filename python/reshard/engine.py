@@ -36,7 +36,7 @@ from typing import Dict, List, Mapping, Optional, Tuple
 
 import torch
 
-from ._core import Layout, Refit, ReshardError
+from ._core import ArgumentError, Layout, Refit
 from ._torch_common import _TORCH_DTYPES, torch_dtype
 
 #: The parameters whose vocabulary the engines pad.
@@ -59,11 +59,11 @@ def _engine_name(name: str) -> str:
 
 def _check_engine(engine: str, scale_name: str, vocab_pad: int) -> None:
     if engine not in ENGINES:
-        raise ReshardError(f"engine: {engine!r} is not one of {', '.join(ENGINES)}")
+        raise ArgumentError(f"engine: {engine!r} is not one of {', '.join(ENGINES)}")
     if scale_name not in ("weight_scale_inv", "weight_scale"):
-        raise ReshardError(f"scale_name: {scale_name!r} is neither weight_scale_inv nor weight_scale")
+        raise ArgumentError(f"scale_name: {scale_name!r} is neither weight_scale_inv nor weight_scale")
     if isinstance(vocab_pad, bool) or not isinstance(vocab_pad, int) or vocab_pad < 1:
-        raise ReshardError(f"vocab_pad: {vocab_pad!r} is not a positive integer")
+        raise ArgumentError(f"vocab_pad: {vocab_pad!r} is not a positive integer")
 
 
 def _padded(layout: Layout, rank: int, vocab_pad: int) -> Optional[Tuple[int, int, int]]:
@@ -74,14 +74,14 @@ def _padded(layout: Layout, rank: int, vocab_pad: int) -> Optional[Tuple[int, in
     if not dims:
         return None
     if any(p.dim != 0 for p in (layout.placements[i] for i in dims)) or len(dims) != 1:
-        raise ReshardError(
+        raise ArgumentError(
             f"{layout.spec}: the engines split the vocabulary over one mesh axis, on dim 0"
         )
     axis = dims[0]
     tp = layout.mesh[axis]
     padded = -(-vocab // vocab_pad) * vocab_pad
     if padded % tp:
-        raise ReshardError(f"vocab_pad: the padded vocabulary {padded} does not split over tp={tp} ranks")
+        raise ArgumentError(f"vocab_pad: the padded vocabulary {padded} does not split over tp={tp} ranks")
     per = padded // tp
     position = list(layout.ranks).index(rank)
     stride = 1
@@ -125,7 +125,7 @@ def engine_params(
             if split is not None:
                 shape = (split[2], *shape[1:])
         out[_engine_name(name)] = (tuple(shape), dtype)
-    for weight, (scale, scale_shape) in _scales(refit, rank, scale_name).items():
+    for _weight, (scale, scale_shape) in _scales(refit, rank, scale_name).items():
         out[scale] = scale_shape
     return out
 
@@ -257,7 +257,7 @@ def refit_engine_(
                 if split is not None:
                     tables[refit_name] = tensor
                     if tuple(tensor.shape[:1]) != (split[2],):
-                        raise ReshardError(
+                        raise ArgumentError(
                             f"{name}: shape {list(tensor.shape)}, but {engine_kind} pads the "
                             f"vocabulary to {split[2]} rows on rank {rank} (vocab_pad={vocab_pad})"
                         )

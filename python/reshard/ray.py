@@ -32,7 +32,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import ray
 
-from ._core import Refit, ReshardError
+from ._core import ArgumentError, PeerLostError, Refit, ReshardError
 
 
 class ReshardActor:
@@ -62,7 +62,7 @@ def _join(actor, rank: int, world: int, address: str, port: int, timeout_s: floa
     import torch.distributed as dist
 
     if dist.is_initialized():
-        raise ReshardError(f"rank {rank}: the actor is in a process group already (one job per actor)")
+        raise ArgumentError(f"rank {rank}: the actor is in a process group already (one job per actor)")
     dist.init_process_group(
         backend,
         init_method=f"tcp://{address}:{port}",
@@ -119,17 +119,17 @@ class RefitJob:
     ) -> None:
         refit = Refit(model, train, infer, **refit_options)
         if refit.train_ranks != len(trainers):
-            raise ReshardError(
+            raise ArgumentError(
                 f"trainers: {len(trainers)} actors, but train={train!r} has {refit.train_ranks} ranks"
             )
         if refit.infer_ranks != len(engines):
-            raise ReshardError(
+            raise ArgumentError(
                 f"engines: {len(engines)} actors, but infer={infer!r} has {refit.infer_ranks} ranks"
             )
         if refit.infer_base != refit.train_ranks:
-            raise ReshardError("colocated refits: a trainer actor is also an engine; give disjoint pools")
+            raise ArgumentError("colocated refits: a trainer actor is also an engine; give disjoint pools")
         if engine is not None and engine not in ("vllm", "sglang"):
-            raise ReshardError(f"engine: {engine!r} is not one of vllm, sglang (or None)")
+            raise ArgumentError(f"engine: {engine!r} is not one of vllm, sglang (or None)")
         self.actors: List[Any] = list(trainers) + list(engines)
         self.engine = engine
         self.timeout_s = timeout_s
@@ -145,11 +145,17 @@ class RefitJob:
         ready, pending = ray.wait(refs, num_returns=len(refs), timeout=self.timeout_s)
         if pending:
             late = [self.actors[refs.index(r)] for r in pending] if len(refs) == len(self.actors) else pending
-            raise ReshardError(f"{what}: {len(pending)} of {len(refs)} actors did not answer in {self.timeout_s} s ({late[:4]})")
+            raise PeerLostError(
+                f"{what}: {len(pending)} of {len(refs)} actors did not answer in {self.timeout_s} s "
+                f"({late[:4]})"
+            )
         try:
             return ray.get(refs)
         except ray.exceptions.RayTaskError as e:
-            raise ReshardError(f"{what}: {e}") from None
+            # the actor's own error, of its kind (a bad argument, a lost peer, ...)
+            cause = getattr(e, "cause", None)
+            kind = type(cause) if isinstance(cause, ReshardError) else ReshardError
+            raise kind(f"{what}: {e}") from None
 
     def refit(self, **options) -> List[float]:
         """One refit on every actor at once; each rank's seconds, by rank. ``options`` as

@@ -14,7 +14,7 @@ Rank numbers in layouts are ranks of ``group`` (the global world when ``group`` 
 
 With ``checksum=True`` every packed message ends with the CRC-32C of each region it holds,
 summed by the sender after packing; the receiver sums what arrived and raises
-:class:`reshard.ReshardError` naming the transfer (sender, receiver, offset, extent) before it
+:class:`reshard.ChecksumError` naming the transfer (sender, receiver, offset, extent) before it
 unpacks anything. The sums are taken in CPU memory: on a GPU, each message is copied to the
 host for them.
 """
@@ -32,7 +32,7 @@ from . import _torch_prequant as _tpq
 from . import _torch_quant as _tq
 from ._core import Layout, Refit, ReshardError
 from ._torch_bucket import _Bucket, _check_entry, _LocalPlan, _plan_of, free_staging
-from ._torch_common import _agree, _fingerprint, _group_rank, torch_dtype
+from ._torch_common import _agree, _control_device, _fingerprint, _group_rank, digest_of, torch_dtype
 from ._torch_delta_session import DeltaReport, DeltaSession, refit_many
 from ._torch_quant import scale_tensor
 from ._torch_stage import CommitReport, StageReport
@@ -97,21 +97,28 @@ def reshard_(
     shard in ``src_layout`` (None if it holds none), ``dst_local`` its shard in
     ``dst_layout`` (None if it receives none), both of the layouts' shape and dtype and on the
     device the process group's backend uses. ``dst_local`` may be strided but must not share
-    memory with ``src_local``. Raises :class:`reshard.ReshardError` on bad input, before any
-    byte moves. The first call with given layouts (and tensor names) also checks, through
-    the group, that every rank was given the same ones: a rank with other layouts, tensors
-    that do not fit them or any other bad argument (a ``scale`` without ``quant``, say) makes
-    every rank raise, naming the rank and what differs, instead of waiting for the backend's
-    timeout. Later calls with the same layouts skip the check: a bad argument then raises on
-    its own rank only (see :mod:`reshard._torch_args`). ``dst_layout`` may have another float
-    dtype than ``src_layout`` (f64, f32, bf16, f16): the source ranks convert as torch's
-    ``.to()`` does, and the wire carries the destination dtype.
+    memory with ``src_local``. Raises :class:`reshard.ArgumentError` on bad input, before any
+    byte moves. Every call also checks, through the group, that every rank was given the
+    same layouts (and tensor names) and that every rank's arguments passed its checks: a rank
+    with other layouts, tensors that do not fit them or any other bad argument (a ``scale``
+    without ``quant``, say) makes every rank raise before any byte moves, instead of the
+    others waiting for the backend's timeout: that rank its own
+    :class:`reshard.ArgumentError`, every other rank :class:`reshard.AgreementError` naming
+    the rank and its error (or, for ranks that run different jobs, the field that differs).
+    The first call with given layouts exchanges the whole job through the group; later calls
+    with the same layouts (a refit every step) exchange a few integers only (one
+    ``all_reduce`` on the backend's device: whether every rank's checks passed, and a digest
+    of its job), and the messages where a rank failed (see :mod:`reshard._torch_args`).
+
+    ``dst_layout`` may have another float dtype than ``src_layout`` (f64, f32, bf16, f16):
+    the source ranks convert as torch's ``.to()`` does, and the wire carries the destination
+    dtype.
 
     With NCCL, ``batch_isend_irecv`` wants the group's communicator to exist before a batch
     that not every rank of the group joins: run one collective on the group first (a barrier).
 
     With ``checksum=True`` (on every rank alike), each message carries the CRC-32C of every
-    transfer it holds, and a receiver raises :class:`reshard.ReshardError` naming a transfer
+    transfer it holds, and a receiver raises :class:`reshard.ChecksumError` naming a transfer
     that arrived changed (sender, receiver, offset, extent), before it unpacks any message.
 
     With ``quant`` (``"block:128x128"``, ``"block:128x128:ue8m0"``, ``"mx:32"``, ``"channel"``
@@ -121,8 +128,9 @@ def reshard_(
     destination rank's scales are written into ``scale``, its scale shard (shape
     :func:`reshard.quant_scale_shape`, f32, or uint8 biased exponents with
     ``scale_dtype="e8m0"``; :func:`scale_tensor` allocates one). Destination shard boundaries
-    must fall on block boundaries. A NaN or infinity in a source raises
-    :class:`reshard.ReshardError` on every rank, naming the block, before any value moves.
+    must fall on block boundaries. A NaN or infinity in a source raises on every rank, naming
+    the block, before any value moves: :class:`reshard.ArgumentError` on its rank,
+    :class:`reshard.AgreementError` on the others.
     CPU tensors are quantized by Rust kernels, others by torch operations on their device,
     bit for bit alike. ``checksum`` covers the fp8 values, the scales and the partial amax.
 
@@ -164,6 +172,7 @@ def reshard_many_(
     session: Optional[DeltaSession] = None,
     version: Optional[int] = None,
     previous: Optional[Mapping[str, torch.Tensor]] = None,
+    model: Optional[str] = None,
 ) -> Optional[DeltaReport]:
     """:func:`reshard_` for many tensors at once (a whole model): ``pairs`` maps a name to
     ``(src_local, dst_local, src_layout, dst_layout)``.
@@ -172,7 +181,7 @@ def reshard_many_(
     ``src`` and ``dst`` are this rank's own tensors by name: its training shards, and its
     inference shards, where a vLLM fused buffer (``...qkv_proj.weight``) stands for its
     members (``Refit.fused(rank)``), written in place. Ranks of the group pass what they hold
-    (``Refit.rank_names(rank)``) and nothing else. On the first call, before any byte moves,
+    (``Refit.rank_names(rank)``) and nothing else. On every call, before any byte moves,
     every rank's tensors are compared with the refit (names, shapes, dtypes, as
     :meth:`reshard.Refit.check` does), and a difference on one rank raises on all: a config
     that does not describe the model moves nothing.
@@ -199,9 +208,12 @@ def reshard_many_(
     refit: ``session.refit(pairs, version, src=src, dst=dst, previous=previous)``, which sends
     only the blocks that changed since the session's last refit where the destination holds
     it, and returns its :class:`DeltaReport`. ``delta=True`` alone uses one session per
-    ``group`` and ``checksum`` kept in this module (its bases live as long as the process);
-    make a :class:`DeltaSession` to choose ``anchor`` and ``keep_base``, or to forget. fp8
-    quantized tensors (``quant``, scales) are refused there.
+    process group, ``model`` (a name the caller gives: a policy and a frozen reference with
+    the same parameter names are two models, each with its own bases and versions) and
+    ``checksum``, kept in this module as long as the group; make a :class:`DeltaSession` to
+    choose ``anchor`` and ``keep_base``, or to forget. A session refit into other destination
+    tensors than the last time sends them dense, so even one model name shared by two models
+    stays exact (and sends dense). fp8 quantized tensors (``quant``, scales) are refused there.
     """
     rank, world = _group_rank(group)
     if rank < 0:
@@ -209,10 +221,10 @@ def reshard_many_(
     if delta or session is not None:
         unsupported = dict(quant=quant, scales=scales, scale_dtype=scale_dtype, src_scales=src_scales)
         return refit_many(
-            pairs, group, checksum, bucket_bytes, session, version, src, dst, previous, **unsupported
+            pairs, group, checksum, bucket_bytes, session, version, src, dst, previous, model, **unsupported
         )
-    if version is not None or previous is not None:
-        _args.refuse("version, previous: given only with delta=True or a session", pairs, group, rank)
+    if version is not None or previous is not None or model is not None:
+        _args.refuse("version, previous, model: given only with delta=True or a session", pairs, group, rank)
     given = pairs
     try:
         if isinstance(pairs, Refit):  # DTensors: their local tensors, their boxes checked
@@ -224,14 +236,13 @@ def reshard_many_(
             pairs, rank, bucket_bytes, src, dst, quant, scales, scale_dtype, src_scales
         )
     except ReshardError as e:
-        _args.refuse(str(e), given, group, rank)  # on every rank, as the checks below
+        _args.refuse(e, given, group, rank)  # on every rank, as the checks below
     if moves:  # already quantized: values and scales move with the plain tensors
         pairs, names = _tpq.plan(moves, pairs, names, group, quant, scale_dtype, rank, world)
     if names or not (entries or moves):
         _reshard_plain(pairs, names, group, bucket_bytes, checksum, rank, world)
     if entries:
         _tq.reshard(entries, group, quant, scale_dtype, rank, world, checksum, native=_NATIVE)
-    _args.passed(given, group)
     return None
 
 
@@ -263,27 +274,35 @@ def _reshard_plain(pairs, names, group, bucket_bytes: int, checksum: bool, rank:
         tuple((name, pairs[name][2], pairs[name][3]) for name in names),
     )
     program = _PROGRAMS.get(key)
-    if program is None:
-
-        def prepare() -> _Program:
-            plans = []
-            for name in names:
-                _, _, src_layout, dst_layout = pairs[name]
-                plan = _plan_of(name, src_layout, dst_layout, rank, world)
-                _check_entry(name, *pairs[name], plan, rank)
-                plans.append(plan)
-            return _Program(names, pairs, plans, bucket_bytes)
-
+    if program is not None:
+        _PROGRAMS.move_to_end(key)
+        fingerprint, digest = program.fingerprint, program.digest
+    else:
         fingerprint = _fingerprint(
             "reshard_many_", pairs, names, bucket_bytes=bucket_bytes, checksum=bool(checksum)
         )
-        program = _agree(fingerprint, prepare, group, rank)
+        digest = digest_of(fingerprint)
+
+    def prepare() -> _Program:
+        if program is not None:  # a later call: only its tensors are checked
+            program.check(pairs, rank)
+            return program
+        plans = []
+        for name in names:
+            _, _, src_layout, dst_layout = pairs[name]
+            plan = _plan_of(name, src_layout, dst_layout, rank, world)
+            _check_entry(name, *pairs[name], plan, rank)
+            plans.append(plan)
+        return _Program(names, pairs, plans, bucket_bytes, fingerprint, digest)
+
+    # every call, the first and a refit every step alike, is refused on every rank before
+    # any byte moves: one all_reduce of a few integers, more only where a rank failed
+    device = _control_device(group, (t for n in names for t in pairs[n][:2]))
+    program = _agree(fingerprint, prepare, group, rank, digest=digest, device=device)
+    if key not in _PROGRAMS:
         _PROGRAMS[key] = program
         if len(_PROGRAMS) > _PROGRAMS_MAX:
             _PROGRAMS.popitem(last=False)
-    else:
-        _PROGRAMS.move_to_end(key)
-        program.check(pairs, rank)
     program.run(pairs, group, checksum)
 
 
@@ -292,8 +311,13 @@ class _Program:
     options): the plans, cut into buckets, each with its copying program. A later call with
     the same ones (a refit every step) only checks the tensors and runs it."""
 
-    def __init__(self, names: List[str], pairs, plans: List[_LocalPlan], bucket_bytes: int) -> None:
+    def __init__(
+        self, names: List[str], pairs, plans: List[_LocalPlan], bucket_bytes: int, fingerprint, digest: str
+    ) -> None:
         self.names = names
+        # what the group agrees on at every call, computed once
+        self.fingerprint = fingerprint
+        self.digest = digest
         self.layouts = [(pairs[n][2], pairs[n][3]) for n in names]
         self.plans = plans
         self.buckets: List[_Bucket] = []
