@@ -256,11 +256,155 @@ fn bad_stage_flags_are_refused_naming_them() {
     );
     refused(
         &with(&["--stage", "--rolling", "3"]),
-        "--rolling: 3 is invalid: must divide the 4 destination ranks into groups of equal size",
+        "--rolling: 3 is invalid: must divide the 4 destination ranks (1 replica) into groups of equal size, each of whole replicas",
     );
     refused(&with(&["--rolling", "2"]), "--stage");
     refused(
         &with(&["--stage", "--quant", "block:2x2", "--dst-dtype", "fp8e4m3"]),
         "--stage",
     );
+}
+
+/// What a refused command must show: exit code 2 on every rank (bad input), the message in
+/// its standard error, and no report (nothing ran).
+fn refused_with_2(out: &std::process::Output, expected: &[&str], what: &str) {
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{what}: {stderr}");
+    for e in expected {
+        assert!(stderr.contains(e), "{what}: {e}: {stderr}");
+    }
+    assert!(
+        !text(&out.stdout).contains("versions"),
+        "{what}: {}",
+        text(&out.stdout)
+    );
+}
+
+/// A rolling commit whose groups would cut an inference replica (a TP replica committed
+/// shard by shard, serving a mix of two versions meanwhile) is refused before any byte
+/// moves, naming the flag, the value, the replica and the groups it falls into; groups of
+/// whole replicas, even of ranks that are not contiguous, run.
+#[test]
+fn a_rolling_commit_that_cuts_a_replica_is_refused() {
+    let dir = common::temp_dir("rolling-cut");
+    let dump = dir.path().join("dump");
+    let args = |dst: &str, rolling: &str| -> Vec<String> {
+        [
+            "run",
+            "--shape",
+            "16x16",
+            "--src",
+            "mesh=2 place=S(0)",
+            "--dst",
+            dst,
+            "--stage",
+            "--steps",
+            "2",
+            "--rolling",
+            rolling,
+            "--verify",
+            "--json",
+            "--dump",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .chain([dump.display().to_string()])
+        .collect()
+    };
+    // two TP2 replicas on ranks 2..6 in four groups: each replica cut in two
+    let cut = args("mesh=2x2 place=R,S(1)", "4");
+    let expected = [
+        "--rolling: 4 is invalid",
+        "cuts the inference replica of ranks 2,3 across commit groups 0 and 1",
+        "the 4 destination ranks form 2 replicas",
+    ];
+    let out = Command::new(EXE).args(&cut).output().unwrap();
+    refused_with_2(&out, &expected, "threads");
+    let out = Command::new(EXE)
+        .args(["launch", "--nproc", "6", "--"])
+        .args(&cut)
+        .args(["--transport", "tcp"])
+        .output()
+        .unwrap();
+    refused_with_2(&out, &expected, "tcp");
+    // the dump folder may be made (checked writable first), but holds no shard
+    let dumped = std::fs::read_dir(&dump).map_or(0, |d| d.count());
+    assert_eq!(dumped, 0, "nothing written");
+    // the replicas along the inner axis (ranks 2,4 and 3,5): two groups of whole replicas
+    // run; one TP4 replica in two groups is refused
+    let out = Command::new(EXE)
+        .args(args("mesh=2x2 place=S(0),R", "2"))
+        .output()
+        .unwrap();
+    let json = json_of(&out);
+    check_stream(&json, &["in-place", "staged"], 2, "inner replicas");
+    for v in json["versions"].as_array().unwrap() {
+        let groups: Vec<(u64, u64)> = v["ranks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| (r["rank"].as_u64().unwrap(), r["group"].as_u64().unwrap()))
+            .collect();
+        if v["method"] == "staged" {
+            assert_eq!(groups, vec![(2, 0), (3, 1), (4, 0), (5, 1)], "{v}");
+        }
+    }
+    let out = Command::new(EXE)
+        .args(args("mesh=4 place=S(1)", "2"))
+        .output()
+        .unwrap();
+    refused_with_2(
+        &out,
+        &[
+            "--rolling: 2 is invalid: it cuts the inference replica of ranks 2,3,4,5 across commit groups 0 and 1",
+        ],
+        "one replica",
+    );
+}
+
+/// `refit --run --stage --rolling`: the groups are whole engines of the inference
+/// parallelism (tp x pp ranks each); a count that cuts one is refused on every rank before
+/// the job starts.
+#[test]
+fn a_rolling_refit_that_cuts_an_engine_is_refused() {
+    let dir = common::temp_dir("rolling-refit");
+    let model = common::tiny_qwen3(dir.path());
+    let refit = |infer: &str, rolling: &str| {
+        Command::new(EXE)
+            .args(["launch", "--nproc", "6", "--", "refit", "--model"])
+            .arg(&model)
+            .args(["--train", "tp=2", "--infer", infer])
+            .args(["--run", "--stage", "--steps", "2", "--json"])
+            .args(["--rolling", rolling, "--transport", "tcp"])
+            .output()
+            .unwrap()
+    };
+    // one engine of tp=2 x pp=2 on ranks 2..6, committed in two halves
+    let out = refit("tp=2,pp=2", "2");
+    refused_with_2(
+        &out,
+        &[
+            "--rolling: 2 is invalid",
+            "cuts the inference replica of ranks 2,3,4,5 across commit groups 0 and 1",
+            "form 1 replica,",
+        ],
+        "tp2 pp2",
+    );
+    // two engines of tp=2: a group each
+    let out = refit("tp=2,dp=2", "2");
+    let json = json_of(&out);
+    let run = &json["run"];
+    assert_eq!(run["verified"], true, "{json}");
+    check_stream(run, &["in-place", "staged"], 2, "two engines");
+    for v in run["versions"].as_array().unwrap() {
+        if v["method"] == "staged" {
+            let groups: Vec<(u64, u64)> = v["ranks"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|r| (r["rank"].as_u64().unwrap(), r["group"].as_u64().unwrap()))
+                .collect();
+            assert_eq!(groups, vec![(2, 0), (3, 0), (4, 1), (5, 1)], "{v}");
+        }
+    }
 }

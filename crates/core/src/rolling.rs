@@ -35,8 +35,11 @@ pub fn rolling_groups(replicas: &[Vec<Rank>], count: usize) -> Result<Vec<Vec<Ra
             field: Field::Rolling,
             value: count.to_string(),
             reason: format!(
-                "must divide the {total} destination ranks ({} replicas) into groups of equal size, each of whole replicas",
-                ordered.len()
+                "must divide the {total} destination ranks ({}) into groups of equal size, each of whole replicas",
+                match ordered.len() {
+                    1 => "1 replica".to_string(),
+                    n => format!("{n} replicas"),
+                }
             ),
         });
     }
