@@ -301,6 +301,22 @@ impl PyLayout {
             .transpose()
     }
 
+    /// The replicas of the whole tensor: for each, the ranks that together hold one copy
+    /// of it (ranks that differ only along `Replicate()` axes hold different replicas), in
+    /// mesh order.
+    #[getter]
+    fn replicas(&self) -> Vec<Vec<usize>> {
+        self.inner.replicas()
+    }
+
+    /// As a destination, the commit groups of a staged refit's rolling commit in `rolling`
+    /// groups (`run --stage --rolling`): lists of ranks, each group whole replicas, the
+    /// replicas in order of their lowest rank. Raises `ReshardError` naming the replica that
+    /// `rolling` would cut and the groups it would fall into.
+    fn rolling_groups(&self, rolling: usize) -> PyResult<Vec<Vec<usize>>> {
+        reshard_core::rolling::rolling_groups(&self.inner.replicas(), rolling).map_err(error)
+    }
+
     /// The command line's spec of this layout (`mesh=4 ranks=0..4 place=S(0)`).
     #[getter]
     fn spec(&self) -> String {

@@ -177,6 +177,22 @@ impl PyRefit {
         self.inner.world()
     }
 
+    /// The inference replicas: for each, the inference ranks that together hold one copy of
+    /// every parameter and serve as one (an engine's `tp x pp` ranks, joined where a
+    /// parameter's copy spans engines, as experts split over `tp x dp` do), in rank order.
+    #[getter]
+    fn replicas(&self) -> Vec<Vec<usize>> {
+        self.inner.replicas()
+    }
+
+    /// The commit groups of a staged refit's rolling commit in `rolling` groups (`refit
+    /// --run --stage --rolling`): lists of ranks, each group whole replicas. Raises
+    /// `ReshardError` naming the replica that `rolling` would cut and the groups it would
+    /// fall into.
+    fn rolling_groups(&self, rolling: usize) -> PyResult<Vec<Vec<usize>>> {
+        self.inner.rolling_groups(rolling).map_err(error)
+    }
+
     /// `(src, dst)`: the parameter's training and inference layouts.
     fn layouts(&self, name: &str) -> PyResult<(PyLayout, PyLayout)> {
         let t = self.tensor(name)?;
