@@ -141,6 +141,7 @@ fn class_of(e: &Error) -> Class {
         | Error::UnexpectedBuffer { .. }
         | Error::BufferSize { .. }
         | Error::InvalidOption { .. }
+        | Error::CutReplica { .. }
         | Error::Batch { .. }
         | Error::Env { .. }
         | Error::Convert { .. }

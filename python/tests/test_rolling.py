@@ -32,6 +32,8 @@ def test_a_count_that_cuts_a_replica_is_refused_naming_it():
     with pytest.raises(reshard.ReshardError) as e:
         dst("mesh=2x2 place=R,S(1)").rolling_groups(4)
     message = str(e.value)
+    # bad input, like any invalid argument
+    assert isinstance(e.value, reshard.ArgumentError), type(e.value)
     assert message.startswith("rolling: 4 is invalid"), message
     assert "cuts the inference replica of ranks 2,3 across commit groups 0 and 1" in message
     with pytest.raises(reshard.ReshardError, match="ranks 2,3,4,5 across commit groups 0 and 1"):
