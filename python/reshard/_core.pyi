@@ -217,6 +217,41 @@ class Packing:
     def unpack(self, buffers: Sequence[Any], tensors: Sequence[Any]) -> None: ...
     def copy_locals(self, tensors: Sequence[Any]) -> None: ...
 
+#: ``(bytes of the encoding, blocks per tag (unchanged, bitmask, offsets, dense), changed
+#: elements when encoding / written elements when applying)``.
+_DeltaStats = Tuple[int, List[int], int]
+
+def delta_encode(
+    new: Any,
+    base: Any,
+    out: Any,
+    at: int = 0,
+    *,
+    update_base: bool = True,
+    smaller_only: bool = False,
+    block_elems: int = 4096,
+) -> _DeltaStats:
+    """Encodes the CPU tensor ``new`` (any view) against ``base`` (as many elements of its
+    size) in the core's delta format into the contiguous 1-D uint8 CPU tensor ``out`` from
+    byte ``at``; ``base`` takes the new values with ``update_base``; with ``smaller_only`` an
+    encoding not smaller than the region is not written. GIL released."""
+
+def delta_apply(encoded: Any, dst: Any, at: int = 0, nbytes: Optional[int] = None) -> _DeltaStats:
+    """Applies the encoding at ``encoded[at:at + nbytes]`` onto the CPU tensor ``dst`` (any
+    view, holding the base), in place; checked whole before anything is written."""
+
+def delta_written(
+    encoded: Any,
+    shape: Sequence[int],
+    strides: Sequence[int],
+    elem: int,
+    at: int = 0,
+    nbytes: Optional[int] = None,
+) -> Tuple[bytearray, bytearray, _DeltaStats]:
+    """What the encoding at ``encoded[at:at + nbytes]`` writes into a region of ``shape``,
+    element ``strides`` and ``elem``-byte elements: the elements' offsets from the region's
+    first one (int64, little-endian) and their values, for a tensor on another device."""
+
 def plan(src: Layout, dst: Layout, min_split_bytes: Optional[int] = None) -> Plan: ...
 def rank_plan(src: Layout, dst: Layout, rank: int, min_split_bytes: Optional[int] = None) -> RankPlan: ...
 

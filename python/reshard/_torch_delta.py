@@ -1,48 +1,73 @@
-"""The block codec of a delta refit, in torch operations (so it runs on the tensors' own
-device): one transfer's region, as its row-major stream of elements in the wire dtype, is
-compared bit for bit with the base (what the sender last sent of it), cut into blocks of
-:data:`BLOCK` elements, and every block is sent the cheapest way:
+"""The codec of a delta refit from Python: a transfer's region, as its row-major stream of
+elements in the wire dtype, encoded against its base (what the receiver holds of it) in the
+core's wire format (``reshard_core::delta``), and the messages that carry a peer's regions.
 
-* unchanged: nothing but its tag;
-* offsets: the number of changed elements, their offsets in the block (u16) and their values;
-* bitmask: the number of changed elements, one bit per element, and the changed values;
-* dense: every value of the block.
+The encoding is the core's, one definition: an 18-byte header, then for every block of
+:data:`BLOCK` elements a tag and its payload, the smallest by the core's rule (unchanged: the
+tag alone; offsets: their u16 count, the changed elements' u16 offsets, their values; a bitmask
+and the changed values; dense: every value), values always the new values, never
+differences, so applying onto the right base gives the new region bit for bit.
 
-The cost of each (in bytes, the tag included) is the core's rule (``reshard_core::delta``):
-1 for unchanged, ``3 + changed * (2 + elem)`` for offsets, ``3 + ceil(n / 8) + changed * elem``
-for a bitmask (here with the count, which the receiver reads instead of counting bits) and
-``1 + n * elem`` for dense; ties go to the first of unchanged, offsets, bitmask, dense. Values
-are always the new values, never differences: applying a delta onto the right base gives the
-new region bit for bit, and nothing drifts over many versions.
+CPU tensors are encoded and applied by the core's kernels through the extension
+(:func:`reshard._core.delta_encode`, :func:`reshard._core.delta_apply`, GIL released).
+Tensors on another device are encoded by torch operations here that produce the same bytes,
+on the device, with one host sync per bucket (the sizes of all its regions' encodings, and
+their checksums, in one copy); such a receiver copies the bucket's messages to the host once,
+the core reads every encoding there and lists what it writes
+(:func:`reshard._core.delta_written`, checked whole first), and torch writes the values into
+the tensors on their device. ``torch_ops=True`` runs the torch path on CPU tensors too (the
+conformance tests compare both paths byte for byte).
 
-An encoded region is self-describing given its element count and dtype (which both sides know
-from the plan): a mode byte in the message header says whether the region is unchanged as a
-whole, dense as a whole (no base, or no cheaper), or cut into blocks, whose tags come first.
+A message (one per peer and bucket) carries its regions in the plan's order (which both sides
+know, with their shapes and dtypes)::
+
+    modes    u8 per region: 0 unchanged, 1 dense, 2 blocks
+    crcs     with checksums: the CRC-32C of every new region, int64 each
+    regions  every region not unchanged, each at a multiple of 8 bytes:
+             dense   its values
+             blocks  u64 length, then the core's encoding of that many bytes
+
+every section at a multiple of 8 bytes, the padding zero. A region goes unchanged when no
+element changed, dense without a base or when its encoding is not smaller than its values.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from ._core import ReshardError
+from ._core import ReshardError, crc32c, delta_apply, delta_encode, delta_written
 
-#: Elements per block of a region's stream (the core codec's block).
+#: Elements per block of a region's stream (``reshard_core::delta::BLOCK_ELEMS``).
 BLOCK = 4096
+#: Bytes of the core's header of an encoding.
+HEADER_BYTES = 18
+_VERSION = 1
 
-# A block's encodings, in the order ties are broken (the core's order).
-UNCHANGED, OFFSETS, BITMASK, DENSE = 0, 1, 2, 3
-ENCODINGS = ("unchanged", "offsets", "bitmask", "dense")
+# The core's block tags; ENCODINGS names them by tag.
+UNCHANGED, BITMASK, OFFSETS, DENSE = 0, 1, 2, 3
+ENCODINGS = ("unchanged", "bitmask", "offsets", "dense")
 
-# A whole region's mode in the message header.
+# A region's mode in its message.
 REGION_UNCHANGED, REGION_DENSE, REGION_BLOCKS = 0, 1, 2
 
 # Sections of a message start at multiples of this, so that bytes view as any element type.
 ALIGN = 8
 
 _INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+# The core's order of a tie (unchanged, offsets, bitmask, dense) as tags: the torch path
+# prices the encodings in this order, so that argmin picks the first cheapest as the core does.
+_TIE_ORDER = (UNCHANGED, OFFSETS, BITMASK, DENSE)
+
+# The torch path writes the values of at most this many bytes of a region at a time (its
+# temporaries are about 20 times as large).
+_CHUNK_BYTES = 4 << 20
+
+# Bytes past the end of a bucket's buffer that the torch path's masked writes land in.
+_SPARE = 8
 
 
 def aligned(n: int) -> int:
@@ -59,109 +84,113 @@ def as_bytes(flat: torch.Tensor) -> torch.Tensor:
     return flat.view(torch.uint8)
 
 
-@dataclass
-class Encoded:
-    """One region, encoded: its mode, the sections of the message it adds (each aligned by the
-    message), and what it cost."""
-
-    mode: int
-    sections: List[torch.Tensor]
-    blocks: List[int] = field(default_factory=lambda: [0, 0, 0, 0])
-    changed: int = 0
-
-    @property
-    def nbytes(self) -> int:
-        return sum(aligned(s.numel()) for s in self.sections)
+def _flat(view: torch.Tensor) -> torch.Tensor:
+    """A region's row-major stream (the view itself where it is contiguous)."""
+    return view.reshape(-1)
 
 
 def _nblocks(n: int) -> int:
     return (n + BLOCK - 1) // BLOCK
 
 
-def encode_dense(new: torch.Tensor) -> Encoded:
-    """The region ``new`` (contiguous, 1-D) sent whole."""
-    nb = _nblocks(new.numel())
-    return Encoded(REGION_DENSE, [as_bytes(new)] if new.numel() else [], [0, 0, 0, nb])
+def _head_bytes(regions: int, checksum: bool) -> int:
+    return aligned(regions) + (8 * regions if checksum else 0)
 
 
-def encode(new: torch.Tensor, base: Optional[torch.Tensor]) -> Encoded:
-    """The region ``new`` against ``base`` (both contiguous, 1-D, of one dtype and length;
-    None: no base, so dense), each block the cheapest way."""
-    n = new.numel()
-    if base is None or n == 0:
-        return encode_dense(new)
-    elem = new.element_size()
-    nb = _nblocks(n)
-    device = new.device
-    changed_at = bits(new) != bits(base)
-    if n % BLOCK:
-        grid = torch.zeros(nb * BLOCK, dtype=torch.bool, device=device)
-        grid[:n] = changed_at
-        grid = grid.view(nb, BLOCK)
-    else:
-        grid = changed_at.view(nb, BLOCK)
-    counts = grid.view(torch.uint8).sum(1, dtype=torch.int64)  # summing bools would copy them
-    lengths = (n - torch.arange(nb, device=device) * BLOCK).clamp(max=BLOCK)
-    big = torch.full_like(counts, 1 << 62)
-    cost = torch.stack(
-        [
-            torch.where(counts == 0, torch.ones_like(counts), big),
-            3 + counts * (2 + elem),
-            3 + (lengths + 7) // 8 + counts * elem,
-            1 + lengths * elem,
-        ]
-    )
-    tags = cost.argmin(0)
-    tally = torch.bincount(tags, minlength=4).tolist()
-    changed = int(counts.sum())
-    if tally[UNCHANGED] == nb:
-        return Encoded(REGION_UNCHANGED, [], tally, 0)
-    if tally[DENSE] == nb:
-        return Encoded(REGION_DENSE, [as_bytes(new)], tally, changed)
-    offsets_rows = tags == OFFSETS
-    bitmask_rows = tags == BITMASK
-    sel = changed_at
-    if tally[DENSE]:
-        sel = (grid | (tags == DENSE).unsqueeze(1)).view(-1)[:n]
-    # the selected elements, in row-major order: one index list gives the values and offsets
-    at = torch.nonzero(sel).view(-1)
-    values = new[at]
-    offsets = at[offsets_rows[at // BLOCK]] % BLOCK
-    masks = _pack_bits(grid[bitmask_rows]) if tally[BITMASK] else grid.new_zeros(0, dtype=torch.uint8)
-    if tally[BITMASK] and bool(bitmask_rows[-1]) and n % BLOCK:
-        # the last block is short: its mask has only the bytes its elements need
-        masks = masks[: masks.numel() - BLOCK // 8 + (n % BLOCK + 7) // 8]
-    sections = [
-        tags.to(torch.uint8),
-        as_bytes(counts[offsets_rows | bitmask_rows].to(torch.int16)),
-        masks,
-        as_bytes(offsets.to(torch.int16)),
-        as_bytes(values),
-    ]
-    return Encoded(REGION_BLOCKS, sections, tally, changed)
+@dataclass
+class Outgoing:
+    """One region to send: ``new`` the region as this rank holds it (any view, in the wire
+    dtype), ``base`` what the receiver holds of it (as many elements, any shape; None: send it
+    dense), ``keep`` a contiguous tensor of as many elements that takes the new values (the
+    base of the next version; it may be ``base`` itself, updated in place)."""
+
+    new: torch.Tensor
+    base: Optional[torch.Tensor] = None
+    keep: Optional[torch.Tensor] = None
 
 
-# Multiplying 8 bytes of 0 or 1 by this gathers them, the first as the lowest bit, into the
-# top byte: each byte's bit lands alone there, and no two partial products meet below it.
-_GATHER = 0x0102040810204080
+@dataclass
+class Encoded:
+    """How one region went: its mode, the bytes it takes in its message (a multiple of 8),
+    its blocks by tag (a region sent dense counts them all dense) and the elements that differ
+    from its base. ``sections`` (from :func:`encode` only): its bytes in the message."""
+
+    mode: int
+    nbytes: int = 0
+    blocks: List[int] = field(default_factory=lambda: [0, 0, 0, 0])
+    changed: int = 0
+    sections: List[torch.Tensor] = field(default_factory=list)
 
 
-def _pack_bits(rows: torch.Tensor) -> torch.Tensor:
-    """Boolean rows of :data:`BLOCK` as their bitmasks, bit ``i % 8`` of byte ``i // 8`` for
-    element ``i`` (little-endian), flattened."""
-    words = rows.contiguous().view(torch.uint8).view(torch.int64)
-    return ((words * _GATHER) >> 56).bitwise_and(0xFF).to(torch.uint8).view(-1)
+@dataclass
+class Applied:
+    """How one received region went: its mode, and with checksums the CRC-32C its sender sent
+    and the one of the region after applying."""
+
+    mode: int
+    sent_crc: Optional[int] = None
+    crc: Optional[int] = None
 
 
-# Each byte of a mask repeated into the 8 bytes of a word, then byte i keeps bit i alone.
-_SPREAD = 0x0101010101010101
-_BIT_OF_BYTE = 0x8040201008040201 - (1 << 64)  # as a signed 64-bit integer
+def _mode(has_base: bool, size: int, encoded: int, changed: int) -> int:
+    """A region's mode from its encoding's size (the same rule on both paths)."""
+    if not has_base:
+        return REGION_DENSE
+    if changed == 0:
+        return REGION_UNCHANGED
+    return REGION_DENSE if encoded >= size else REGION_BLOCKS
 
 
-def _unpack_bits(masks: torch.Tensor) -> torch.Tensor:
-    """The booleans of the bitmask bytes ``masks`` (as :func:`_pack_bits` packs them)."""
-    words = (masks.to(torch.int64) * _SPREAD).bitwise_and(_BIT_OF_BYTE)
-    return words.view(torch.uint8) != 0
+def _summary(mode: int, n: int, nbytes: int, tally: Sequence[int], changed: int) -> Encoded:
+    blocks = list(tally) if mode == REGION_BLOCKS or mode == REGION_UNCHANGED else [0, 0, 0, _nblocks(n)]
+    return Encoded(mode, nbytes, blocks, changed)
+
+
+def _crc_of(data: torch.Tensor) -> int:
+    """The CRC-32C of a contiguous CPU byte tensor."""
+    return crc32c(data, [(0, data.numel())])[0]
+
+
+def _uses_torch(tensors, torch_ops: Optional[bool]) -> bool:
+    if torch_ops is not None:
+        return torch_ops
+    return any(t.device.type != "cpu" for t in tensors)
+
+
+def encode_messages(
+    messages: Sequence[Sequence[Outgoing]], checksum: bool, torch_ops: Optional[bool] = None
+) -> List[Tuple[Optional[torch.Tensor], List[Encoded]]]:
+    """Every message of a bucket, one per list of regions: its bytes (None where every region
+    is unchanged and no checksums are sent) and how each region went. Every ``keep`` takes its
+    region's new values. CPU tensors by the core's kernels, others by torch operations with
+    one host sync for the whole bucket (``torch_ops`` forces either)."""
+    if _uses_torch((r.new for m in messages for r in m), torch_ops):
+        return _encode_torch(messages, checksum)
+    return [_encode_cpu(regions, checksum) for regions in messages]
+
+
+def apply_messages(
+    incoming: Sequence[Tuple[Optional[torch.Tensor], str, Sequence[Tuple[torch.Tensor, str]]]],
+    checksum: bool,
+    torch_ops: Optional[bool] = None,
+) -> List[List[Applied]]:
+    """Applies every message of a bucket, each ``(buffer, what, [(view, label)])``: its bytes
+    (None: every region unchanged), what names it in errors, and the views of its regions
+    (holding their bases) with their labels. Raises :class:`ReshardError` naming the region
+    of a malformed message (an encoding is checked whole before it writes anything)."""
+    views = [v for _, _, regions in incoming for v, _ in regions]
+    if _uses_torch(views, torch_ops):
+        return _apply_torch(incoming, checksum)
+    out = []
+    for buffer, what, regions in incoming:
+        applied = []
+        for reader, view, label, mode in _regions(buffer, what, regions, checksum, applied):
+            _apply_region_cpu(reader, mode, view, label)
+        if checksum:
+            for a, (view, _) in zip(applied, regions):
+                a.crc = _crc_of(as_bytes(_flat(view)))
+        out.append(applied)
+    return out
 
 
 class Reader:
@@ -184,69 +213,416 @@ class Reader:
         return out
 
 
-def decode(reader: Reader, mode: int, out: torch.Tensor, what: str) -> None:
-    """Applies one encoded region onto ``out`` (contiguous, 1-D, the base of the region: what
-    the destination holds), reading its sections from ``reader``."""
-    n = out.numel()
-    elem = out.element_size()
-    if mode == REGION_UNCHANGED:
+def _regions(buffer, what, regions, checksum, applied: List[Applied]):
+    """Reads a message's header and yields ``(reader, view, label, mode)`` per region, the
+    reader at its section; fills ``applied``."""
+    if buffer is None:
+        applied.extend(Applied(REGION_UNCHANGED) for _ in regions)
+        return
+    reader = Reader(buffer, what)
+    modes = reader.take(len(regions)).tolist()
+    crcs = reader.take(8 * len(regions)).view(torch.int64).tolist() if checksum else [None] * len(regions)
+    for (view, label), mode, crc in zip(regions, modes, crcs):
+        if mode not in (REGION_UNCHANGED, REGION_DENSE, REGION_BLOCKS):
+            raise ReshardError(f"{label}: unknown region mode {mode} in the message header")
+        applied.append(Applied(mode, None if crc is None else crc & 0xFFFFFFFF))
+        yield reader, view, label, mode
+
+
+def _blocks_at(reader: Reader) -> Tuple[int, int]:
+    """The offset and length of a region's encoding, read past."""
+    length = int(reader.take(8).view(torch.int64)[0])
+    at = reader.at
+    if length < 0:
+        raise ReshardError(f"{reader.what}: an encoding of {length} bytes in the message")
+    reader.take(length)
+    return at, length
+
+
+def _apply_region_cpu(reader: Reader, mode: int, view: torch.Tensor, label: str) -> None:
+    if mode == REGION_DENSE:
+        data = reader.take(view.numel() * view.element_size())
+        if view.numel():
+            view.copy_(data.view(view.dtype).view(view.shape))
+    elif mode == REGION_BLOCKS:
+        at, length = _blocks_at(reader)
+        try:
+            delta_apply(reader.buffer, view, at, length)
+        except ReshardError as e:
+            raise ReshardError(f"{label}: {e}") from None
+
+
+# ----------------------------------------------------------------------------------------
+# CPU: the core's kernels
+
+
+def _encode_cpu(regions: Sequence[Outgoing], checksum: bool) -> Tuple[Optional[torch.Tensor], List[Encoded]]:
+    """One message of CPU regions, each encoded straight into it by the core."""
+    head = _head_bytes(len(regions), checksum)
+    room = head + sum(8 + aligned(r.new.numel() * r.new.element_size()) for r in regions)
+    msg = torch.empty(room, dtype=torch.uint8)
+    msg[:head].zero_()
+    out: List[Encoded] = []
+    crcs: List[int] = []
+    at = head
+    for r in regions:
+        new, n = r.new, r.new.numel()
+        size = n * new.element_size()
+        in_place = r.keep is not None and r.keep is r.base
+        if r.base is None:
+            got = (0, [0, 0, 0, _nblocks(n)], 0)
+        else:
+            got = delta_encode(new, r.base, msg, at + 8, update_base=in_place, smaller_only=True)
+        mode = _mode(r.base is not None, size, got[0], got[2])
+        start = at
+        if mode == REGION_BLOCKS:
+            msg[at : at + 8].view(torch.int64)[0] = got[0]
+            end = at + 8 + got[0]
+        elif mode == REGION_DENSE:
+            if n:
+                msg[at : at + size].view(new.dtype).view(new.shape).copy_(new)
+            end = at + size
+        else:
+            end = at
+        if r.keep is not None and not in_place:
+            r.keep.view(new.shape).copy_(new)
+        if checksum:
+            if mode == REGION_DENSE:
+                crcs.append(_crc_of(msg[start:end]))
+            elif r.keep is not None:
+                crcs.append(_crc_of(as_bytes(r.keep)))
+            else:
+                crcs.append(_crc_of(as_bytes(_flat(new))))
+        at = aligned(end)
+        msg[end:at].zero_()
+        out.append(_summary(mode, n, at - start, got[1], got[2]))
+    return _finish_head(msg, at, out, crcs, checksum), out
+
+
+def _finish_head(msg, end: int, out: List[Encoded], crcs: List[int], checksum: bool):
+    """Writes a message's modes and checksums; the message up to ``end``, or None if it says
+    nothing."""
+    if not checksum and all(e.mode == REGION_UNCHANGED for e in out):
+        return None
+    if out:
+        msg[: len(out)] = torch.tensor([e.mode for e in out], dtype=torch.uint8)
+    if checksum and crcs:
+        at = aligned(len(out))
+        msg[at : at + 8 * len(crcs)].view(torch.int64)[:] = torch.tensor(crcs, dtype=torch.int64)
+    return msg[:end]
+
+
+# ----------------------------------------------------------------------------------------
+# Other devices: torch operations
+
+
+@dataclass
+class _Plan:
+    """The blocks of one region on its device: tags, changed counts and encoded sizes."""
+
+    tags: torch.Tensor
+    counts: torch.Tensor
+    sizes: torch.Tensor
+    #: (encoded bytes, changed elements, blocks per tag), int64 on the device
+    stats: torch.Tensor
+
+
+def _block_counts(changed: torch.Tensor, n: int) -> torch.Tensor:
+    nb = _nblocks(n)
+    if n % BLOCK:
+        grid = torch.zeros(nb * BLOCK, dtype=torch.bool, device=changed.device)
+        grid[:n] = changed
+    else:
+        grid = changed
+    return grid.view(nb, BLOCK).view(torch.uint8).sum(1, dtype=torch.int64)
+
+
+def _lengths(n: int, device) -> torch.Tensor:
+    return (n - torch.arange(_nblocks(n), device=device, dtype=torch.int64) * BLOCK).clamp(max=BLOCK)
+
+
+def _plan(new: torch.Tensor, base: torch.Tensor) -> _Plan:
+    """Prices every block of a region by the core's rule (``reshard_core::delta::choose``):
+    1 byte unchanged, ``3 + changed * (2 + elem)`` offsets, ``1 + ceil(n / 8) + changed *
+    elem`` a bitmask, ``1 + n * elem`` dense, a tie going to the first of those."""
+    n, elem, device = new.numel(), new.element_size(), new.device
+    counts = _block_counts(bits(new) != bits(base), n)
+    lengths = _lengths(n, device)
+    cost = torch.stack(
+        [
+            torch.where(counts == 0, 1, 1 << 62),
+            3 + counts * (2 + elem),
+            1 + (lengths + 7) // 8 + counts * elem,
+            1 + lengths * elem,
+        ]
+    )
+    choice = cost.argmin(0)
+    sizes = cost.gather(0, choice.unsqueeze(0)).squeeze(0)
+    tags = torch.tensor(_TIE_ORDER, dtype=torch.int64, device=device)[choice]
+    stats = torch.cat(
+        [
+            torch.stack([HEADER_BYTES + sizes.sum(), counts.sum()]),
+            # per tag (bincount would ask the device for its largest tag)
+            (tags.unsqueeze(1) == torch.arange(4, device=device)).sum(0),
+        ]
+    )
+    return _Plan(tags, counts, sizes, stats)
+
+
+def _to_device(host: torch.Tensor, device) -> torch.Tensor:
+    """A host tensor on ``device``, copied without waiting for the device (pinned)."""
+    if device.type == "cpu":
+        return host
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
+
+
+def _header(elem: int, nb: int, length: int) -> List[int]:
+    """A region's u64 length and the core's header of its encoding, as bytes."""
+    out = list(length.to_bytes(8, "little"))
+    out += [_VERSION, elem]
+    out += list(BLOCK.to_bytes(4, "little")) + [0] * 8 + list(nb.to_bytes(4, "little"))
+    return out
+
+
+def _encode_torch(messages: Sequence[Sequence[Outgoing]], checksum: bool):
+    """Every message of a bucket by torch operations on the regions' device, one host sync."""
+    all_regions = [r for m in messages for r in m]
+    if not all_regions:
+        return [(None, []) for _ in messages]
+    device = all_regions[0].new.device
+    flats = [_flat(r.new) for r in all_regions]
+    bases = [None if r.base is None else _flat(r.base) for r in all_regions]
+    plans: List[Optional[_Plan]] = []
+    for new, base in zip(flats, bases):
+        plans.append(_plan(new, base) if base is not None and new.numel() else None)
+
+    # the one sync: every plan's statistics, and with checksums every new region's bytes
+    parts = [p.stats for p in plans if p is not None]
+    stats: List[List[int]] = []
+    host = None
+    if parts or checksum:
+        blob = [torch.cat(parts).view(torch.uint8)] if parts else []
+        if checksum:
+            blob += [as_bytes(f) for f in flats if f.numel()]
+        host = torch.cat(blob).cpu() if blob else torch.empty(0, dtype=torch.uint8)
+        if parts:
+            flat_stats = host[: 48 * len(parts)].view(torch.int64).tolist()
+            stats = [flat_stats[6 * k : 6 * k + 6] for k in range(len(parts))]
+    at_crc = 48 * len(parts)
+    crcs: List[int] = []
+    if checksum:
+        pieces = []
+        for f in flats:
+            size = f.numel() * f.element_size()
+            pieces.append((at_crc, size))
+            at_crc += size
+        crcs = crc32c(host, pieces) if pieces else []
+
+    # the layout of every message, in one buffer
+    outs: List[List[Encoded]] = []
+    spans: List[Tuple[int, int]] = []
+    host_pos: List[int] = []
+    host_val: List[int] = []
+    writes = []  # (region index, offset of its section, mode)
+    at, k, s = 0, 0, 0
+    for regions in messages:
+        start = at
+        head = _head_bytes(len(regions), checksum)
+        encoded: List[Encoded] = []
+        at += head
+        for r in regions:
+            n, elem = r.new.numel(), r.new.element_size()
+            size = n * elem
+            plan = plans[k]
+            got = stats[s] if plan is not None else [HEADER_BYTES, 0, _nblocks(n), 0, 0, 0]
+            s += plan is not None
+            mode = _mode(r.base is not None, size, got[0], got[1])
+            section = at
+            if mode == REGION_BLOCKS:
+                host_pos += range(at, at + 8 + HEADER_BYTES)
+                host_val += _header(elem, _nblocks(n), got[0])
+                at += 8 + got[0]
+            elif mode == REGION_DENSE:
+                at += size
+            writes.append((k, section, mode))
+            at = aligned(at)
+            encoded.append(_summary(mode, n, at - section, got[2:], got[1]))
+            k += 1
+        if checksum or any(e.mode != REGION_UNCHANGED for e in encoded):
+            host_pos += range(start, start + len(regions))
+            host_val += [e.mode for e in encoded]
+            if checksum:
+                c = aligned(start + len(regions))
+                first = k - len(regions)
+                host_pos += range(c, c + 8 * len(regions))
+                for crc in crcs[first:k]:
+                    host_val += list(crc.to_bytes(8, "little"))
+            spans.append((start, at))
+        else:
+            at = start
+            spans.append((start, start))
+        outs.append(encoded)
+
+    buf = torch.zeros(at + _SPARE, dtype=torch.uint8, device=device)
+    spare = at
+    if host_pos:
+        pos = _to_device(torch.tensor(host_pos, dtype=torch.int64), device)
+        val = _to_device(torch.tensor(host_val, dtype=torch.uint8), device)
+        buf.index_put_((pos,), val)
+    for k, section, mode in writes:
+        new = flats[k]
+        if mode == REGION_DENSE and new.numel():
+            buf[section : section + new.numel() * new.element_size()].view(new.dtype).copy_(new)
+        elif mode == REGION_BLOCKS:
+            _write_blocks(buf, section + 8, new, bases[k], plans[k], spare)
+    for r, new in zip(all_regions, flats):
+        if r.keep is not None:
+            r.keep.copy_(new)
+    return [(None if a == b else buf[a:b], e) for (a, b), e in zip(spans, outs)]
+
+
+# Multiplying 8 bytes of 0 or 1 by this gathers them, the first as the lowest bit, into the
+# top byte: each byte's bit lands alone there, and no two partial products meet below it.
+_GATHER = 0x0102040810204080
+
+
+def _pack_bits(rows: torch.Tensor) -> torch.Tensor:
+    """Boolean rows of :data:`BLOCK` as their bitmasks, bit ``i % 8`` of byte ``i // 8`` for
+    element ``i`` (the core's order), one row of ``BLOCK // 8`` bytes per row."""
+    words = rows.contiguous().view(torch.uint8).view(torch.int64)
+    return ((words * _GATHER) >> 56).bitwise_and(0xFF).to(torch.uint8)
+
+
+def _write_blocks(buf: torch.Tensor, at: int, new: torch.Tensor, base: torch.Tensor, plan: _Plan, spare: int):
+    """Writes the core's blocks of one region (its header written already) into ``buf`` from
+    byte ``at + HEADER_BYTES``: every byte lands by an indexed write, those a block does not
+    have at ``spare`` (past the messages)."""
+    device, n, elem = buf.device, new.numel(), new.element_size()
+    tags, counts, sizes = plan.tags, plan.counts, plan.sizes
+    starts = at + HEADER_BYTES + torch.cumsum(sizes, 0) - sizes
+    mask_bytes = (_lengths(n, device) + 7) // 8
+    is_offsets, is_bitmask, is_dense = tags == OFFSETS, tags == BITMASK, tags == DENSE
+    # tags, and the offsets blocks' counts (u16)
+    pos = [starts, torch.where(is_offsets, starts + 1, spare), torch.where(is_offsets, starts + 2, spare)]
+    val = [tags, counts & 0xFF, counts >> 8]
+    buf.index_put_((torch.cat(pos),), torch.cat(val).to(torch.uint8))
+    # where each block's values start
+    values_at = starts + torch.where(is_dense, 1, torch.where(is_bitmask, 1 + mask_bytes, 3 + 2 * counts))
+    rows = max(1, _CHUNK_BYTES // (BLOCK * elem))
+    column = torch.arange(BLOCK, device=device, dtype=torch.int64)
+    byte = torch.arange(elem, device=device, dtype=torch.int64)
+    mask_column = torch.arange(BLOCK // 8, device=device, dtype=torch.int64)
+    for b0 in range(0, _nblocks(n), rows):
+        b1 = min(_nblocks(n), b0 + rows)
+        e0, e1 = b0 * BLOCK, min(n, b1 * BLOCK)
+        changed = bits(new[e0:e1]) != bits(base[e0:e1])
+        grid = torch.zeros((b1 - b0) * BLOCK, dtype=torch.bool, device=device)
+        grid[: e1 - e0] = changed
+        grid = grid.view(b1 - b0, BLOCK)
+        chosen = grid | is_dense[b0:b1, None]
+        rank = torch.cumsum(chosen, 1) - 1  # of an element among its block's values
+        # the values: every element of a dense block, the changed ones of the others
+        where = torch.where(chosen, values_at[b0:b1, None] + rank * elem, spare).view(-1)[: e1 - e0]
+        buf.index_put_(((where[:, None] + byte).view(-1),), as_bytes(new[e0:e1]))
+        # the offsets blocks' offsets (u16), in their changed elements' order
+        listed = grid & is_offsets[b0:b1, None]
+        first = torch.where(listed, starts[b0:b1, None] + 3 + 2 * rank, spare).view(-1)
+        lo = (column & 0xFF).to(torch.uint8).expand(b1 - b0, BLOCK).reshape(-1)
+        hi = (column >> 8).to(torch.uint8).expand(b1 - b0, BLOCK).reshape(-1)
+        buf.index_put_((torch.cat([first, first + 1]),), torch.cat([lo, hi]))
+        # the bitmask blocks' masks, as many bytes as each block's elements need
+        masked = is_bitmask[b0:b1, None] & (mask_column < mask_bytes[b0:b1, None])
+        where = torch.where(masked, starts[b0:b1, None] + 1 + mask_column, spare)
+        buf.index_put_((where.view(-1),), _pack_bits(grid).view(-1))
+
+
+def _apply_torch(incoming, checksum: bool) -> List[List[Applied]]:
+    """Applies a bucket's messages onto tensors of any device: one copy of the messages to the
+    host, where the core reads every encoding, then torch writes on the device."""
+    buffers = [b for b, _, _ in incoming if b is not None]
+    hosts: List[Optional[torch.Tensor]] = []
+    if buffers and buffers[0].device.type != "cpu":
+        joined = torch.cat(buffers).cpu()
+        at = 0
+        for b, _, _ in incoming:
+            hosts.append(None if b is None else joined[at : at + b.numel()])
+            at += 0 if b is None else b.numel()
+    else:
+        hosts = [b for b, _, _ in incoming]
+    out = []
+    for (device_buffer, what, regions), host in zip(incoming, hosts):
+        applied: List[Applied] = []
+        for reader, view, label, mode in _regions(host, what, regions, checksum, applied):
+            if mode == REGION_DENSE:
+                at = reader.at
+                reader.take(view.numel() * view.element_size())
+                if view.numel():
+                    data = device_buffer[at : at + view.numel() * view.element_size()]
+                    view.copy_(data.view(view.dtype).view(view.shape))
+            elif mode == REGION_BLOCKS:
+                at, length = _blocks_at(reader)
+                _scatter(host, at, length, view, label)
+        out.append(applied)
+    if checksum:
+        views = [view for _, _, regions in incoming for view, _ in regions]
+        data = [as_bytes(_flat(v)) for v in views]
+        joined = torch.cat(data).cpu() if data else torch.empty(0, dtype=torch.uint8)
+        pieces, at = [], 0
+        for d in data:
+            pieces.append((at, d.numel()))
+            at += d.numel()
+        crcs = iter(crc32c(joined, pieces) if pieces else [])
+        for applied in out:
+            for a in applied:
+                a.crc = next(crcs)
+    return out
+
+
+def _scatter(host: torch.Tensor, at: int, length: int, view: torch.Tensor, label: str) -> None:
+    """Writes what the encoding at ``host[at:at + length]`` changes into ``view``, on its
+    device."""
+    elem = view.element_size()
+    try:
+        offsets, values, _ = delta_written(host, list(view.shape), list(view.stride()), elem, at, length)
+    except ReshardError as e:
+        raise ReshardError(f"{label}: {e}") from None
+    if not offsets:
+        return
+    span = 1 + sum((n - 1) * s for n, s in zip(view.shape, view.stride()))
+    storage = view.as_strided((span,), (1,))
+    index = _to_device(torch.frombuffer(offsets, dtype=torch.int64), view.device)
+    data = _to_device(torch.frombuffer(values, dtype=torch.uint8), view.device)
+    target = bits(storage)
+    target[index] = data.view(target.dtype)
+
+
+# ----------------------------------------------------------------------------------------
+# One region at a time (tests, and what the messages are made of)
+
+
+def encode(new: torch.Tensor, base: Optional[torch.Tensor], torch_ops: Optional[bool] = None) -> Encoded:
+    """One region as a message of its own would carry it: ``sections`` its bytes there (after
+    the header). ``base`` is not changed."""
+    [(msg, [encoded])] = encode_messages([[Outgoing(new, base)]], False, torch_ops)
+    if msg is not None and encoded.mode != REGION_UNCHANGED:
+        encoded.sections = [msg[_head_bytes(1, False) :]]
+    return encoded
+
+
+def decode(reader: Reader, mode: int, out: torch.Tensor, what: str, torch_ops: Optional[bool] = None) -> None:
+    """Applies one region (its section at ``reader``, in ``mode``) onto ``out``, which holds
+    its base."""
+    if mode not in (REGION_UNCHANGED, REGION_DENSE, REGION_BLOCKS):
+        raise ReshardError(f"{what}: unknown region mode {mode} in the message header")
+    if not _uses_torch([out, reader.buffer], torch_ops):
+        _apply_region_cpu(reader, mode, out, what)
         return
     if mode == REGION_DENSE:
-        if n:
-            bits(out).copy_(reader.take(n * elem).view(bits(out).dtype))
-        return
-    if mode != REGION_BLOCKS:
-        raise ReshardError(f"{what}: unknown region mode {mode} in the message header")
-    nb = _nblocks(n)
-    device = out.device
-    tags = reader.take(nb).cpu().to(torch.int64)
-    if nb and int(tags.max()) > DENSE:
-        raise ReshardError(f"{what}: unknown block encoding {int(tags.max())} in the message")
-    offsets_rows = tags == OFFSETS
-    bitmask_rows = tags == BITMASK
-    counted = offsets_rows | bitmask_rows
-    counts = reader.take(2 * int(counted.sum())).view(torch.int16).cpu().to(torch.int64)
-    lengths = (n - torch.arange(nb) * BLOCK).clamp(max=BLOCK)
-    if bool((counts < 1).any()) or bool((counts > lengths[counted]).any()):
-        raise ReshardError(f"{what}: a block's count of changed elements is out of range")
-    per_block = torch.zeros(nb, dtype=torch.int64)
-    per_block[counted] = counts
-    nbitmask = int(bitmask_rows.sum())
-    nmask = nbitmask * (BLOCK // 8)
-    if nbitmask and bool(bitmask_rows[-1]) and n % BLOCK:
-        nmask -= BLOCK // 8 - (n % BLOCK + 7) // 8
-    masks = reader.take(nmask)
-    noffsets = int(per_block[offsets_rows].sum())
-    offsets = reader.take(2 * noffsets).view(torch.int16)
-    nvalues = int(per_block.sum()) + int(lengths[tags == DENSE].sum())
-    values = reader.take(nvalues * elem).view(bits(out).dtype)
-
-    rows = None
-    if noffsets:
-        first = torch.nonzero(offsets_rows).view(-1)
-        rows = torch.repeat_interleave(first, per_block[offsets_rows]).to(device)
-        cols = offsets.to(torch.int64)
-        if bool(((cols < 0) | (cols >= BLOCK)).any()):
-            raise ReshardError(f"{what}: a changed element's offset lies outside its block")
-        if not nbitmask and not bool((tags == DENSE).any()):
-            # offsets alone: their elements' indices, in order, say where the values go
-            at = rows * BLOCK + cols
-            if bool((at[1:] <= at[:-1]).any()) or int(at[-1]) >= n:
-                raise ReshardError(f"{what}: a block's offsets are not increasing within its elements")
-            bits(out)[at] = values
-            return
-    sel = torch.zeros(nb, BLOCK, dtype=torch.bool, device=device)
-    sel[(tags == DENSE).to(device)] = True
-    if nbitmask:
-        full = torch.zeros(nbitmask * (BLOCK // 8), dtype=torch.uint8, device=device)
-        full[:nmask] = masks
-        sel[bitmask_rows.to(device)] = _unpack_bits(full).view(nbitmask, BLOCK)
-    if rows is not None:
-        sel[rows, cols] = True
-    sel = sel.view(-1)[:n]
-    if int(sel.view(torch.uint8).sum(dtype=torch.int64)) != nvalues:
-        raise ReshardError(
-            f"{what}: the message's masks and offsets select another number of elements than "
-            f"the {nvalues} values it carries"
-        )
-    bits(out).masked_scatter_(sel, values)
+        data = reader.take(out.numel() * out.element_size())
+        if out.numel():
+            out.copy_(data.view(out.dtype).view(out.shape))
+    elif mode == REGION_BLOCKS:
+        at, length = _blocks_at(reader)
+        _scatter(reader.buffer.cpu(), at, length, out, what)

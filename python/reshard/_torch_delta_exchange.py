@@ -1,15 +1,11 @@
 """The data of one delta refit, after the fence (:mod:`reshard._torch_delta_session`): every
 source rank encodes each of its transfers against its base where the destination holds it,
-packs one message per peer, and the ranks exchange first the messages' sizes, then the
+one message per peer and bucket (:mod:`reshard._torch_delta`: the core's encoding of each
+region, the message's format), and the ranks exchange first the messages' sizes, then the
 messages, point to point, while each copies the regions it holds on both sides; then every
 destination applies what arrived onto its shards, in place, and with checksums compares each
-region after applying.
-
-A message is: a mode byte per region (unchanged, dense, blocks; in the plan's order of the
-regions, which both sides know), with checksums an int64 CRC-32C of each new region, then the
-sections of every region that is not unchanged (:func:`reshard._torch_delta.encode`), each
-aligned to 8 bytes. A message whose regions are all unchanged, without checksums, is not sent
-at all (its size says so).
+region after applying. A message whose regions are all unchanged, without checksums, is not
+sent at all (its size says so).
 """
 
 from __future__ import annotations
@@ -20,36 +16,11 @@ import torch
 import torch.distributed as dist
 
 from . import _torch_delta as _codec
-from ._core import ChecksumError, ReshardError, crc32c
+from ._core import ChecksumError, ReshardError
 from ._torch_bucket import _peer
 
 # The fence's field of a rank's held version (as _torch_delta_session gathers it).
 _HELD = 1
-
-
-def _crc(flat: torch.Tensor) -> int:
-    data = _codec.as_bytes(flat)
-    if data.device.type != "cpu":
-        data = data.cpu()
-    return crc32c(data, [(0, data.numel())])[0]
-
-
-def _concat(parts: List[torch.Tensor], device) -> torch.Tensor:
-    """The byte tensors ``parts`` one after the other, each at a multiple of 8 bytes."""
-    total = sum(_codec.aligned(p.numel()) for p in parts)
-    out = torch.empty(total, dtype=torch.uint8, device=device)
-    at = 0
-    for p in parts:
-        end = at + p.numel()
-        out[at:end] = p
-        at = _codec.aligned(end)
-        out[end:at] = 0  # the padding, so that no stale memory leaves the rank
-    return out
-
-
-def _flat(view: torch.Tensor) -> torch.Tensor:
-    """A region's row-major stream (the view itself where it is contiguous)."""
-    return view.view(-1) if view.is_contiguous() else view.reshape(-1)
 
 
 def _by_peer(job, members: List[int], side: str) -> Dict[int, List[Tuple[str, object]]]:
@@ -95,63 +66,58 @@ def _base_of(session, job, name: str, piece, held: int) -> Optional[torch.Tensor
         prev = job.previous[name][0]
         if prev is None or session.last != held:
             return None
-        return _flat(prev[piece.local])
+        return prev[piece.local]
     kept = session._bases.get(name, {}).get(_key(job, name, piece))
     if kept is None or kept[0] != held:
         return None
     return kept[1]
 
 
-def _encode(session, job, peer: int, items, held: int, anchored: bool, report, bases, device):
-    """This rank's message to ``peer``: its bytes (None: nothing to send)."""
-    modes: List[int] = []
-    crcs: List[int] = []
-    sections: List[torch.Tensor] = []
-    for name, piece in items:
-        new = _flat(job.pairs[name][0][piece.local])
-        base = None if anchored else _base_of(session, job, name, piece, held)
-        encoded = _codec.encode(new, base)
-        modes.append(encoded.mode)
-        sections += encoded.sections
-        report.bytes_dense += piece.nbytes
-        report.changed += encoded.changed
-        for what, count in zip(_codec.ENCODINGS, encoded.blocks):
-            report.blocks[what] += count
-        if base is None:
-            report.regions_dense += 1
+def _outgoing(session, job, name: str, piece, held: int, anchored: bool, report, bases) -> _codec.Outgoing:
+    """One region to send: its base, and with ``keep_base`` the tensor that keeps its new
+    values (the old base, reused where it fits)."""
+    new = job.pairs[name][0][piece.local]
+    base = None if anchored else _base_of(session, job, name, piece, held)
+    keep = None
+    if session.keep_base:
+        key = _key(job, name, piece)
+        # the old base takes the new region (no allocation); it leaves the session first, so
+        # that a call that fails later leaves no wrong base
+        kept = session._bases.get(name, {}).pop(key, None)
+        if kept is not None and (kept[1].numel(), kept[1].dtype, kept[1].device) == (
+            new.numel(),
+            new.dtype,
+            new.device,
+        ):
+            keep = kept[1]
         else:
-            report.regions_delta += 1
-        if session.checksum:
-            crcs.append(_crc(new))
-        if session.keep_base:
-            key = _key(job, name, piece)
-            # the old base, encoded against now, takes the new region (no allocation); it
-            # leaves the session first, so that a call that fails later leaves no wrong base
-            kept = session._bases.get(name, {}).pop(key, None)
-            same = kept is not None and kept[1].shape == new.shape and kept[1].dtype == new.dtype
-            if same and kept[1].device == new.device:
-                kept[1].copy_(new)
-                bases.setdefault(name, {})[key] = (report.version, kept[1])
+            keep = torch.empty(new.numel(), dtype=new.dtype, device=new.device)
+        bases.setdefault(name, {})[key] = (report.version, keep)
+    return _codec.Outgoing(new, base, keep)
+
+
+def _encode(session, job, sends, held_by, anchored: bool, report, bases) -> dict:
+    """This rank's messages of one bucket by peer (None: nothing to send), and its report's
+    counts of them."""
+    peers = sorted(sends)
+    regions = [
+        [_outgoing(session, job, name, p, held_by[peer], anchored, report, bases) for name, p in sends[peer]]
+        for peer in peers
+    ]
+    messages = {}
+    encoded = _codec.encode_messages(regions, session.checksum)
+    for peer, outgoing, (message, summary) in zip(peers, regions, encoded):
+        messages[peer] = message
+        for (_, piece), region, e in zip(sends[peer], outgoing, summary):
+            report.bytes_dense += piece.nbytes
+            report.changed += e.changed
+            for what, count in zip(_codec.ENCODINGS, e.blocks):
+                report.blocks[what] += count
+            if region.base is None:
+                report.regions_dense += 1
             else:
-                bases.setdefault(name, {})[key] = (report.version, new.clone())
-    if not session.checksum and all(m == _codec.REGION_UNCHANGED for m in modes):
-        return None
-    header = [torch.tensor(modes, dtype=torch.uint8, device=device)]
-    if session.checksum:
-        header.append(_codec.as_bytes(torch.tensor(crcs, dtype=torch.int64, device=device)))
-    return _concat(header + sections, device)
-
-
-def _exchange(sends: Dict[int, torch.Tensor], recvs: Dict[int, int], group, device):
-    """Sends every message and receives every one of a known size, in one batch."""
-    ops = []
-    for peer, buffer in sends.items():
-        ops.append(dist.P2POp(dist.isend, buffer, _peer(group, peer), group))
-    landing = {}
-    for peer, size in recvs.items():
-        landing[peer] = torch.empty(size, dtype=torch.uint8, device=device)
-        ops.append(dist.P2POp(dist.irecv, landing[peer], _peer(group, peer), group))
-    return landing, (dist.batch_isend_irecv(ops) if ops else [])
+                report.regions_delta += 1
+    return messages
 
 
 def run(session, job, heard, version: int, report, device, rank: int) -> None:
@@ -164,11 +130,9 @@ def run(session, job, heard, version: int, report, device, rank: int) -> None:
     problem: Optional[str] = None
     for members in _buckets(job, session.bucket_bytes):
         sends, recvs = _by_peer(job, members, "sends"), _by_peer(job, members, "recvs")
-        messages = {}
-        for peer in sorted(sends):
-            held = heard[peer][_HELD]
-            messages[peer] = _encode(session, job, peer, sends[peer], held, anchored, report, bases, device)
-        landing = _move(session.group, messages, list(recvs), device, report)
+        held_by = {peer: heard[peer][_HELD] for peer in sends}
+        messages = _encode(session, job, sends, held_by, anchored, report, bases)
+        landing = _move(session.group, messages, sorted(recvs), device, report)
         for i in members:  # the regions this rank holds on both sides
             src_local, dst_local = job.pairs[job.names[i]][0], job.pairs[job.names[i]][1]
             for src_slices, dst_slices in job.plans[i].locals:
@@ -178,9 +142,8 @@ def run(session, job, heard, version: int, report, device, rank: int) -> None:
         if failure is not None:
             continue
         try:
-            for peer in sorted(recvs):
-                found = _apply(session, job, peer, recvs[peer], landing.get(peer), report, rank)
-                problem = problem or found
+            found = _apply(session, job, recvs, landing, report, rank)
+            problem = problem or found
         except Exception as e:  # raised below, after the other buckets
             failure = e
 
@@ -204,51 +167,64 @@ def run(session, job, heard, version: int, report, device, rank: int) -> None:
 def _move(group, messages, peers: List[int], device, report) -> dict:
     """Sends this rank's messages of one bucket and posts the receives: first every
     message's size (one that says nothing changed, without checksums, is not sent), then the
-    messages. The buffers that will arrive by peer, and under None the requests to wait."""
-    sizes_out = {
-        p: torch.tensor([0 if m is None else m.numel()], dtype=torch.int64, device=device).view(torch.uint8)
-        for p, m in messages.items()
-    }
-    sizes_in, requests = _exchange(sizes_out, {p: 8 for p in peers}, group, device)
-    for request in requests:
+    messages, landing in one buffer. The buffers that will arrive by peer, and under None
+    the requests to wait."""
+    senders = sorted(messages)
+    told = [0 if messages[p] is None else messages[p].numel() for p in senders]
+    sizes_out = torch.tensor(told, dtype=torch.int64, device=device).view(torch.uint8)
+    sizes_in = torch.empty(8 * len(peers), dtype=torch.uint8, device=device)
+    ops = [_op(dist.isend, sizes_out[8 * i : 8 * i + 8], p, group) for i, p in enumerate(senders)]
+    ops += [_op(dist.irecv, sizes_in[8 * i : 8 * i + 8], p, group) for i, p in enumerate(peers)]
+    for request in dist.batch_isend_irecv(ops) if ops else []:
         request.wait()
-    sizes = {p: int(t.view(torch.int64)[0]) for p, t in sizes_in.items()}
+    sizes = dict(zip(peers, sizes_in.view(torch.int64).tolist()))
     outgoing = {p: m for p, m in messages.items() if m is not None}
     report.bytes_sent += sum(m.numel() for m in outgoing.values())
     report.bytes_received += sum(sizes.values())
-    landing, requests = _exchange(outgoing, {p: n for p, n in sizes.items() if n > 0}, group, device)
-    landing[None] = requests
+    arriving = torch.empty(sum(sizes.values()), dtype=torch.uint8, device=device)
+    landing: dict = {}
+    at = 0
+    for p in peers:
+        if sizes[p] > 0:
+            landing[p] = arriving[at : at + sizes[p]]
+            at += sizes[p]
+    ops = [_op(dist.isend, m, p, group) for p, m in outgoing.items()]
+    ops += [_op(dist.irecv, buffer, p, group) for p, buffer in landing.items()]
+    landing[None] = dist.batch_isend_irecv(ops) if ops else []
     return landing
 
 
-def _apply(session, job, peer: int, items, buffer, report, rank: int) -> Optional[str]:
-    """Applies the message from ``peer`` onto this rank's shards; returns the first region
+def _op(op, tensor: torch.Tensor, peer: int, group):
+    return dist.P2POp(op, tensor, _peer(group, peer), group)
+
+
+def _apply(session, job, recvs, landing, report, rank: int) -> Optional[str]:
+    """Applies the messages of one bucket onto this rank's shards; returns the first region
     whose checksum differs after applying (None if none)."""
-    what = f"rank {rank}: the message from rank {peer}"
-    if buffer is None:
-        if session.checksum:
+    incoming = []
+    for peer in sorted(recvs):
+        what = f"rank {rank}: the message from rank {peer}"
+        buffer = landing.get(peer)
+        if buffer is None and session.checksum:
             raise ReshardError(f"{what} did not arrive, yet checksums were asked for")
-        return None  # every region unchanged
-    reader = _codec.Reader(buffer, what)
-    modes = reader.take(len(items)).cpu().tolist()
-    crcs = reader.take(8 * len(items)).view(torch.int64).cpu().tolist() if session.checksum else None
+        regions = []
+        for name, piece in recvs[peer]:
+            extent = "x".join(map(str, piece.shape))
+            named = f"{name}: " if name else ""
+            label = f"{what}, {named}region at offset {list(piece.offset)} extent {extent}"
+            regions.append((job.pairs[name][1][piece.local], label))
+        incoming.append((buffer, what, regions))
     problem = None
-    for i, ((name, piece), mode) in enumerate(zip(items, modes)):
-        view = job.pairs[name][1][piece.local]
-        flat = _flat(view)
-        extent = "x".join(map(str, piece.shape))
-        label = f"{what}, {name + ': ' if name else ''}region at offset {list(piece.offset)} extent {extent}"
-        _codec.decode(reader, mode, flat, label)
-        if mode != _codec.REGION_UNCHANGED and not view.is_contiguous():
-            view.copy_(flat.view(view.shape))
-        if crcs is not None:
+    for (_, _, regions), applied in zip(incoming, _codec.apply_messages(incoming, session.checksum)):
+        for (_, label), a in zip(regions, applied):
+            if a.crc is None:
+                continue
             report.checked += 1
-            got, sent = _crc(flat), crcs[i]
-            if got != sent and problem is None:
+            if a.crc != a.sent_crc and problem is None:
                 problem = (
                     f"{label}: checksum mismatch after applying: the sender's new region has "
-                    f"crc32c {sent:#010x}, this rank's {got:#010x}; its shard did not hold the "
-                    f"base (version {session.held}) the delta was computed against (was it "
+                    f"crc32c {a.sent_crc:#010x}, this rank's {a.crc:#010x}; its shard did not hold "
+                    f"the base (version {session.held}) the delta was computed against (was it "
                     "changed outside the refit?). This rank now holds no version, so the next "
                     "refit sends it dense"
                 )

@@ -7,6 +7,7 @@
 
 mod checksum;
 mod control;
+mod delta;
 mod layout;
 mod pack;
 mod plan;
@@ -171,6 +172,8 @@ mod _core {
     use super::checksum::crc32c;
     #[pymodule_export]
     use super::control::{PyControl, PyControlListener};
+    #[pymodule_export]
+    use super::delta::{delta_apply, delta_encode, delta_written};
     #[pymodule_export]
     use super::layout::{PyLayout, PyReplicate, PyShard};
     #[pymodule_export]
