@@ -261,7 +261,10 @@ def prepare(session, given, version, src, dst, previous, staging) -> StageReport
         f"({reasons}); the live shards still serve {served}"
     )
     if failure is not None and not isinstance(failure, ReshardError):
-        raise failure
+        # the data plane broke (a peer's connection closed): the decision names who was lost
+        error = PeerLostError(f"rank {rank}: the data plane failed ({failure}); {message}")
+        _control.failed(group, error)
+        raise error from failure
     if failure is not None:
         raise type(failure)(f"{failure}; {message}") from failure
     raise AbortedError(message)

@@ -82,6 +82,7 @@ impl PyControl {
     /// seconds, and each hello carries `token`.
     #[new]
     #[pyo3(signature = (rank, world, addr, port, token, timeout, listener = None))]
+    #[allow(clippy::too_many_arguments)] // Python's keyword arguments, one per fact of the job
     fn new(
         py: Python<'_>,
         rank: usize,

@@ -1,0 +1,163 @@
+"""kill -9 of one rank during a staged refit from Python (prepare, the decision, the commit):
+every surviving destination rank serves the old version or the new one, whole, checked on its
+bytes, and every survivor's call ends within a bounded time with an error of reshard's kinds
+(or a commit), never a hang or a raw backend error.
+
+Four processes on loopback gloo: sources 0 and 1, destinations 1, 2 and 3 (rank 1 is both). The
+victim kills itself with SIGKILL at the point the trial names; the others write what their
+live shards hold and what their calls said to a file each."""
+
+import datetime
+import json
+import os
+import signal
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from conftest import free_port  # noqa: E402
+
+TIMEOUT = 4.0  # RESHARD_TIMEOUT of the trials, in seconds
+WORLD = 4
+
+
+def _die():
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _versions():
+    """Versions 1 and 2 of the global tensor, alike on every rank."""
+    from test_stage import step
+
+    gen = torch.Generator().manual_seed(61)
+    v1 = (torch.randn(48, 4100, generator=gen) * 8).to(torch.bfloat16).to(torch.float32)
+    v2 = step(v1, gen, density=0.3)
+    return v1, v2
+
+
+def _trial(rank, port, victim, point, out_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RESHARD_TIMEOUT=str(TIMEOUT))
+    import torch.distributed as dist
+
+    import reshard
+    import reshard.torch as rt
+    from reshard import _torch_control, _torch_stage
+    from test_delta import DST, SRC, bits_equal, shard
+    from test_stage import live_shard
+
+    torch.set_num_threads(1)
+    # the backend's own timeout is a backstop far beyond reshard's
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=120))
+    v1, v2 = _versions()
+    out = live_shard(rank)
+    session = rt.DeltaSession()
+    session.prepare({"w": (shard(SRC, rank, v1), out, SRC, DST)}, 1)
+    session.commit()
+
+    me = rank == victim
+    if me and point == "prepare":
+        _die()
+    if me and point in ("before-vote", "after-vote"):
+        decide = _torch_control.decide
+
+        calls = []
+
+        def dying(group, why_not):
+            calls.append(why_not)
+            if len(calls) == 2 and point == "before-vote":  # the commit's vote, not prepare's
+                _die()
+            result = decide(group, why_not)
+            if len(calls) == 2:  # the commit's decision came, and is not applied here
+                _die()
+            return result
+
+        _torch_control.decide = dying
+    if me and point == "mid-commit":
+        apply = _torch_stage._apply
+
+        def half(session_, stage):
+            if not stage.live:  # rank 0 holds no destination shard: it dies at once
+                _die()
+            name = next(iter(stage.live))
+            live = stage.live[name]
+            live.view(-1)[: live.numel() // 2].copy_(stage.shadows[name].view(-1)[: live.numel() // 2])
+            _die()
+            return apply(session_, stage)
+
+        _torch_stage._apply = half
+
+    start = time.monotonic()
+    said = "committed"
+    try:
+        session.prepare({"w": (shard(SRC, rank, v2), out, SRC, DST)}, 2)
+        session.commit()
+    except reshard.ReshardError as e:
+        said = f"{type(e).__name__}: {e}"
+    except Exception as e:  # a raw backend error: the trial fails on it
+        said = f"RAW {type(e).__name__}: {e}"
+    seconds = time.monotonic() - start
+    if out is None:
+        holds = None
+    else:
+        want1 = rt.local_tensor(DST, rank, v1.to(torch.bfloat16))
+        want2 = rt.local_tensor(DST, rank, v2.to(torch.bfloat16))
+        holds = 1 if bits_equal(out, want1) else 2 if bits_equal(out, want2) else "mix"
+    record = dict(rank=rank, said=said, holds=holds, serving=session.serving, seconds=seconds)
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(record, f)
+    os._exit(0)  # the group is broken: no teardown that could wait on the dead rank
+
+
+TRIALS = [
+    (1, "prepare"),
+    (0, "prepare"),
+    (2, "before-vote"),
+    (0, "before-vote"),
+    (3, "after-vote"),
+    (0, "after-vote"),
+    (2, "mid-commit"),
+    (0, "mid-commit"),
+]
+
+
+@pytest.mark.parametrize("victim,point", TRIALS)
+def test_kill_9_leaves_every_survivor_on_one_whole_version(tmp_path, victim, point):
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=_trial, args=(r, port, victim, point, str(tmp_path))) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    # bounded: rank 0's patience is two timeouts, a member's four, plus the start of torch
+    deadline = time.monotonic() + 60 + 6 * TIMEOUT
+    for p in procs:
+        p.join(max(0.1, deadline - time.monotonic()))
+    hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    assert not hung, f"ranks {hung} still waited after the deadline"
+    assert procs[victim].exitcode == -signal.SIGKILL
+    records = {}
+    for r in range(WORLD):
+        if r == victim:
+            continue
+        assert procs[r].exitcode == 0, (r, procs[r].exitcode)
+        with open(tmp_path / f"rank{r}.json") as f:
+            records[r] = json.load(f)
+    for rec in records.values():
+        assert not rec["said"].startswith("RAW"), rec
+        assert rec["seconds"] < 6 * TIMEOUT + 5, rec
+        if rec["holds"] is None:
+            continue  # rank 0 holds no destination shard
+        assert rec["holds"] in (1, 2), rec  # a whole version, never a mix
+        if rec["said"] == "committed":
+            assert rec["holds"] == 2 and rec["serving"] == 2, rec
+        else:
+            assert rec["holds"] == 1 and rec["serving"] == 1, rec
+    if point in ("prepare", "before-vote"):
+        # nobody can have decided to commit without the victim's vote
+        assert all(rec["holds"] in (None, 1) for rec in records.values()), records
