@@ -84,7 +84,8 @@ fn plan_options(min_split_bytes: Option<u64>) -> PlanOptions {
 /// The Python exception of an error, its message unchanged: a core [`Error`] raises the
 /// subclass of `ReshardError` of its kind ([`class_of`]); a message written here (a `String`:
 /// the bindings' own checks of their arguments), a layout or a model's refusal raises
-/// `ArgumentError`; anything else (an encoding that failed) `ReshardError` itself.
+/// `ArgumentError`, as does a conversion's (a scheme that does not fit, a value fp8 cannot
+/// carry); anything else (an encoding that failed) `ReshardError` itself.
 fn error<E: Display + 'static>(e: E) -> PyErr {
     let any: &dyn Any = &e;
     let class = if let Some(core) = any.downcast_ref::<Error>() {
@@ -92,6 +93,7 @@ fn error<E: Display + 'static>(e: E) -> PyErr {
     } else if any.is::<String>()
         || any.is::<&'static str>()
         || any.is::<reshard_core::error::LayoutError>()
+        || any.is::<reshard_core::error::ConvertError>()
         || any.is::<reshard_model::ModelError>()
     {
         Class::Argument
