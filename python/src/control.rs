@@ -182,6 +182,13 @@ impl PyControl {
             .map_err(error)
     }
 
+    /// The first rank this process knows to be lost, as `(rank, how)`, or None: at once, no
+    /// call made (rank 0 sees its members' control links close and tells the others), so
+    /// that a wait on the data plane can stop for it.
+    fn lost(&self) -> Option<(usize, String)> {
+        self.group.lost()
+    }
+
     fn __repr__(&self) -> String {
         format!(
             "Control(rank={}, world={}, timeout={})",

@@ -28,7 +28,7 @@ use crate::layout::{Layout, Placement, RankList};
 
 /// The version of the messages ranks exchange (rendezvous, control, data frames). Ranks of
 /// different versions refuse to run together.
-pub const PROTOCOL_VERSION: u32 = 3;
+pub const PROTOCOL_VERSION: u32 = 4;
 
 /// What one rank is about to run: named fields in a fixed order, each with its value as the
 /// user would type it. Two ranks agree when their fingerprints are equal.

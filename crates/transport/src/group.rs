@@ -99,6 +99,10 @@ fn connect_until(addr: SocketAddr, deadline: Instant) -> std::io::Result<TcpStre
     }
 }
 
+/// How often a rank waiting for its peers' connections looks whether the control plane
+/// knows of a lost rank.
+const LOST_POLL: Duration = Duration::from_millis(50);
+
 /// How long a refusal may take to write before the connection is dropped without it.
 const REFUSAL_WAIT: Duration = Duration::from_secs(1);
 
@@ -360,6 +364,12 @@ impl Group {
         Ok((control, hosts))
     }
 
+    /// The first rank this process knows to be lost (its control link closed before it
+    /// reported), and how; rank 0 tells every member as soon as it sees one.
+    pub fn lost(&self) -> Option<(Rank, String)> {
+        self.control.lost()
+    }
+
     pub fn timeout(&self) -> Duration {
         self.timeout
     }
@@ -434,13 +444,30 @@ impl Group {
         let mut waiting: BTreeSet<Rank> = peers.range(rank + 1..).copied().collect();
         let mut screen = Screen::new(&self.listener, rank);
         while !waiting.is_empty() {
-            let admitted = Group::admit(
-                &self.env,
-                &mut screen,
-                "peer",
-                |r| waiting.contains(&r),
-                deadline,
-            );
+            // in slices, so that a rank rank 0 knows to be lost ends the wait at once
+            let admitted = loop {
+                let slice = (Instant::now() + LOST_POLL).min(deadline);
+                let admitted = Group::admit(
+                    &self.env,
+                    &mut screen,
+                    "peer",
+                    |r| waiting.contains(&r),
+                    slice,
+                );
+                if admitted.is_some() || Instant::now() >= deadline {
+                    break admitted;
+                }
+                if let Some((lost, detail)) = self.control.lost() {
+                    return Err(Error::PeerGone {
+                        rank,
+                        peer: lost,
+                        detail: format!(
+                            "{detail}; rank {rank} was waiting for the connection of {}",
+                            name_ranks(&waiting.iter().copied().collect::<Vec<_>>())
+                        ),
+                    });
+                }
+            };
             let Some((hello, mut s, _)) = admitted else {
                 return Err(Error::Timeout {
                     rank,

@@ -58,6 +58,10 @@ pub struct Coordinator {
     /// waiting at the deadline) that may still come: each is dropped when it does, so that
     /// a late vote is never taken for a later decision's, nor for a barrier or a report.
     late: Vec<u32>,
+    /// Members that reported (their finish): their link closing after it is no loss.
+    reported: Vec<bool>,
+    /// The first member lost before it reported, and how.
+    lost: Option<(Rank, String)>,
 }
 
 impl Coordinator {
@@ -71,7 +75,13 @@ impl Coordinator {
             collecting: None,
             next_beat: None,
             late: vec![0; world],
+            reported: vec![false; world],
+            lost: None,
         }
+    }
+
+    pub fn lost(&self) -> Option<&(Rank, String)> {
+        self.lost.as_ref()
     }
 
     pub fn wakeup(&self) -> Option<Instant> {
@@ -125,6 +135,9 @@ impl Coordinator {
                 if stale {
                     self.late[from] -= 1;
                 } else if member && msg != Msg::Working {
+                    if matches!(msg, Msg::Status { .. }) {
+                        self.reported[from] = true;
+                    }
                     self.waiting[from] = true;
                     if self.next_beat.is_none() {
                         self.next_beat = Some(later(now, self.timeout));
@@ -135,6 +148,21 @@ impl Coordinator {
             }
             Event::Gone { peer, lost } => {
                 if (1..self.world).contains(&peer) && self.gone[peer].is_none() {
+                    if !self.reported[peer] {
+                        let detail = super::describe(&lost);
+                        let others: Vec<Rank> =
+                            self.alive().into_iter().filter(|&r| r != peer).collect();
+                        if !others.is_empty() {
+                            actions.push(Action::Send {
+                                to: others,
+                                msg: Msg::Lost {
+                                    rank: peer,
+                                    detail: detail.clone(),
+                                },
+                            });
+                        }
+                        self.lost.get_or_insert((peer, detail));
+                    }
                     self.gone[peer] = Some(lost);
                     self.waiting[peer] = false;
                     self.take(peer);

@@ -27,6 +27,9 @@ const READ_BYTES: usize = 64 << 10;
 #[derive(Debug)]
 pub struct ControlLinks {
     rank: Rank,
+    /// The first rank the control thread knows to be lost ([`Machine::lost`]), for waits
+    /// outside the protocol's calls.
+    lost: std::sync::Arc<Mutex<Option<(Rank, String)>>>,
     /// One call at a time: the sender of calls, the receiver of their outcomes, and the
     /// socket that wakes the thread (closed to stop it).
     handle: Mutex<Handle>,
@@ -70,7 +73,9 @@ impl ControlLinks {
         }
         let (calls, call_rx) = channel();
         let (outcome_tx, outcomes) = channel();
+        let lost = std::sync::Arc::new(Mutex::new(None));
         let driver = Driver {
+            lost: lost.clone(),
             machine: Machine::new(rank, world, timeout),
             timeout,
             links,
@@ -84,6 +89,7 @@ impl ControlLinks {
             .map_err(io)?;
         Ok(ControlLinks {
             rank,
+            lost,
             handle: Mutex::new(Handle {
                 calls,
                 outcomes,
@@ -91,6 +97,12 @@ impl ControlLinks {
             }),
             thread: Some(thread),
         })
+    }
+
+    /// The first rank known to be lost, and how, at once (no call): rank 0 sees its
+    /// members' control links close, and tells the others.
+    pub fn lost(&self) -> Option<(Rank, String)> {
+        self.lost.lock().ok().and_then(|l| l.clone())
     }
 
     /// Makes `call` (not a decision) and waits until the protocol settles it.
@@ -224,6 +236,7 @@ struct Driver {
     calls: Receiver<Call>,
     outcomes: Sender<Settled>,
     waker: UnixStream,
+    lost: std::sync::Arc<Mutex<Option<(Rank, String)>>>,
 }
 
 impl Driver {
@@ -296,6 +309,12 @@ impl Driver {
                 for action in self.machine.handle(Instant::now(), event) {
                     self.perform(action, &mut events);
                 }
+            }
+            if let Some(lost) = self.machine.lost()
+                && let Ok(mut shared) = self.lost.lock()
+                && shared.is_none()
+            {
+                *shared = Some(lost.clone());
             }
         }
     }

@@ -37,6 +37,10 @@ pub struct Member {
     /// message may still come: rank 0 answers in the order of the calls, so each decision
     /// that comes while one is owed is that one, dropped, never taken for a later call's.
     owed: u32,
+    /// Whether this rank made its finish call: rank 0's link closing after it is no loss.
+    finished: bool,
+    /// The first rank known to be lost (from rank 0's notice, or rank 0 itself), and how.
+    lost: Option<(Rank, String)>,
 }
 
 impl Member {
@@ -48,7 +52,13 @@ impl Member {
             gone: None,
             awaiting: None,
             owed: 0,
+            finished: false,
+            lost: None,
         }
+    }
+
+    pub fn lost(&self) -> Option<&(Rank, String)> {
+        self.lost.as_ref()
     }
 
     pub fn wakeup(&self) -> Option<Instant> {
@@ -73,6 +83,7 @@ impl Member {
                     return actions;
                 }
                 let prepared = matches!(call, Call::Decide(Ok(()))) && self.gone.is_none();
+                self.finished |= matches!(call, Call::Finish(_));
                 let (msg, my_error) = match call {
                     Call::Agree(fingerprint) => (Msg::Agree { fingerprint }, None),
                     Call::Barrier => (Msg::Barrier, None),
@@ -110,6 +121,12 @@ impl Member {
                     self.answer(now, msg, &mut actions);
                 }
             }
+            Event::Message {
+                from: 0,
+                msg: Msg::Lost { rank, detail },
+            } => {
+                self.lost.get_or_insert((rank, detail));
+            }
             Event::Message { from: 0, msg } => {
                 if self.owed > 0 && matches!(msg, Msg::Commit | Msg::Abort { .. }) {
                     // the late decision this rank gave up on
@@ -121,7 +138,12 @@ impl Member {
                 }
             }
             Event::Message { .. } => {}
-            Event::Gone { peer: 0, lost } => self.gone = Some(lost),
+            Event::Gone { peer: 0, lost } => {
+                if !self.finished {
+                    self.lost.get_or_insert((0, super::describe(&lost)));
+                }
+                self.gone = Some(lost);
+            }
             Event::Gone { .. } => {}
             Event::Tick => {}
         }

@@ -161,6 +161,10 @@ pub enum Msg {
     Commit,
     /// Rank 0's decision: the ranks that were not prepared, and why; every rank aborts.
     Abort { ranks: Vec<(Rank, String)> },
+    /// Rank 0's notice, between calls or during one: a member's link closed before it
+    /// reported, so it is lost. The other members learn it at once, and may stop waiting
+    /// for it elsewhere (a data link, a peer's connection) instead of for their timeout.
+    Lost { rank: Rank, detail: String },
 }
 
 /// The outcome of the two-phase decision, the same on every rank that learns it.
@@ -321,6 +325,27 @@ impl Machine {
             Machine::Coordinator(c) => c.wakeup(),
             Machine::Member(m) => m.wakeup(),
         }
+    }
+
+    /// The first rank this rank knows to be lost (its link closed before it reported: killed,
+    /// or exited early), and how: rank 0 sees its members' links, a member hears of them
+    /// from rank 0 ([`Msg::Lost`]) and sees its own link to rank 0.
+    pub fn lost(&self) -> Option<&(Rank, String)> {
+        match self {
+            Machine::Coordinator(c) => c.lost(),
+            Machine::Member(m) => m.lost(),
+        }
+    }
+}
+
+/// How a lost link reads in a notice.
+fn describe(lost: &Lost) -> String {
+    match lost {
+        Lost::Closed => {
+            "its control link closed before it reported (killed, or exited early)".into()
+        }
+        Lost::Stalled => "it stopped reading its control link (stopped, or overloaded)".into(),
+        Lost::Broken(detail) => format!("its control link broke: {detail}"),
     }
 }
 

@@ -693,3 +693,52 @@ fn the_longest_timeout_does_not_overflow() {
     m.handle(t0, Event::Call(Call::Barrier));
     assert!(m.wakeup().is_some_and(|w| w > t0));
 }
+
+/// A member whose link closes before it reported is lost: rank 0 knows at once, between
+/// calls, and tells every other member; one that reported (its finish) is not.
+#[test]
+fn rank_0_tells_the_members_at_once_of_a_member_lost_before_it_reported() {
+    let t0 = Instant::now();
+    let mut root = Coordinator::new(4, T);
+    assert!(root.lost().is_none());
+    // rank 3 finishes, then its link closes: no loss
+    let (sends, _) = split(root.handle(t0, from(3, status(json!(null)))));
+    assert!(sends.is_empty());
+    let (sends, _) = split(root.handle(t0, closed(3)));
+    assert!(sends.is_empty() && root.lost().is_none());
+    // rank 2 is killed between two calls: ranks 1 hears it (rank 3 is gone)
+    let (sends, _) = split(root.handle(t0, closed(2)));
+    let (rank, detail) = root.lost().cloned().unwrap();
+    assert_eq!(rank, 2);
+    assert!(detail.contains("closed before it reported"), "{detail}");
+    assert_eq!(sends, vec![(vec![1], Msg::Lost { rank: 2, detail })]);
+}
+
+/// A member learns of a lost rank from rank 0's notice, in a call or not, and of rank 0
+/// itself when its link closes before this rank finished; never after.
+#[test]
+fn a_member_knows_the_lost_rank_from_rank_0_or_from_rank_0s_link() {
+    let t0 = Instant::now();
+    let mut member = Member::new(1, T);
+    let notice = Msg::Lost {
+        rank: 3,
+        detail: "killed".into(),
+    };
+    assert!(member.handle(t0, from(0, notice)).is_empty());
+    assert_eq!(member.lost(), Some(&(3, "killed".to_string())));
+    // the first loss stays the one named
+    member.handle(t0, closed(0));
+    assert_eq!(member.lost().map(|l| l.0), Some(3));
+
+    let mut member = Member::new(1, T);
+    member.handle(t0, closed(0));
+    assert_eq!(member.lost().map(|l| l.0), Some(0));
+
+    let mut member = Member::new(1, T);
+    member.handle(t0, Event::Call(Call::Finish(Ok(json!(null)))));
+    member.handle(t0, closed(0));
+    assert!(
+        member.lost().is_none(),
+        "rank 0 exits after the finish: no loss"
+    );
+}
