@@ -85,8 +85,11 @@ def as_bytes(flat: torch.Tensor) -> torch.Tensor:
 
 
 def _flat(view: torch.Tensor) -> torch.Tensor:
-    """A region's row-major stream (the view itself where it is contiguous)."""
-    return view.reshape(-1)
+    """A region's row-major stream with a stride of 1 (the view itself where it has one)."""
+    flat = view.reshape(-1)
+    if flat.numel() and flat.stride(0) != 1:  # a single element may have any stride
+        flat = flat.clone(memory_format=torch.contiguous_format)
+    return flat
 
 
 def _nblocks(n: int) -> int:
@@ -256,12 +259,37 @@ def _apply_region_cpu(reader: Reader, mode: int, view: torch.Tensor, label: str)
 # CPU: the core's kernels
 
 
+class _Patches:
+    """Bytes at known offsets of a message (its header, lengths, padding), written at once."""
+
+    def __init__(self) -> None:
+        self.pos: List[int] = []
+        self.val = bytearray()
+
+    def add(self, at: int, data) -> None:
+        self.pos.extend(range(at, at + len(data)))
+        self.val += bytes(data)
+
+    def head(self, at: int, encoded: Sequence[Encoded], crcs: Sequence[int], checksum: bool) -> None:
+        """A message's modes (and checksums) at ``at``, its padding zero."""
+        modes = bytes(e.mode for e in encoded)
+        self.add(at, modes + bytes(aligned(len(modes)) - len(modes)))
+        if checksum:
+            self.add(at + aligned(len(modes)), b"".join(c.to_bytes(8, "little") for c in crcs))
+
+    def write(self, buf: torch.Tensor) -> None:
+        if self.pos:
+            pos = _to_device(torch.tensor(self.pos, dtype=torch.int64), buf.device)
+            val = _to_device(torch.frombuffer(self.val, dtype=torch.uint8), buf.device)
+            buf.index_put_((pos,), val)
+
+
 def _encode_cpu(regions: Sequence[Outgoing], checksum: bool) -> Tuple[Optional[torch.Tensor], List[Encoded]]:
     """One message of CPU regions, each encoded straight into it by the core."""
     head = _head_bytes(len(regions), checksum)
     room = head + sum(8 + aligned(r.new.numel() * r.new.element_size()) for r in regions)
     msg = torch.empty(room, dtype=torch.uint8)
-    msg[:head].zero_()
+    patches = _Patches()
     out: List[Encoded] = []
     crcs: List[int] = []
     at = head
@@ -276,7 +304,7 @@ def _encode_cpu(regions: Sequence[Outgoing], checksum: bool) -> Tuple[Optional[t
         mode = _mode(r.base is not None, size, got[0], got[2])
         start = at
         if mode == REGION_BLOCKS:
-            msg[at : at + 8].view(torch.int64)[0] = got[0]
+            patches.add(at, got[0].to_bytes(8, "little"))
             end = at + 8 + got[0]
         elif mode == REGION_DENSE:
             if n:
@@ -294,22 +322,13 @@ def _encode_cpu(regions: Sequence[Outgoing], checksum: bool) -> Tuple[Optional[t
             else:
                 crcs.append(_crc_of(as_bytes(_flat(new))))
         at = aligned(end)
-        msg[end:at].zero_()
+        patches.add(end, bytes(at - end))
         out.append(_summary(mode, n, at - start, got[1], got[2]))
-    return _finish_head(msg, at, out, crcs, checksum), out
-
-
-def _finish_head(msg, end: int, out: List[Encoded], crcs: List[int], checksum: bool):
-    """Writes a message's modes and checksums; the message up to ``end``, or None if it says
-    nothing."""
     if not checksum and all(e.mode == REGION_UNCHANGED for e in out):
-        return None
-    if out:
-        msg[: len(out)] = torch.tensor([e.mode for e in out], dtype=torch.uint8)
-    if checksum and crcs:
-        at = aligned(len(out))
-        msg[at : at + 8 * len(crcs)].view(torch.int64)[:] = torch.tensor(crcs, dtype=torch.int64)
-    return msg[:end]
+        return None, out
+    patches.head(0, out, crcs, checksum)
+    patches.write(msg)
+    return msg[:at], out
 
 
 # ----------------------------------------------------------------------------------------
@@ -378,12 +397,15 @@ def _to_device(host: torch.Tensor, device) -> torch.Tensor:
     return host.to(device)
 
 
-def _header(elem: int, nb: int, length: int) -> List[int]:
-    """A region's u64 length and the core's header of its encoding, as bytes."""
-    out = list(length.to_bytes(8, "little"))
-    out += [_VERSION, elem]
-    out += list(BLOCK.to_bytes(4, "little")) + [0] * 8 + list(nb.to_bytes(4, "little"))
-    return out
+def _header(elem: int, nb: int, length: int) -> bytes:
+    """A region's u64 length and the core's header of its encoding."""
+    return (
+        length.to_bytes(8, "little")
+        + bytes([_VERSION, elem])
+        + BLOCK.to_bytes(4, "little")
+        + bytes(8)  # the first block
+        + nb.to_bytes(4, "little")
+    )
 
 
 def _encode_torch(messages: Sequence[Sequence[Outgoing]], checksum: bool):
@@ -423,8 +445,7 @@ def _encode_torch(messages: Sequence[Sequence[Outgoing]], checksum: bool):
     # the layout of every message, in one buffer
     outs: List[List[Encoded]] = []
     spans: List[Tuple[int, int]] = []
-    host_pos: List[int] = []
-    host_val: List[int] = []
+    patches = _Patches()
     writes = []  # (region index, offset of its section, mode)
     at, k, s = 0, 0, 0
     for regions in messages:
@@ -441,8 +462,7 @@ def _encode_torch(messages: Sequence[Sequence[Outgoing]], checksum: bool):
             mode = _mode(r.base is not None, size, got[0], got[1])
             section = at
             if mode == REGION_BLOCKS:
-                host_pos += range(at, at + 8 + HEADER_BYTES)
-                host_val += _header(elem, _nblocks(n), got[0])
+                patches.add(at, _header(elem, _nblocks(n), got[0]))
                 at += 8 + got[0]
             elif mode == REGION_DENSE:
                 at += size
@@ -451,14 +471,7 @@ def _encode_torch(messages: Sequence[Sequence[Outgoing]], checksum: bool):
             encoded.append(_summary(mode, n, at - section, got[2:], got[1]))
             k += 1
         if checksum or any(e.mode != REGION_UNCHANGED for e in encoded):
-            host_pos += range(start, start + len(regions))
-            host_val += [e.mode for e in encoded]
-            if checksum:
-                c = aligned(start + len(regions))
-                first = k - len(regions)
-                host_pos += range(c, c + 8 * len(regions))
-                for crc in crcs[first:k]:
-                    host_val += list(crc.to_bytes(8, "little"))
+            patches.head(start, encoded, crcs[k - len(regions) : k], checksum)
             spans.append((start, at))
         else:
             at = start
@@ -467,10 +480,7 @@ def _encode_torch(messages: Sequence[Sequence[Outgoing]], checksum: bool):
 
     buf = torch.zeros(at + _SPARE, dtype=torch.uint8, device=device)
     spare = at
-    if host_pos:
-        pos = _to_device(torch.tensor(host_pos, dtype=torch.int64), device)
-        val = _to_device(torch.tensor(host_val, dtype=torch.uint8), device)
-        buf.index_put_((pos,), val)
+    patches.write(buf)
     for k, section, mode in writes:
         new = flats[k]
         if mode == REGION_DENSE and new.numel():
