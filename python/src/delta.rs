@@ -151,6 +151,17 @@ impl View {
     fn overlaps(&self, ptr: usize, len: usize) -> bool {
         self.span > 0 && len > 0 && self.ptr < ptr + len && ptr < self.ptr + self.span
     }
+
+    /// Refuses a tensor to be written whose elements share memory (an expanded one: a
+    /// stride of 0 along a dim of more than one element).
+    fn writable(&self, what: &str) -> PyResult<()> {
+        match (0..self.shape.len()).find(|&d| self.shape[d] > 1 && self.strides[d] == 0) {
+            Some(d) => Err(error(format!(
+                "{what}: dim {d} has stride 0: its elements share memory, so it cannot be written"
+            ))),
+            None => Ok(()),
+        }
+    }
 }
 
 /// The dense row-major array a tensor of `shape` and element `strides` is a box of, at its
@@ -315,6 +326,9 @@ pub(crate) fn delta_encode(
     if new.overlaps(out_ptr + at, room) || base.overlaps(out_ptr + at, room) {
         return Err(error("out: the message shares memory with new or base"));
     }
+    if update_base {
+        base.writable("base")?;
+    }
     if update_base && base.overlaps(new.ptr, new.span) {
         return Err(error(
             "base: it shares memory with new, and would take its values",
@@ -395,6 +409,7 @@ pub(crate) fn delta_apply(
     nbytes: Option<usize>,
 ) -> PyResult<Stats> {
     let dst = view_of(dst, "dst")?;
+    dst.writable("dst")?;
     let (ptr, nbytes) = encoding_of(encoded, at, nbytes, dst.elem)?;
     if dst.overlaps(ptr, nbytes) {
         return Err(error("dst: it shares memory with the encoding"));

@@ -268,6 +268,8 @@ def test_the_kernels_refuse_what_they_cannot_do_and_write_nothing():
         _core.delta_encode(new, kept[1:], out)
     with pytest.raises(reshard.ReshardError, match="contiguous 1-D torch.uint8"):
         _core.delta_encode(new, kept, out.view(torch.int32))
+    with pytest.raises(reshard.ReshardError, match="dim 0 has stride 0"):
+        _core.delta_apply(out, torch.zeros(1).expand(10000), 0, nbytes)
 
 
 def test_what_an_encoding_writes_lands_through_any_strides():
