@@ -15,6 +15,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from . import _torch_control as _control
 from ._core import ArgumentError, ChecksumError, Layout, Packing, ReshardError, crc32c, rank_plan
 from ._torch_common import _check_ranks, _check_tensor, torch_dtype
 
@@ -176,11 +177,13 @@ class _Message:
         buffer[at : at + len(trailer)].copy_(torch.frombuffer(trailer, dtype=torch.uint8))
 
     def check(self, buffer: torch.Tensor, group_rank: int) -> None:
-        """Compares what arrived in ``buffer`` with the sums the sender wrote after it."""
+        """Compares what arrived in ``buffer`` with the sums the sender wrote after it: the
+        message is read on the host once (one copy from a device, not one per part)."""
         at = _aligned(self.nbytes)
-        trailer = buffer[at : at + 4 * len(self.parts)]
-        sent = struct.unpack(f"<{len(self.parts)}I", bytes(trailer.cpu().tolist()))
-        landed = self.sums_of(buffer)
+        host = buffer[: at + 4 * len(self.parts)]
+        host = host if host.device.type == "cpu" else host.cpu()
+        sent = struct.unpack(f"<{len(self.parts)}I", host[at:].numpy().tobytes())
+        landed = self.sums_of(host)
         for (_, piece, _), s, got in zip(self.parts, sent, landed):
             if s != got:
                 raise ChecksumError(
@@ -282,8 +285,8 @@ class _Bucket:
                 [_given(tensors[s])[ss] for s, ss, _, _ in self.locals],
             )
 
-        for request in requests:
-            request.wait()
+        peers = [peer for peer, _ in self.sends] + [peer for peer, _ in self.recvs]
+        _control.wait(requests, peers, group, "a reshard's messages")
         if checksum:
             me = dist.get_rank(group)
             for (_, m), buffer in zip(self.recvs, landing):

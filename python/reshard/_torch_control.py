@@ -19,6 +19,7 @@ address rank 0 binds (default ``MASTER_ADDR``, else loopback).
 
 from __future__ import annotations
 
+import datetime
 import os
 import secrets
 import time
@@ -29,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from ._core import Control, ControlListener, PeerLostError, ReshardError
+from ._torch_common import process_group as _process_group
 
 #: Seconds a rank waits for a peer before it names it as lost, when ``RESHARD_TIMEOUT`` is unset.
 DEFAULT_TIMEOUT = 60.0
@@ -49,10 +51,6 @@ def timeout() -> float:
     if not value > 0 or value != value or value == float("inf"):
         raise ReshardError(f"RESHARD_TIMEOUT: {raw!r:.40} is invalid: a positive number of seconds")
     return value
-
-
-def _process_group(group):
-    return dist.distributed_c10d._get_default_group() if group is None else group
 
 
 def control(group) -> Control:
@@ -96,15 +94,42 @@ def failed(group, error: BaseException) -> None:
             pass
 
 
-def wait(works: Sequence[object], peers: Sequence[int], group, what: str) -> None:
+def wait(works: Sequence[object], peers: Sequence[object], group, what: str) -> None:
     """Waits for the data plane's operations ``works`` (each with its peer, a rank of
-    ``group``) for at most the job's timeout, polling: a peer that never answers is named in
-    a :class:`reshard.PeerLostError` after the timeout, and one whose connection broke (the
-    backend raised) at once; the job on ``group`` then fails (:func:`failed`)."""
-    deadline = time.monotonic() + timeout()
+    ``group``) for at most the job's timeout: a peer whose connection broke (the backend
+    raised), one that never answers, or one the control plane knows to be lost is named in a
+    :class:`reshard.PeerLostError`, and the job on ``group`` then fails (:func:`failed`).
+
+    NCCL's operations are polled, so that a rank the control plane knows to be lost ends the
+    wait at once; gloo's point-to-point operations complete only inside their own wait, which
+    takes the timeout (and gloo sees a killed peer's connection close at once)."""
+    works = list(works)
+    if len(works) != len(peers):  # NCCL coalesces a batch into one operation
+        peers = [f"one of {len(peers)} peers"] * len(works)
+    limit = timeout()
+    deadline = time.monotonic() + limit
+    me = dist.get_rank(group)
+    known = _CONTROLS.get(_process_group(group))
+    ctl = known if isinstance(known, Control) else None  # a wait never joins a control plane
+
+    def lost(error, cause=None):
+        failed(group, error)
+        raise error from cause
+
+    if dist.get_backend(group) != "nccl":
+        for work, peer in zip(works, peers):
+            left = max(deadline - time.monotonic(), 1e-3)
+            try:
+                work.wait(datetime.timedelta(seconds=left))
+            except RuntimeError as e:
+                gone = None if ctl is None else ctl.lost()
+                if gone is not None:
+                    lost(PeerLostError(f"rank {me}: peer rank {gone[0]} is gone: {gone[1]}; {what}"), e)
+                why = f"peer rank {peer} is gone or silent past {limit:g} s: {what}: {e}"
+                lost(PeerLostError(f"rank {me}: {why}"), e)
+        return
     pending = list(zip(works, peers))
     pause = 1e-5
-    me = dist.get_rank(group)
     while pending:
         still = []
         for work, peer in pending:
@@ -113,21 +138,18 @@ def wait(works: Sequence[object], peers: Sequence[int], group, what: str) -> Non
                 if done:
                     work.wait()
             except RuntimeError as e:
-                error = PeerLostError(f"rank {me}: peer rank {peer} is gone: {what}: {e}")
-                failed(group, error)
-                raise error from e
+                lost(PeerLostError(f"rank {me}: peer rank {peer} is gone: {what}: {e}"), e)
             if not done:
                 still.append((work, peer))
         pending = still
         if not pending:
             return
+        gone = None if ctl is None else ctl.lost()
+        if gone is not None:  # rank 0 saw its control link close: it will never send
+            lost(PeerLostError(f"rank {me}: peer rank {gone[0]} is gone: {gone[1]}; {what}"))
         if time.monotonic() > deadline:
-            peer = pending[0][1]
-            error = PeerLostError(
-                f"rank {me}: timed out after {timeout():g} s waiting for peer rank {peer}: {what}"
-            )
-            failed(group, error)
-            raise error
+            why = f"timed out after {limit:g} s waiting for peer rank {pending[0][1]}: {what}"
+            lost(PeerLostError(f"rank {me}: {why}"))
         time.sleep(pause)
         pause = min(pause * 2, 2e-3)
 

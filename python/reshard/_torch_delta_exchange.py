@@ -15,6 +15,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from . import _torch_control as _control
 from . import _torch_delta as _codec
 from ._core import ChecksumError, ReshardError
 from ._torch_bucket import _peer
@@ -137,8 +138,8 @@ def run(session, job, heard, version: int, report, device, rank: int) -> None:
             src_local, dst_local = job.pairs[job.names[i]][0], job.pairs[job.names[i]][1]
             for src_slices, dst_slices in job.plans[i].locals:
                 dst_local[dst_slices].copy_(src_local[src_slices])
-        for request in landing.pop(None):
-            request.wait()
+        requests, peers = landing.pop(None)
+        _control.wait(requests, peers, session.group, "a delta refit's messages")
         if failure is not None:
             continue
         try:
@@ -175,8 +176,8 @@ def _move(group, messages, peers: List[int], device, report) -> dict:
     sizes_in = torch.empty(8 * len(peers), dtype=torch.uint8, device=device)
     ops = [_op(dist.isend, sizes_out[8 * i : 8 * i + 8], p, group) for i, p in enumerate(senders)]
     ops += [_op(dist.irecv, sizes_in[8 * i : 8 * i + 8], p, group) for i, p in enumerate(peers)]
-    for request in dist.batch_isend_irecv(ops) if ops else []:
-        request.wait()
+    told_to = senders + peers
+    _control.wait(dist.batch_isend_irecv(ops) if ops else [], told_to, group, "a delta refit's message sizes")
     sizes = dict(zip(peers, sizes_in.view(torch.int64).tolist()))
     outgoing = {p: m for p, m in messages.items() if m is not None}
     report.bytes_sent += sum(m.numel() for m in outgoing.values())
@@ -190,7 +191,7 @@ def _move(group, messages, peers: List[int], device, report) -> dict:
             at += sizes[p]
     ops = [_op(dist.isend, m, p, group) for p, m in outgoing.items()]
     ops += [_op(dist.irecv, buffer, p, group) for p, buffer in landing.items()]
-    landing[None] = dist.batch_isend_irecv(ops) if ops else []
+    landing[None] = (dist.batch_isend_irecv(ops) if ops else [], list(outgoing) + list(landing))
     return landing
 
 
