@@ -23,6 +23,8 @@ pub struct RunArgs {
     pub(super) fill: String,
     /// Write each destination rank's local buffer, raw, to DIR/rank<R>.bin (DIR is created if
     /// missing and checked before any byte moves; each file appears whole or not at all).
+    /// With --stage, the live shard each rank serves at the end, also when the stream stopped
+    /// short (the first of --stage-methods).
     #[arg(long, value_name = "DIR")]
     pub(super) dump: Option<PathBuf>,
     /// Write each source rank's local shard, raw, to DIR/src<R>.bin (as --dump does): the

@@ -64,8 +64,9 @@ pub(super) fn main(
         streams.push(Stream { method, rollout });
     }
     let Some(job) = world.job() else {
-        let versions = versions(args, plan, &evolution, delta, options, world, &mut streams)?;
-        print(args, plan, &evolution, &versions, plan.ranks().len());
+        let versions = versions(args, plan, &evolution, delta, options, world, &mut streams);
+        dump_live(args, &streams, &mine)?;
+        print(args, plan, &evolution, &versions?, plan.ranks().len());
         return Ok(());
     };
     let ready = world.check_size(super::highest(plan));
@@ -80,6 +81,8 @@ pub(super) fn main(
             .with("--rolling", format!("{:?}", d.rolling))
     })?;
     let outcome = versions(args, plan, &evolution, delta, options, world, &mut streams);
+    // what every destination rank serves at the end, stopped short or not, as its bytes
+    dump_live(args, &streams, &mine)?;
     let stopped = outcome.is_err();
     let outcome = outcome.map(|v| serde_json::json!({ "versions": v }));
     let concluded = conclude(world, outcome);
@@ -96,6 +99,24 @@ pub(super) fn main(
         print(args, plan, &evolution, &combined, job.world());
     }
     Ok(())
+}
+
+/// `--dump DIR`: each of this process's destination ranks writes the live shard it serves
+/// at the end (the first method's), as `DIR/rank<R>.bin`, whole or not at all: after a
+/// stream stopped short, the bytes say which version a rank serves.
+fn dump_live(args: &RunArgs, streams: &[Stream], mine: &[Rank]) -> Result<(), Error> {
+    let (Some(dir), Some(first)) = (&args.dump, streams.first()) else {
+        return Ok(());
+    };
+    let live: Vec<(Rank, Vec<u8>)> = mine
+        .iter()
+        .filter_map(|&r| {
+            let shard = first.rollout.live(r)?;
+            let guard = shard.read().unwrap_or_else(|e| e.into_inner());
+            Some((r, guard.first().cloned().unwrap_or_default()))
+        })
+        .collect();
+    super::dump::dump(dir, live.iter().map(|(r, b)| (*r, b.as_slice())))
 }
 
 fn standing(s: &Stream, rank: Rank) -> Standing {
