@@ -43,7 +43,12 @@ fn allowed() -> BTreeMap<&'static str, BTreeSet<&'static str>> {
         ("reshard-cli", set(&["reshard"])),
         (
             "reshard-python",
-            set(&["reshard-core", "reshard-model", "reshard-transport"]),
+            set(&[
+                "reshard-core",
+                "reshard-model",
+                "reshard-transport",
+                "reshard-runtime",
+            ]),
         ),
     ])
 }

@@ -50,6 +50,7 @@ from ._core import (
     quant_scale_dtype,
     quant_scale_shape,
     rank_plan,
+    rank_program,
 )
 
 __all__ = [
@@ -74,4 +75,5 @@ __all__ = [
     "quant_scale_dtype",
     "quant_scale_shape",
     "rank_plan",
+    "rank_program",
 ]

@@ -254,6 +254,17 @@ def delta_written(
 
 def plan(src: Layout, dst: Layout, min_split_bytes: Optional[int] = None) -> Plan: ...
 def rank_plan(src: Layout, dst: Layout, rank: int, min_split_bytes: Optional[int] = None) -> RankPlan: ...
+def rank_program(
+    layouts: Sequence[Tuple[Layout, Layout]], rank: int, min_split_bytes: Optional[int] = None
+) -> Tuple[
+    List[Tuple[int, int, List[Tuple[int, List[int], List[int], List[int], int, int]]]],
+    List[Tuple[int, int, List[Tuple[int, List[int], List[int], List[int], int, int]]]],
+    List[Tuple[int, List[int], List[int], List[int]]],
+]:
+    """This rank's program for every (src, dst) pair at once, as the runtime lowers each plan:
+    (sends, recvs, locals); a message is (peer, bytes, regions), a region (tensor, offset in
+    the local shard, extent, global offset, byte in the message, bytes), a local copy
+    (tensor, source offset, destination offset, extent)."""
 
 class QuantAmax:
     """A source rank's amax of one tensor, before the peers' partial amax."""

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from . import _torch_control as _control
-from ._core import ArgumentError, ChecksumError, Layout, Packing, ReshardError, crc32c, rank_plan
+from ._core import ArgumentError, ChecksumError, Layout, Packing, ReshardError, crc32c, rank_program
 from ._torch_common import _check_ranks, _check_tensor, torch_dtype
 
 # Regions inside a packed buffer start at multiples of this, so that a byte buffer can be
@@ -51,38 +51,38 @@ def _relative(offset, extent, origin) -> Tuple[slice, ...]:
     return tuple(slice(o - b, o - b + n) for o, n, b in zip(offset, extent, origin))
 
 
+def _piece(p, origin_of_sender: bool, src: int, dst: int) -> _Piece:
+    """A region of the runtime's program (``rank_program``'s tuple) as the executor views it."""
+    _, local, extent, offset, _, nbytes = p
+    return _Piece(
+        tuple(slice(o, o + n) for o, n in zip(local, extent)),
+        tuple(extent),
+        nbytes,
+        src,
+        dst,
+        tuple(offset),
+    )
+
+
 @functools.lru_cache(maxsize=4096)
 def _local_plan(src: Layout, dst: Layout, rank: int) -> _LocalPlan:
-    rp = rank_plan(src, dst, rank)
+    """This rank's part of one tensor's reshard: the runtime's program for it
+    (:func:`reshard._core.rank_program`), its regions by peer in the program's order."""
+    sends_out, recvs_out, locals_out = rank_program([(src, dst)], rank)
     src_region = src.local_region(rank)
     dst_region = dst.local_region(rank)
-    # a rank sends (receives) only if it holds a source (destination) shard
-    src_origin = () if src_region is None else src_region[0]
-    dst_origin = () if dst_region is None else dst_region[0]
-    elem = src.elem_bytes
-
-    def piece(t, origin) -> _Piece:
-        n = 1
-        for e in t.extent:
-            n *= e
-        return _Piece(
-            _relative(t.offset, t.extent, origin),
-            tuple(t.extent),
-            n * elem,
-            t.src,
-            t.dst,
-            tuple(t.offset),
-        )
-
-    sends: Dict[int, List[_Piece]] = {}
-    for t in rp.sends:
-        sends.setdefault(t.dst, []).append(piece(t, src_origin))
-    recvs: Dict[int, List[_Piece]] = {}
-    for t in rp.recvs:
-        recvs.setdefault(t.src, []).append(piece(t, dst_origin))
+    sends: Dict[int, List[_Piece]] = {
+        peer: [_piece(p, True, rank, peer) for p in pieces] for peer, _, pieces in sends_out
+    }
+    recvs: Dict[int, List[_Piece]] = {
+        peer: [_piece(p, False, peer, rank) for p in pieces] for peer, _, pieces in recvs_out
+    }
     locals_ = [
-        (_relative(t.offset, t.extent, src_origin), _relative(t.offset, t.extent, dst_origin))
-        for t in rp.locals
+        (
+            tuple(slice(o, o + n) for o, n in zip(src_at, extent)),
+            tuple(slice(o, o + n) for o, n in zip(dst_at, extent)),
+        )
+        for _, src_at, dst_at, extent in locals_out
     ]
     return _LocalPlan(
         src_shape=None if src_region is None else tuple(src_region[1]),
@@ -132,11 +132,14 @@ class _Message:
         self.nbytes = 0
         self.spans: List[Tuple[int, int]] = []
 
-    def add(self, slot: int, piece: _Piece, dtype: torch.dtype) -> None:
-        at = _aligned(self.nbytes)
+    def add(self, slot: int, piece: _Piece, dtype: torch.dtype, at: Optional[int] = None) -> None:
+        """Adds a region at byte ``at`` of the message (the runtime's program says where), or
+        after the last one."""
+        if at is None:
+            at = _aligned(self.nbytes)
         self.parts.append((slot, piece, dtype))
         self.spans.append((at, piece.nbytes))
-        self.nbytes = at + piece.nbytes
+        self.nbytes = max(self.nbytes, at + piece.nbytes)
 
     def direct(self, tensors: List[Optional[torch.Tensor]]) -> Optional[torch.Tensor]:
         """The bytes of the one region this message holds, in place, if they are contiguous:
@@ -217,27 +220,42 @@ class _Bucket:
     ``j``-th tensor; a message per peer and direction; the local copies; and the same as a
     :class:`reshard._core.Packing`, which copies CPU tensors in Rust."""
 
-    def __init__(self, members: List[int], plans: List[_LocalPlan], layouts) -> None:
+    def __init__(self, members: List[int], plans: List[_LocalPlan], layouts, rank: int) -> None:
         self.members = members
-        sends: Dict[int, _Message] = {}
-        recvs: Dict[int, _Message] = {}
         self.locals: List[Tuple[int, Tuple[slice, ...], int, Tuple[slice, ...]]] = []
         slots = []
-        for j, (plan, (src_layout, dst_layout)) in enumerate(zip(plans, layouts)):
-            dtype = torch_dtype(src_layout)
+        dtypes = []
+        for plan, (src_layout, dst_layout) in zip(plans, layouts):
+            dtypes.append(torch_dtype(src_layout))
             slots.append(None if plan.src_shape is None else (list(plan.src_shape), src_layout.elem_bytes))
             slots.append(None if plan.dst_shape is None else (list(plan.dst_shape), dst_layout.elem_bytes))
-            # a rank with sends (receives) has a source (destination): _check_entry sees to it
-            for peer, pieces in plan.sends.items():
+        # the runtime's program of the whole bucket: its messages, their regions and offsets
+        # (a rank with sends (receives) has a source (destination): _check_entry sees to it)
+        sends_out, recvs_out, locals_out = rank_program(list(layouts), rank)
+
+        def messages(out, sending: bool) -> List[Tuple[int, _Message]]:
+            made = []
+            for peer, nbytes, pieces in out:
+                m = _Message()
                 for p in pieces:
-                    sends.setdefault(peer, _Message()).add(2 * j, p, dtype)
-            for peer, pieces in plan.recvs.items():
-                for p in pieces:
-                    recvs.setdefault(peer, _Message()).add(2 * j + 1, p, dtype)
-            for src_slices, dst_slices in plan.locals:
-                self.locals.append((2 * j, src_slices, 2 * j + 1, dst_slices))
-        self.sends = [(peer, sends[peer]) for peer in sorted(sends)]
-        self.recvs = [(peer, recvs[peer]) for peer in sorted(recvs)]
+                    j, at = p[0], p[4]
+                    ends = (rank, peer) if sending else (peer, rank)
+                    m.add(2 * j + (0 if sending else 1), _piece(p, sending, *ends), dtypes[j], at)
+                assert m.nbytes == nbytes
+                made.append((peer, m))
+            return made
+
+        self.sends = messages(sends_out, True)
+        self.recvs = messages(recvs_out, False)
+        for j, src_at, dst_at, extent in locals_out:
+            self.locals.append(
+                (
+                    2 * j,
+                    tuple(slice(o, o + n) for o, n in zip(src_at, extent)),
+                    2 * j + 1,
+                    tuple(slice(o, o + n) for o, n in zip(dst_at, extent)),
+                )
+            )
         self.packing = Packing(
             slots,
             [m.program() for _, m in self.sends],

@@ -32,7 +32,16 @@ from . import _torch_prequant as _tpq
 from . import _torch_quant as _tq
 from ._core import Layout, Refit, ReshardError
 from ._torch_bucket import _Bucket, _check_entry, _LocalPlan, _plan_of, free_staging
-from ._torch_common import _agree, _control_device, _fingerprint, _group_rank, digest_of, torch_dtype
+from ._torch_common import (
+    _agree,
+    _control_device,
+    _fingerprint,
+    _group_rank,
+    digest_of,
+    group_cache,
+    group_key,
+    torch_dtype,
+)
 from ._torch_delta_session import DeltaReport, DeltaSession, refit_many
 from ._torch_quant import scale_tensor
 from ._torch_stage import CommitReport, StageReport
@@ -154,6 +163,7 @@ def reshard_(
     )
 
 
+@torch.no_grad()  # destinations are written in place, Parameters that require grad included
 def reshard_many_(
     pairs: Union[
         Mapping[str, Tuple[Optional[torch.Tensor], Optional[torch.Tensor], Layout, Layout]], Refit
@@ -190,6 +200,12 @@ def reshard_many_(
     packed into one buffer per peer and exchanged in one ``batch_isend_irecv`` per bucket of
     about ``bucket_bytes`` of global tensor data, so two ranks exchange a bounded, equal number
     of messages however many tensors there are. ``checksum`` as for :func:`reshard_`.
+
+    Destination tensors may be ``torch.nn.Parameter`` s that require grad: every path (plain,
+    quantized, delta, staged) writes them under ``torch.no_grad()``, so they keep
+    ``requires_grad`` and get no ``grad_fn``. CUDA tensors must be on this process's current
+    CUDA device (``torch.cuda.set_device(local_rank)``); one on another device is refused on
+    every rank before any byte moves, naming the argument and both devices.
 
     Tensors whose ``dst_layout`` has another float dtype (f64, f32, bf16, f16: a
     ``Refit(train_dtype=...)``) are converted by their source ranks before they move, as
@@ -266,7 +282,7 @@ def reshard_state_dict_(src, dst, group=None, **options) -> None:
 def _reshard_plain(pairs, names, group, bucket_bytes: int, checksum: bool, rank: int, world: int) -> None:
     """:func:`reshard_many_` of tensors of one dtype on both sides."""
     key = (
-        group,
+        group_key(group),  # the process group itself: one destroyed and made again plans anew
         rank,
         world,
         bucket_bytes,
@@ -293,7 +309,7 @@ def _reshard_plain(pairs, names, group, bucket_bytes: int, checksum: bool, rank:
             plan = _plan_of(name, src_layout, dst_layout, rank, world)
             _check_entry(name, *pairs[name], plan, rank)
             plans.append(plan)
-        return _Program(names, pairs, plans, bucket_bytes, fingerprint, digest)
+        return _Program(names, pairs, plans, bucket_bytes, fingerprint, digest, rank)
 
     # every call, the first and a refit every step alike, is refused on every rank before
     # any byte moves: one all_reduce of a few integers, more only where a rank failed
@@ -312,9 +328,17 @@ class _Program:
     the same ones (a refit every step) only checks the tensors and runs it."""
 
     def __init__(
-        self, names: List[str], pairs, plans: List[_LocalPlan], bucket_bytes: int, fingerprint, digest: str
+        self,
+        names: List[str],
+        pairs,
+        plans: List[_LocalPlan],
+        bucket_bytes: int,
+        fingerprint,
+        digest: str,
+        rank: int,
     ) -> None:
         self.names = names
+        self.rank = rank
         # what the group agrees on at every call, computed once
         self.fingerprint = fingerprint
         self.digest = digest
@@ -337,7 +361,9 @@ class _Program:
             self.buckets.append(self._bucket(members))
 
     def _bucket(self, members: List[int]) -> _Bucket:
-        return _Bucket(members, [self.plans[i] for i in members], [self.layouts[i] for i in members])
+        return _Bucket(
+            members, [self.plans[i] for i in members], [self.layouts[i] for i in members], self.rank
+        )
 
     def check(self, pairs, rank: int) -> None:
         """The tensors of this call fit the shards, as on the first call."""
@@ -356,5 +382,5 @@ class _Program:
 
 
 # The programs of the latest calls, oldest first (a job refits the same model every step).
-_PROGRAMS: "collections.OrderedDict[tuple, _Program]" = collections.OrderedDict()
+_PROGRAMS: "collections.OrderedDict[tuple, _Program]" = group_cache(collections.OrderedDict())
 _PROGRAMS_MAX = 16

@@ -11,6 +11,7 @@ mod delta;
 mod layout;
 mod pack;
 mod plan;
+mod program;
 mod quant;
 mod refit;
 mod values;
@@ -182,6 +183,8 @@ mod _core {
     use super::pack::Packing;
     #[pymodule_export]
     use super::plan::{PyPlan, PyRankPlan, PyTransfer, plan, rank_plan};
+    #[pymodule_export]
+    use super::program::rank_program;
     #[pymodule_export]
     use super::quant::{
         QuantAmax, QuantPacking, QuantScales, quant_scale_dtype, quant_scale_shape,
