@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
-from typing import List, Optional, Tuple
+from typing import Dict, List, MutableMapping, Optional, Tuple, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -70,6 +70,31 @@ def _check_tensor(
             f"{layout.spec}, but the tensor given has shape {tuple(tensor.shape)} and dtype "
             f"{str(tensor.dtype).removeprefix('torch.')}"
         )
+    check_device(name, what, tensor.device, current_index(tensor.device), rank)
+
+
+def current_index(device: torch.device) -> Optional[int]:
+    """The index of this process's current device of ``device``'s kind, which its tensors of
+    that kind must be on: ``torch.cuda.current_device()`` for CUDA (the caller sets it to its
+    local rank); None for the CPU and kinds without one."""
+    if device.type == "cuda":
+        return torch.cuda.current_device()
+    return None
+
+
+def check_device(name: str, what: str, device: torch.device, current: Optional[int], rank: int) -> None:
+    """A tensor of this rank on ``device`` is on this process's current device of its kind
+    (``current``, :func:`current_index`; None: any): NCCL runs a rank's operations on its
+    current device, so a tensor on another GPU would be read or written by the wrong stream,
+    or make the group's communicator on a device no peer uses. Raises
+    :class:`ArgumentError` naming the argument, the tensor's device and the expected one."""
+    if current is None or device.index == current:  # a tensor's CUDA device has its index
+        return
+    raise ArgumentError(
+        f"{name}{what}: rank {rank}'s tensor is on {device}, but this process's current "
+        f"{device.type} device is {device.type}:{current}; each rank's tensors belong on its own "
+        "device (torch.cuda.set_device(local_rank) before the call)"
+    )
 
 
 def _check_ranks(name: str, what: str, layout: Layout, world: int) -> None:
@@ -101,6 +126,51 @@ _AGREED: "collections.OrderedDict[Tuple[object, str], None]" = collections.Order
 _AGREED_MAX = 4096
 
 
+def process_group(group):
+    """The process group a call runs on: ``group``, or the default group's object when None.
+    Caches of the torch path are keyed by it (:func:`group_key`), never by ``group`` itself:
+    None names whatever default group exists, and a default group destroyed and made again
+    is another job, whose ranks have agreed on nothing yet."""
+    return dist.distributed_c10d._get_default_group() if group is None else group
+
+
+# The module-level caches whose keys start with a process group (:func:`group_key`), and the
+# groups they hold entries of.
+_GROUP_CACHES: List[MutableMapping] = []
+_CACHED_GROUPS: Dict[int, object] = {}
+
+
+_Cache = TypeVar("_Cache", bound=MutableMapping)
+
+
+def group_cache(cache: _Cache) -> _Cache:
+    """Registers a module-level mapping whose keys are tuples that start with
+    :func:`group_key`'s process group: its entries go when their group is destroyed."""
+    _GROUP_CACHES.append(cache)
+    return cache
+
+
+def group_key(group):
+    """The process group of ``group`` (:func:`process_group`), as the first item of a key of
+    a cache registered with :func:`group_cache`; first drops every cached entry of a group
+    that is no longer in ``torch.distributed``'s world (destroyed), so that the next call on
+    a group made again starts afresh (agrees the whole job, plans again)."""
+    pg = process_group(group)
+    live = dist.distributed_c10d._world.pg_map
+    if any(g not in live for g in _CACHED_GROUPS.values()):
+        dead = {id(g) for g in _CACHED_GROUPS.values() if g not in live}
+        for cache in _GROUP_CACHES:
+            for key in [k for k in cache if id(k[0]) in dead]:
+                del cache[key]
+        for i in dead:
+            del _CACHED_GROUPS[i]
+    _CACHED_GROUPS.setdefault(id(pg), pg)
+    return pg
+
+
+group_cache(_AGREED)
+
+
 def _first_difference(ours, theirs) -> Optional[Tuple[str, str, str]]:
     """The first field whose value differs: (field, ours, theirs), "(none)" where absent."""
     mine, other = dict(ours), dict(theirs)
@@ -119,13 +189,18 @@ def digest_of(fingerprint) -> str:
 def _control_device(group, tensors=()) -> torch.device:
     """Where the group's backend takes the few integers of an agreement: the CPU for gloo
     (and for a group whose CPU tensors go through gloo), the device of the call's tensors
-    (or devices, among ``tensors``) or the current CUDA device for NCCL."""
+    (or devices, among ``tensors``) or the current CUDA device for NCCL. A CUDA tensor's
+    agreement runs on the current CUDA device whatever device the tensor is on: a tensor
+    on another GPU is refused (:func:`check_device`) through that agreement, which must
+    not run on the wrong device itself."""
     backend = str(dist.get_backend(group))
     if backend == "gloo" or "cpu:" in backend:
         return torch.device("cpu")
     for t in tensors:
         device = t.device if isinstance(t, torch.Tensor) else t
         if isinstance(device, torch.device) and device.type != "cpu":
+            if device.type == "cuda":
+                return torch.device("cuda", torch.cuda.current_device())
             return device
     if backend == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
@@ -151,7 +226,7 @@ def _agree(fingerprint, prepare, group, rank: int, *, digest: Optional[str] = No
     a function that returns it, called only where it is sent."""
     if digest is None:
         digest = digest_of(fingerprint)
-    key = (group, digest)
+    key = (group_key(group), digest)
     known = key in _AGREED
     try:
         result, refusal = prepare(), None

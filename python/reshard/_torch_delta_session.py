@@ -21,6 +21,7 @@ import torch
 
 from . import _torch_stage
 from ._core import ArgumentError
+from ._torch_common import group_cache, group_key
 from ._torch_delta_refit import DeltaReport, _check_version, _refit_live
 from ._torch_stage import CommitReport, StageReport
 
@@ -225,20 +226,14 @@ class DeltaSession:
 
 
 # (process group, model, checksum, bucket_bytes) -> the session of reshard_many_(delta=True)
-_SESSIONS: Dict[tuple, DeltaSession] = {}
+_SESSIONS: Dict[tuple, DeltaSession] = group_cache({})
 
 
 def module_session(group, checksum: bool, bucket_bytes, model: Optional[str] = None) -> DeltaSession:
     """The session :func:`reshard.torch.reshard_many_` with ``delta=True`` (and no
     ``session``) refits with: one per process group (a group destroyed and made again gets
     new ones), ``model``, ``checksum`` and ``bucket_bytes``."""
-    import torch.distributed as dist
-
-    world = dist.distributed_c10d._world.pg_map
-    for key in [k for k in _SESSIONS if k[0] not in world]:
-        del _SESSIONS[key]  # its group was destroyed
-    pg = dist.distributed_c10d._get_default_group() if group is None else group
-    key = (pg, model, bool(checksum), bucket_bytes)
+    key = (group_key(group), model, bool(checksum), bucket_bytes)  # a destroyed group's go
     if key not in _SESSIONS:
         _SESSIONS[key] = DeltaSession(group, checksum=checksum, bucket_bytes=bucket_bytes)
     return _SESSIONS[key]

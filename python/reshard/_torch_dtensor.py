@@ -39,15 +39,17 @@ def local_of(t):
         return t._local_tensor if hasattr(t, "_local_tensor") else t.to_local()
 
 
-def _group_ranks(ranks: List[int], group) -> List[int]:
-    if group is None:
+def _group_ranks(ranks: List[int], members: Optional[Tuple[Tuple[int, int], ...]]) -> List[int]:
+    """Global ranks as ranks of the group whose members are ``members`` ((global rank, group
+    rank) pairs; None: the world, global ranks as they are)."""
+    if members is None:
         return ranks
+    of = dict(members)
     out = []
     for r in ranks:
-        g = dist.get_group_rank(group, r)
-        if g < 0:
+        if r not in of:
             raise ArgumentError(f"ranks: global rank {r} of the DTensor's mesh is not in the group")
-        out.append(g)
+        out.append(of[r])
     return out
 
 
@@ -79,11 +81,16 @@ def layout_of(dt, group=None) -> Layout:
     """The :class:`reshard.Layout` of a DTensor (or of :func:`describe`'s tuple), with
     ``_StridedShard`` resolved to a permuted mesh; ranks of ``group`` (global if None)."""
     desc = describe(dt) if is_dtensor(dt) else dt
-    return _layout_of(desc, group)
+    # cached by the group's global ranks, not by the group: a group destroyed and made again
+    # leaves nothing stale (and keeps no destroyed group alive)
+    members = None
+    if group is not None:
+        members = tuple((r, dist.get_group_rank(group, r)) for r in dist.get_process_group_ranks(group))
+    return _layout_of(desc, members)
 
 
 @functools.lru_cache(maxsize=4096)
-def _layout_of(desc: tuple, group) -> Layout:
+def _layout_of(desc: tuple, members: Optional[Tuple[Tuple[int, int], ...]]) -> Layout:
     shape, dtype, mesh, ranks, placements = desc
     order, kinds = _order(shape, mesh, placements)
     ranks_t = torch.tensor(ranks, dtype=torch.int64).reshape(mesh) if mesh else torch.tensor(ranks)
@@ -92,11 +99,11 @@ def _layout_of(desc: tuple, group) -> Layout:
         shape,
         dtype,
         [mesh[i] for i in order],
-        _group_ranks(permuted, group),
+        _group_ranks(permuted, members),
         [kinds[i] for i in order],
     )
     if any(kind == "strided" for kind, _, _ in placements):
-        _check_boxes(desc, layout, _group_ranks(list(ranks), group))
+        _check_boxes(desc, layout, _group_ranks(list(ranks), members))
     return layout
 
 
