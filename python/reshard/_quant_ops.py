@@ -66,8 +66,9 @@ def _log2_parts(t: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
 
 
 def _floor(like: torch.Tensor) -> torch.Tensor:
-    """The amax floor as an f32 tensor (the f32 nearest 1e-4, as Rust's literal)."""
-    return torch.tensor(_AMAX_FLOOR, dtype=torch.float32, device=like.device)
+    """The amax floor as an f32 tensor (the f32 nearest 1e-4, as Rust's literal), filled on
+    the device (a tensor built on the host would be a copy to it, a host sync)."""
+    return torch.full((), _AMAX_FLOOR, dtype=torch.float32, device=like.device)
 
 
 def block_scales(packing: QuantPacking, amax: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -121,11 +122,18 @@ class Source:
         self.block = packing.block
         self.blocks_offset, self.blocks_extent = blocks_touching(self.offset, self.extent, self.block)
         self.src = src
-        self.amax = self._local_amax()
+        x = src.to(torch.float32)
+        #: Whether the shard holds a NaN or an infinity in f32, on its device:
+        #: :func:`first_nonfinite` reads every source's at once (one host sync for all), and
+        #: :meth:`check_finite` names the element.
+        self.nonfinite = (~torch.isfinite(x)).any()
+        self.amax = self._local_amax(x)
         self.mult: Optional[torch.Tensor] = None
         self.stored: Optional[torch.Tensor] = None
 
-    def _local_amax(self) -> torch.Tensor:
+    def check_finite(self) -> None:
+        """Raises :class:`ArgumentError` naming the first non-finite element of the shard (in
+        row-major order, as the core names it), if any."""
         x = self.src.to(torch.float32)
         bad = ~torch.isfinite(x)
         if bool(bad.any()):
@@ -141,6 +149,8 @@ class Source:
                 f"block {block} holds a non-finite value ({_value_text(value)}) at element "
                 f"{element}, which fp8 cannot carry"
             )
+
+    def _local_amax(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 0:
             return x.abs()
         # the blocks touched, padded with zeros (they change no amax), one axis per block
@@ -192,6 +202,16 @@ class Source:
             for at, offset, extent in scales:
                 s = self.scales(offset, extent).contiguous().reshape(-1).view(torch.uint8)
                 buffer[at : at + s.numel()].copy_(s)
+
+
+def first_nonfinite(sources: Sequence[Optional[Source]]) -> Optional[int]:
+    """The index of the first source (None: none) that holds a NaN or an infinity: the flags
+    of all in one host sync; :meth:`Source.check_finite` then names the element."""
+    given = [(i, s) for i, s in enumerate(sources) if s is not None]
+    if not given:
+        return None
+    found = torch.stack([s.nonfinite for _, s in given]).tolist()
+    return next((i for (i, _), bad in zip(given, found) if bad), None)
 
 
 def unpack(

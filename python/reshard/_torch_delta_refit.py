@@ -72,7 +72,9 @@ def _device_of(given, src, dst, group) -> torch.device:
             tensors += list(side.values())
     for t in tensors:
         if isinstance(t, torch.Tensor):
-            return t.device
+            # a CUDA tensor on another GPU than the current one is refused at the fence,
+            # which runs on the current one
+            return torch.device("cuda", torch.cuda.current_device()) if t.device.type == "cuda" else t.device
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -214,7 +216,7 @@ def _fence(session, job, ok: bool, version: int, digest: int, device, world: int
     ]
     gathered = [torch.zeros(len(mine), dtype=torch.int64, device=device) for _ in range(world)]
     dist.all_gather(gathered, torch.tensor(mine, dtype=torch.int64, device=device), group=session.group)
-    return [t.tolist() for t in gathered]
+    return torch.stack(gathered).tolist()  # one host sync for every rank's fields
 
 
 def _refit_live(session, given, version, src, dst, previous, problem=None) -> DeltaReport:

@@ -143,10 +143,13 @@ def _seal(buffer: torch.Tensor, at: int, spans) -> None:
 
 
 def _mismatch(buffer: torch.Tensor, at: int, spans) -> Optional[Tuple[int, int, int]]:
-    """The first span whose bytes differ from the sum after them: (index, sent, arrived)."""
-    trailer = bytes(buffer[at : at + 4 * len(spans)].cpu().tolist())
+    """The first span whose bytes differ from the sum after them: (index, sent, arrived).
+    The message is read on the host once (one copy from a device, not one per part)."""
+    host = buffer[: at + 4 * len(spans)]
+    host = host if host.device.type == "cpu" else host.cpu()
+    trailer = host[at : at + 4 * len(spans)].numpy().tobytes()
     sent = struct.unpack(f"<{len(spans)}I", trailer)
-    for i, (s, got) in enumerate(zip(sent, _sums(buffer[:at], spans))):
+    for i, (s, got) in enumerate(zip(sent, _sums(host[:at], spans))):
         if s != got:
             return i, s, got
     return None
@@ -213,6 +216,14 @@ def run(items, group, checksum: bool = False, native: bool = True) -> None:
         except ReshardError as e:
             problem = type(e)(f"{label}src_local: {e}")
             break
+    if problem is None and not native:
+        # every shard's flag in one host sync (not one per tensor); the first bad one named
+        bad = _ops.first_nonfinite(states)
+        if bad is not None:
+            try:
+                states[bad].check_finite()
+            except ReshardError as e:
+                problem = type(e)(f"{items[bad][0]}src_local: {e}")
     # a non-finite value fails on its own rank; every rank of the group learns it before any
     # value moves, so none waits for a peer that gave up
     _refuse_together(problem, group, _control_device(group, [device]))
