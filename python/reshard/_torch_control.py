@@ -29,7 +29,7 @@ from typing import List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ._core import Control, ControlListener, PeerLostError, ReshardError
+from ._core import ArgumentError, Control, ControlListener, PeerLostError, ReshardError
 from ._torch_common import process_group as _process_group
 
 #: Seconds a rank waits for a peer before it names it as lost, when ``RESHARD_TIMEOUT`` is unset.
@@ -49,7 +49,7 @@ def timeout() -> float:
     except ValueError:
         value = -1.0
     if not value > 0 or value != value or value == float("inf"):
-        raise ReshardError(f"RESHARD_TIMEOUT: {raw!r:.40} is invalid: a positive number of seconds")
+        raise ArgumentError(f"RESHARD_TIMEOUT: {raw!r:.40} is invalid: a positive number of seconds")
     return value
 
 
