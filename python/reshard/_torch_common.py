@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import collections
 import hashlib
-from typing import Dict, List, MutableMapping, Optional, Tuple, TypeVar
+import weakref
+from typing import List, MutableMapping, Optional, Set, Tuple, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -134,38 +135,59 @@ def process_group(group):
     return dist.distributed_c10d._get_default_group() if group is None else group
 
 
-# The module-level caches whose keys start with a process group (:func:`group_key`), and the
-# groups they hold entries of.
-_GROUP_CACHES: List[MutableMapping] = []
-_CACHED_GROUPS: Dict[int, object] = {}
+class GroupKey:
+    """A process group as the first item of a cache's key: equal only to itself, one per
+    live group, and holding the group weakly, so that no cache keeps a group (its
+    communicator and threads) alive past ``destroy_process_group``."""
 
+    __slots__ = ("_ref", "__weakref__")
+
+    def __init__(self, pg) -> None:
+        self._ref = weakref.ref(pg)
+
+    def group(self):
+        """The process group, or None once it is gone."""
+        return self._ref()
+
+    def alive(self, live) -> bool:
+        pg = self._ref()
+        return pg is not None and pg in live
+
+
+# The module-level caches whose keys start with a GroupKey (:func:`group_key`), the keys in
+# use, and the key of each live process group.
+_GROUP_CACHES: List[MutableMapping] = []
+_GROUP_KEYS: Set[GroupKey] = set()
+_KEY_OF: "weakref.WeakKeyDictionary[object, GroupKey]" = weakref.WeakKeyDictionary()
 
 _Cache = TypeVar("_Cache", bound=MutableMapping)
 
 
 def group_cache(cache: _Cache) -> _Cache:
-    """Registers a module-level mapping whose keys are tuples that start with
-    :func:`group_key`'s process group: its entries go when their group is destroyed."""
+    """Registers a module-level mapping whose keys are tuples that start with a
+    :func:`group_key`: its entries go when their group is destroyed."""
     _GROUP_CACHES.append(cache)
     return cache
 
 
-def group_key(group):
-    """The process group of ``group`` (:func:`process_group`), as the first item of a key of
-    a cache registered with :func:`group_cache`; first drops every cached entry of a group
-    that is no longer in ``torch.distributed``'s world (destroyed), so that the next call on
-    a group made again starts afresh (agrees the whole job, plans again)."""
+def group_key(group) -> GroupKey:
+    """The key of ``group``'s process group (:func:`process_group`: the default group's for
+    None) in the caches registered with :func:`group_cache`; first drops every cached entry
+    of a group that is no longer in ``torch.distributed``'s world (destroyed), so that the
+    next call on a group made again starts afresh (agrees the whole job, plans again)."""
     pg = process_group(group)
     live = dist.distributed_c10d._world.pg_map
-    if any(g not in live for g in _CACHED_GROUPS.values()):
-        dead = {id(g) for g in _CACHED_GROUPS.values() if g not in live}
+    dead = {k for k in _GROUP_KEYS if not k.alive(live)}
+    if dead:
         for cache in _GROUP_CACHES:
-            for key in [k for k in cache if id(k[0]) in dead]:
+            for key in [k for k in cache if k[0] in dead]:
                 del cache[key]
-        for i in dead:
-            del _CACHED_GROUPS[i]
-    _CACHED_GROUPS.setdefault(id(pg), pg)
-    return pg
+        _GROUP_KEYS.difference_update(dead)
+    key = _KEY_OF.get(pg)
+    if key is None or key not in _GROUP_KEYS:
+        key = _KEY_OF[pg] = GroupKey(pg)
+        _GROUP_KEYS.add(key)
+    return key
 
 
 group_cache(_AGREED)

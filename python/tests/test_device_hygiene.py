@@ -215,7 +215,8 @@ def _cached_groups():
     """The process groups that the torch path's per-group caches hold entries of."""
     from reshard import _torch_delta_session as sessions
 
-    return {id(k[0]) for cache in (common._AGREED, rt._PROGRAMS, sessions._SESSIONS) for k in cache}
+    caches = (common._AGREED, rt._PROGRAMS, sessions._SESSIONS)
+    return {id(k[0].group()) for cache in caches for k in cache}
 
 
 def group_made_again(rank, world, port):
