@@ -21,6 +21,7 @@ conformance tests compare both paths byte for byte).
 A message (one per peer and bucket) carries its regions in the plan's order (which both sides
 know, with their shapes and dtypes)::
 
+    length   u64: the message's bytes, this field included
     modes    u8 per region: 0 unchanged, 1 dense, 2 blocks
     crcs     with checksums: the CRC-32C of every new region, int64 each
     regions  every region not unchanged, each at a multiple of 8 bytes:
@@ -28,7 +29,9 @@ know, with their shapes and dtypes)::
              blocks  u64 length, then the core's encoding of that many bytes
 
 every section at a multiple of 8 bytes, the padding zero. A region goes unchanged when no
-element changed, dense without a base or when its encoding is not smaller than its values.
+element changed, dense without a base or when its encoding is not smaller than its values. No
+message is longer than :func:`largest` says from its regions' sizes alone, so a receiver can
+take one into a buffer of that size without being told its length first.
 """
 
 from __future__ import annotations
@@ -97,7 +100,19 @@ def _nblocks(n: int) -> int:
 
 
 def _head_bytes(regions: int, checksum: bool) -> int:
-    return aligned(regions) + (8 * regions if checksum else 0)
+    return 8 + aligned(regions) + (8 * regions if checksum else 0)
+
+
+def largest(sizes: Sequence[int], checksum: bool) -> int:
+    """The most bytes a message of regions of ``sizes`` bytes can take: each dense, or its
+    encoding (smaller than its values) after its length."""
+    return _head_bytes(len(sizes), checksum) + sum(8 + aligned(size) for size in sizes)
+
+
+def says_nothing(encoded: Sequence[Encoded], checksum: bool) -> bool:
+    """Whether a message tells its receiver nothing it does not know (every region unchanged,
+    no checksums): it need not be sent where the receiver learns its size first."""
+    return not checksum and all(e.mode == REGION_UNCHANGED for e in encoded)
 
 
 @dataclass
@@ -162,11 +177,11 @@ def _uses_torch(tensors, torch_ops: Optional[bool]) -> bool:
 
 def encode_messages(
     messages: Sequence[Sequence[Outgoing]], checksum: bool, torch_ops: Optional[bool] = None
-) -> List[Tuple[Optional[torch.Tensor], List[Encoded]]]:
-    """Every message of a bucket, one per list of regions: its bytes (None where every region
-    is unchanged and no checksums are sent) and how each region went. Every ``keep`` takes its
-    region's new values. CPU tensors by the core's kernels, others by torch operations with
-    one host sync for the whole bucket (``torch_ops`` forces either)."""
+) -> List[Tuple[torch.Tensor, List[Encoded]]]:
+    """Every message of a bucket, one per list of regions: its bytes and how each region
+    went. Every ``keep`` takes its region's new values. CPU tensors by the core's kernels,
+    others by torch operations with one host sync for the whole bucket (``torch_ops`` forces
+    either)."""
     if _uses_torch((r.new for m in messages for r in m), torch_ops):
         return _encode_torch(messages, checksum)
     return [_encode_cpu(regions, checksum) for regions in messages]
@@ -178,7 +193,8 @@ def apply_messages(
     torch_ops: Optional[bool] = None,
 ) -> List[List[Applied]]:
     """Applies every message of a bucket, each ``(buffer, what, [(view, label)])``: its bytes
-    (None: every region unchanged), what names it in errors, and the views of its regions
+    (None: not sent, as it said nothing; a buffer may be longer than its message), what names
+    it in errors, and the views of its regions
     (holding their bases) with their labels. Raises :class:`ReshardError` naming the region
     of a malformed message (an encoding is checked whole before it writes anything)."""
     views = [v for _, _, regions in incoming for v, _ in regions]
@@ -223,6 +239,13 @@ def _regions(buffer, what, regions, checksum, applied: List[Applied]):
         applied.extend(Applied(REGION_UNCHANGED) for _ in regions)
         return
     reader = Reader(buffer, what)
+    length = message_length(reader.take(8))
+    if length < _head_bytes(len(regions), checksum) or length > buffer.numel():
+        raise ReshardError(
+            f"{what}: the message says it has {length} bytes, but {buffer.numel()} arrived for "
+            f"{len(regions)} regions"
+        )
+    reader.buffer = buffer[:length]
     modes = reader.take(len(regions)).tolist()
     crcs = reader.take(8 * len(regions)).view(torch.int64).tolist() if checksum else [None] * len(regions)
     for (view, label), mode, crc in zip(regions, modes, crcs):
@@ -230,6 +253,19 @@ def _regions(buffer, what, regions, checksum, applied: List[Applied]):
             raise ReshardError(f"{label}: unknown region mode {mode} in the message header")
         applied.append(Applied(mode, None if crc is None else crc & 0xFFFFFFFF))
         yield reader, view, label, mode
+
+
+def message_length(buffer: torch.Tensor) -> int:
+    """The length a message says it has, from its first 8 bytes (on the host)."""
+    return int(buffer[:8].cpu().view(torch.int64)[0])
+
+
+def carried(buffer: torch.Tensor, regions: int, checksum: bool) -> int:
+    """The bytes of a received message of ``regions`` regions, or 0 for one that says nothing
+    (it stands for the size a receiver is otherwise told first, which no report counts)."""
+    head = buffer[: 8 + regions].cpu()
+    says = checksum or bool(head[8:].any())
+    return int(head[:8].view(torch.int64)[0]) if says else 0
 
 
 def _blocks_at(reader: Reader) -> Tuple[int, int]:
@@ -270,12 +306,13 @@ class _Patches:
         self.pos.extend(range(at, at + len(data)))
         self.val += bytes(data)
 
-    def head(self, at: int, encoded: Sequence[Encoded], crcs: Sequence[int], checksum: bool) -> None:
-        """A message's modes (and checksums) at ``at``, its padding zero."""
+    def head(self, at: int, end: int, encoded: Sequence[Encoded], crcs: Sequence[int], checksum: bool):
+        """The head of the message at ``at..end``: its length, modes (and checksums), its
+        padding zero."""
         modes = bytes(e.mode for e in encoded)
-        self.add(at, modes + bytes(aligned(len(modes)) - len(modes)))
+        self.add(at, (end - at).to_bytes(8, "little") + modes + bytes(aligned(len(modes)) - len(modes)))
         if checksum:
-            self.add(at + aligned(len(modes)), b"".join(c.to_bytes(8, "little") for c in crcs))
+            self.add(at + 8 + aligned(len(modes)), b"".join(c.to_bytes(8, "little") for c in crcs))
 
     def write(self, buf: torch.Tensor) -> None:
         if self.pos:
@@ -284,10 +321,10 @@ class _Patches:
             buf.index_put_((pos,), val)
 
 
-def _encode_cpu(regions: Sequence[Outgoing], checksum: bool) -> Tuple[Optional[torch.Tensor], List[Encoded]]:
+def _encode_cpu(regions: Sequence[Outgoing], checksum: bool) -> Tuple[torch.Tensor, List[Encoded]]:
     """One message of CPU regions, each encoded straight into it by the core."""
     head = _head_bytes(len(regions), checksum)
-    room = head + sum(8 + aligned(r.new.numel() * r.new.element_size()) for r in regions)
+    room = largest([r.new.numel() * r.new.element_size() for r in regions], checksum)
     msg = torch.empty(room, dtype=torch.uint8)
     patches = _Patches()
     out: List[Encoded] = []
@@ -324,9 +361,7 @@ def _encode_cpu(regions: Sequence[Outgoing], checksum: bool) -> Tuple[Optional[t
         at = aligned(end)
         patches.add(end, bytes(at - end))
         out.append(_summary(mode, n, at - start, got[1], got[2]))
-    if not checksum and all(e.mode == REGION_UNCHANGED for e in out):
-        return None, out
-    patches.head(0, out, crcs, checksum)
+    patches.head(0, at, out, crcs, checksum)
     patches.write(msg)
     return msg[:at], out
 
@@ -472,12 +507,8 @@ def _encode_torch(messages: Sequence[Sequence[Outgoing]], checksum: bool):
             at = aligned(at)
             encoded.append(_summary(mode, n, at - section, got[2:], got[1]))
             k += 1
-        if checksum or any(e.mode != REGION_UNCHANGED for e in encoded):
-            patches.head(start, encoded, crcs[k - len(regions) : k], checksum)
-            spans.append((start, at))
-        else:
-            at = start
-            spans.append((start, start))
+        patches.head(start, at, encoded, crcs[k - len(regions) : k], checksum)
+        spans.append((start, at))
         outs.append(encoded)
 
     buf = torch.zeros(at + _SPARE, dtype=torch.uint8, device=device)
@@ -492,7 +523,7 @@ def _encode_torch(messages: Sequence[Sequence[Outgoing]], checksum: bool):
     for r, new in zip(all_regions, flats):
         if r.keep is not None:
             r.keep.copy_(new)
-    return [(None if a == b else buf[a:b], e) for (a, b), e in zip(spans, outs)]
+    return [(buf[a:b], e) for (a, b), e in zip(spans, outs)]
 
 
 # Multiplying 8 bytes of 0 or 1 by this gathers them, the first as the lowest bit, into the
@@ -618,7 +649,7 @@ def encode(new: torch.Tensor, base: Optional[torch.Tensor], torch_ops: Optional[
     """One region as a message of its own would carry it: ``sections`` its bytes there (after
     the header). ``base`` is not changed."""
     [(msg, [encoded])] = encode_messages([[Outgoing(new, base)]], False, torch_ops)
-    if msg is not None and encoded.mode != REGION_UNCHANGED:
+    if encoded.mode != REGION_UNCHANGED:
         encoded.sections = [msg[_head_bytes(1, False) :]]
     return encoded
 

@@ -1,11 +1,14 @@
 """The data of one delta refit, after the fence (:mod:`reshard._torch_delta_session`): every
 source rank encodes each of its transfers against its base where the destination holds it,
 one message per peer and bucket (:mod:`reshard._torch_delta`: the core's encoding of each
-region, the message's format), and the ranks exchange first the messages' sizes, then the
-messages, point to point, while each copies the regions it holds on both sides; then every
-destination applies what arrived onto its shards, in place, and with checksums compares each
-region after applying. A message whose regions are all unchanged, without checksums, is not
-sent at all (its size says so).
+region, the message's format), and the ranks exchange the messages, point to point, while
+each copies the regions it holds on both sides; then every destination applies what arrived
+onto its shards, in place, and with checksums compares each region after applying.
+
+Over gloo a message lands in a buffer of the largest size it can have (known from the plan
+alone, and only the bytes that arrive are touched), so the messages move in one exchange.
+Other backends (NCCL) want a receive of the sent size: the messages' sizes go first, and a
+message that says nothing (every region unchanged, without checksums) is not sent at all.
 """
 
 from __future__ import annotations
@@ -98,8 +101,8 @@ def _outgoing(session, job, name: str, piece, held: int, anchored: bool, report,
 
 
 def _encode(session, job, sends, held_by, anchored: bool, report, bases) -> dict:
-    """This rank's messages of one bucket by peer (None: nothing to send), and its report's
-    counts of them."""
+    """This rank's messages of one bucket by peer, each with how its regions went, and its
+    report's counts of them."""
     peers = sorted(sends)
     regions = [
         [_outgoing(session, job, name, p, held_by[peer], anchored, report, bases) for name, p in sends[peer]]
@@ -108,7 +111,7 @@ def _encode(session, job, sends, held_by, anchored: bool, report, bases) -> dict
     messages = {}
     encoded = _codec.encode_messages(regions, session.checksum)
     for peer, outgoing, (message, summary) in zip(peers, regions, encoded):
-        messages[peer] = message
+        messages[peer] = (message, summary)
         for (_, piece), region, e in zip(sends[peer], outgoing, summary):
             report.bytes_dense += piece.nbytes
             report.changed += e.changed
@@ -133,13 +136,16 @@ def run(session, job, heard, version: int, report, device, rank: int) -> None:
         sends, recvs = _by_peer(job, members, "sends"), _by_peer(job, members, "recvs")
         held_by = {peer: heard[peer][_HELD] for peer in sends}
         messages = _encode(session, job, sends, held_by, anchored, report, bases)
-        landing = _move(session.group, messages, sorted(recvs), device, report)
+        landing = _move(session.group, messages, recvs, session.checksum, device, report)
         for i in members:  # the regions this rank holds on both sides
             src_local, dst_local = job.pairs[job.names[i]][0], job.pairs[job.names[i]][1]
             for src_slices, dst_slices in job.plans[i].locals:
                 dst_local[dst_slices].copy_(src_local[src_slices])
         requests, peers = landing.pop(None)
         _control.wait(requests, peers, session.group, "a delta refit's messages")
+        if _larger_receives(session.group):
+            for peer, buffer in landing.items():
+                report.bytes_received += _codec.carried(buffer, len(recvs[peer]), session.checksum)
         if failure is not None:
             continue
         try:
@@ -165,23 +171,37 @@ def run(session, job, heard, version: int, report, device, rank: int) -> None:
     session.held = version
 
 
-def _move(group, messages, peers: List[int], device, report) -> dict:
-    """Sends this rank's messages of one bucket and posts the receives: first every
-    message's size (one that says nothing changed, without checksums, is not sent), then the
-    messages, landing in one buffer. The buffers that will arrive by peer, and under None
-    the requests to wait."""
-    senders = sorted(messages)
-    told = [0 if messages[p] is None else messages[p].numel() for p in senders]
-    sizes_out = torch.tensor(told, dtype=torch.int64, device=device).view(torch.uint8)
-    sizes_in = torch.empty(8 * len(peers), dtype=torch.uint8, device=device)
-    ops = [_op(dist.isend, sizes_out[8 * i : 8 * i + 8], p, group) for i, p in enumerate(senders)]
-    ops += [_op(dist.irecv, sizes_in[8 * i : 8 * i + 8], p, group) for i, p in enumerate(peers)]
-    told_to = senders + peers
-    _control.wait(dist.batch_isend_irecv(ops) if ops else [], told_to, group, "a delta refit's message sizes")
-    sizes = dict(zip(peers, sizes_in.view(torch.int64).tolist()))
-    outgoing = {p: m for p, m in messages.items() if m is not None}
-    report.bytes_sent += sum(m.numel() for m in outgoing.values())
-    report.bytes_received += sum(sizes.values())
+def _larger_receives(group) -> bool:
+    """Whether the group's backend takes a message into a larger buffer (gloo does; NCCL
+    wants the sent size)."""
+    return dist.get_backend(group) == "gloo"
+
+
+def _move(group, messages, recvs, checksum: bool, device, report) -> dict:
+    """Sends this rank's messages of one bucket (by peer: the message and how its regions
+    went) and posts the receives, landing in one buffer. The buffers that will arrive by
+    peer, and under None the requests to wait and their peers. The report counts the
+    messages that say something, as they are: over gloo, one that says nothing still goes, in
+    place of the size another backend is told first."""
+    peers = sorted(recvs)
+    if _larger_receives(group):
+        outgoing = {p: m for p, (m, _) in messages.items()}
+        sizes = {p: _codec.largest([piece.nbytes for _, piece in recvs[p]], checksum) for p in peers}
+    else:
+        # the messages' sizes first; one that says nothing is not sent
+        outgoing = {p: m for p, (m, e) in messages.items() if not _codec.says_nothing(e, checksum)}
+        senders = sorted(messages)
+        told = [outgoing[p].numel() if p in outgoing else 0 for p in senders]
+        sizes_out = torch.tensor(told, dtype=torch.int64, device=device).view(torch.uint8)
+        sizes_in = torch.empty(8 * len(peers), dtype=torch.uint8, device=device)
+        ops = [_op(dist.isend, sizes_out[8 * i : 8 * i + 8], p, group) for i, p in enumerate(senders)]
+        ops += [_op(dist.irecv, sizes_in[8 * i : 8 * i + 8], p, group) for i, p in enumerate(peers)]
+        works = dist.batch_isend_irecv(ops) if ops else []
+        _control.wait(works, senders + peers, group, "a delta refit's message sizes")
+        sizes = dict(zip(peers, sizes_in.view(torch.int64).tolist()))
+        report.bytes_received += sum(sizes.values())
+    # a message that says nothing stands for a size, which no report counts
+    report.bytes_sent += sum(m.numel() for m, e in messages.values() if not _codec.says_nothing(e, checksum))
     arriving = torch.empty(sum(sizes.values()), dtype=torch.uint8, device=device)
     landing: dict = {}
     at = 0

@@ -168,12 +168,17 @@ def test_both_paths_write_the_same_message_and_apply_each_others(seed):
             assert sum(e.blocks) == (r["new"].numel() + 4095) // 4096
     (rust, rust_summary), (ops, ops_summary) = sent[False], sent[True]
     assert rust_summary == ops_summary
-    if rust is None:
-        assert ops is None
-        assert all(r["changed"] == 0 for r in regions) and not checksum
-    else:
-        assert torch.equal(rust, ops), (rust.numel(), ops.numel())
-    for message in (rust, ops):
+    assert torch.equal(rust, ops), (rust.numel(), ops.numel())
+    unchanged = all(r["changed"] == 0 for r in regions)
+    assert codec.says_nothing(rust_summary, checksum) == (unchanged and not checksum)
+    sizes = [r["new"].numel() * r["new"].element_size() for r in regions]
+    assert codec.message_length(rust) == rust.numel() <= codec.largest(sizes, checksum)
+    # a message lands in a buffer of the largest size it can have, or alone; one that says
+    # nothing need not be sent at all
+    roomy = torch.full((codec.largest(sizes, checksum) + 24,), 7, dtype=torch.uint8)
+    roomy[: rust.numel()] = rust
+    arrivals = [rust, ops, roomy] + ([None] if codec.says_nothing(rust_summary, checksum) else [])
+    for message in arrivals:
         for torch_ops in (False, True):
             dsts = [r["dst"].clone() for r in regions]
             views = [(r["dst_view"](d), f"region {i}") for i, (r, d) in enumerate(zip(regions, dsts))]
@@ -295,10 +300,16 @@ def test_a_message_cut_short_is_refused_by_both_paths():
     codec.bits(new)[::7] += 1
     out = [codec.Outgoing(new, base.clone())]
     [(message, _)] = codec.encode_messages([out], False)
+    # the message says it is longer than what arrived, or its region's encoding runs past
+    # the length it says
+    short = message.clone()
+    short[:8].view(torch.int64)[0] = message.numel() - 100
     for torch_ops in (False, True):
         dst = base.clone()
-        with pytest.raises(reshard.ReshardError, match="the message ends at byte"):
+        with pytest.raises(reshard.ReshardError, match=f"says it has {message.numel()} bytes, but"):
             codec.apply_messages([(message[:-100], "cut", [(dst, "r")])], False, torch_ops=torch_ops)
+        with pytest.raises(reshard.ReshardError, match="the message ends at byte"):
+            codec.apply_messages([(short, "cut", [(dst, "r")])], False, torch_ops=torch_ops)
         assert torch.equal(dst, base)
 
 
@@ -320,11 +331,9 @@ def test_a_gpu_writes_the_cores_bytes():
             gpu.append(codec.Outgoing(r["view"](r["holder"].cuda()), base, keep))
         [(ops, ops_summary)] = codec.encode_messages([gpu], checksum)
         assert ops_summary == rust_summary
-        assert (rust is None and ops is None) or torch.equal(rust, ops.cpu())
+        assert torch.equal(rust, ops.cpu())
         for r, o in zip(regions, gpu):
             assert bits_equal(o.keep.cpu().view(r["new"].shape), r["new"])
-        if rust is None:
-            continue
         dsts = [r["dst"].cuda() for r in regions]
         views = [(r["dst_view"](d), f"region {i}") for i, (r, d) in enumerate(zip(regions, dsts))]
         [applied] = codec.apply_messages([(rust.cuda(), "test", views)], checksum)
