@@ -66,7 +66,7 @@ def worker(rank, port, args, out):
         session.refit(pairs(delta_out))  # the first refit is dense
         dense_times, delta_times, sent, dense_bytes, exact = [], [], 0, 0, True
         for _ in range(args.iters):
-            for n, m in masters.items():
+            for m in masters.values():
                 chosen = torch.rand(m.shape, generator=gen) < density
                 wire = m.to(torch.bfloat16)
                 wire.view(torch.int16)[chosen] += 1
