@@ -76,7 +76,7 @@ def random_view(rng, gen, numel, dtype):
 
 
 def bits_equal(a, b):
-    return a.shape == b.shape and torch.equal(codec.bits(codec._flat(a)), codec.bits(codec._flat(b)))
+    return a.shape == b.shape and torch.equal(codec.bits(codec.flat(a)), codec.bits(codec.flat(b)))
 
 
 def case(seed):
