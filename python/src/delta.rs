@@ -18,20 +18,7 @@ use reshard_core::delta::{self, BLOCK_ELEMS, DeltaEncoder, DeltaStats, HEADER_BY
 use reshard_core::region::Region;
 
 use crate::error;
-
-/// A CPU tensor as the kernels see it, read from it at each call.
-struct View {
-    ptr: usize,
-    /// Bytes from the first element to the end of the last.
-    span: usize,
-    shape: Vec<u64>,
-    /// Strides in elements.
-    strides: Vec<u64>,
-    elem: usize,
-    /// The dense row-major array the tensor is a box of (starting at its first element), if
-    /// it is one.
-    holder: Option<Region>,
-}
+use crate::pack::view::{View, read_view};
 
 impl View {
     fn numel(&self) -> usize {
@@ -66,29 +53,6 @@ impl View {
     fn unpack(&self, holder: &Region) -> CopyGeometry {
         let region = Region::full(&self.shape);
         CopyGeometry::new(&region, Place::Stream, Place::Within(holder), self.elem)
-    }
-
-    /// The tensor's bytes, from its first element to its last.
-    ///
-    /// # Safety
-    /// The tensor is alive for the borrow, and nothing writes these bytes meanwhile.
-    unsafe fn bytes<'a>(&self) -> &'a [u8] {
-        if self.span == 0 {
-            return &[];
-        }
-        unsafe { std::slice::from_raw_parts(self.ptr as *const u8, self.span) }
-    }
-
-    /// As [`View::bytes`], writable.
-    ///
-    /// # Safety
-    /// As [`View::bytes`], and no other slice of these bytes is alive during the borrow.
-    #[allow(clippy::mut_from_ref)]
-    unsafe fn bytes_mut<'a>(&self) -> &'a mut [u8] {
-        if self.span == 0 {
-            return &mut [];
-        }
-        unsafe { std::slice::from_raw_parts_mut(self.ptr as *mut u8, self.span) }
     }
 
     /// Calls `f(element offset, elements)` for every run of consecutive elements of the
@@ -164,34 +128,6 @@ impl View {
     }
 }
 
-/// The dense row-major array a tensor of `shape` and element `strides` is a box of, at its
-/// first element, or None (a transposed or broadcast tensor). Dims of size 1 take any
-/// stride; between two longer dims, the outer one's stride must be a whole number of the
-/// inner one's rows.
-fn dense_holder(shape: &[u64], strides: &[u64]) -> Option<Region> {
-    if shape.contains(&0) {
-        return Some(Region::full(shape));
-    }
-    let mut extent: Vec<u64> = shape.iter().map(|&n| n.min(1)).collect();
-    let long: Vec<usize> = (0..shape.len()).filter(|&d| shape[d] > 1).collect();
-    let Some((&first, _)) = long.split_first() else {
-        return Some(Region::full(&extent));
-    };
-    if strides[*long.last()?] != 1 {
-        return None;
-    }
-    extent[first] = shape[first];
-    for pair in long.windows(2) {
-        let (outer, inner) = (pair[0], pair[1]);
-        let (so, si) = (strides[outer], strides[inner]);
-        if si == 0 || so % si != 0 || so / si < shape[inner] {
-            return None;
-        }
-        extent[inner] = so / si;
-    }
-    Some(Region::full(&extent))
-}
-
 fn attr_str(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<String> {
     Ok(obj.getattr(name)?.str()?.to_string())
 }
@@ -201,36 +137,7 @@ fn view_of(tensor: &Bound<'_, PyAny>, what: &str) -> PyResult<View> {
     if tensor.is_none() {
         return Err(error(format!("{what}: expected a tensor, got None")));
     }
-    let device = attr_str(&tensor.getattr("device")?, "type")?;
-    if device != "cpu" {
-        return Err(error(format!(
-            "{what}: the tensor is on {device}; the delta kernels read CPU tensors only"
-        )));
-    }
-    let elem: usize = tensor.call_method0("element_size")?.extract()?;
-    let shape: Vec<u64> = tensor.getattr("shape")?.extract()?;
-    let strides: Vec<i64> = tensor.call_method0("stride")?.extract()?;
-    let strides = strides
-        .iter()
-        .map(|&s| u64::try_from(s))
-        .collect::<Result<Vec<u64>, _>>()
-        .map_err(|_| error(format!("{what}: strides {strides:?} are negative")))?;
-    let ptr: usize = tensor.call_method0("data_ptr")?.extract()?;
-    let span = if shape.contains(&0) {
-        0
-    } else {
-        let last: u64 = shape.iter().zip(&strides).map(|(&n, &s)| (n - 1) * s).sum();
-        (last as usize + 1) * elem
-    };
-    let holder = dense_holder(&shape, &strides);
-    Ok(View {
-        ptr,
-        span,
-        shape,
-        strides,
-        elem,
-        holder,
-    })
+    read_view(tensor, what, "the delta kernels read")
 }
 
 /// Reads a message buffer: a contiguous 1-D `torch.uint8` CPU tensor, as `(address, bytes)`.

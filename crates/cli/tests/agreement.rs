@@ -7,15 +7,7 @@ mod common;
 use std::process::{Command, Output, Stdio};
 use std::time::Duration;
 
-use common::{EXE, text, wait_bounded};
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
+use common::{EXE, free_port, text, wait_bounded};
 
 /// Starts one process per entry of `jobs` (rank = index) and waits for all of them. The
 /// timeout the ranks get is far longer than the bound here: a refusal that waited for it

@@ -11,7 +11,7 @@ mod example;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use common::{text, wait_bounded};
+use common::{free_port, text, wait_bounded};
 
 /// Names the transport in a rank's environment; unset in the test run itself.
 const TRANSPORT_VAR: &str = "RESHARD_EXAMPLE_TRANSPORT";
@@ -28,14 +28,6 @@ fn example_rank() {
         Ok(None) => {}
         Err(e) => panic!("rank failed: {e}"),
     }
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 /// Runs the example as `world` processes over `transport`; returns rank 0's output.

@@ -2,22 +2,14 @@
 //! environments, checked against the in-process run, and killed at random moments.
 
 use std::io::Write;
-use std::net::{TcpListener, TcpStream};
+use std::net::TcpStream;
 
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 mod common;
 
-use common::{EXE, Lcg, RandomRun, text, wait_bounded};
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
+use common::{EXE, Lcg, RandomRun, free_port, text, wait_bounded};
 
 /// One rank of a job started by hand, as on several hosts.
 fn spawn_rank(rank: usize, world: usize, port: u16, token: &str, args: &[&str]) -> Child {

@@ -3,25 +3,16 @@
 //! rank then serves one whole version, checked on its bytes: its live shard (`--dump`) equals
 //! the shard of version v or v + 1 as a clean run of the same job writes it, never a mix.
 
-use std::net::TcpListener;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 mod common;
 
-use common::{EXE, Lcg, read_dumps, temp_dir, text, wait_bounded};
+use common::{EXE, Lcg, free_port, read_dumps, temp_dir, text, wait_bounded};
 
 const STEPS: u64 = 6;
 const WORLD: usize = 6;
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
 
 /// The job: 2 -> 4 ranks (two replicas of two), six staged versions of a 4 MiB tensor.
 fn job(dump: &Path, steps: u64) -> Vec<String> {

@@ -20,7 +20,7 @@ use crate::error;
 
 #[cfg(test)]
 mod tests;
-mod view;
+pub(crate) mod view;
 
 use view::{View, base_of, dense, overlap, strided_copy, view_of};
 

@@ -11,15 +11,17 @@ use crate::error;
 /// A tensor as the copies see it: where its first element is, how many bytes from there its
 /// elements reach, and its element strides. Read from the tensor at each call.
 #[derive(Clone)]
-pub(super) struct View {
-    pub(super) ptr: usize,
-    pub(super) span: usize,
+pub(crate) struct View {
+    pub(crate) ptr: usize,
+    /// Bytes from the first element to the end of the last.
+    pub(crate) span: usize,
+    pub(crate) shape: Vec<u64>,
     /// Strides in elements.
-    pub(super) strides: Vec<u64>,
-    pub(super) elem: usize,
+    pub(crate) strides: Vec<u64>,
+    pub(crate) elem: usize,
     /// The dense row-major array this tensor is a box of (starting at its first element), if
     /// it is one: then the core's kernels copy it.
-    pub(super) holder: Option<Region>,
+    pub(crate) holder: Option<Region>,
 }
 
 impl View {
@@ -28,7 +30,7 @@ impl View {
     /// # Safety
     /// `ptr` and `span` describe memory of a live tensor that nothing else writes during the
     /// borrow (the caller holds the tensors for the whole call).
-    pub(super) unsafe fn bytes<'a>(&self) -> &'a [u8] {
+    pub(crate) unsafe fn bytes<'a>(&self) -> &'a [u8] {
         if self.span == 0 {
             return &[];
         }
@@ -40,7 +42,7 @@ impl View {
     /// # Safety
     /// As [`View::bytes`], and no other slice of these bytes is alive during the borrow.
     #[allow(clippy::mut_from_ref)]
-    pub(super) unsafe fn bytes_mut<'a>(&self) -> &'a mut [u8] {
+    pub(crate) unsafe fn bytes_mut<'a>(&self) -> &'a mut [u8] {
         if self.span == 0 {
             return &mut [];
         }
@@ -52,7 +54,7 @@ impl View {
 /// the tensor's first element, or None if its strides are not those of any (transposed,
 /// broadcast). Dims of size 1 take any stride; between two longer dims, the outer one's
 /// stride must be a whole number of the inner one's rows.
-pub(super) fn dense_holder(shape: &[u64], strides: &[u64]) -> Option<Region> {
+pub(crate) fn dense_holder(shape: &[u64], strides: &[u64]) -> Option<Region> {
     let mut extent: Vec<u64> = shape.iter().map(|&n| n.min(1)).collect();
     if shape.contains(&0) {
         return Some(Region {
@@ -91,6 +93,21 @@ pub(super) fn view_of(tensor: &Bound<'_, PyAny>, slot: &Slot, what: &str) -> PyR
             slot.shape
         )));
     }
+    let view = read_view(tensor, what, "the packing kernels copy")?;
+    if view.shape != slot.shape || view.elem != slot.elem {
+        return Err(error(format!(
+            "{what}: expected a tensor of shape {:?} with {}-byte elements, got shape {:?} \
+             with {}-byte elements",
+            slot.shape, slot.elem, view.shape, view.elem
+        )));
+    }
+    Ok(view)
+}
+
+/// Reads a CPU tensor of any shape and non-negative strides: its address, shape, strides,
+/// element size and the dense array it is a box of; `kernels` says who refuses another
+/// device (`the packing kernels copy`).
+pub(crate) fn read_view(tensor: &Bound<'_, PyAny>, what: &str, kernels: &str) -> PyResult<View> {
     let device = tensor
         .getattr("device")?
         .getattr("type")?
@@ -98,18 +115,11 @@ pub(super) fn view_of(tensor: &Bound<'_, PyAny>, slot: &Slot, what: &str) -> PyR
         .to_string();
     if device != "cpu" {
         return Err(error(format!(
-            "{what}: the tensor is on {device}; the packing kernels copy CPU tensors only"
+            "{what}: the tensor is on {device}; {kernels} CPU tensors only"
         )));
     }
     let elem: usize = tensor.call_method0("element_size")?.extract()?;
     let shape: Vec<u64> = tensor.getattr("shape")?.extract()?;
-    if shape != slot.shape || elem != slot.elem {
-        return Err(error(format!(
-            "{what}: expected a tensor of shape {:?} with {}-byte elements, got shape {shape:?} \
-             with {elem}-byte elements",
-            slot.shape, slot.elem
-        )));
-    }
     let strides: Vec<i64> = tensor.call_method0("stride")?.extract()?;
     let strides = strides
         .iter()
@@ -127,6 +137,7 @@ pub(super) fn view_of(tensor: &Bound<'_, PyAny>, slot: &Slot, what: &str) -> PyR
     Ok(View {
         ptr,
         span,
+        shape,
         strides,
         elem,
         holder,

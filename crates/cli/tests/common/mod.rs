@@ -7,6 +7,15 @@ use std::time::{Duration, Instant};
 
 pub const EXE: &str = env!("CARGO_BIN_EXE_reshard");
 
+/// A loopback port free a moment ago, for a job's rendezvous.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
 /// A fresh, empty folder under the system temp dir, removed with all it holds when the guard
 /// drops, also when a test fails half-way.
 pub fn temp_dir(name: &str) -> tempfile::TempDir {
