@@ -15,6 +15,12 @@ from test_delta import DST, SRC, bits_equal, shard  # noqa: E402
 from test_stage import clone, live_shard, same, step  # noqa: E402
 
 
+def weights(seed):
+    """A generator and the first version of a 48x4100 tensor, bf16 values held in f32."""
+    gen = torch.Generator().manual_seed(seed)
+    return gen, (torch.randn(48, 4100, generator=gen) * 8).to(torch.bfloat16).to(torch.float32)
+
+
 def expect(full, rank, out):
     want = rt.local_tensor(DST, rank, full.to(torch.bfloat16))
     assert (want is None) == (out is None)
@@ -54,8 +60,7 @@ LABELS = [
 
 
 def aliasing_staging(rank, world):
-    gen = torch.Generator().manual_seed(43)
-    full = (torch.randn(48, 4100, generator=gen) * 8).to(torch.bfloat16).to(torch.float32)
+    gen, full = weights(43)
     a, b = live_shard(rank), live_shard(rank)
     session = rt.DeltaSession()
 
@@ -102,8 +107,7 @@ def test_a_staging_that_aliases_a_live_tensor_is_refused_everywhere():
 
 
 def resized_before_commit(rank, world):
-    gen = torch.Generator().manual_seed(47)
-    full = (torch.randn(48, 4100, generator=gen) * 8).to(torch.bfloat16).to(torch.float32)
+    gen, full = weights(47)
     a, b = live_shard(rank), live_shard(rank)
     session = rt.DeltaSession()
 
@@ -134,8 +138,7 @@ def test_a_commit_one_rank_cannot_make_is_aborted_before_any_rank_writes():
 
 
 def versions_only_increase(rank, world):
-    gen = torch.Generator().manual_seed(53)
-    full = (torch.randn(48, 4100, generator=gen) * 8).to(torch.bfloat16).to(torch.float32)
+    gen, full = weights(53)
     out = live_shard(rank)
     session = rt.DeltaSession()
 
@@ -169,8 +172,7 @@ def test_versions_only_increase_on_every_rank():
 
 
 def one_decision(rank, world):
-    gen = torch.Generator().manual_seed(59)
-    full = (torch.randn(48, 4100, generator=gen) * 8).to(torch.bfloat16).to(torch.float32)
+    gen, full = weights(59)
     out = live_shard(rank)
     session = rt.DeltaSession()
 
