@@ -53,7 +53,9 @@ def _config(moe: bool, args):
     if moe:
         from transformers import Qwen3MoeConfig
 
-        return Qwen3MoeConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=hidden // 2, **small)
+        return Qwen3MoeConfig(
+            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=hidden // 2, **small
+        )
     from transformers import Qwen3Config
 
     return Qwen3Config(**small)
@@ -110,7 +112,8 @@ def _hf_state(refit, full, model):
             state[name] = full[name]
         elif name.endswith(".mlp.experts.gate_up_proj"):
             prefix = name[: -len("gate_up_proj")]
-            state[name] = torch.cat([full[prefix + "gate_proj.weight"], full[prefix + "up_proj.weight"]], dim=1)
+            gate, up = full[prefix + "gate_proj.weight"], full[prefix + "up_proj.weight"]
+            state[name] = torch.cat([gate, up], dim=1)
     return state
 
 
@@ -195,12 +198,14 @@ def _run_model(rank, args, moe: bool, world_group, engine_group, train_mesh, pat
         if step == args.steps:
             loss_text = "(last refit)"
         else:
-            reward = _train_step(trainer, optim if trainer is not None else None, tokens, prompts.shape[1], args.vocab)
+            optimizer = optim if trainer is not None else None
+            reward = _train_step(trainer, optimizer, tokens, prompts.shape[1], args.vocab)
             loss_text = f"reward {reward:.3f}"
         delta_text = _delta_text(refit, report) if args.delta else ""
         if rank == 0:
             print(
-                f"{kind:9} step {step}  {loss_text:16} refit {times[0] * 1e3:7.2f} ms  pause {times[1] * 1e3:7.2f} ms  "
+                f"{kind:9} step {step}  {loss_text:16} refit {times[0] * 1e3:7.2f} ms  "
+                f"pause {times[1] * 1e3:7.2f} ms  "
                 f"full_tensor+broadcast {times[2] * 1e3:7.2f} ms  ({times[2] / times[0]:.1f}x)  {delta_text}"
                 "logits bitwise equal",
                 flush=True,
@@ -278,7 +283,9 @@ def main(argv=None) -> int:
     parser.add_argument("--layers", type=int, default=2, help="decoder layers")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--model", choices=["qwen3", "qwen3_moe", "both"], default="both")
-    parser.add_argument("--delta", action="store_true", help="refit by delta (one DeltaSession, the first dense)")
+    parser.add_argument(
+        "--delta", action="store_true", help="refit by delta (one DeltaSession, the first dense)"
+    )
     args = parser.parse_args(argv)
     args.models = {"qwen3": [False], "qwen3_moe": [True], "both": [False, True]}[args.model]
     import torch.multiprocessing as mp

@@ -80,7 +80,9 @@ def _fsdp_tp_refit_once(rank, colocated):
     engine = None
     if rank in engine_ranks:
         engine = {
-            n: distribute_tensor(torch.zeros_like(v), engine_mesh, [Shard(0 if n.startswith("0") else v.ndim - 1)])
+            n: distribute_tensor(
+                torch.zeros_like(v), engine_mesh, [Shard(0 if n.startswith("0") else v.ndim - 1)]
+            )
             for n, v in full.items()
         }
     rt.reshard_state_dict_(model, engine)

@@ -116,7 +116,8 @@ def _engine_refit(rank, world, path, vocab):
             src["model.layers.0.mlp.experts.gate_up_proj"] = torch.cat([src.pop(gate), up], dim=1)
     engine = None
     if rank >= 2:
-        engine = {n: torch.zeros(shape, dtype=dtype) for n, (shape, dtype) in engine_params(refit, rank).items()}
+        params = engine_params(refit, rank)
+        engine = {n: torch.zeros(shape, dtype=dtype) for n, (shape, dtype) in params.items()}
     for _ in range(2):  # the second refit reruns the programs
         refit_engine_(refit, src, engine)
     if engine is None:
@@ -128,7 +129,10 @@ def _engine_refit(rank, world, path, vocab):
         assert torch.equal(engine[table][: hi - lo], full[table][lo:hi]), table
         assert not engine[table][hi - lo :].any(), "the padding is left alone"
     attn = "model.layers.0.self_attn."
-    q, k, v = (rt.local_tensor(refit.layouts(attn + f"{x}_proj.weight")[1], rank, full[attn + f"{x}_proj.weight"]) for x in "qkv")
+    q, k, v = (
+        rt.local_tensor(refit.layouts(attn + f"{x}_proj.weight")[1], rank, full[attn + f"{x}_proj.weight"])
+        for x in "qkv"
+    )
     assert torch.equal(engine[attn + "qkv_proj.weight"], torch.cat([q, k, v]))
     if "model.layers.0.mlp.experts.w2_weight" in engine:
         down = "model.layers.0.mlp.experts.down_proj"
@@ -136,7 +140,8 @@ def _engine_refit(rank, world, path, vocab):
         assert torch.equal(engine["model.layers.0.mlp.experts.w2_weight"], want)
     # an engine parameter of the wrong padded shape is refused, naming it
     bad = dict(engine, **{"lm_head.weight": torch.zeros(per - 1, 64)})
-    with pytest.raises(ReshardError, match=r"lm_head.weight: shape \[\d+, 64\], but vllm pads the vocabulary"):
+    padded = r"lm_head.weight: shape \[\d+, 64\], but vllm pads the vocabulary"
+    with pytest.raises(ReshardError, match=padded):
         refit_engine_(refit, None, bad)
 
 

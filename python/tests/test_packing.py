@@ -105,7 +105,7 @@ def test_pack_unpack_and_local_copies_equal_torch_slicing(dtype, how):
         tensors = sources + dests
         buffers = [torch.zeros(size, dtype=torch.uint8) for size, _ in messages]
         packing.pack(tensors, buffers)
-        for (size, pieces), buffer in zip(messages, buffers):
+        for (_, pieces), buffer in zip(messages, buffers):
             for k, offset, extent, at in pieces:
                 want = raw(sources[k][slices(offset, extent)])
                 assert torch.equal(buffer[at : at + want.numel()], want)
@@ -113,7 +113,7 @@ def test_pack_unpack_and_local_copies_equal_torch_slicing(dtype, how):
         packing.unpack(buffers, tensors)
         for k in range(4):
             want = torch.zeros(shapes[k], dtype=dtype)
-            for size, pieces in messages:
+            for _, pieces in messages:
                 for j, offset, extent, _ in pieces:
                     if j == k:
                         want[slices(offset, extent)] = sources[k][slices(offset, extent)]
@@ -155,7 +155,8 @@ def test_bad_tensors_and_programs_are_refused():
         Packing([([4, 4], 4), None], [(64, [(1, [0, 0], [1, 4], 0)])], [], [])
     p = Packing([([4, 4], 4)], [(16, [(0, [0, 0], [1, 4], 0)])], [], [])
     buffer = torch.zeros(16, dtype=torch.uint8)
-    with pytest.raises(reshard.ReshardError, match=r"tensors\[0\]: expected a tensor of shape \[4, 4\] with 4"):
+    wrong = r"tensors\[0\]: expected a tensor of shape \[4, 4\] with 4"
+    with pytest.raises(reshard.ReshardError, match=wrong):
         p.pack([torch.zeros(4, 3)], [buffer])
     with pytest.raises(reshard.ReshardError, match="got None"):
         p.pack([None], [buffer])

@@ -44,7 +44,8 @@ class Trainer(ReshardActor):
 
     def reshard_source(self):
         full = _full(self.refit, self.step)
-        out = {n: self._local(self.refit.layouts(n)[0], self.rank, full[n]) for n in self.refit.rank_names(self.rank)}
+        names = self.refit.rank_names(self.rank)
+        out = {n: self._local(self.refit.layouts(n)[0], self.rank, full[n]) for n in names}
         return {n: t for n, t in out.items() if t is not None}
 
     def train_step(self):
@@ -58,10 +59,12 @@ class Engine(ReshardActor):
 
         self.refit, self.rank = Refit(path, "fsdp=2", "tp=2"), rank
         if kind == "vllm":
-            self.tensors = {n: torch.zeros(s, dtype=d) for n, (s, d) in engine_params(self.refit, rank).items()}
+            params = engine_params(self.refit, rank)
+            self.tensors = {n: torch.zeros(s, dtype=d) for n, (s, d) in params.items()}
         else:
             self.tensors = {
-                n: torch.zeros(self.refit.layouts(n)[1].local_shape(rank)) for n in self.refit.rank_names(rank)
+                n: torch.zeros(self.refit.layouts(n)[1].local_shape(rank))
+                for n in self.refit.rank_names(rank)
             }
 
     def reshard_destination(self):
