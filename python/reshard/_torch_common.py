@@ -7,14 +7,16 @@ its helpers, which all use it.
 from __future__ import annotations
 
 import collections
+import contextlib
 import hashlib
+import time
 import weakref
-from typing import List, MutableMapping, Optional, Set, Tuple, TypeVar
+from typing import Callable, List, MutableMapping, Optional, Set, Tuple, TypeVar
 
 import torch
 import torch.distributed as dist
 
-from ._core import AgreementError, ArgumentError, Layout, ReshardError
+from ._core import AgreementError, ArgumentError, Layout, PeerLostError, ReshardError
 
 _TORCH_DTYPES = {
     name: getattr(torch, attr)
@@ -260,14 +262,16 @@ def _agree(fingerprint, prepare, group, rank: int, *, digest: Optional[str] = No
     flags = torch.tensor(
         [refusal is None, known, word, -word], dtype=torch.int64, device=device
     )
-    dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=group)
+    with collective(group, "the agreement on the job"):
+        dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=group)
     passed, agreed, least, most = (int(v) for v in flags.tolist())
     if passed and agreed and least == -most:
         _AGREED.move_to_end(key)
         return result
     heard = [None] * dist.get_world_size(group)
     problem = None if refusal is None else _refusal_text(refusal)
-    dist.all_gather_object(heard, (digest, problem), group=group)
+    with collective(group, "the agreement on the job"):
+        dist.all_gather_object(heard, (digest, problem), group=group)
     if refusal is not None:
         raise refusal  # this rank's own error, of its own kind
     for r, (_, their_problem) in enumerate(heard):
@@ -276,7 +280,9 @@ def _agree(fingerprint, prepare, group, rank: int, *, digest: Optional[str] = No
     if any(d != digest for d, _ in heard):
         # rare: the whole fingerprints, to name what differs
         everyone = [None] * len(heard)
-        dist.all_gather_object(everyone, fingerprint() if callable(fingerprint) else fingerprint, group=group)
+        with collective(group, "the agreement on the job"):
+            mine = fingerprint() if callable(fingerprint) else fingerprint
+            dist.all_gather_object(everyone, mine, group=group)
         for r, theirs in enumerate(everyone):
             diff = _first_difference(everyone[0], theirs)
             if diff is not None:
@@ -297,11 +303,13 @@ def _refuse_together(refusal: Optional[BaseException], group, device) -> None:
     the messages: the failed rank raises its own error, the others :class:`AgreementError`
     naming it."""
     flag = torch.tensor([refusal is None], dtype=torch.int64, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    with collective(group, "the check of every rank's arguments"):
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
     if int(flag.item()):
         return
     heard: List[Optional[str]] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(heard, None if refusal is None else _refusal_text(refusal), group=group)
+    with collective(group, "the check of every rank's arguments"):
+        dist.all_gather_object(heard, None if refusal is None else _refusal_text(refusal), group=group)
     if refusal is not None:
         raise refusal
     for r, theirs in enumerate(heard):
@@ -309,10 +317,84 @@ def _refuse_together(refusal: Optional[BaseException], group, device) -> None:
             raise AgreementError(f"nothing was moved: rank {r}: {theirs}")
 
 
+# Process groups whose job failed (a rank lost, a decision in doubt), with the error: every
+# later call on one raises at once instead of waiting on a broken communicator.
+_ENDED: "weakref.WeakKeyDictionary[object, BaseException]" = weakref.WeakKeyDictionary()
+
+
+def end_job(group, error: BaseException) -> None:
+    """Marks the job on ``group`` as over after ``error``, and aborts its communicator where
+    the backend can: every later call on it raises at once."""
+    pg = process_group(group)
+    _ENDED[pg] = error
+    abort = getattr(pg, "abort", None)
+    if abort is not None:
+        try:
+            abort()
+        except Exception:  # gloo aborts nothing: its pending operations fail on their own
+            pass
+
+
+# Per process group, how to ask its control plane which rank it knows to be lost (the
+# control plane's own module registers it when it joins).
+_LOST_PROBES: "weakref.WeakKeyDictionary[object, Callable[[], Optional[Tuple[int, str]]]]" = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def register_lost_probe(group, probe: Callable[[], Optional[Tuple[int, str]]]) -> None:
+    _LOST_PROBES[process_group(group)] = probe
+
+
+def lost_rank(group, patience: float = 1.0) -> Optional[Tuple[int, str]]:
+    """The rank the group's control plane knows to be lost, and how, waiting up to
+    ``patience`` seconds for rank 0's notice; None without a control plane or a loss."""
+    probe = _LOST_PROBES.get(process_group(group))
+    if probe is None:
+        return None
+    deadline = time.monotonic() + patience
+    while True:
+        gone = probe()
+        if gone is not None or time.monotonic() > deadline:
+            return gone
+        time.sleep(0.01)
+
+
+def peer_lost(group, what: str, cause: BaseException) -> PeerLostError:
+    """The error of a data plane that broke during ``what``, naming the lost rank where the
+    control plane knows it; the job on ``group`` ends there (:func:`end_job`)."""
+    me = dist.get_rank(group)
+    gone = lost_rank(group)
+    if gone is not None:
+        error = PeerLostError(f"rank {me}: peer rank {gone[0]} is gone ({gone[1]}) during {what}: {cause}")
+    else:
+        error = PeerLostError(f"rank {me}: a peer is gone during {what}: {cause}")
+    end_job(group, error)
+    return error
+
+
+@contextlib.contextmanager
+def collective(group, what: str):
+    """Runs a collective on ``group``: the backend's error (a peer's connection closed, a
+    peer silent past the group's timeout) ends the job there, raised as
+    :class:`PeerLostError` naming the lost rank where the control plane knows it."""
+    try:
+        yield
+    except RuntimeError as e:
+        raise peer_lost(group, what, e) from e
+
+
 def _group_rank(group) -> Tuple[int, int]:
-    """This process's rank in ``group`` (the default group when None), and the group's size."""
+    """This process's rank in ``group`` (the default group when None), and the group's size;
+    raises at once when the job on the group failed before."""
     if not dist.is_initialized():
         raise ArgumentError("torch.distributed is not initialized (call init_process_group first)")
+    ended = _ENDED.get(process_group(group))
+    if ended is not None:
+        raise PeerLostError(
+            f"the job on this process group failed before ({ended}); its communicator was "
+            "aborted: destroy the group and make a new one"
+        )
     if group is None:
         return dist.get_rank(), dist.get_world_size()
     return dist.get_rank(group), dist.get_world_size(group)

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from ._core import ArgumentError, Control, ControlListener, PeerLostError, ReshardError
+from ._torch_common import _group_rank, end_job, peer_lost, register_lost_probe
 from ._torch_common import process_group as _process_group
 
 #: Seconds a rank waits for a peer before it names it as lost, when ``RESHARD_TIMEOUT`` is unset.
@@ -55,16 +56,11 @@ def timeout() -> float:
 
 def control(group) -> Control:
     """This rank's control plane of ``group`` (joined on first use, by every rank at once)."""
+    rank, world = _group_rank(group)  # raises when the job on the group failed before
     pg = _process_group(group)
     known = _CONTROLS.get(pg)
     if isinstance(known, Control):
         return known
-    if isinstance(known, BaseException):
-        raise type(known)(
-            f"the job on this process group failed before ({known}); its communicator was "
-            "aborted: make a new process group"
-        )
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
     wait = timeout()
     listener = None
     offer: List[object] = [None, None, None]
@@ -77,6 +73,7 @@ def control(group) -> Control:
     addr, port, token = offer
     made = Control(rank, world, str(addr), int(port), str(token), wait, listener)
     _CONTROLS[pg] = made
+    register_lost_probe(group, made.lost)
     return made
 
 
@@ -84,14 +81,8 @@ def failed(group, error: BaseException) -> None:
     """Ends the job on ``group`` after ``error`` (a rank lost, a decision in doubt): its
     control plane is dropped, its communicator aborted where the backend can, and every later
     call on the group raises at once."""
-    pg = _process_group(group)
-    _CONTROLS[pg] = error
-    abort = getattr(pg, "abort", None)
-    if abort is not None:
-        try:
-            abort()
-        except Exception:  # gloo aborts nothing: its pending operations fail on their own
-            pass
+    _CONTROLS.pop(_process_group(group), None)
+    end_job(group, error)
 
 
 def wait(works: Sequence[object], peers: Sequence[object], group, what: str) -> None:
@@ -122,11 +113,7 @@ def wait(works: Sequence[object], peers: Sequence[object], group, what: str) -> 
             try:
                 work.wait(datetime.timedelta(seconds=left))
             except RuntimeError as e:
-                gone = None if ctl is None else ctl.lost()
-                if gone is not None:
-                    lost(PeerLostError(f"rank {me}: peer rank {gone[0]} is gone: {gone[1]}; {what}"), e)
-                why = f"peer rank {peer} is gone or silent past {limit:g} s: {what}: {e}"
-                lost(PeerLostError(f"rank {me}: {why}"), e)
+                raise peer_lost(group, f"{what} (waiting on peer rank {peer}, {limit:g} s at most)", e) from e
         return
     pending = list(zip(works, peers))
     pause = 1e-5

@@ -22,7 +22,7 @@ from . import _torch_delta_exchange as _exchange
 from . import _torch_dtensor as _dt
 from ._core import AgreementError, ArgumentError, Refit, ReshardError, VersionError
 from ._torch_bucket import _check_entry, _plan_of
-from ._torch_common import _agree, _check_tensor, _fingerprint, _group_rank
+from ._torch_common import _agree, _check_tensor, _fingerprint, _group_rank, collective
 
 _OK, _HELD, _BASE, _VERSION, _DIGEST, _NEWEST = range(6)
 _MAX_VERSION = (1 << 63) - 1
@@ -215,7 +215,8 @@ def _fence(session, job, ok: bool, version: int, digest: int, device, world: int
         -1 if session.newest is None else session.newest,
     ]
     gathered = [torch.zeros(len(mine), dtype=torch.int64, device=device) for _ in range(world)]
-    dist.all_gather(gathered, torch.tensor(mine, dtype=torch.int64, device=device), group=session.group)
+    with collective(session.group, "a delta refit's fence"):
+        dist.all_gather(gathered, torch.tensor(mine, dtype=torch.int64, device=device), group=session.group)
     return torch.stack(gathered).tolist()  # one host sync for every rank's fields
 
 

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ._core import AgreementError, ArgumentError, Layout, Refit
+from ._torch_common import collective
 
 
 def is_dtensor(t) -> bool:
@@ -214,7 +215,8 @@ def gather_layouts(mine: Mapping[str, Optional[tuple]], group) -> Dict[str, tupl
     this rank's description (None where it holds none). One ``all_gather_object``."""
     world = dist.get_world_size(group)
     heard: List[Optional[dict]] = [None] * world
-    dist.all_gather_object(heard, {k: v for k, v in mine.items() if v is not None}, group=group)
+    with collective(group, "the exchange of the DTensors' layouts"):
+        dist.all_gather_object(heard, {k: v for k, v in mine.items() if v is not None}, group=group)
     merged: Dict[str, tuple] = {}
     for theirs in heard:
         for name, desc in (theirs or {}).items():

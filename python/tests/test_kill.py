@@ -161,3 +161,75 @@ def test_kill_9_leaves_every_survivor_on_one_whole_version(tmp_path, victim, poi
     if point in ("prepare", "before-vote"):
         # nobody can have decided to commit without the victim's vote
         assert all(rec["holds"] in (None, 1) for rec in records.values()), records
+
+
+def _recovering(rank, port, port2, out_dir):
+    """Rank 2 dies after the first version; ranks 0 and 1 see PeerLostError naming it, destroy
+    the broken group, form a new job of two and refit it exactly."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RESHARD_TIMEOUT=str(TIMEOUT))
+    import torch.distributed as dist
+
+    import reshard
+    import reshard.torch as rt
+
+    dist.init_process_group("gloo", rank=rank, world_size=3, timeout=datetime.timedelta(seconds=120))
+    src = reshard.Layout((6, 8), "f32", mesh=2, ranks=[0, 1], placements=["S(0)"])
+    dst = reshard.Layout((6, 8), "f32", mesh=2, ranks=[1, 2], placements=["S(1)"])
+    full = torch.arange(48, dtype=torch.float32).view(6, 8)
+    s = None if rank == 2 else rt.local_tensor(src, rank, full).clone()
+    d = None if rank == 0 else torch.zeros(dst.local_shape(rank))
+    session = rt.DeltaSession()
+    session.prepare({"w": (s, d, src, dst)}, 1)
+    session.commit()
+    if rank == 2:
+        _die()
+    record = {}
+    try:
+        session.prepare({"w": (s, d, src, dst)}, 2)
+        record["said"] = "prepared"
+    except reshard.ReshardError as e:
+        record["said"] = f"{type(e).__name__}: {e}"
+    # the job on the old group is over: a call on it raises at once, naming the failure
+    try:
+        session.refit({"w": (s, d, src, dst)}, 3)
+        record["again"] = "refit"
+    except reshard.ReshardError as e:
+        record["again"] = type(e).__name__
+    dist.destroy_process_group()
+    os.environ["MASTER_PORT"] = str(port2)
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=120))
+    whole = reshard.Layout((6, 8), "f32", mesh=1, ranks=[0], placements=["R"])
+    there = reshard.Layout((6, 8), "f32", mesh=1, ranks=[1], placements=["R"])
+    out = torch.zeros(6, 8) if rank == 1 else None
+    fresh = rt.DeltaSession()
+    fresh.prepare({"w": (full if rank == 0 else None, out, whole, there)}, 1)
+    fresh.commit()
+    record["exact"] = out is None or bool(torch.equal(out, full))
+    dist.destroy_process_group()
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(record, f)
+
+
+def test_survivors_name_the_lost_rank_then_form_a_new_job(tmp_path):
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    ports = free_port(), free_port()
+    procs = [ctx.Process(target=_recovering, args=(r, *ports, str(tmp_path))) for r in range(3)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + 60 + 6 * TIMEOUT
+    for p in procs:
+        p.join(max(0.1, deadline - time.monotonic()))
+    hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    assert not hung, f"ranks {hung} still waited after the deadline"
+    for r in (0, 1):
+        assert procs[r].exitcode == 0, (r, procs[r].exitcode)
+        with open(tmp_path / f"rank{r}.json") as f:
+            record = json.load(f)
+        assert record["said"].startswith("PeerLostError") and "rank 2" in record["said"], record
+        assert record["again"] == "PeerLostError", record
+        assert record["exact"], record
