@@ -349,7 +349,8 @@ def register_lost_probe(group, probe: Callable[[], Optional[Tuple[int, str]]]) -
 def lost_rank(group, patience: float = 1.0) -> Optional[Tuple[int, str]]:
     """The rank the group's control plane knows to be lost, and how, waiting up to
     ``patience`` seconds for rank 0's notice; None without a control plane or a loss."""
-    probe = _LOST_PROBES.get(process_group(group))
+    pg = process_group(group)
+    probe = _LOST_PROBES.get(pg) if isinstance(pg, dist.ProcessGroup) else None
     if probe is None:
         return None
     deadline = time.monotonic() + patience
@@ -389,7 +390,9 @@ def _group_rank(group) -> Tuple[int, int]:
     raises at once when the job on the group failed before."""
     if not dist.is_initialized():
         raise ArgumentError("torch.distributed is not initialized (call init_process_group first)")
-    ended = _ENDED.get(process_group(group))
+    pg = process_group(group)
+    # a rank outside ``group`` holds a marker (an int) for it: no job of its own to have ended
+    ended = _ENDED.get(pg) if isinstance(pg, dist.ProcessGroup) else None
     if ended is not None:
         raise PeerLostError(
             f"the job on this process group failed before ({ended}); its communicator was "
