@@ -51,7 +51,7 @@ def _relative(offset, extent, origin) -> Tuple[slice, ...]:
     return tuple(slice(o - b, o - b + n) for o, n, b in zip(offset, extent, origin))
 
 
-def _piece(p, origin_of_sender: bool, src: int, dst: int) -> _Piece:
+def _piece(p, src: int, dst: int) -> _Piece:
     """A region of the runtime's program (``rank_program``'s tuple) as the executor views it."""
     _, local, extent, offset, _, nbytes = p
     return _Piece(
@@ -72,10 +72,10 @@ def _local_plan(src: Layout, dst: Layout, rank: int) -> _LocalPlan:
     src_region = src.local_region(rank)
     dst_region = dst.local_region(rank)
     sends: Dict[int, List[_Piece]] = {
-        peer: [_piece(p, True, rank, peer) for p in pieces] for peer, _, pieces in sends_out
+        peer: [_piece(p, rank, peer) for p in pieces] for peer, _, pieces in sends_out
     }
     recvs: Dict[int, List[_Piece]] = {
-        peer: [_piece(p, False, peer, rank) for p in pieces] for peer, _, pieces in recvs_out
+        peer: [_piece(p, peer, rank) for p in pieces] for peer, _, pieces in recvs_out
     }
     locals_ = [
         (
@@ -132,11 +132,8 @@ class _Message:
         self.nbytes = 0
         self.spans: List[Tuple[int, int]] = []
 
-    def add(self, slot: int, piece: _Piece, dtype: torch.dtype, at: Optional[int] = None) -> None:
-        """Adds a region at byte ``at`` of the message (the runtime's program says where), or
-        after the last one."""
-        if at is None:
-            at = _aligned(self.nbytes)
+    def add(self, slot: int, piece: _Piece, dtype: torch.dtype, at: int) -> None:
+        """Adds a region at byte ``at`` of the message, where the runtime's program puts it."""
         self.parts.append((slot, piece, dtype))
         self.spans.append((at, piece.nbytes))
         self.nbytes = max(self.nbytes, at + piece.nbytes)
@@ -240,7 +237,7 @@ class _Bucket:
                 for p in pieces:
                     j, at = p[0], p[4]
                     ends = (rank, peer) if sending else (peer, rank)
-                    m.add(2 * j + (0 if sending else 1), _piece(p, sending, *ends), dtypes[j], at)
+                    m.add(2 * j + (0 if sending else 1), _piece(p, *ends), dtypes[j], at)
                 assert m.nbytes == nbytes
                 made.append((peer, m))
             return made

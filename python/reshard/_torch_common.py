@@ -322,6 +322,13 @@ def _refuse_together(refusal: Optional[BaseException], group, device) -> None:
 _ENDED: "weakref.WeakKeyDictionary[object, BaseException]" = weakref.WeakKeyDictionary()
 
 
+def _of_group(table: "weakref.WeakKeyDictionary", group):
+    """``table``'s entry for ``group``'s process group, or None; a rank outside ``group``
+    holds torch's marker (an int) for it, with no job of its own."""
+    pg = process_group(group)
+    return table.get(pg) if isinstance(pg, dist.ProcessGroup) else None
+
+
 def end_job(group, error: BaseException) -> None:
     """Marks the job on ``group`` as over after ``error``, and aborts its communicator where
     the backend can: every later call on it raises at once."""
@@ -349,8 +356,7 @@ def register_lost_probe(group, probe: Callable[[], Optional[Tuple[int, str]]]) -
 def lost_rank(group, patience: float = 1.0) -> Optional[Tuple[int, str]]:
     """The rank the group's control plane knows to be lost, and how, waiting up to
     ``patience`` seconds for rank 0's notice; None without a control plane or a loss."""
-    pg = process_group(group)
-    probe = _LOST_PROBES.get(pg) if isinstance(pg, dist.ProcessGroup) else None
+    probe = _of_group(_LOST_PROBES, group)
     if probe is None:
         return None
     deadline = time.monotonic() + patience
@@ -361,15 +367,15 @@ def lost_rank(group, patience: float = 1.0) -> Optional[Tuple[int, str]]:
         time.sleep(0.01)
 
 
-def peer_lost(group, what: str, cause: BaseException) -> PeerLostError:
-    """The error of a data plane that broke during ``what``, naming the lost rank where the
-    control plane knows it; the job on ``group`` ends there (:func:`end_job`)."""
+def peer_lost(group, what: str, cause: Optional[BaseException] = None) -> PeerLostError:
+    """The error of a data plane that broke (the backend's ``cause``) or went silent during
+    ``what``, naming the lost rank where the control plane knows it; the job on ``group``
+    ends there (:func:`end_job`)."""
     me = dist.get_rank(group)
     gone = lost_rank(group)
-    if gone is not None:
-        error = PeerLostError(f"rank {me}: peer rank {gone[0]} is gone ({gone[1]}) during {what}: {cause}")
-    else:
-        error = PeerLostError(f"rank {me}: a peer is gone during {what}: {cause}")
+    who = "a peer is gone" if gone is None else f"peer rank {gone[0]} is gone ({gone[1]})"
+    said = "" if cause is None else f": {cause}"
+    error = PeerLostError(f"rank {me}: {who} during {what}{said}")
     end_job(group, error)
     return error
 
@@ -390,9 +396,7 @@ def _group_rank(group) -> Tuple[int, int]:
     raises at once when the job on the group failed before."""
     if not dist.is_initialized():
         raise ArgumentError("torch.distributed is not initialized (call init_process_group first)")
-    pg = process_group(group)
-    # a rank outside ``group`` holds a marker (an int) for it: no job of its own to have ended
-    ended = _ENDED.get(pg) if isinstance(pg, dist.ProcessGroup) else None
+    ended = _of_group(_ENDED, group)
     if ended is not None:
         raise PeerLostError(
             f"the job on this process group failed before ({ended}); its communicator was "

@@ -26,11 +26,10 @@ import time
 import weakref
 from typing import List, Optional, Sequence
 
-import torch
 import torch.distributed as dist
 
-from ._core import ArgumentError, Control, ControlListener, PeerLostError, ReshardError
-from ._torch_common import _group_rank, end_job, peer_lost, register_lost_probe
+from ._core import ArgumentError, Control, ControlListener, ReshardError
+from ._torch_common import _group_rank, end_job, lost_rank, peer_lost, register_lost_probe
 from ._torch_common import process_group as _process_group
 
 #: Seconds a rank waits for a peer before it names it as lost, when ``RESHARD_TIMEOUT`` is unset.
@@ -99,14 +98,6 @@ def wait(works: Sequence[object], peers: Sequence[object], group, what: str) -> 
         peers = [f"one of {len(peers)} peers"] * len(works)
     limit = timeout()
     deadline = time.monotonic() + limit
-    me = dist.get_rank(group)
-    known = _CONTROLS.get(_process_group(group))
-    ctl = known if isinstance(known, Control) else None  # a wait never joins a control plane
-
-    def lost(error, cause=None):
-        failed(group, error)
-        raise error from cause
-
     if dist.get_backend(group) != "nccl":
         for work, peer in zip(works, peers):
             left = max(deadline - time.monotonic(), 1e-3)
@@ -121,34 +112,20 @@ def wait(works: Sequence[object], peers: Sequence[object], group, what: str) -> 
         still = []
         for work, peer in pending:
             try:
-                done = work.is_completed()
-                if done:
-                    work.wait()
+                if not work.is_completed():
+                    still.append((work, peer))
+                    continue
+                work.wait()
             except RuntimeError as e:
-                lost(PeerLostError(f"rank {me}: peer rank {peer} is gone: {what}: {e}"), e)
-            if not done:
-                still.append((work, peer))
+                raise peer_lost(group, f"{what} (waiting on peer rank {peer})", e) from e
         pending = still
         if not pending:
             return
-        gone = None if ctl is None else ctl.lost()
-        if gone is not None:  # rank 0 saw its control link close: it will never send
-            lost(PeerLostError(f"rank {me}: peer rank {gone[0]} is gone: {gone[1]}; {what}"))
-        if time.monotonic() > deadline:
-            why = f"timed out after {limit:g} s waiting for peer rank {pending[0][1]}: {what}"
-            lost(PeerLostError(f"rank {me}: {why}"))
+        # rank 0 saw a control link close (that rank will never send), or the time is up
+        if lost_rank(group, patience=0) is not None or time.monotonic() > deadline:
+            raise peer_lost(group, f"{what} (no word from peer rank {pending[0][1]} in {limit:g} s)")
         time.sleep(pause)
         pause = min(pause * 2, 2e-3)
-
-
-def device_of(tensors, group) -> torch.device:
-    """Where the group's small exchanges live: the tensors' device, else the backend's."""
-    for t in tensors:
-        if isinstance(t, torch.Tensor):
-            return t.device
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def decide(group, why_not: Optional[str]):

@@ -119,11 +119,16 @@ def apply_messages(
     return out
 
 
+def _apply_dense(reader: Reader, view: torch.Tensor) -> None:
+    """A region sent dense: its values, read past, into ``view``."""
+    data = reader.take(view.numel() * view.element_size())
+    if view.numel():
+        view.copy_(data.view(view.dtype).view(view.shape))
+
+
 def _apply_region_cpu(reader: Reader, mode: int, view: torch.Tensor, label: str) -> None:
     if mode == REGION_DENSE:
-        data = reader.take(view.numel() * view.element_size())
-        if view.numel():
-            view.copy_(data.view(view.dtype).view(view.shape))
+        _apply_dense(reader, view)
     elif mode == REGION_BLOCKS:
         at, length = blocks_at(reader)
         try:
@@ -203,9 +208,7 @@ def decode(reader: Reader, mode: int, out: torch.Tensor, what: str, torch_ops: O
         _apply_region_cpu(reader, mode, out, what)
         return
     if mode == REGION_DENSE:
-        data = reader.take(out.numel() * out.element_size())
-        if out.numel():
-            out.copy_(data.view(out.dtype).view(out.shape))
+        _apply_dense(reader, out)
     elif mode == REGION_BLOCKS:
         at, length = blocks_at(reader)
         scatter(reader.buffer.cpu(), at, length, out, what)

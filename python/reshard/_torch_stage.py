@@ -319,10 +319,10 @@ def commit(session, version) -> CommitReport:
         session._stage, session._in_doubt = None, stage
         raise
     except ReshardError:
-        _drop(session)
+        session._stage = None
         raise
     if not_prepared is not None:
-        _drop(session)
+        session._stage = None
         served = "no version yet" if session.serving is None else f"version {session.serving}"
         reasons = "; ".join(f"rank {r}: {why}" for r, why in not_prepared)
         raise AbortedError(
@@ -350,10 +350,6 @@ def _apply(session, stage: _Stage) -> CommitReport:
     return CommitReport(stage.version, previous, _bytes(stage.live.values()), seconds)
 
 
-def _drop(session) -> None:
-    session._stage = None
-
-
 def abort(session, version) -> Optional[int]:
     stage = _staged(session, version, "abort")
     if stage is None:
@@ -361,7 +357,7 @@ def abort(session, version) -> Optional[int]:
     try:
         _control.decide(session.group, f"abort() was called for version {stage.version}")
     finally:
-        _drop(session)  # this rank voted abort: no rank commits, whatever happens next
+        session._stage = None  # this rank voted abort: no rank commits, whatever happens next
     return stage.version
 
 

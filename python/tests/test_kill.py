@@ -110,6 +110,27 @@ def _trial(rank, port, victim, point, out_dir):
     os._exit(0)  # the group is broken: no teardown that could wait on the dead rank
 
 
+def _run(target, args_by_rank):
+    """Runs ``target(*args)`` in a process per rank and waits for all of them, within a bound
+    (rank 0's patience is two timeouts, a member's four, plus the start of torch); a rank still
+    waiting then fails the test. Returns the processes, ended."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=target, args=args) for args in args_by_rank]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + 60 + 6 * TIMEOUT
+    for p in procs:
+        p.join(max(0.1, deadline - time.monotonic()))
+    hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    assert not hung, f"ranks {hung} still waited after the deadline"
+    return procs
+
+
 TRIALS = [
     (1, "prepare"),
     (0, "prepare"),
@@ -124,22 +145,8 @@ TRIALS = [
 
 @pytest.mark.parametrize("victim,point", TRIALS)
 def test_kill_9_leaves_every_survivor_on_one_whole_version(tmp_path, victim, point):
-    import multiprocessing
-
-    ctx = multiprocessing.get_context("spawn")
     port = free_port()
-    procs = [ctx.Process(target=_trial, args=(r, port, victim, point, str(tmp_path))) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    # bounded: rank 0's patience is two timeouts, a member's four, plus the start of torch
-    deadline = time.monotonic() + 60 + 6 * TIMEOUT
-    for p in procs:
-        p.join(max(0.1, deadline - time.monotonic()))
-    hung = [r for r, p in enumerate(procs) if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    assert not hung, f"ranks {hung} still waited after the deadline"
+    procs = _run(_trial, [(r, port, victim, point, str(tmp_path)) for r in range(WORLD)])
     assert procs[victim].exitcode == -signal.SIGKILL
     records = {}
     for r in range(WORLD):
@@ -211,21 +218,8 @@ def _recovering(rank, port, port2, out_dir):
 
 
 def test_survivors_name_the_lost_rank_then_form_a_new_job(tmp_path):
-    import multiprocessing
-
-    ctx = multiprocessing.get_context("spawn")
     ports = free_port(), free_port()
-    procs = [ctx.Process(target=_recovering, args=(r, *ports, str(tmp_path))) for r in range(3)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + 60 + 6 * TIMEOUT
-    for p in procs:
-        p.join(max(0.1, deadline - time.monotonic()))
-    hung = [r for r, p in enumerate(procs) if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    assert not hung, f"ranks {hung} still waited after the deadline"
+    procs = _run(_recovering, [(r, *ports, str(tmp_path)) for r in range(3)])
     for r in (0, 1):
         assert procs[r].exitcode == 0, (r, procs[r].exitcode)
         with open(tmp_path / f"rank{r}.json") as f:
