@@ -18,7 +18,7 @@ use reshard_core::delta::{self, BLOCK_ELEMS, DeltaEncoder, DeltaStats, HEADER_BY
 use reshard_core::region::Region;
 
 use crate::error;
-use crate::pack::view::{View, read_view};
+use crate::pack::view::{View, each_index, read_view};
 
 impl View {
     fn numel(&self) -> usize {
@@ -67,23 +67,10 @@ impl View {
             _ if self.strides[n - 1] == 1 => (n - 1, self.shape[n - 1] as usize),
             _ => (n, 1),
         };
-        let mut idx = vec![0u64; outer];
-        loop {
+        each_index(&self.shape[..outer], |idx| {
             let at: u64 = idx.iter().zip(&self.strides).map(|(i, s)| i * s).sum();
             f(at as usize, run);
-            let mut k = outer;
-            loop {
-                if k == 0 {
-                    return;
-                }
-                k -= 1;
-                idx[k] += 1;
-                if idx[k] < self.shape[k] {
-                    break;
-                }
-                idx[k] = 0;
-            }
-        }
+        });
     }
 
     /// The tensor's elements as their row-major stream, copied.

@@ -173,14 +173,25 @@ pub(super) fn strided_copy(
         _ => (n, 1),
     };
     let bytes = run as usize * elem;
-    let mut idx = vec![0u64; outer];
-    loop {
+    each_index(&extent[..outer], |idx| {
         let at = |base: u64, strides: &[u64]| {
             (base + idx.iter().zip(strides).map(|(i, s)| i * s).sum::<u64>()) as usize * elem
         };
         let (s, d) = (at(src_base, src_strides), at(dst_base, dst_strides));
         dst[d..d + bytes].copy_from_slice(&src[s..s + bytes]);
-        let mut k = outer;
+    });
+}
+
+/// Calls `f(index)` for every index of a box of `extent`, in row-major order (once, with no
+/// index, for no dims; never for an empty box).
+pub(crate) fn each_index(extent: &[u64], mut f: impl FnMut(&[u64])) {
+    if extent.contains(&0) {
+        return;
+    }
+    let mut idx = vec![0u64; extent.len()];
+    loop {
+        f(&idx);
+        let mut k = extent.len();
         loop {
             if k == 0 {
                 return;
