@@ -21,6 +21,16 @@ fn json_of(out: &std::process::Output) -> serde_json::Value {
 
 /// What a staged stream's JSON must hold whatever the layouts: every version of every method
 /// served (committed, or written in place), by every destination rank, none seeing a mix.
+/// Each destination rank of a version's report with the commit group it is in.
+fn commit_groups(version: &serde_json::Value) -> Vec<(u64, u64)> {
+    version["ranks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| (r["rank"].as_u64().unwrap(), r["group"].as_u64().unwrap()))
+        .collect()
+}
+
 fn check_stream(json: &serde_json::Value, methods: &[&str], steps: u64, what: &str) {
     let versions = json["versions"].as_array().unwrap();
     assert_eq!(
@@ -127,12 +137,7 @@ fn a_rolling_commit_goes_group_by_group() {
     let json = json_of(&out);
     check_stream(&json, &["staged", "staged-delta"], 3, "rolling");
     for v in json["versions"].as_array().unwrap() {
-        let groups: Vec<(u64, u64)> = v["ranks"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|r| (r["rank"].as_u64().unwrap(), r["group"].as_u64().unwrap()))
-            .collect();
+        let groups = commit_groups(v);
         assert_eq!(groups, vec![(2, 0), (3, 0), (4, 1), (5, 1)], "{v}");
         let patches: u64 = v["ranks"]
             .as_array()
@@ -339,12 +344,7 @@ fn a_rolling_commit_that_cuts_a_replica_is_refused() {
     let json = json_of(&out);
     check_stream(&json, &["in-place", "staged"], 2, "inner replicas");
     for v in json["versions"].as_array().unwrap() {
-        let groups: Vec<(u64, u64)> = v["ranks"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|r| (r["rank"].as_u64().unwrap(), r["group"].as_u64().unwrap()))
-            .collect();
+        let groups = commit_groups(v);
         if v["method"] == "staged" {
             assert_eq!(groups, vec![(2, 0), (3, 1), (4, 0), (5, 1)], "{v}");
         }
@@ -398,12 +398,7 @@ fn a_rolling_refit_that_cuts_an_engine_is_refused() {
     check_stream(run, &["in-place", "staged"], 2, "two engines");
     for v in run["versions"].as_array().unwrap() {
         if v["method"] == "staged" {
-            let groups: Vec<(u64, u64)> = v["ranks"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|r| (r["rank"].as_u64().unwrap(), r["group"].as_u64().unwrap()))
-                .collect();
+            let groups = commit_groups(v);
             assert_eq!(groups, vec![(2, 0), (3, 0), (4, 1), (5, 1)], "{v}");
         }
     }
