@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch")
 import reshard  # noqa: E402
 import reshard.torch as rt  # noqa: E402
 from conftest import run_ranks  # noqa: E402
-from test_delta import DST, SRC, bits_equal, shard  # noqa: E402
+from test_delta import DST, SRC, expect, shard  # noqa: E402
 from test_stage import clone, live_shard, same, step  # noqa: E402
 
 
@@ -19,12 +19,6 @@ def weights(seed):
     """A generator and the first version of a 48x4100 tensor, bf16 values held in f32."""
     gen = torch.Generator().manual_seed(seed)
     return gen, (torch.randn(48, 4100, generator=gen) * 8).to(torch.bfloat16).to(torch.float32)
-
-
-def expect(full, rank, out):
-    want = rt.local_tensor(DST, rank, full.to(torch.bfloat16))
-    assert (want is None) == (out is None)
-    assert want is None or bits_equal(out, want)
 
 
 def policy_and_reference(rank, world, explicit):
