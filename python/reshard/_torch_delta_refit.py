@@ -117,17 +117,13 @@ def identities(tensors: Mapping[str, torch.Tensor]) -> Dict[str, tuple]:
     return {name: identity(t) for name, t in tensors.items()}
 
 
-def _same_destinations(session, now: Dict[str, tuple]) -> Optional[str]:
-    """Why this rank's destination tensors are not the ones the session last refit (another
-    model's tensors under the same names, say), or None: a destination that is not the one
-    that holds the session's version gets everything dense."""
-    for name, ident in now.items():
-        before = session._destinations.get(name)
-        if before is not None and before != ident:
-            label = f"{name}: " if name else ""
-            return f"{label}the destination tensor is not the one the session refit last"
-    return None
-
+def _other_destinations(session, now: Dict[str, tuple]) -> bool:
+    """Whether this rank's destination tensors are not the ones the session last refit
+    (another model's under the same names, say): such a destination does not hold the
+    session's version, so it gets everything dense."""
+    return any(
+        session._destinations.get(name, ident) != ident for name, ident in now.items()
+    )
 
 
 @dataclass
@@ -258,8 +254,7 @@ def _refit(session, given, version, src, dst, previous, problem=None, live=None)
     device = _device_of(given, src, dst, group)
     digest = 0 if job is None else _digest(job.fingerprint)
     now = identities(live if live is not None else {})
-    other = _same_destinations(session, now) if problem is None else None
-    if other is not None:
+    if problem is None and _other_destinations(session, now):
         session.held = None  # dense for this rank: its tensors do not hold the session's version
     heard = _fence(session, job, problem is None, version if problem is None else 0, digest, device, world)
     if problem is not None:
