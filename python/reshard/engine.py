@@ -215,18 +215,28 @@ def _vocab_moves(refit: Refit, vocab_pad: int):
 def refit_engine_(
     refit: Refit,
     src: Optional[Mapping[str, torch.Tensor]],
-    engine: Optional[Mapping[str, torch.Tensor]],
+    engine,
     group=None,
     *,
+    loader: Optional[torch.nn.Module] = None,
     engine_kind: str = "vllm",
     vocab_pad: int = 64,
     scale_name: str = "weight_scale_inv",
     **options,
 ):
-    """:func:`reshard.torch.reshard_many_` of ``refit`` into an engine's own parameters:
-    ``engine`` is this rank's ``dict(named_parameters())`` of vLLM or SGLang (None on a rank
-    that holds none), shapes as :func:`engine_params` lists them, written in place; ``src``
-    this rank's training shards (DTensors too). Every rank of ``group`` calls it.
+    """:func:`reshard.torch.reshard_many_` of ``refit`` into an engine's own parameters,
+    written in place; ``src`` is this rank's training shards by the checkpoint's names
+    (DTensors too; a tied ``lm_head.weight`` that aliases the embedding is left out). Every
+    rank of ``group`` calls it; ``engine`` is None on a rank that holds none.
+
+    ``engine`` is the engine's model (a vLLM or SGLang ``torch.nn.Module``), or its
+    ``dict(named_parameters())`` with the model as ``loader``: where each slice of each
+    checkpoint tensor lands is then recorded from the model's own ``load_weights``, run once
+    on probe data (:mod:`reshard._engine_map`), and the parameters end exactly as that loader
+    leaves them, padding included. Any architecture its loader loads refits this way.
+
+    Without a model, ``engine`` is a ``dict`` of the parameters that :func:`engine_params`
+    lists (the vLLM and SGLang names of the model families it knows, fp8 scales included).
 
     ``options`` go to ``reshard_many_``: with ``delta=True`` or ``session=`` (a
     :class:`reshard.torch.DeltaSession`, ``version=``) it is a delta refit, and returns its
@@ -238,6 +248,8 @@ def refit_engine_(
     rank, _ = rt._group_rank(group)
     if rank < 0:
         return None
+    if isinstance(engine, torch.nn.Module) or loader is not None:
+        return _refit_recorded(refit, src, engine, loader, group, rank, options)
     names = set(refit.names)
     moves = _vocab_moves(refit, vocab_pad)
     staged = {name for name, *_ in moves}
@@ -296,6 +308,38 @@ def refit_engine_(
             Layout(shape, layout.dtype, 1, [r], ["R"]),
         )
     rt.reshard_many_(pairs, group=group)
+    return report
+
+
+def _refit_recorded(refit, src, engine, loader, group, rank, options):
+    """:func:`refit_engine_` by the engine's recorded loader."""
+    from . import _engine_recorded as er
+    from . import _torch_args as args
+    from . import torch as rt
+
+    model = engine if isinstance(engine, torch.nn.Module) else loader
+    if engine is None:
+        model = None
+    problem = None
+    if model is not None and isinstance(engine, Mapping):
+        own = dict(model.named_parameters())
+        stray = [n for n, t in engine.items() if own.get(n) is not t]
+        if stray:
+            problem = f"engine: {stray[0]} is not a parameter of the loader's model"
+    if refit.quant is not None:
+        problem = problem or "infer_quant: an fp8 refit goes into engine_params' buffers (no loader)"
+    emap = er.engine_map(refit, None if problem else model, group, rank)
+    try:
+        if problem is not None:
+            raise ArgumentError(problem)
+        recorded = er.recorded_pairs(emap, refit, src, model, group, rank)
+    except ArgumentError as e:
+        args.refuse(e, {}, group, rank)
+    session = _session(group, options)
+    if session is not None and recorded.fresh:
+        session.restore(None)  # a new scratch holds nothing: this rank's regions go dense
+    report = rt.reshard_many_(recorded.pairs, group=group, **options)
+    recorded.finish()
     return report
 
 

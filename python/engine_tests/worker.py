@@ -1,0 +1,118 @@
+"""One rank of a refit into vLLM's own model, checked against vLLM's own loader.
+
+Run as ``python worker.py CASES_JSON`` under ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/
+``MASTER_PORT`` (``launch.py`` starts the ranks). Every rank is both a trainer rank (its shard
+of the checkpoint, by the refit's training layout) and a vLLM tensor-parallel rank. For each
+case: vLLM's ``load_weights`` from the full checkpoint gives the oracle; the parameters are
+then scrambled, refit by reshard from the trainer shards, and must equal the oracle byte for
+byte (padding rows included) in the same storage.
+"""
+
+import json
+import os
+import re
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).parent))
+import vllm_engine  # noqa: E402
+
+from reshard import Refit  # noqa: E402
+from reshard.engine import refit_engine_  # noqa: E402
+from reshard.torch import local_tensor  # noqa: E402
+
+
+def checkpoint(refit: Refit, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return {n: torch.randn(refit.layouts(n)[0].shape, generator=g) * 0.02 for n in refit.names}
+
+
+_STACKED = re.compile(r"^(.*\.experts)\.(gate_proj|up_proj|down_proj)(?:\.weight)?$")
+
+
+def on_disk(full):
+    """A checkpoint as Hugging Face's safetensors hold it: routed experts one tensor each."""
+    for name, tensor in full.items():
+        stacked = _STACKED.match(name) if tensor.dim() == 3 else None
+        if stacked is None:
+            yield name, tensor
+            continue
+        for e in range(tensor.shape[0]):
+            yield f"{stacked.group(1)}.{e}.{stacked.group(2)}.weight", tensor[e]
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().view(torch.uint8)
+
+
+def fsdp2_sources(config_dir: str, world: int, seed: int):
+    """A transformers model sharded by FSDP2 (fully_shard) over the ranks: its state_dict()
+    as it is (DTensors; a tied lm_head.weight aliasing the embedding) and the full tensors."""
+    import transformers
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    config = transformers.AutoConfig.from_pretrained(config_dir)
+    torch.manual_seed(seed)
+    trainer = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in trainer.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(trainer, mesh=mesh)
+    state = trainer.state_dict()
+    full = {n: t.full_tensor() for n, t in state.items()}
+    return state, full
+
+
+def run_case(case: dict, rank: int, world: int, tmp: Path) -> None:
+    config_dir = vllm_engine.write_config(tmp / case["name"], case["config"])
+    _, model = vllm_engine.build(config_dir, world, rank, dtype=case.get("dtype", "bfloat16"))
+    refit = Refit(
+        str(Path(config_dir) / "config.json"),
+        case["train"],
+        f"tp={world}",
+        colocated=True,
+        train_dtype="f32",
+        infer_dtype=case.get("dtype", "bfloat16"),
+    )
+    params = dict(model.named_parameters())
+    ptrs = {n: p.data_ptr() for n, p in params.items()}
+    for step in range(2):
+        if case.get("fsdp2"):
+            state, full = fsdp2_sources(config_dir, world, seed=step)
+            src = state
+        else:
+            full = checkpoint(refit, seed=step)
+            src = {n: local_tensor(refit.layouts(n)[0], rank, full[n]) for n in refit.names}
+            src = {n: t for n, t in src.items() if t is not None}
+            if case.get("tie") and "model.embed_tokens.weight" in src:
+                src["lm_head.weight"] = src["model.embed_tokens.weight"]  # as a state_dict() holds it
+        with torch.no_grad():
+            model.load_weights(on_disk(full))
+        oracle = {n: p.detach().clone() for n, p in params.items()}
+        with torch.no_grad():
+            for p in params.values():
+                p.data.copy_(torch.randn(p.shape).to(p.dtype))
+        refit_engine_(refit, src, model)
+        for n, p in params.items():
+            assert p.data_ptr() == ptrs[n], f"{n}: storage changed"
+            if not torch.equal(bits(p), bits(oracle[n])):
+                diff = (p.float() - oracle[n].float()).abs()
+                raise AssertionError(f"{case['name']} step {step}: {n} differs on rank {rank} at {diff.nonzero()[:4].tolist()}")
+    print(f"rank {rank}: {case['name']} exact ({len(params)} parameters)", flush=True)
+
+
+def main() -> None:
+    cases = json.loads(Path(sys.argv[1]).read_text())
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    tmp = Path(sys.argv[2])
+    for case in cases:
+        run_case(case, rank, world, tmp)
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,225 @@
+"""Where an engine's own weight loader puts every slice of every checkpoint tensor.
+
+No table per architecture: the loader is run once on probe data. Each parameter of the rank is
+swapped for an int64 tensor of -1 (on the CPU, so the device holds nothing more), each
+checkpoint tensor is given as the codes ``1 + base + flat index`` of its elements, and the
+loader runs as it would on real weights (fused members, padding, replicated kv heads, experts
+all included). Afterwards every element of every parameter says which checkpoint element it
+holds (a code above 0), that the loader zeroed it (0: the vocabulary's padding rows), or that
+no checkpoint tensor fills it (-1: refused, naming the parameter). The parameters get their
+own tensors back (same storage), so recording changes nothing of the model.
+
+The codes are cut into boxes (:class:`Piece`: a box of a checkpoint tensor at a box of a
+parameter, the same elements in the same order), which is all a refit needs.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from ._core import ArgumentError
+
+Box = Tuple[Tuple[int, ...], Tuple[int, ...]]  # (offset, extent)
+
+# Rows of a box checked against their expected codes at once: bounds the recording's memory.
+_CHECK_ELEMENTS = 1 << 22
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A box of checkpoint tensor ``name`` (``offset``, ``extent``) that the loader puts at box
+    (``at``, ``size``) of engine parameter ``param``: the same elements in the same row-major
+    order, the two extents equal but for dims of size 1."""
+
+    name: str
+    offset: Tuple[int, ...]
+    extent: Tuple[int, ...]
+    param: str
+    at: Tuple[int, ...]
+    size: Tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class RankMap:
+    """What one rank's loader does with a checkpoint: its pieces, the boxes it sets to zero,
+    and its parameters' shapes and dtypes (by name)."""
+
+    pieces: Tuple[Piece, ...]
+    zeros: Tuple[Tuple[str, Tuple[int, ...], Tuple[int, ...]], ...]
+    params: Dict[str, Tuple[Tuple[int, ...], str]]
+
+
+_STACKED = re.compile(r"^(.*\.experts)\.(gate_proj|up_proj|down_proj)(?:\.weight)?$")
+
+
+def as_checkpoint(name: str, tensor: torch.Tensor) -> Iterator[Tuple[str, torch.Tensor]]:
+    """``tensor`` as a checkpoint on disk holds it: stacked routed experts (``[E, out, in]``,
+    as trainers hold them) one tensor per expert (``...experts.{e}.gate_proj.weight``), the
+    names every engine's loader reads; any other tensor as it is."""
+    stacked = _STACKED.match(name) if tensor.dim() == 3 else None
+    if stacked is None:
+        yield name, tensor
+        return
+    prefix, proj = stacked.groups()
+    for e in range(tensor.shape[0]):
+        yield f"{prefix}.{e}.{proj}.weight", tensor[e]
+
+
+def record(
+    model: torch.nn.Module,
+    checkpoint: Mapping[str, Sequence[int]],
+    load: Optional[Callable[[Iterable[Tuple[str, torch.Tensor]]], object]] = None,
+) -> RankMap:
+    """Runs ``model``'s loader (``load``, default ``model.load_weights``) once on probe data
+    for ``checkpoint`` (name -> full shape) and returns where each element landed."""
+    load = load if load is not None else getattr(model, "load_weights", None)
+    if load is None:
+        raise ArgumentError(f"model: a {type(model).__name__} has no load_weights; give load=")
+    names = list(checkpoint)
+    shapes = [tuple(int(n) for n in checkpoint[name]) for name in names]
+    bases = np.cumsum([0] + [int(np.prod(s, dtype=np.int64)) for s in shapes])
+    params = dict(model.named_parameters())
+    info = {name: (tuple(p.shape), str(p.dtype).removeprefix("torch.")) for name, p in params.items()}
+
+    def probes() -> Iterator[Tuple[str, torch.Tensor]]:
+        for i, (name, shape) in enumerate(zip(names, shapes)):
+            first = int(bases[i]) + 1
+            codes = torch.arange(first, first + int(bases[i + 1] - bases[i])).view(shape)
+            yield from as_checkpoint(name, codes)
+
+    saved = {}
+    try:
+        for name, p in params.items():
+            saved[name] = (p.data, p.requires_grad)
+            p.requires_grad_(False)
+            p.data = torch.full(tuple(p.shape), -1, dtype=torch.int64)
+        with torch.no_grad():
+            load(probes())
+        codes = {name: p.data.numpy() for name, p in params.items()}
+    finally:
+        for name, (data, grad) in saved.items():
+            params[name].data = data
+            params[name].requires_grad_(grad)
+
+    pieces: List[Piece] = []
+    zeros = []
+    unfilled = []
+    for param, code in codes.items():
+        if code.dtype != np.int64:
+            raise ArgumentError(f"{param}: the loader replaced the parameter's tensor ({code.dtype})")
+        missing = int((code == -1).sum())
+        if missing:
+            unfilled.append(f"{param} ({missing} of {code.size} elements)")
+            continue
+        for at, size in _mask_boxes(code == 0):
+            zeros.append((param, at, size))
+        filled = code[code > 0]
+        if filled.size == 0:
+            continue
+        ids = np.unique(np.searchsorted(bases, filled - 1, side="right") - 1)
+        for i in ids:
+            lo, hi = int(bases[i]), int(bases[i + 1])
+            _pieces(code, lo, hi, names[i], shapes[i], param, pieces)
+    if unfilled:
+        raise ArgumentError(
+            "the engine's loader fills no value into "
+            + ", ".join(unfilled[:8])
+            + (f" and {len(unfilled) - 8} more" if len(unfilled) > 8 else "")
+            + ": a refit cannot derive where these parameters' weights come from"
+        )
+    return RankMap(tuple(pieces), tuple(zeros), info)
+
+
+def _bounding(mask: np.ndarray) -> Optional[Tuple[Tuple[int, ...], Tuple[int, ...]]]:
+    if not mask.any():
+        return None
+    lo, hi = [], []
+    for axis in range(mask.ndim):
+        other = tuple(a for a in range(mask.ndim) if a != axis)
+        hit = np.flatnonzero(mask.any(axis=other) if other else mask)
+        lo.append(int(hit[0]))
+        hi.append(int(hit[-1]) + 1)
+    return tuple(lo), tuple(hi)
+
+
+def _slices(lo, hi) -> Tuple[slice, ...]:
+    return tuple(slice(a, b) for a, b in zip(lo, hi))
+
+
+def _halves(lo, hi):
+    axis = max(range(len(lo)), key=lambda a: hi[a] - lo[a])
+    mid = (lo[axis] + hi[axis]) // 2
+    return (lo, hi[:axis] + (mid,) + hi[axis + 1 :]), (lo[:axis] + (mid,) + lo[axis + 1 :], hi)
+
+
+def _mask_boxes(mask: np.ndarray, origin: Tuple[int, ...] = ()) -> List[Box]:
+    """``mask``'s true elements as boxes (offset, extent), offsets from ``origin``."""
+    origin = origin or (0,) * mask.ndim
+    bound = _bounding(mask)
+    if bound is None:
+        return []
+    lo, hi = bound
+    if mask[_slices(lo, hi)].all():
+        return [(tuple(o + a for o, a in zip(origin, lo)), tuple(b - a for a, b in zip(lo, hi)))]
+    out = []
+    for a, b in _halves(lo, hi):
+        sub = mask[_slices(a, b)]
+        out += _mask_boxes(sub, tuple(o + x for o, x in zip(origin, a)))
+    return out
+
+
+def _squeezed(shape) -> Tuple[int, ...]:
+    return tuple(n for n in shape if n != 1)
+
+
+def _pieces(code, lo_code, hi_code, name, shape, param, out: List[Piece], origin=None) -> None:
+    """The pieces of checkpoint tensor ``name`` (codes ``(lo_code, hi_code]``) in ``code``."""
+    origin = origin or (0,) * code.ndim
+    mask = (code > lo_code) & (code <= hi_code)
+    bound = _bounding(mask)
+    if bound is None:
+        return
+    lo, hi = bound
+    box = code[_slices(lo, hi)]
+    if mask[_slices(lo, hi)].all():
+        piece = _as_piece(box, lo_code, name, shape)
+        if piece is not None:
+            offset, extent = piece
+            at = tuple(o + a for o, a in zip(origin, lo))
+            out.append(Piece(name, offset, extent, param, at, tuple(box.shape)))
+            return
+    if box.size == 1:
+        _pieces(code[_slices(a, b)], lo_code, hi_code, name, shape, param, out,
+                tuple(o + x for o, x in zip(origin, a)))
+
+
+def _as_piece(box: np.ndarray, lo_code: int, name: str, shape) -> Optional[Box]:
+    """The box of the checkpoint tensor whose elements ``box`` holds in row-major order, or
+    None where it holds anything else (a transpose, a gather)."""
+    flat = box.reshape(-1)
+    first, last = int(flat[0]) - lo_code - 1, int(flat[-1]) - lo_code - 1
+    offset = np.unravel_index(first, shape)
+    end = np.unravel_index(last, shape)
+    extent = tuple(int(e) - int(o) + 1 for o, e in zip(offset, end))
+    if any(n <= 0 for n in extent) or int(np.prod(extent, dtype=np.int64)) != flat.size:
+        return None
+    if _squeezed(extent) != _squeezed(box.shape):
+        return None
+    strides = [int(np.prod(shape[d + 1 :], dtype=np.int64)) for d in range(len(shape))]
+    rows = box.reshape(extent[0], -1) if extent else flat.reshape(1, 1)
+    inner = np.zeros(1, dtype=np.int64)
+    for d in range(1, len(extent)):
+        inner = (inner[:, None] + np.arange(extent[d], dtype=np.int64)[None, :] * strides[d]).reshape(-1)
+    start = lo_code + 1 + sum(int(o) * s for o, s in zip(offset, strides))
+    step = max(1, _CHECK_ELEMENTS // max(1, inner.size))
+    for r in range(0, rows.shape[0], step):
+        n = min(step, rows.shape[0] - r)
+        want = start + (np.arange(r, r + n, dtype=np.int64) * (strides[0] if extent else 0))[:, None] + inner[None, :]
+        if not np.array_equal(rows[r : r + n], want):
+            return None
+    return tuple(int(o) for o in offset), extent
