@@ -68,8 +68,8 @@ def fsdp2_sources(config_dir: str, world: int, seed: int):
 
 
 def run_case(case: dict, rank: int, world: int, tmp: Path) -> None:
-    config_dir = vllm_engine.write_config(tmp / case["name"], case["config"])
-    _, model = vllm_engine.build(config_dir, world, rank, dtype=case.get("dtype", "bfloat16"))
+    config_dir = vllm_engine.write_config(tmp / case["name"].replace(" ", "_"), case["config"])
+    _, model = vllm_engine.build(config_dir, world, rank, dtype=case.get("dtype", "bfloat16"), ep=case.get("ep", False))
     refit = Refit(
         str(Path(config_dir) / "config.json"),
         case["train"],

@@ -1,0 +1,73 @@
+"""A refit into vLLM's own model classes (built on the CPU over gloo) equals vLLM's own loader
+run on the full checkpoint, byte for byte, padding rows included, in the same storage.
+
+Runs in a virtual environment with vLLM from PyPI (``.ci/run`` makes it); skipped without."""
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from launch import run  # noqa: E402
+
+BASE = {
+    "vocab_size": 1000,  # padded by vLLM to 1024: uneven rows on every rank
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 256,
+    "torch_dtype": "bfloat16",
+    "rms_norm_eps": 1e-6,
+}
+QWEN3 = dict(BASE, architectures=["Qwen3ForCausalLM"], model_type="qwen3", tie_word_embeddings=False)
+QWEN3_TIED = dict(QWEN3, tie_word_embeddings=True)
+LLAMA = dict(BASE, architectures=["LlamaForCausalLM"], model_type="llama", tie_word_embeddings=False)
+QWEN3_MOE = dict(
+    QWEN3,
+    architectures=["Qwen3MoeForCausalLM"],
+    model_type="qwen3_moe",
+    moe_intermediate_size=32,
+    num_experts=4,
+    num_experts_per_tok=2,
+    transformers_version="5.20.2",
+)
+
+
+def case(name, config, train, **kw):
+    return dict(kw, name=name, config=config, train=train)
+
+
+DENSE = [
+    case("qwen3 from fsdp", QWEN3, "fsdp={w}"),
+    case("qwen3 tied from tp, lm_head aliased", QWEN3_TIED, "tp=2", tie=True),
+    case("llama from fsdp", LLAMA, "fsdp={w}"),
+    case("qwen3 tied from FSDP2 state_dict", QWEN3_TIED, "fsdp={w}", fsdp2=True),
+]
+MOE = [
+    case("qwen3-moe from fsdp", QWEN3_MOE, "fsdp={w}"),
+    case("qwen3-moe from tp", QWEN3_MOE, "tp=2"),
+    case("qwen3-moe from FSDP2 state_dict (gate_up_proj)", QWEN3_MOE, "fsdp={w}", fsdp2=True),
+]
+
+
+def _at(cases, world, **kw):
+    return [dict(c, train=c["train"].format(w=world), **kw) for c in cases]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_dense(tmp_path, world):
+    out = run(world, _at(DENSE, world), tmp_path)
+    assert out.count(" exact ") == world * len(DENSE), out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_moe(tmp_path, world):
+    out = run(world, _at(MOE, world), tmp_path)
+    assert out.count(" exact ") == world * len(MOE), out
+
+
+def test_moe_expert_parallel(tmp_path):
+    out = run(2, _at(MOE[:1], 2, ep=True), tmp_path)
+    assert out.count(" exact ") == 2, out
