@@ -8,6 +8,7 @@ then scrambled, refit by reshard from the trainer shards, and must equal the ora
 byte (padding rows included) in the same storage.
 """
 
+import functools
 import json
 import os
 import re
@@ -105,12 +106,76 @@ def run_case(case: dict, rank: int, world: int, tmp: Path) -> None:
     print(f"rank {rank}: {case['name']} exact ({len(params)} parameters)", flush=True)
 
 
+def run_backend_case(case: dict, rank: int, world: int, tmp: Path) -> None:
+    """The same refit through vLLM's weight-transfer API: the plugin registered from the
+    installed package's entry point, both sides made by vLLM's factories from
+    ``{"backend": "reshard"}``; plain, delta and staged (commit, then an abort that must
+    leave the weights of the commit)."""
+    from vllm.config import WeightTransferConfig
+    from vllm.distributed.weight_transfer import (
+        WeightSource,
+        WeightTransferEngineFactory,
+        WeightTransferTrainerFactory,
+    )
+    from vllm.plugins import load_general_plugins
+
+    from reshard.vllm_backend import ColocatedClient, ReshardTrainerInitInfo
+
+    load_general_plugins()
+    config_dir = vllm_engine.write_config(tmp / case["name"].replace(" ", "_"), case["config"])
+    cfg, model = vllm_engine.build(config_dir, world, rank)
+    transfer = WeightTransferConfig(**json.loads('{"backend": "reshard"}'))
+    engine = WeightTransferEngineFactory.create_engine(transfer, cfg, torch.device("cpu"), model)
+    refit = Refit(str(Path(config_dir) / "config.json"), case["train"], f"tp={world}", colocated=True)
+
+    class Shards(WeightSource):
+        def __init__(self, tensors):
+            self.tensors = tensors
+
+        @functools.cached_property
+        def metadata(self):
+            return []
+
+        def iter_local(self):
+            return iter(self.tensors.items())
+
+    params = dict(model.named_parameters())
+    ptrs = {n: p.data_ptr() for n, p in params.items()}
+    source = Shards({})
+    info = ReshardTrainerInitInfo(rank=rank, train=case["train"], train_dtype="f32", **case["mode"])
+    client = ColocatedClient(engine)
+    trainer = WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
+    steps = [(0, True), (1, True), (2, not case["mode"].get("staged"))]
+    served = None
+    for seed, commit in steps:
+        full = checkpoint(refit, seed=seed)
+        if commit:
+            with torch.no_grad():
+                model.load_weights(on_disk(full))
+            served = {n: p.detach().clone() for n, p in params.items()}
+            with torch.no_grad():
+                for p in params.values():
+                    p.data.copy_(torch.randn(p.shape).to(p.dtype))
+            if case["mode"].get("delta") and seed > 0:
+                with torch.no_grad():  # the delta applies to what the engine held
+                    model.load_weights(on_disk(checkpoint(refit, seed=seed - 1)))
+        before = {n: p.detach().clone() for n, p in params.items()}
+        src = {n: local_tensor(refit.layouts(n)[0], rank, full[n]) for n in refit.names}
+        source.tensors = {n: t for n, t in src.items() if t is not None}
+        trainer.send_weights(commit=commit)
+        want = served if commit else before
+        for n, p in params.items():
+            assert p.data_ptr() == ptrs[n], f"{n}: storage changed"
+            assert torch.equal(bits(p), bits(want[n])), f"{case['name']} step {seed}: {n} differs on rank {rank}"
+    print(f"rank {rank}: {case['name']} exact through vLLM's weight-transfer API ({engine.reports[-1]!r:.60})", flush=True)
+
+
 def main() -> None:
     cases = json.loads(Path(sys.argv[1]).read_text())
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     tmp = Path(sys.argv[2])
     for case in cases:
-        run_case(case, rank, world, tmp)
+        (run_backend_case if "mode" in case else run_case)(case, rank, world, tmp)
     dist.barrier()
 
 

@@ -311,11 +311,11 @@ def refit_engine_(
     return report
 
 
-def _refit_recorded(refit, src, engine, loader, group, rank, options):
-    """:func:`refit_engine_` by the engine's recorded loader."""
+def _recorded_pairs(refit, src, engine, loader, group, rank):
+    """The recorded refit's :class:`reshard._engine_recorded.Recorded` on this rank; a bad
+    argument is refused on every rank."""
     from . import _engine_recorded as er
     from . import _torch_args as args
-    from . import torch as rt
 
     model = engine if isinstance(engine, torch.nn.Module) else loader
     if engine is None:
@@ -335,6 +335,14 @@ def _refit_recorded(refit, src, engine, loader, group, rank, options):
         recorded = er.recorded_pairs(emap, refit, src, model, group, rank)
     except ArgumentError as e:
         args.refuse(e, {}, group, rank)
+    return recorded
+
+
+def _refit_recorded(refit, src, engine, loader, group, rank, options):
+    """:func:`refit_engine_` by the engine's recorded loader."""
+    from . import torch as rt
+
+    recorded = _recorded_pairs(refit, src, engine, loader, group, rank)
     session = _session(group, options)
     if session is not None and recorded.fresh:
         session.restore(None)  # a new scratch holds nothing: this rank's regions go dense
@@ -355,3 +363,44 @@ def _session(group, options):
         bucket_bytes = options.get("bucket_bytes", DEFAULT_BUCKET_BYTES)
         session = module_session(group, options.get("checksum", False), bucket_bytes)
     return session if isinstance(session, DeltaSession) else None
+
+
+# A staged engine refit's pieces and zeroed boxes, applied after its commit: session -> Recorded.
+_STAGED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def prepare_engine_(refit: Refit, src, engine, session, version: int, group=None, *, loader=None):
+    """The first phase of a staged refit into an engine's model (``engine`` as for
+    :func:`refit_engine_`, by its recorded loader): ``session.prepare`` of the refit, the live
+    parameters untouched. Returns this rank's :class:`reshard.torch.StageReport`; then
+    :func:`commit_engine_` or :func:`abort_engine_` on every rank."""
+    from . import torch as rt
+
+    rank, _ = rt._group_rank(group)
+    if rank < 0:
+        return None
+    if not isinstance(session, rt.DeltaSession):
+        raise ArgumentError(f"session: expected a reshard.torch.DeltaSession, got {type(session).__name__}")
+    recorded = _recorded_pairs(refit, src, engine, loader, group, rank)
+    if recorded.fresh:
+        session.restore(None)
+    report = session.prepare(recorded.pairs, version)
+    _STAGED[session] = recorded
+    return report
+
+
+def commit_engine_(session, version: Optional[int] = None):
+    """Commits what :func:`prepare_engine_` staged (a decision of the whole job, see
+    :meth:`reshard.torch.DeltaSession.commit`), then writes the pieces that a rank holds
+    twice and zeroes the padding, as the engine's loader leaves them."""
+    recorded = _STAGED.pop(session, None)
+    report = session.commit(version)
+    if recorded is not None:
+        recorded.finish()
+    return report
+
+
+def abort_engine_(session, version: Optional[int] = None):
+    """Aborts what :func:`prepare_engine_` staged: the live parameters keep their weights."""
+    _STAGED.pop(session, None)
+    return session.abort(version)
