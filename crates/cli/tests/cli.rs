@@ -901,3 +901,25 @@ fn plan_of_a_million_replicas_finishes() {
         stdout(&out)
     );
 }
+
+#[test]
+fn launch_exec_runs_a_program_with_the_rendezvous_environment() {
+    let script = "echo \"rank $RANK of $WORLD_SIZE at $MASTER_ADDR:$MASTER_PORT\"";
+    let out = reshard(&["launch", "--nproc", "3", "--exec", "--", "sh", "-c", script]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = stdout(&out);
+    for rank in 0..3 {
+        assert!(
+            text.contains(&format!("rank {rank} of 3 at 127.0.0.1:")),
+            "{text}"
+        );
+    }
+    // a program that is not there is named, and the launcher fails
+    let out = reshard(&["launch", "--nproc", "1", "--exec", "--", "/no/such/program"]);
+    assert!(!out.status.success());
+    assert!(
+        stderr(&out).contains("/no/such/program"),
+        "{}",
+        stderr(&out)
+    );
+}

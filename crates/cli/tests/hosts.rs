@@ -538,3 +538,36 @@ fn ranks_on_emulated_hosts_relay_what_they_share_and_verify() {
     assert_eq!(busiest("on"), tensor);
     assert_eq!(busiest("off"), 2 * tensor);
 }
+
+#[test]
+#[ignore = "needs root and iproute2's ip and tc to build emulated hosts"]
+fn exec_runs_any_program_on_the_emulated_hosts() {
+    require_privileges("exec_runs_any_program_on_the_emulated_hosts");
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let mark = new_mark("exec");
+    // each rank says where it runs: its host name (its own UTS namespace), its rendezvous
+    // address (host 0's private one) and its rank
+    let script =
+        "echo \"at $(uname -n) rank $RANK local $LOCAL_RANK of $WORLD_SIZE master $MASTER_ADDR\"";
+    let out = launch(
+        &mark,
+        &["--hosts", "2", "--nproc", "4", "--exec"],
+        &["sh", "-c", script],
+    )
+    .output()
+    .unwrap();
+    let stdout = text(&out.stdout);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let lines: Vec<&str> = stdout.lines().filter(|l| l.contains(" master ")).collect();
+    assert_eq!(lines.len(), 4, "{stdout}");
+    let hosts: std::collections::BTreeSet<&str> = lines
+        .iter()
+        .map(|l| l.split("at ").nth(1).unwrap().split(' ').next().unwrap())
+        .collect();
+    assert_eq!(hosts.len(), 2, "{stdout}");
+    assert!(
+        lines.iter().all(|l| !l.contains("master 127.0.0.1")),
+        "{stdout}"
+    );
+    assert!(marked(&mark).is_empty(), "ranks outlived the launcher");
+}

@@ -45,7 +45,13 @@ pub struct LaunchArgs {
     /// killed.
     #[arg(long, default_value_t = 10.0)]
     grace: f64,
-    /// The reshard command every rank runs, e.g. `run --transport tcp ...`.
+    /// Run the program that ARGS name (its path, then its arguments) on every rank instead of
+    /// a reshard command: a torch.distributed job reads the same environment (a Python RL
+    /// loop across emulated hosts, say).
+    #[arg(long)]
+    exec: bool,
+    /// The reshard command every rank runs, e.g. `run --transport tcp ...` (with --exec, the
+    /// program and its arguments).
     #[arg(
         trailing_var_arg = true,
         allow_hyphen_values = true,
@@ -213,8 +219,12 @@ pub fn main(args: &LaunchArgs) -> Result<std::process::ExitCode, Failure> {
             bytes: (args.nproc as u64).saturating_mul(std::mem::size_of::<Child>() as u64),
         })?;
     let mut forwarders = Vec::new();
+    let (program, program_args) = match (args.exec, args.command.split_first()) {
+        (true, Some((program, rest))) => (std::path::PathBuf::from(program), rest),
+        _ => (exe.clone(), &args.command[..]),
+    };
     for rank in 0..args.nproc {
-        let mut command = Command::new(&exe);
+        let mut command = Command::new(&program);
         // SAFETY: system calls only; the kernel kills this child when the launcher dies, so
         // that no rank outlives it.
         unsafe {
@@ -239,7 +249,7 @@ pub fn main(args: &LaunchArgs) -> Result<std::process::ExitCode, Failure> {
             _ => (rank, args.nproc, "127.0.0.1".to_string()),
         };
         let spawned = command
-            .args(&args.command)
+            .args(program_args)
             .env("RANK", rank.to_string())
             .env("LOCAL_RANK", local_rank.to_string())
             .env("WORLD_SIZE", args.nproc.to_string())
@@ -256,7 +266,7 @@ pub fn main(args: &LaunchArgs) -> Result<std::process::ExitCode, Failure> {
             Err(source) => {
                 stop_all(&mut children);
                 return Err(Failure::Run(Error::Io {
-                    path: exe.display().to_string(),
+                    path: program.display().to_string(),
                     source,
                 }));
             }
