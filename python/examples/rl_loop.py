@@ -1,15 +1,18 @@
 """An RL loop on CPU: a transformers Qwen3 (and a Qwen3-MoE) trained by FSDP2 on two gloo
-ranks, an engine on two others holding vLLM's tensor-parallel buffers, a refit after every
-step.
+ranks (f32 masters, Adam at an RL learning rate, 1e-6 by default), an engine on two others
+holding vLLM's tensor-parallel buffers in bf16, a refit after every step.
 
     python python/examples/rl_loop.py --steps 5            # Qwen3, then Qwen3-MoE
     python python/examples/rl_loop.py --steps 5 --delta    # refits that send what changed
+    reshard launch --nproc 4 --hosts 2 --link 2gbit --exec -- python python/examples/rl_loop.py --delta
 
 Each step the engine samples a few tokens per prompt with a model built on its shards; the
 trainer takes a policy-gradient step on them (reward: the share of tokens in the lower half
 of the vocabulary); then the trainer's FSDP2 parameters refit into the engine's buffers
 (:func:`reshard.engine.refit_engine_`). After every refit the engine's logits on the batch
-must equal the trainer's bit for bit, or the loop stops. Each step prints the refit's time,
+must equal the trainer's bit for bit (``--engine-dtype f32``), or with a bf16 engine its
+weights must equal the trainer's cast to bf16 bit for bit (as torch's ``.to()`` rounds), or
+the loop stops. Each step prints the share of the engine's weights that changed, the refit's time,
 the pause (the engine waiting: refit and rebuilding its model) and, measured in the same
 run, what the usual way costs: per-parameter ``full_tensor()`` on the trainer and a
 broadcast to every rank.
@@ -18,6 +21,10 @@ With ``--delta`` every refit runs on one :class:`reshard.torch.DeltaSession` kep
 steps: the first is dense, each later one sends only the blocks that changed since the last,
 and the line adds the bytes sent against the dense refit's (summed over the senders, from
 the :class:`reshard.torch.DeltaReport`) and the share of the elements that changed.
+
+Started by a launcher that sets ``RANK``, ``WORLD_SIZE`` (4), ``MASTER_ADDR`` and
+``MASTER_PORT`` (``reshard launch --exec``, torchrun), each process runs its own rank: so the
+loop runs across emulated hosts too (ranks 0-1 train on one, 2-3 serve on the other).
 """
 
 from __future__ import annotations
@@ -131,7 +138,8 @@ def _run_model(rank, args, moe: bool, world_group, engine_group, train_mesh, pat
         config.save_pretrained(path_dir)
         os.replace(os.path.join(path_dir, "config.json"), path)
     dist.barrier()
-    refit = Refit(path, "fsdp=2", f"tp={len(ENGINE_RANKS)}", train_dtype="f32")
+    dtype = {"bf16": torch.bfloat16, "f32": torch.float32}[args.engine_dtype]
+    refit = Refit(path, "fsdp=2", f"tp={len(ENGINE_RANKS)}", train_dtype="f32", infer_dtype=args.engine_dtype)
     trainer = engine = None
     if rank in TRAIN_RANKS:
         for layer in model.model.layers:
@@ -141,12 +149,12 @@ def _run_model(rank, args, moe: bool, world_group, engine_group, train_mesh, pat
         trainer = model
     else:
         engine = {n: torch.zeros(s, dtype=d) for n, (s, d) in engine_params(refit, rank).items()}
-        engine_model = model
+        engine_model = model.to(dtype)
     src = dict(trainer.named_parameters()) if trainer is not None else None
     delta = {"session": rt.DeltaSession()} if args.delta else {}  # one session across the steps
     gen = torch.Generator().manual_seed(1234)
     prompts = torch.randint(0, args.vocab, (args.batch, 4), generator=gen)
-    baseline = {}
+    baseline, served = {}, None
     if rank in ENGINE_RANKS:
         for name in refit.names:
             baseline[name] = torch.empty(refit.layouts(name)[1].shape)
@@ -156,10 +164,19 @@ def _run_model(rank, args, moe: bool, world_group, engine_group, train_mesh, pat
         start = time.perf_counter()
         report = refit_engine_(refit, src, engine, **delta)
         refit_s = time.perf_counter() - start
+        full = None
         if engine is not None:
             full = _assemble(refit, engine, rank, engine_group)
             engine_model.load_state_dict(_hf_state(refit, full, engine_model), strict=True)
         pause_s = time.perf_counter() - start
+        changed = torch.zeros(2, dtype=torch.float64)  # elements changed, elements
+        if full is not None and rank == ENGINE_RANKS[0]:
+            for name, tensor in full.items():
+                changed[1] += tensor.numel()
+                if served is not None:
+                    changed[0] += (tensor.view(torch.int16 if tensor.element_size() == 2 else torch.int32)
+                                   != served[name].view(torch.int16 if tensor.element_size() == 2 else torch.int32)).sum()
+            served = full
         # the usual way, same run: per-parameter full_tensor() on the trainer, a broadcast
         dist.barrier()
         start = time.perf_counter()
@@ -169,6 +186,8 @@ def _run_model(rank, args, moe: bool, world_group, engine_group, train_mesh, pat
             else:
                 whole = baseline[name]
             dist.broadcast(whole, TRAIN_RANKS[0], group=world_group)
+            if full is not None and not torch.equal(whole.to(dtype).view(-1), full[name].view(-1)):
+                raise SystemExit(f"{kind} step {step}: the engine's {name} is not the trainer's in {dtype}")
         naive_s = time.perf_counter() - start
         # the engine samples from the prompts with the refit weights; everyone gets the tokens
         tokens = prompts.clone()
@@ -187,14 +206,16 @@ def _run_model(rank, args, moe: bool, world_group, engine_group, train_mesh, pat
                 logits = trainer(tokens).logits
             else:
                 logits = engine_model(tokens).logits
-        theirs = logits.clone()
+        theirs = logits.clone().float()
         dist.broadcast(theirs, TRAIN_RANKS[0])
-        equal = torch.tensor([int(torch.equal(theirs, logits))])
-        dist.all_reduce(equal, op=dist.ReduceOp.MIN)
-        if not equal.item():
-            raise SystemExit(f"{kind} step {step}: the engine's logits differ from the trainer's")
+        if dtype == torch.float32:
+            equal = torch.tensor([int(torch.equal(theirs, logits))])
+            dist.all_reduce(equal, op=dist.ReduceOp.MIN)
+            if not equal.item():
+                raise SystemExit(f"{kind} step {step}: the engine's logits differ from the trainer's")
         times = torch.tensor([refit_s, pause_s, naive_s], dtype=torch.float64)
         dist.all_reduce(times, op=dist.ReduceOp.MAX)
+        dist.all_reduce(changed)
         if step == args.steps:
             loss_text = "(last refit)"
         else:
@@ -202,12 +223,14 @@ def _run_model(rank, args, moe: bool, world_group, engine_group, train_mesh, pat
             reward = _train_step(trainer, optimizer, tokens, prompts.shape[1], args.vocab)
             loss_text = f"reward {reward:.3f}"
         delta_text = _delta_text(refit, report) if args.delta else ""
+        share = "first" if step == 0 else f"{changed[0] / changed[1]:.2%}"
+        verdict = "logits bitwise equal" if dtype == torch.float32 else f"weights bitwise equal ({args.engine_dtype})"
         if rank == 0:
             print(
-                f"{kind:9} step {step}  {loss_text:16} refit {times[0] * 1e3:7.2f} ms  "
+                f"{kind:9} step {step}  {loss_text:16} changed {share:>6}  refit {times[0] * 1e3:7.2f} ms  "
                 f"pause {times[1] * 1e3:7.2f} ms  "
                 f"full_tensor+broadcast {times[2] * 1e3:7.2f} ms  ({times[2] / times[0]:.1f}x)  {delta_text}"
-                "logits bitwise equal",
+                f"{verdict}",
                 flush=True,
             )
 
@@ -256,8 +279,9 @@ def _train_step(trainer, optim, tokens, prompt_len, vocab):
 def _worker(rank, args, port, path_dir):
     from torch.distributed.tensor import DeviceMesh
 
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
+    if port is not None:
+        os.environ["MASTER_ADDR"] = "127.0.0.1"
+        os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
     import datetime
 
@@ -281,7 +305,10 @@ def main(argv=None) -> int:
     parser.add_argument("--vocab", type=int, default=1000, help="vocabulary (padded to 1024 by the engine)")
     parser.add_argument("--hidden", type=int, default=64, help="hidden size (a multiple of 8)")
     parser.add_argument("--layers", type=int, default=2, help="decoder layers")
-    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--lr", type=float, default=1e-6, help="Adam's learning rate")
+    parser.add_argument(
+        "--engine-dtype", choices=["bf16", "f32"], default="bf16", help="the engine's weights (the trainer's are f32)"
+    )
     parser.add_argument("--model", choices=["qwen3", "qwen3_moe", "both"], default="both")
     parser.add_argument(
         "--delta", action="store_true", help="refit by delta (one DeltaSession, the first dense)"
@@ -290,6 +317,13 @@ def main(argv=None) -> int:
     args.models = {"qwen3": [False], "qwen3_moe": [True], "both": [False, True]}[args.model]
     import torch.multiprocessing as mp
 
+    if "RANK" in os.environ:  # started by a launcher: this process is one rank
+        if int(os.environ.get("WORLD_SIZE", "0")) != WORLD:
+            raise SystemExit(f"WORLD_SIZE: {os.environ.get('WORLD_SIZE')!r}, but the loop runs on {WORLD} ranks")
+        path_dir = os.path.join(tempfile.gettempdir(), f"rl-loop-{os.environ['MASTER_PORT']}")
+        os.makedirs(path_dir, exist_ok=True)
+        _worker(int(os.environ["RANK"]), args, None, path_dir)
+        return 0
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
