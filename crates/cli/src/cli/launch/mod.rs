@@ -237,9 +237,13 @@ pub fn main(args: &LaunchArgs) -> Result<std::process::ExitCode, Failure> {
             (Some(network), Some(plan)) => {
                 let host = plan.host_of(rank);
                 network.enter(host, &mut command);
+                // torch.distributed's gloo and NCCL bind the interface these name, not the
+                // loopback that the host name resolves to
                 command
                     .env("RESHARD_HOST", link::host_name(host))
-                    .env("GROUP_RANK", host.to_string());
+                    .env("GROUP_RANK", host.to_string())
+                    .env("GLOO_SOCKET_IFNAME", link::HOST_DEVICE)
+                    .env("NCCL_SOCKET_IFNAME", link::HOST_DEVICE);
                 (
                     rank % plan.per_host,
                     plan.per_host,
