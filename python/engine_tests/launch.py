@@ -8,8 +8,19 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).parent
-NOISE = ("warn", "flashinfer", "triton", "vllm._c", "enforce eager", "model runner", "ssm cache",
-         "attempted to load", "inductor", "opaque", "deprecated")
+NOISE = (
+    "warn",
+    "flashinfer",
+    "triton",
+    "vllm._c",
+    "enforce eager",
+    "model runner",
+    "ssm cache",
+    "attempted to load",
+    "inductor",
+    "opaque",
+    "deprecated",
+)
 
 
 def free_port() -> int:
@@ -26,11 +37,26 @@ def run(world: int, cases: list, tmp: Path, script: str = "worker.py", timeout: 
     port = free_port()
     procs = []
     for rank in range(world):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                   LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   OMP_NUM_THREADS="1", VLLM_TARGET_DEVICE="cpu")
-        procs.append(subprocess.Popen([sys.executable, str(HERE / script), str(spec), str(tmp)],
-                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        env = dict(
+            os.environ,
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(world),
+            LOCAL_WORLD_SIZE=str(world),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            OMP_NUM_THREADS="1",
+            VLLM_TARGET_DEVICE="cpu",
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(HERE / script), str(spec), str(tmp)],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
     outs, failed = [], []
     for rank, p in enumerate(procs):
         try:

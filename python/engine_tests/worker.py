@@ -70,7 +70,9 @@ def fsdp2_sources(config_dir: str, world: int, seed: int):
 
 def run_case(case: dict, rank: int, world: int, tmp: Path) -> None:
     config_dir = vllm_engine.write_config(tmp / case["name"].replace(" ", "_"), case["config"])
-    _, model = vllm_engine.build(config_dir, world, rank, dtype=case.get("dtype", "bfloat16"), ep=case.get("ep", False))
+    _, model = vllm_engine.build(
+        config_dir, world, rank, dtype=case.get("dtype", "bfloat16"), ep=case.get("ep", False)
+    )
     refit = Refit(
         str(Path(config_dir) / "config.json"),
         case["train"],
@@ -102,7 +104,9 @@ def run_case(case: dict, rank: int, world: int, tmp: Path) -> None:
             assert p.data_ptr() == ptrs[n], f"{n}: storage changed"
             if not torch.equal(bits(p), bits(oracle[n])):
                 diff = (p.float() - oracle[n].float()).abs()
-                raise AssertionError(f"{case['name']} step {step}: {n} differs on rank {rank} at {diff.nonzero()[:4].tolist()}")
+                raise AssertionError(
+                    f"{case['name']} step {step}: {n} differs on rank {rank} at {diff.nonzero()[:4].tolist()}"
+                )
     print(f"rank {rank}: {case['name']} exact ({len(params)} parameters)", flush=True)
 
 
@@ -166,8 +170,13 @@ def run_backend_case(case: dict, rank: int, world: int, tmp: Path) -> None:
         want = served if commit else before
         for n, p in params.items():
             assert p.data_ptr() == ptrs[n], f"{n}: storage changed"
-            assert torch.equal(bits(p), bits(want[n])), f"{case['name']} step {seed}: {n} differs on rank {rank}"
-    print(f"rank {rank}: {case['name']} exact through vLLM's weight-transfer API ({engine.reports[-1]!r:.60})", flush=True)
+            assert torch.equal(bits(p), bits(want[n])), (
+                f"{case['name']} step {seed}: {n} differs on rank {rank}"
+            )
+    print(
+        f"rank {rank}: {case['name']} exact through vLLM's weight-transfer API ({engine.reports[-1]!r:.60})",
+        flush=True,
+    )
 
 
 def main() -> None:

@@ -171,11 +171,11 @@ def _run_model(rank, args, moe: bool, world_group, engine_group, train_mesh, pat
         pause_s = time.perf_counter() - start
         changed = torch.zeros(2, dtype=torch.float64)  # elements changed, elements
         if full is not None and rank == ENGINE_RANKS[0]:
+            bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
             for name, tensor in full.items():
                 changed[1] += tensor.numel()
                 if served is not None:
-                    changed[0] += (tensor.view(torch.int16 if tensor.element_size() == 2 else torch.int32)
-                                   != served[name].view(torch.int16 if tensor.element_size() == 2 else torch.int32)).sum()
+                    changed[0] += (tensor.view(bits) != served[name].view(bits)).sum()
             served = full
         # the usual way, same run: per-parameter full_tensor() on the trainer, a broadcast
         dist.barrier()
@@ -224,7 +224,9 @@ def _run_model(rank, args, moe: bool, world_group, engine_group, train_mesh, pat
             loss_text = f"reward {reward:.3f}"
         delta_text = _delta_text(refit, report) if args.delta else ""
         share = "first" if step == 0 else f"{changed[0] / changed[1]:.2%}"
-        verdict = "logits bitwise equal" if dtype == torch.float32 else f"weights bitwise equal ({args.engine_dtype})"
+        verdict = "logits bitwise equal"
+        if dtype != torch.float32:
+            verdict = f"weights bitwise equal ({args.engine_dtype})"
         if rank == 0:
             print(
                 f"{kind:9} step {step}  {loss_text:16} changed {share:>6}  refit {times[0] * 1e3:7.2f} ms  "
@@ -307,7 +309,10 @@ def main(argv=None) -> int:
     parser.add_argument("--layers", type=int, default=2, help="decoder layers")
     parser.add_argument("--lr", type=float, default=1e-6, help="Adam's learning rate")
     parser.add_argument(
-        "--engine-dtype", choices=["bf16", "f32"], default="bf16", help="the engine's weights (the trainer's are f32)"
+        "--engine-dtype",
+        choices=["bf16", "f32"],
+        default="bf16",
+        help="the engine's weights (the trainer's are f32)",
     )
     parser.add_argument("--model", choices=["qwen3", "qwen3_moe", "both"], default="both")
     parser.add_argument(
@@ -319,7 +324,8 @@ def main(argv=None) -> int:
 
     if "RANK" in os.environ:  # started by a launcher: this process is one rank
         if int(os.environ.get("WORLD_SIZE", "0")) != WORLD:
-            raise SystemExit(f"WORLD_SIZE: {os.environ.get('WORLD_SIZE')!r}, but the loop runs on {WORLD} ranks")
+            given = os.environ.get("WORLD_SIZE")
+            raise SystemExit(f"WORLD_SIZE: {given!r}, but the loop runs on {WORLD} ranks")
         path_dir = os.path.join(tempfile.gettempdir(), f"rl-loop-{os.environ['MASTER_PORT']}")
         os.makedirs(path_dir, exist_ok=True)
         _worker(int(os.environ["RANK"]), args, None, path_dir)

@@ -28,6 +28,9 @@ Box = Tuple[Tuple[int, ...], Tuple[int, ...]]  # (offset, extent)
 
 # Rows of a box checked against their expected codes at once: bounds the recording's memory.
 _CHECK_ELEMENTS = 1 << 22
+# The most pieces one checkpoint tensor may make in one parameter: more is a loader that
+# permutes elements (a transpose, a gather), which a refit of boxes does not express.
+MAX_PIECES = 256
 
 
 @dataclass(frozen=True)
@@ -124,7 +127,9 @@ def record(
         ids = np.unique(np.searchsorted(bases, filled - 1, side="right") - 1)
         for i in ids:
             lo, hi = int(bases[i]), int(bases[i + 1])
-            _pieces(code, lo, hi, names[i], shapes[i], param, pieces)
+            found: List[Piece] = []
+            _pieces(code, lo, hi, names[i], shapes[i], param, found)
+            pieces += found
     if unfilled:
         raise ArgumentError(
             "the engine's loader fills no value into "
@@ -193,9 +198,38 @@ def _pieces(code, lo_code, hi_code, name, shape, param, out: List[Piece], origin
             at = tuple(o + a for o, a in zip(origin, lo))
             out.append(Piece(name, offset, extent, param, at, tuple(box.shape)))
             return
-    if box.size == 1:
-        _pieces(code[_slices(a, b)], lo_code, hi_code, name, shape, param, out,
-                tuple(o + x for o, x in zip(origin, a)))
+        slabs = _slabs(box, lo_code, name, shape, param, tuple(o + a for o, a in zip(origin, lo)))
+        if slabs is not None:
+            out += slabs
+            return
+    if len(out) >= MAX_PIECES:
+        raise ArgumentError(
+            f"{param}: the engine's loader puts {name} there in more than {MAX_PIECES} pieces "
+            "(its elements permuted: a transpose or a gather), which a refit does not derive"
+        )
+    for a, b in _halves(lo, hi):
+        shifted = tuple(o + x for o, x in zip(origin, a))
+        _pieces(code[_slices(a, b)], lo_code, hi_code, name, shape, param, out, shifted)
+
+
+def _slabs(box, lo_code, name, shape, param, at) -> Optional[List[Piece]]:
+    """``box`` cut into slabs one element thick along one axis (the last that works), each a
+    piece: a loader that transposes puts a checkpoint row in a column. None where no axis
+    does."""
+    for axis in reversed(range(box.ndim)):
+        if not 1 < box.shape[axis] <= MAX_PIECES:
+            continue
+        found = []
+        for i in range(box.shape[axis]):
+            slab = np.take(box, [i], axis=axis)
+            piece = _as_piece(slab, lo_code, name, shape)
+            if piece is None:
+                break
+            where = tuple(a + (i if d == axis else 0) for d, a in enumerate(at))
+            found.append(Piece(name, piece[0], piece[1], param, where, tuple(slab.shape)))
+        else:
+            return found
+    return None
 
 
 def _as_piece(box: np.ndarray, lo_code: int, name: str, shape) -> Optional[Box]:
@@ -219,7 +253,11 @@ def _as_piece(box: np.ndarray, lo_code: int, name: str, shape) -> Optional[Box]:
     step = max(1, _CHECK_ELEMENTS // max(1, inner.size))
     for r in range(0, rows.shape[0], step):
         n = min(step, rows.shape[0] - r)
-        want = start + (np.arange(r, r + n, dtype=np.int64) * (strides[0] if extent else 0))[:, None] + inner[None, :]
+        want = (
+            start
+            + (np.arange(r, r + n, dtype=np.int64) * (strides[0] if extent else 0))[:, None]
+            + inner[None, :]
+        )
         if not np.array_equal(rows[r : r + n], want):
             return None
     return tuple(int(o) for o in offset), extent

@@ -221,7 +221,9 @@ def recorded_pairs(
     from ._torch_dtensor import unwrap_refit
 
     if src is not None:
-        src = tied_sources(refit, _views(refit, unwrap_refit(refit, src, rank, "src", group), rank, "train", "src"))
+        src = tied_sources(
+            refit, _views(refit, unwrap_refit(refit, src, rank, "src", group), rank, "train", "src")
+        )
     mine = emap.ranks.get(rank)
     params = dict(model.named_parameters()) if model is not None else {}
     if mine is not None:
@@ -276,7 +278,9 @@ def recorded_pairs(
     return Recorded(pairs, copies, zeros, skipped, fresh)
 
 
-def tied_sources(refit: Refit, src: Optional[Mapping[str, torch.Tensor]]) -> Optional[Dict[str, torch.Tensor]]:
+def tied_sources(
+    refit: Refit, src: Optional[Mapping[str, torch.Tensor]]
+) -> Optional[Dict[str, torch.Tensor]]:
     """``src`` without the entries that are another entry under a second name (a tied
     ``lm_head.weight`` in a trainer's ``state_dict()``) and that the refit does not name;
     any other name the refit does not know is refused."""
