@@ -131,7 +131,7 @@ impl Class {
 }
 
 /// The kind of a core error: bad input (a layout, a spec, an option, a buffer, a model) is an
-/// argument; ranks that disagree or refuse, an agreement; a transfer or delta that landed
+/// argument; ranks that disagree or refuse (or fail, told by the control plane), an agreement; a transfer or delta that landed
 /// changed, a checksum; a peer gone or silent, a lost peer; the two-phase decision's doubt and
 /// its versions, their own kinds. An incomplete reshard is of the kind its failures share.
 /// Anything else (internal, I/O, memory, a malformed transfer) is a plain `ReshardError`.
@@ -150,7 +150,10 @@ fn class_of(e: &Error) -> Class {
         | Error::Env { .. }
         | Error::Convert { .. }
         | Error::Model(_) => Class::Argument,
-        Error::Disagreement { .. } | Error::RankRefused { .. } => Class::Agreement,
+        // another rank's failure, told to this one by the job's control plane
+        Error::Disagreement { .. } | Error::RankRefused { .. } | Error::JobFailed { .. } => {
+            Class::Agreement
+        }
         Error::ChecksumMismatch { .. } | Error::DeltaMismatch { .. } => Class::Checksum,
         Error::PeerGone { .. } | Error::Timeout { .. } => Class::PeerLost,
         Error::InDoubt { .. } => Class::InDoubt,
