@@ -64,11 +64,18 @@ def _job() -> Dict[str, Any]:
                 f"{LOADER}: no refit configured in this process: call reshard.sglang_loader.configure "
                 f"or set {ENV}"
             )
-        args = json.loads(spec)
+        try:
+            args = json.loads(spec)
+        except ValueError as e:
+            raise ArgumentError(f"{ENV}: {spec!r:.80} is not JSON ({e})") from None
         if not isinstance(args, dict):
             raise ArgumentError(f"{ENV}: expected a JSON object of reshard.Refit's arguments")
         options = args.pop("options", None) or {}
-        configure(Refit(**args), **options)
+        try:
+            refit = Refit(**args)
+        except TypeError as e:
+            raise ArgumentError(f"{ENV}: {e}") from None
+        configure(refit, **options)
     return _JOB
 
 
