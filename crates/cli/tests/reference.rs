@@ -47,7 +47,10 @@ fn reference() -> String {
 
 #[test]
 fn the_reference_is_the_help() {
-    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../docs/src/cli-reference.md");
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../docs/src/cli-reference.md"
+    );
     let want = reference();
     if std::env::var_os("RESHARD_BLESS").is_some() {
         std::fs::write(path, &want).expect("docs/src/cli-reference.md is writable");
