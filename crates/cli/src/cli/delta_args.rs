@@ -13,6 +13,7 @@ use reshard::runtime::refit::stage::StageMethod;
 
 /// What `run --delta` takes beside `run`'s own arguments.
 #[derive(Args, Debug, Default)]
+#[command(next_help_heading = "Delta and staged refit (--delta, --stage)")]
 pub struct DeltaArgs {
     /// Refit version after version, sending each destination only the elements that changed
     /// since the version it holds (the first version is sent whole).

@@ -52,6 +52,7 @@ impl TransportKind {
 
 /// How the bytes move: the transport and the executor's knobs.
 #[derive(Args, Debug, Clone)]
+#[command(next_help_heading = "Transport")]
 pub struct ExecArgs {
     #[arg(long, value_enum, default_value = "auto")]
     pub transport: TransportKind,

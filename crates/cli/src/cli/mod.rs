@@ -71,6 +71,7 @@ enum Command {
 
 /// The tensor and the two layouts, shared by the commands.
 #[derive(Args, Debug, Clone)]
+#[command(next_help_heading = "Tensor and layouts")]
 pub struct TensorArgs {
     /// Global tensor shape, e.g. 8,8 or 256,7168,2048.
     #[arg(long, value_name = "D0,D1,...")]
@@ -109,6 +110,7 @@ pub struct TensorArgs {
 
 /// Which host each rank runs on, for a plan that minds the links between hosts.
 #[derive(Args, Debug, Clone, Default)]
+#[command(next_help_heading = "Hosts")]
 pub struct HostArgs {
     /// The host of every global rank, `0,0,1,1`, or `HxK`: H hosts of K consecutive ranks.
     /// The plan then serves destinations from their own host where it can, spreads the

@@ -23,27 +23,40 @@ pub struct RefitArgs {
     /// An HF config.json, a checkpoint folder (safetensors headers), or a shipped model:
     /// deepseek-v3, deepseek-v3-fp8, kimi-k2, qwen3-235b-a22b, qwen3-30b-a3b, qwen3-32b,
     /// qwen3-0.6b, llama-3.1-8b.
-    #[arg(long, value_name = "CONFIG_OR_DIR")]
+    #[arg(
+        long,
+        value_name = "CONFIG_OR_DIR",
+        help_heading = "Model and parallelism"
+    )]
     pub model: String,
     /// Training parallelism (Megatron-LM), e.g. "tp=2,cp=2,dp=4,ep=16,pp=4"; keys tp, cp, ep,
     /// etp, dp, pp, fsdp[=N], world (to infer dp).
-    #[arg(long, value_name = "PAR")]
+    #[arg(long, value_name = "PAR", help_heading = "Model and parallelism")]
     pub train: String,
     /// Inference parallelism (vLLM), e.g. "tp=8,dp=8"; keys tp, dp, pp, ep, world.
-    #[arg(long, value_name = "PAR")]
+    #[arg(long, value_name = "PAR", help_heading = "Model and parallelism")]
     pub infer: String,
     /// Inference ranks are the training ranks (numbered from 0) instead of the ranks after
     /// them.
-    #[arg(long)]
+    #[arg(long, help_heading = "Model and parallelism")]
     pub colocated: bool,
     /// Lay out parameters matching GLOB as KIND (replicate, column, row, kv-column,
     /// expert-column, expert-row), before the default rules; `train:` or `infer:` limits it to
     /// one side. Repeatable.
-    #[arg(long = "override", value_name = "[train:|infer:]GLOB=KIND")]
+    #[arg(
+        long = "override",
+        value_name = "[train:|infer:]GLOB=KIND",
+        help_heading = "Model and parallelism"
+    )]
     pub overrides: Vec<String>,
     /// Split a piece among the source replicas that hold it only into parts of at least this
     /// size (0 splits every piece).
-    #[arg(long, value_name = "BYTES", default_value = "64KiB")]
+    #[arg(
+        long,
+        value_name = "BYTES",
+        default_value = "64KiB",
+        help_heading = "Model and parallelism"
+    )]
     pub min_split_bytes: String,
     /// Which host each rank runs on, for the bytes on every host's link (see `plan --help`).
     #[command(flatten)]
@@ -51,27 +64,27 @@ pub struct RefitArgs {
     /// Refit into an fp8 engine: `fp8-block` (e4m3, 128x128 blocks), `fp8-block:RxC`
     /// (`:e5m2` for e5m2), or `none`; without it, the config's `quantization_config` says.
     /// Linear weights become fp8 with f32 `weight_scale_inv` block scales, as vLLM loads them.
-    #[arg(long, value_name = "SCHEME")]
+    #[arg(long, value_name = "SCHEME", help_heading = "Precision")]
     pub infer_quant: Option<String>,
     /// The dtype training holds the weights in (f64, f32, bf16, f16; default: the config's
     /// `torch_dtype`), e.g. f32 master weights.
-    #[arg(long, value_name = "DTYPE")]
+    #[arg(long, value_name = "DTYPE", help_heading = "Precision")]
     pub train_dtype: Option<String>,
     /// The dtype inference receives them in (f64, f32, bf16, f16; default: the config's);
     /// with fp8 weights (`--infer-quant`), the dtype of the tensors not quantized. Senders
     /// convert while they pack: the wire carries this dtype.
-    #[arg(long, value_name = "DTYPE")]
+    #[arg(long, value_name = "DTYPE", help_heading = "Precision")]
     pub infer_dtype: Option<String>,
     /// Price the refit on a cluster: h100, gb200 or a cluster JSON file (see README,
     /// "Pricing on a cluster"), as the batched executor runs it (one stream per peer pair).
-    #[arg(long, value_name = "CLUSTER")]
+    #[arg(long, value_name = "CLUSTER", help_heading = "Report")]
     pub simulate: Option<String>,
     /// Print the refit JSON of the design notes.
-    #[arg(long)]
+    #[arg(long, help_heading = "Report")]
     pub json: bool,
     /// Also list every tensor with its kind and layout on both sides (and the rule that
     /// chose the kind), and the fused buffers.
-    #[arg(long, conflicts_with = "json")]
+    #[arg(long, conflicts_with = "json", help_heading = "Report")]
     pub layouts: bool,
     #[command(flatten)]
     pub execute: super::refit_run::RefitRunArgs,

@@ -24,22 +24,23 @@ use super::measure::conclude;
 use super::units::{bytes, parse_bytes};
 
 #[derive(Args, Debug)]
+#[command(next_help_heading = "Running it (--run)")]
 pub struct RefitRunArgs {
     /// Execute the refit: one rank per process (under `reshard launch --nproc N` or `mpirun`),
     /// every tensor filled, moved by reshard and by gather+broadcast in turn, both verified.
-    #[arg(long)]
+    #[arg(long, help_heading = "Running it (--run)")]
     pub run: bool,
     #[command(flatten)]
     pub exec: ExecArgs,
     /// Timed repetitions of each method.
-    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..))]
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..), help_heading = "Running it (--run)")]
     pub iters: u32,
     /// Untimed repetitions of each method first.
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, help_heading = "Running it (--run)")]
     pub warmup: u32,
     /// Tensors smaller than this whose source is fully replicated (norms, biases, routers)
     /// go in one packed broadcast per source rank; 0 sends every tensor by reshard.
-    #[arg(long, value_name = "BYTES", default_value_t = DEFAULT_PACK_BELOW.to_string())]
+    #[arg(long, value_name = "BYTES", default_value_t = DEFAULT_PACK_BELOW.to_string(), help_heading = "Running it (--run)")]
     pub pack_below: String,
     /// With --run --delta: a stream of versions instead, each moved as a delta refit and
     /// dense in turn, every tensor evolving between them.
