@@ -29,7 +29,7 @@ pub struct DeltaArgs {
     pub delta_density: Option<f64>,
     /// A training-like update instead: f32 masters (the source) take an Adam-like step of
     /// this learning rate every version, and the fraction that changes in the wire dtype
-    /// follows from the values (needs --fill normal).
+    /// follows from the values (`run` needs --fill normal; `refit` fills normal values itself).
     #[arg(long, value_name = "LR")]
     pub delta_lr: Option<f32>,
     /// Send everything dense every N versions.
