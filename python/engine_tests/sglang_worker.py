@@ -30,10 +30,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
 import sglang_engine  # noqa: E402
-from worker import bits, checkpoint, on_disk  # noqa: E402
+from oracle import against_the_loader, bits, checkpoint, shards  # noqa: E402
 
 from reshard import Refit, sglang_loader  # noqa: E402
-from reshard.torch import local_tensor  # noqa: E402
 
 
 def weight_updates(model, model_config, rank: int):
@@ -143,28 +142,16 @@ def run_case(case: dict, model, model_config, manager, rank: int, world: int, co
         os.environ[sglang_loader.ENV] = json.dumps(args)
     else:
         sglang_loader.configure(refit)
-    params = dict(model.named_parameters())
-    ptrs = {n: p.data_ptr() for n, p in params.items()}
-    for step in range(2):
+
+    def inputs(step):
         full = checkpoint(refit, seed=step)
-        src = {n: local_tensor(refit.layouts(n)[0], rank, full[n]) for n in refit.names}
-        src = {n: t for n, t in src.items() if t is not None}
-        with torch.no_grad():
-            model.load_weights(on_disk(full))
-        oracle = {n: p.detach().clone() for n, p in params.items()}
-        with torch.no_grad():
-            for p in params.values():
-                p.data.copy_(torch.randn(p.shape).to(p.dtype))
-        refit_through_sglang(manager, src, world)
-        for n, p in params.items():
-            assert p.data_ptr() == ptrs[n], f"{n}: storage changed"
-            if not torch.equal(bits(p), bits(oracle[n])):
-                diff = (p.float() - oracle[n].float()).abs()
-                raise AssertionError(
-                    f"{case['name']} step {step}: {n} differs on rank {rank} at {diff.nonzero()[:4].tolist()}"
-                )
+        return full, shards(refit, rank, full)
+
+    checked = against_the_loader(
+        case["name"], model, rank, inputs, lambda src: refit_through_sglang(manager, src, world)
+    )
     print(
-        f"rank {rank}: {case['name']} exact through SGLang's custom weight loader ({len(params)} parameters)",
+        f"rank {rank}: {case['name']} exact through SGLang's custom weight loader ({checked} parameters)",
         flush=True,
     )
 

@@ -11,37 +11,9 @@ import pytest
 pytest.importorskip("sglang.srt.models.qwen3")
 
 from launch import run  # noqa: E402
+from oracle import QWEN3, QWEN3_MOE, case  # noqa: E402
 
 WORLD = 2
-QWEN3 = {
-    "architectures": ["Qwen3ForCausalLM"],
-    "model_type": "qwen3",
-    "vocab_size": 1000,  # padded by SGLang to 1024: uneven rows on every rank
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "max_position_embeddings": 256,
-    "torch_dtype": "bfloat16",
-    "rms_norm_eps": 1e-6,
-    "tie_word_embeddings": False,
-}
-QWEN3_MOE = dict(
-    QWEN3,
-    architectures=["Qwen3MoeForCausalLM"],
-    model_type="qwen3_moe",
-    moe_intermediate_size=32,
-    num_experts=4,
-    num_experts_per_tok=2,
-    transformers_version="5.20.2",
-)
-
-
-def case(name, config, train, **kw):
-    return dict(kw, name=name, config=config, train=train)
-
 
 DENSE = [
     case("qwen3 from fsdp, configured", QWEN3, "fsdp=2"),

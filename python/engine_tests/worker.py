@@ -11,7 +11,6 @@ byte (padding rows included) in the same storage.
 import functools
 import json
 import os
-import re
 import sys
 from pathlib import Path
 
@@ -20,33 +19,10 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
 import vllm_engine  # noqa: E402
+from oracle import against_the_loader, bits, checkpoint, on_disk, shards  # noqa: E402
 
 from reshard import Refit  # noqa: E402
 from reshard.engine import refit_engine_  # noqa: E402
-from reshard.torch import local_tensor  # noqa: E402
-
-
-def checkpoint(refit: Refit, seed: int):
-    g = torch.Generator().manual_seed(seed)
-    return {n: torch.randn(refit.layouts(n)[0].shape, generator=g) * 0.02 for n in refit.names}
-
-
-_STACKED = re.compile(r"^(.*\.experts)\.(gate_proj|up_proj|down_proj)(?:\.weight)?$")
-
-
-def on_disk(full):
-    """A checkpoint as Hugging Face's safetensors hold it: routed experts one tensor each."""
-    for name, tensor in full.items():
-        stacked = _STACKED.match(name) if tensor.dim() == 3 else None
-        if stacked is None:
-            yield name, tensor
-            continue
-        for e in range(tensor.shape[0]):
-            yield f"{stacked.group(1)}.{e}.{stacked.group(2)}.weight", tensor[e]
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().contiguous().view(torch.uint8)
 
 
 def fsdp2_sources(config_dir: str, world: int, seed: int):
@@ -81,33 +57,21 @@ def run_case(case: dict, rank: int, world: int, tmp: Path) -> None:
         train_dtype="f32",
         infer_dtype=case.get("dtype", "bfloat16"),
     )
-    params = dict(model.named_parameters())
-    ptrs = {n: p.data_ptr() for n, p in params.items()}
-    for step in range(2):
+
+    def inputs(step):
         if case.get("fsdp2"):
             state, full = fsdp2_sources(config_dir, world, seed=step)
-            src = state
-        else:
-            full = checkpoint(refit, seed=step)
-            src = {n: local_tensor(refit.layouts(n)[0], rank, full[n]) for n in refit.names}
-            src = {n: t for n, t in src.items() if t is not None}
-            if case.get("tie") and "model.embed_tokens.weight" in src:
-                src["lm_head.weight"] = src["model.embed_tokens.weight"]  # as a state_dict() holds it
-        with torch.no_grad():
-            model.load_weights(on_disk(full))
-        oracle = {n: p.detach().clone() for n, p in params.items()}
-        with torch.no_grad():
-            for p in params.values():
-                p.data.copy_(torch.randn(p.shape).to(p.dtype))
-        refit_engine_(refit, src, model)
-        for n, p in params.items():
-            assert p.data_ptr() == ptrs[n], f"{n}: storage changed"
-            if not torch.equal(bits(p), bits(oracle[n])):
-                diff = (p.float() - oracle[n].float()).abs()
-                raise AssertionError(
-                    f"{case['name']} step {step}: {n} differs on rank {rank} at {diff.nonzero()[:4].tolist()}"
-                )
-    print(f"rank {rank}: {case['name']} exact ({len(params)} parameters)", flush=True)
+            return full, state
+        full = checkpoint(refit, seed=step)
+        src = shards(refit, rank, full)
+        if case.get("tie") and "model.embed_tokens.weight" in src:
+            src["lm_head.weight"] = src["model.embed_tokens.weight"]  # as a state_dict() holds it
+        return full, src
+
+    checked = against_the_loader(
+        case["name"], model, rank, inputs, lambda src: refit_engine_(refit, src, model)
+    )
+    print(f"rank {rank}: {case['name']} exact ({checked} parameters)", flush=True)
 
 
 def run_backend_case(case: dict, rank: int, world: int, tmp: Path) -> None:
@@ -164,8 +128,7 @@ def run_backend_case(case: dict, rank: int, world: int, tmp: Path) -> None:
                 with torch.no_grad():  # the delta applies to what the engine held
                     model.load_weights(on_disk(checkpoint(refit, seed=seed - 1)))
         before = {n: p.detach().clone() for n, p in params.items()}
-        src = {n: local_tensor(refit.layouts(n)[0], rank, full[n]) for n in refit.names}
-        source.tensors = {n: t for n, t in src.items() if t is not None}
+        source.tensors = shards(refit, rank, full)
         trainer.send_weights(commit=commit)
         want = served if commit else before
         for n, p in params.items():

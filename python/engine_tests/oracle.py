@@ -1,0 +1,94 @@
+"""What every engine's test shares: the small models' configs, a seeded checkpoint, the
+checkpoint as it lies on disk, and the check itself: the engine's own ``load_weights`` of the
+full checkpoint is the oracle, and a refit into scrambled parameters must equal it byte for
+byte, padding rows included, in the same storage."""
+
+import re
+
+import torch
+
+from reshard import Refit
+from reshard.torch import local_tensor
+
+BASE = {
+    "vocab_size": 1000,  # padded by the engines to 1024: uneven rows on every rank
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 256,
+    "torch_dtype": "bfloat16",
+    "rms_norm_eps": 1e-6,
+}
+QWEN3 = dict(BASE, architectures=["Qwen3ForCausalLM"], model_type="qwen3", tie_word_embeddings=False)
+QWEN3_TIED = dict(QWEN3, tie_word_embeddings=True)
+LLAMA = dict(BASE, architectures=["LlamaForCausalLM"], model_type="llama", tie_word_embeddings=False)
+QWEN3_MOE = dict(
+    QWEN3,
+    architectures=["Qwen3MoeForCausalLM"],
+    model_type="qwen3_moe",
+    moe_intermediate_size=32,
+    num_experts=4,
+    num_experts_per_tok=2,
+    transformers_version="5.20.2",
+)
+
+
+def case(name, config, train, **kw):
+    return dict(kw, name=name, config=config, train=train)
+
+
+def checkpoint(refit: Refit, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return {n: torch.randn(refit.layouts(n)[0].shape, generator=g) * 0.02 for n in refit.names}
+
+
+def shards(refit: Refit, rank: int, full):
+    """This rank's training shards of the whole tensors ``full``."""
+    src = {n: local_tensor(refit.layouts(n)[0], rank, full[n]) for n in refit.names}
+    return {n: t for n, t in src.items() if t is not None}
+
+
+_STACKED = re.compile(r"^(.*\.experts)\.(gate_proj|up_proj|down_proj)(?:\.weight)?$")
+
+
+def on_disk(full):
+    """A checkpoint as Hugging Face's safetensors hold it: routed experts one tensor each."""
+    for name, tensor in full.items():
+        stacked = _STACKED.match(name) if tensor.dim() == 3 else None
+        if stacked is None:
+            yield name, tensor
+            continue
+        for e in range(tensor.shape[0]):
+            yield f"{stacked.group(1)}.{e}.{stacked.group(2)}.weight", tensor[e]
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().view(torch.uint8)
+
+
+def against_the_loader(name: str, model, rank: int, inputs, refit_step, steps: int = 2) -> int:
+    """For each step: ``inputs(step)`` gives the whole tensors and this rank's sources; the
+    model's own ``load_weights`` of the whole tensors is the oracle; the parameters are then
+    scrambled, ``refit_step(src)`` runs, and they must equal the oracle byte for byte in the
+    same storage. Returns the parameters checked."""
+    params = dict(model.named_parameters())
+    ptrs = {n: p.data_ptr() for n, p in params.items()}
+    for step in range(steps):
+        full, src = inputs(step)
+        with torch.no_grad():
+            model.load_weights(on_disk(full))
+        oracle = {n: p.detach().clone() for n, p in params.items()}
+        with torch.no_grad():
+            for p in params.values():
+                p.data.copy_(torch.randn(p.shape).to(p.dtype))
+        refit_step(src)
+        for n, p in params.items():
+            assert p.data_ptr() == ptrs[n], f"{n}: storage changed"
+            if not torch.equal(bits(p), bits(oracle[n])):
+                diff = (p.float() - oracle[n].float()).abs()
+                where = diff.nonzero()[:4].tolist()
+                raise AssertionError(f"{name} step {step}: {n} differs on rank {rank} at {where}")
+    return len(params)
