@@ -547,8 +547,7 @@ fn exec_runs_any_program_on_the_emulated_hosts() {
     let mark = new_mark("exec");
     // each rank says where it runs: its host name (its own UTS namespace), its rendezvous
     // address (host 0's private one) and its rank
-    let script =
-        "echo \"at $(uname -n) rank $RANK local $LOCAL_RANK of $WORLD_SIZE master $MASTER_ADDR if $GLOO_SOCKET_IFNAME\"";
+    let script = "echo \"at $(uname -n) rank $RANK local $LOCAL_RANK of $WORLD_SIZE master $MASTER_ADDR if $GLOO_SOCKET_IFNAME\"";
     let out = launch(
         &mark,
         &["--hosts", "2", "--nproc", "4", "--exec"],
