@@ -103,6 +103,59 @@ fn every_crate_depends_only_on_the_layers_below_it() {
     );
 }
 
+/// The crates named by the `[features]` of `manifest` (`crate/feature`, `dep:crate`).
+fn feature_edges(manifest: &str) -> BTreeSet<String> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let text =
+        fs::read_to_string(root.join(manifest)).unwrap_or_else(|e| panic!("{manifest}: {e}"));
+    let mut in_features = false;
+    let mut found = BTreeSet::new();
+    for line in text.lines() {
+        let line = line.trim();
+        if line.starts_with('[') {
+            in_features = line == "[features]";
+            continue;
+        }
+        if !in_features || line.starts_with('#') {
+            continue;
+        }
+        let Some((_, list)) = line.split_once('=') else {
+            continue;
+        };
+        for item in list.split('"').skip(1).step_by(2) {
+            let item = item.trim_start_matches("dep:");
+            if let Some((krate, _)) = item.split_once('/') {
+                found.insert(krate.trim_end_matches('?').to_string());
+            } else if line.contains(&format!("dep:{item}")) {
+                found.insert(item.to_string());
+            }
+        }
+    }
+    found
+}
+
+/// A feature turns on features of the crate's own dependencies only (the facade's `bench`
+/// turns on the runtime's), so it cannot make a lower layer reach a higher one either.
+#[test]
+fn features_follow_the_layers() {
+    let allowed = allowed();
+    let mut wrong = Vec::new();
+    for (name, manifest) in CRATES {
+        let deps = dependency_names(manifest);
+        for krate in feature_edges(manifest) {
+            let workspace = CRATES.iter().any(|(c, _)| *c == krate);
+            if !deps.contains(&krate) || (workspace && !allowed[name].contains(krate.as_str())) {
+                wrong.push(format!("{name} ({manifest}): a feature names {krate}"));
+            }
+        }
+    }
+    assert!(
+        wrong.is_empty(),
+        "features against the layers:\n{}",
+        wrong.join("\n")
+    );
+}
+
 /// The command line's dependencies (argument parsing, progress bars, the log subscriber, the
 /// allocator) stay out of the library crates, so a program that depends on `reshard` does not
 /// compile them.

@@ -11,10 +11,19 @@
 //! not; a batch, quantized or already quantized; the gather+broadcast baseline of either) is
 //! lowered to one [`exec::Program`] per rank (plain data: its phases, their steps in schedule
 //! order, the chunk size both ends cut; [`exec::lower`], [`batch::lower`]), and the one
-//! executor ([`exec::run_program`]) runs a rank's program on a transport, or the one driver
-//! ([`exec::driver::run_threads`]) runs every rank's as threads of this process.
-//! [`World::run_programs`] runs this process's ranks' programs, whichever the membership; the
-//! other `World::run_*` calls build the job, lower it and run it there.
+//! executor (`exec::run_program`) runs a rank's program on a transport, or the one driver
+//! (`exec::driver::run_threads`) runs every rank's as threads of this process.
+//! `World::run_programs` runs this process's ranks' programs, whichever the membership; the
+//! public `World::run_*` calls build the job, lower it and run it there.
+//!
+//! The entry points that run something are few: [`World::run`], [`World::run_quantized`],
+//! [`World::run_batch`], [`World::run_batch_quantized`], [`World::run_quantized_move`],
+//! [`World::run_gather_broadcast`] and [`PlanRank::run`]. The executor's thinner drivers are
+//! public only with the `bench` feature, for the benchmarks and the command line's
+//! measurements. The comparison harness ([`harness`]), the measured refit
+//! ([`refit::RefitRun`]), refits while serving ([`rollout`]) and the serving stand-in
+//! ([`serve`]) are scaffolding for benchmarks and tests: the `reshard` facade exports them
+//! only with its `bench` feature.
 //!
 //! Options are split by when they apply: how the ranks reach each other ([`JoinOptions`]:
 //! transport, timeout, staging bound, token) is fixed at [`World::join`]; how one run cuts
@@ -33,6 +42,34 @@
 //! let mut dests: BTreeMap<_, _> = world.ranks(plan.dst()).map(|r| (r, vec![0u8; plan.dst().local_bytes(r) as usize])).collect();
 //! world.run(&plan, &sources, &mut dests, &RunOptions::default()).unwrap();
 //! ```
+
+/// Declares one of the executor's drivers that the benchmarks and the command line's
+/// measurements call directly: public with the `bench` feature, crate-private without it, so
+/// that the library's own entry points are [`World`]'s and [`PlanRank::run`].
+macro_rules! bench_pub {
+    ($(#[$attr:meta])* fn $($rest:tt)*) => {
+        $(#[$attr])*
+        #[cfg(feature = "bench")]
+        pub fn $($rest)*
+
+        $(#[$attr])*
+        #[cfg(not(feature = "bench"))]
+        #[allow(dead_code)]
+        pub(crate) fn $($rest)*
+    };
+}
+
+/// Re-exports drivers declared with `bench_pub!`: publicly with the `bench` feature, to the
+/// crate without it.
+macro_rules! bench_use {
+    ($($path:tt)*) => {
+        #[cfg(feature = "bench")]
+        pub use $($path)*;
+        #[cfg(not(feature = "bench"))]
+        #[allow(unused_imports)]
+        pub(crate) use $($path)*;
+    };
+}
 
 pub mod batch;
 mod connect;

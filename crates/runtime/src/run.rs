@@ -67,7 +67,7 @@ impl World {
     /// processes, this rank's own, over links opened to the peers its program names
     /// ([`Links::of_program`]). `layouts` are every tensor the links will move. Every rank of
     /// the job calls it alike. Returns the stats of this process's ranks.
-    pub fn run_programs<'l>(
+    pub(crate) fn run_programs<'l>(
         &self,
         runs: Vec<RankRun<'_, '_>>,
         layouts: impl IntoIterator<Item = &'l Layout>,

@@ -76,7 +76,7 @@ impl BatchBaseline {
 /// `src` and `dst` are the rank's buffers (as for [`super::run_rank_batch`]); `full` holds at
 /// least [`BatchBaseline::full_bytes`].
 #[allow(clippy::too_many_arguments)]
-pub fn run_rank_batch_baseline<T>(
+pub(crate) fn run_rank_batch_baseline<T>(
     batch: &Batch,
     baseline: &BatchBaseline,
     mine: &RankBaseline,

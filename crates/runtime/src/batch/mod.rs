@@ -34,8 +34,9 @@ mod run;
 mod tests;
 
 pub use plan::{Blobs, Move, MoveKind, Pack, PackRole, QuantSource, RankBatch};
+pub use run::RankBuffers;
 pub(crate) use run::check_all;
-pub use run::{RankBuffers, run_local_batch, run_rank_batch};
+bench_use!(run::{run_local_batch, run_rank_batch});
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::ops::Range;

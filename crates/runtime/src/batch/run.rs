@@ -54,11 +54,12 @@ pub(crate) fn check_all(
     check(rb.rank, &rb.scales, "scale", scales)
 }
 
+bench_pub! {
 /// Runs `rank`'s part of `batch` over `transport`: `src`, `dst` and `scales` are its source,
 /// destination and scale buffers, in the order of [`Batch::buffers`] and
 /// [`Batch::scale_buffers`] (no scale buffers when nothing is quantized). Lowers its part
 /// ([`lower_batch`]) and runs the program.
-pub fn run_rank_batch<T>(
+fn run_rank_batch<T>(
     batch: &Batch,
     rb: &RankBatch,
     src: &[&[u8]],
@@ -81,14 +82,16 @@ where
         .collect();
     run_program(&program, src, &mut all_dst, transport, options)
 }
+}
 
 /// A rank's buffers of each kind between threads: every rank's, by rank.
 pub type RankBuffers = BTreeMap<Rank, Vec<Vec<u8>>>;
 
+bench_pub! {
 /// Runs a whole batch with every rank as a thread of this process. `src`, `dst` and `scales`
 /// hold every rank's buffers in the order of [`Batch::buffers`] and [`Batch::scale_buffers`]
 /// (`scales` may be left empty when nothing is quantized).
-pub fn run_local_batch(
+fn run_local_batch(
     batch: &Batch,
     src: &RankBuffers,
     dst: &mut RankBuffers,
@@ -133,6 +136,7 @@ pub fn run_local_batch(
         });
     }
     run_threads(runs, options, &[])
+}
 }
 
 /// A rank's buffers as the executor takes them.

@@ -33,9 +33,10 @@ pub struct BaselineJob<'a> {
     pub dst: Option<(&'a Region, &'a mut [u8])>,
 }
 
+bench_pub! {
 /// Runs one rank's part of the baseline over `transport`: gather, broadcast, keep, as the
 /// program lowered from its parts ([`lower_gather_broadcast`]).
-pub fn run_rank_gather_broadcast<T>(
+fn run_rank_gather_broadcast<T>(
     rank: Rank,
     job: BaselineJob<'_>,
     transport: &T,
@@ -76,6 +77,7 @@ where
     let src: Vec<&[u8]> = src.map(|s| s.1).into_iter().collect();
     let mut dst = vec![dst.map_or(&mut [][..], |d| d.1), full.unwrap_or_default()];
     run_program(&program, &src, &mut dst, transport, options)
+}
 }
 
 /// Copies `rank`'s destination box out of the full tensor in `full`, converting it with
@@ -137,9 +139,10 @@ pub fn full_buffers(baseline: &GatherBroadcast) -> Result<BTreeMap<Rank, Vec<u8>
     Ok(out)
 }
 
+bench_pub! {
 /// Runs the whole baseline with every rank as a thread of this process (the `local`
 /// transport), phase after phase. `full` comes from [`full_buffers`].
-pub fn run_local_gather_broadcast(
+fn run_local_gather_broadcast(
     baseline: &GatherBroadcast,
     src: &mut BTreeMap<Rank, Vec<u8>>,
     dst: &mut BTreeMap<Rank, Vec<u8>>,
@@ -222,6 +225,7 @@ pub fn run_local_gather_broadcast(
         });
     }
     run_threads(runs, options, &[])
+}
 }
 
 /// Checks that every rank of `layout` has a source buffer of its shard's size (other ranks'

@@ -55,7 +55,7 @@ impl Runner<'_, '_> {
 
 /// Runs every rank's program with the ranks as threads of this process. Buffers are lent
 /// back on return, also on error; the error lists every rank that did not complete.
-pub fn run_threads(
+pub(crate) fn run_threads(
     runs: Vec<RankRun<'_, '_>>,
     options: &ExecOptions,
     faults: &[Fault],
@@ -106,23 +106,6 @@ pub fn run_threads(
     };
     session.give_back(ranks.into_iter().zip(states), reports);
     stats
-}
-
-/// [`run_threads`] as one refit of a delta refit ([`super::delta`]): `deltas` are the ranks'
-/// states, one per run, in the same order. Returns the stats and every rank's delta report.
-pub fn run_threads_delta<'a>(
-    runs: Vec<RankRun<'a, '_>>,
-    deltas: Vec<DeltaRun<'a>>,
-    options: &ExecOptions,
-    faults: &[Fault],
-) -> Result<(RunStats, Vec<DeltaReport>)> {
-    if deltas.len() != runs.len() {
-        return Err(reshard_core::error::Error::Internal {
-            rank: runs.first().map_or(0, |r| r.program.rank),
-            detail: format!("{} delta states for {} ranks", deltas.len(), runs.len()),
-        });
-    }
-    run_all(runs, Some(deltas), Vec::new(), options, faults).map(|(s, r, _)| (s, r))
 }
 
 /// Every rank's run; `stages` (empty: in place) say what each rank stages. Returns the

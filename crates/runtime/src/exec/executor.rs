@@ -18,7 +18,7 @@ use reshard_transport::Transport;
 /// it ([`super::program::Buf::Src`], [`super::program::Buf::Dst`]); the scratch is allocated
 /// here. A failure breaks every link, so that the peers stop now rather than at their
 /// timeouts.
-pub fn run_program<T>(
+pub(crate) fn run_program<T>(
     program: &Program<'_>,
     src: &[&[u8]],
     dst: &mut [&mut [u8]],
@@ -104,33 +104,6 @@ pub(crate) fn stage_of(
         });
     }
     Ok(Some((stage.version, state.serving)))
-}
-
-/// [`run_program`] as one refit of a delta refit ([`super::delta`]): its phases of values
-/// move only what changed since the version each receiver holds, and `run.state` keeps what
-/// the next refit needs. Returns the rank's stats and what its transfers carried.
-pub fn run_program_delta<T>(
-    program: &Program<'_>,
-    src: &[&[u8]],
-    dst: &mut [&mut [u8]],
-    transport: &T,
-    options: &ExecOptions,
-    run: DeltaRun<'_>,
-) -> Result<(RankStats, DeltaReport)>
-where
-    T: for<'b> Transport<'b> + ?Sized,
-{
-    check_delta(program)?;
-    let mut state = RankState::with_delta(
-        program,
-        src.to_vec(),
-        dst.iter_mut().map(|b| &mut **b).collect(),
-        Some(run),
-        None,
-    )?;
-    run_phases(program, &mut state, transport, options)?;
-    let (stats, report, _) = state.finish_all(program);
-    Ok((stats, report.unwrap_or_default()))
 }
 
 /// Runs every phase of `program` on `transport`.

@@ -87,9 +87,10 @@ impl<'buf> RankJob<'buf, '_> {
     }
 }
 
+bench_pub! {
 /// Runs one rank's part of a plan over `transport`: lowers it and runs its program. A plan
 /// that relays is refused ([`run_rank_any`] runs every plan).
-pub fn run_rank<T>(job: RankJob<'_, '_>, transport: &T, options: &ExecOptions) -> Result<RankStats>
+fn run_rank<T>(job: RankJob<'_, '_>, transport: &T, options: &ExecOptions) -> Result<RankStats>
 where
     T: for<'b> Transport<'b> + ?Sized,
 {
@@ -101,10 +102,12 @@ where
     }
     run_rank_any(job, transport, options)
 }
+}
 
+bench_pub! {
 /// Runs one rank's part of any plan over `transport`: round by round when it relays, in one
 /// go otherwise, as its program says.
-pub fn run_rank_any<T>(
+fn run_rank_any<T>(
     job: RankJob<'_, '_>,
     transport: &T,
     options: &ExecOptions,
@@ -119,4 +122,5 @@ where
         dst.push(s);
     }
     run_program(&program, &src, &mut dst, transport, options)
+}
 }

@@ -17,6 +17,7 @@ use reshard_core::plan::{Plan, QuantRankPlan};
 use reshard_core::region::Region;
 use reshard_transport::Fault;
 
+bench_pub! {
 /// Runs a whole plan with every rank as a thread of this process (the `local` transport).
 /// `src` holds every source rank's shard, `dst` every destination rank's shard (written in
 /// place). Buffers are checked before any byte moves; on failure the error lists every rank
@@ -35,7 +36,7 @@ use reshard_transport::Fault;
 /// exec::run_local(&plan, &srcs, &mut dsts, &exec::ExecOptions::default()).unwrap();
 /// assert!(Fill::Index.verify_shards(plan.dst(), &dsts).is_ok());
 /// ```
-pub fn run_local(
+fn run_local(
     plan: &Plan,
     src: &BTreeMap<Rank, Vec<u8>>,
     dst: &mut BTreeMap<Rank, Vec<u8>>,
@@ -43,11 +44,13 @@ pub fn run_local(
 ) -> Result<RunStats> {
     run_local_with_faults(plan, src, dst, options, &[])
 }
+}
 
+bench_pub! {
 /// [`run_local`] of a quantizing plan ([`Plan::quantized`]): `dst` receives the fp8 values
 /// and `scales` every destination rank's scale shard ([`zeroed_scale_shards`]), row-major in
 /// the scale dtype.
-pub fn run_local_quantized(
+fn run_local_quantized(
     plan: &Plan,
     src: &BTreeMap<Rank, Vec<u8>>,
     dst: &mut BTreeMap<Rank, Vec<u8>>,
@@ -56,12 +59,14 @@ pub fn run_local_quantized(
 ) -> Result<RunStats> {
     run_local_all(plan, src, dst, Some(scales), options, &[])
 }
+}
 
-/// Most ranks [`run_local`] runs (two threads each); see [`reshard_core::limits`].
+/// Most ranks `run_local` runs (two threads each); see [`reshard_core::limits`].
 pub use reshard_core::limits::MAX_LOCAL_RANKS;
 
+bench_pub! {
 /// [`run_local`] with injected faults, for testing failure handling.
-pub fn run_local_with_faults(
+fn run_local_with_faults(
     plan: &Plan,
     src: &BTreeMap<Rank, Vec<u8>>,
     dst: &mut BTreeMap<Rank, Vec<u8>>,
@@ -69,6 +74,7 @@ pub fn run_local_with_faults(
     faults: &[Fault],
 ) -> Result<RunStats> {
     run_local_all(plan, src, dst, None, options, faults)
+}
 }
 
 fn run_local_all(

@@ -9,17 +9,19 @@
 //!    order on rank pairs, so blocking transports cannot deadlock), each step carrying what
 //!    it converts and where its bytes land, with the chunk size decided once for both ends
 //!    ([`cut_chunk`]). Pure, without buffers or I/O.
-//! 2. **The executor** ([`run_program`]) runs a program on a [`Transport`](reshard_transport::Transport), phase
-//!    by phase: the local copies before, the transfers ([`run_transfers`]: sends on one
+//! 2. **The executor** (`run_program`) runs a program on a [`Transport`](reshard_transport::Transport), phase
+//!    by phase: the local copies before, the transfers (`run_transfers`: sends on one
 //!    thread, local copies and receives on another; the receives as one batch,
 //!    [`Transport::recv_all`](reshard_transport::Transport::recv_all)), the local copies and
 //!    the scales after, and the report of what did not arrive.
-//! 3. **The driver** ([`driver::run_threads`]) runs many ranks' programs as threads of this
+//! 3. **The driver** (`driver::run_threads`) runs many ranks' programs as threads of this
 //!    process over the local fabric, each phase of every rank together.
 //!
-//! The entry points kept from before ([`run_rank`], [`run_rank_any`], [`run_local`],
-//! [`run_local_quantized`], [`baseline::run_rank_gather_broadcast`], ...) are thin: they
-//! check the buffers, lower, and run the program.
+//! The executor and the driver are this crate's own: a program reaches them through
+//! [`World`](crate::World)'s calls. The thin drivers below them (`run_rank`, `run_rank_any`,
+//! `run_local`, `run_local_quantized`, `baseline::run_rank_gather_broadcast`, ...: they check
+//! the buffers, lower, and run the program) are public only with the `bench` feature, for the
+//! benchmarks and the command line's measurements, which time them directly.
 //!
 //! ```
 //! use reshard_core::{DType, Plan, layout::LayoutSpec};
@@ -75,19 +77,17 @@ mod steps;
 pub(crate) mod threads;
 mod transfers;
 
-pub use executor::{run_program, run_program_delta};
-pub use jobs::{RankJob, run_rank, run_rank_any};
-pub use local::{
-    MAX_LOCAL_RANKS, run_local, run_local_quantized, run_local_with_faults, zeroed_scale_shards,
-    zeroed_shards,
-};
+pub(crate) use executor::run_program;
+pub use jobs::RankJob;
+bench_use!(jobs::{run_rank, run_rank_any});
+pub use local::{MAX_LOCAL_RANKS, zeroed_scale_shards, zeroed_shards};
+bench_use!(local::{run_local, run_local_quantized, run_local_with_faults});
 pub use options::ExecOptions;
 pub use program::{Phase, PhaseKind, Program};
 pub use quant::QuantJob;
 pub use scaling::Casts;
 pub use stats::{RankStats, RunStats};
 pub use steps::{Step, Steps, check_buffers, cut_chunk};
-pub use transfers::run_transfers;
 
 #[cfg(test)]
 mod tests;

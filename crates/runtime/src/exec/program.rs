@@ -1,7 +1,7 @@
 //! A rank's whole part of a job as plain data: the [`Program`] that lowering builds from a
 //! plan, a quantized plan, a relayed plan, a batch or a gather+broadcast baseline
 //! ([`super::lower`], [`crate::batch::lower`]), and that the one executor runs
-//! ([`super::run_program`]) on a transport, or the one driver ([`super::driver`]) runs for many
+//! (`run_program`) on a transport, or the one driver ([`super::driver`]) runs for many
 //! ranks as threads.
 //!
 //! A program is an ordered list of [`Phase`]s (the amax exchange, the values, a relay round,

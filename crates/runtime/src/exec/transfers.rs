@@ -20,7 +20,7 @@ use reshard_transport::{Outgoing, Receive, Transport};
 /// `casts`: the sends on one thread, the local copies and the receives on another (or all on
 /// one when the transport's sends never block). A failure on either side breaks every link;
 /// the error lists exactly what did not arrive.
-pub fn run_transfers<'buf, T: Transport<'buf> + ?Sized>(
+pub(crate) fn run_transfers<'buf, T: Transport<'buf> + ?Sized>(
     steps: &'buf Steps<'_, '_>,
     src_bufs: &[&'buf [u8]],
     dst_bufs: &mut [&mut [u8]],
