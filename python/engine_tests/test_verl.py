@@ -156,7 +156,7 @@ def test_fsdp2_shards_into_tp2_rollout(run):
 
 def derive(specs, shape, tp=1, rules=()):
     """``specs[r]`` is trainer rank r's (local shard, ShardSpec); two rollout ranks follow."""
-    from reshard import verl_backend
+    from reshard import _verl_specs, verl_backend
 
     actors = len(specs)
     heard = [dict(world_rank=r, rollout_tp=tp, rollout_shard_dims=list(rules), rollout_dtype=None)
@@ -164,7 +164,7 @@ def derive(specs, shape, tp=1, rules=()):
     job = verl_backend._Job(heard, actors, actors, torch.device("cpu"))
     said = []
     for local, spec in specs:
-        name, desc, _ = verl_backend._describe(("w", local, spec))
+        name, desc, _ = _verl_specs.describe(("w", local, spec))
         said.append(dict(names=[name], descs=[desc], last=True, failed=None))
     (entry,), last = job.agree(said + [None, None])
     return entry
