@@ -30,8 +30,8 @@ from . import dtensor as _dt
 from ._core import Layout, Refit, ReshardError
 from .delta.session import DeltaReport, DeltaSession, refit_many
 from .delta.stage import CommitReport, StageReport
-from .quant import inflight as _tq
-from .quant import prequantized as _tpq
+from .quant import inflight as _inflight
+from .quant import prequantized as _prequantized
 from .quant.inflight import scale_tensor
 from .transfer import arguments as _args
 from .transfer.bucket import Bucket, LocalPlan, check_entry, free_staging, plan_of
@@ -250,11 +250,11 @@ def reshard_many_(
     except ReshardError as e:
         _args.refuse(e, given, group, rank)  # on every rank, as the checks below
     if moves:  # already quantized: values and scales move with the plain tensors
-        pairs, names = _tpq.plan(moves, pairs, names, group, quant, scale_dtype, rank, world)
+        pairs, names = _prequantized.plan(moves, pairs, names, group, quant, scale_dtype, rank, world)
     if names or not (entries or moves):
         _reshard_plain(pairs, names, group, bucket_bytes, checksum, rank, world)
     if entries:
-        _tq.reshard(entries, group, quant, scale_dtype, rank, world, checksum, native=_NATIVE)
+        _inflight.reshard(entries, group, quant, scale_dtype, rank, world, checksum, native=_NATIVE)
     return None
 
 

@@ -40,7 +40,7 @@ from ..transfer.checks import (
     refuse_together,
 )
 from . import ops as _ops
-from . import prequantized as _tpq
+from . import prequantized as _prequantized
 
 _SCALE_DTYPES = {"f32": torch.float32, "e8m0": torch.uint8}
 
@@ -332,7 +332,7 @@ def reshard(
         for name in names:
             src_local, dst_local, src_layout, dst_layout, scale, src_scale = entries[name]
             label = f"{name}: " if name else ""
-            _tpq.refuse_src_scale(label, src_scale, src_layout)
+            _prequantized.refuse_src_scale(label, src_scale, src_layout)
             for what, layout in (("src_layout", src_layout), ("dst_layout", dst_layout)):
                 check_ranks(label, what, layout, world)
             packing = packing_of(label, src_layout, dst_layout, rank, quant, scale_dtype)
@@ -388,7 +388,7 @@ def route(pairs, names, quant, scales, scale_dtype, src_scales):
     if extra:
         raise ArgumentError(f"scales: {extra[0]!r} is not one of the tensors")
     entries = {name: (*item, scales.get(name)) for name, item in quantized.items()}
-    entries, moves = _tpq.split(entries, dict(src_scales or {}))
+    entries, moves = _prequantized.split(entries, dict(src_scales or {}))
     names = [n for n in names if n not in quantized]
     return {n: pairs[n] for n in names}, names, entries, moves
 

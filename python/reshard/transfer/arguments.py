@@ -20,8 +20,8 @@ from typing import Dict, Mapping, NoReturn, Tuple, Union
 import torch
 
 from .._core import ArgumentError, Layout, Refit, ReshardError
-from ..quant import inflight as _tq
-from . import cast as _tc
+from ..quant import inflight as _inflight
+from . import cast as _cast
 from .checks import agree, control_device
 
 
@@ -40,7 +40,7 @@ def read(pairs, rank: int, bucket_bytes, src, dst, quant, scales, scale_dtype, s
             if scales is not None:
                 raise ArgumentError("scales: with a reshard.Refit, the scale shards come in dst")
             quant = pairs.quant
-            dst, scales = _tq.refit_scales(pairs, dst, rank)
+            dst, scales = _inflight.refit_scales(pairs, dst, rank)
         pairs = _refit_pairs(pairs, src, dst, rank)
     elif src is not None or dst is not None:
         raise ArgumentError("src, dst: given only with a reshard.Refit (pairs carry their tensors)")
@@ -62,8 +62,8 @@ def read(pairs, rank: int, bucket_bytes, src, dst, quant, scales, scale_dtype, s
                 label = f"{name}: " if name else ""
                 raise ArgumentError(f"{label}{what}: expected a reshard.Layout, got {type(layout).__name__}")
     # float casts (f32 -> bf16): converted by their source ranks, then moved in one dtype
-    pairs = _tc.cast_at_source(pairs, sorted(pairs))
-    return (*_tq.route(pairs, sorted(pairs), quant, scales, scale_dtype, src_scales), quant)
+    pairs = _cast.cast_at_source(pairs, sorted(pairs))
+    return (*_inflight.route(pairs, sorted(pairs), quant, scales, scale_dtype, src_scales), quant)
 
 
 def refuse(problem: Union[str, ReshardError], pairs, group, rank: int) -> NoReturn:
