@@ -79,7 +79,7 @@ def _model(config):
 def _assemble(refit, engine, rank, group, vocab_pad=64):
     """The whole HF tensors from the engine ranks' buffers (gathered among them): fused
     buffers split into their members, the padding cut off, each shard put in its place."""
-    from reshard.engine import _VOCAB, _padded, _refit_name
+    from reshard.engine import table
 
     everyone = [None] * len(ENGINE_RANKS)
     dist.all_gather_object(everyone, engine, group=group)
@@ -93,10 +93,10 @@ def _assemble(refit, engine, rank, group, vocab_pad=64):
                 for member, dim, offset, extent in fused[name]:
                     pieces[member] = tensor.narrow(dim, offset, extent)
                 continue
-            refit_name = _refit_name(names, name, "weight_scale_inv")
+            refit_name = table.refit_name(names, name, "weight_scale_inv")
             layout = refit.layouts(refit_name)[1]
-            if refit_name in _VOCAB:  # the padded split: its real rows, where they start
-                first, real, _ = _padded(layout, r, vocab_pad)
+            if refit_name in table.VOCAB:  # the padded split: its real rows, where they start
+                first, real, _ = table.padded(layout, r, vocab_pad)
                 pieces[refit_name] = tensor[:real]
                 at[refit_name] = first
             else:

@@ -26,29 +26,25 @@ from typing import List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
-from . import _torch_args as _args
-from . import _torch_dtensor as _dt
-from . import _torch_prequant as _tpq
-from . import _torch_quant as _tq
+from . import dtensor as _dt
 from ._core import Layout, Refit, ReshardError
-from ._torch_bucket import _Bucket, _check_entry, _LocalPlan, _plan_of, free_staging
-from ._torch_common import (
-    _agree,
-    _control_device,
-    _fingerprint,
-    _group_rank,
+from .delta.session import DeltaReport, DeltaSession, refit_many
+from .delta.stage import CommitReport, StageReport
+from .quant import inflight as _inflight
+from .quant import prequantized as _prequantized
+from .quant.inflight import scale_tensor
+from .transfer import arguments as _args
+from .transfer.bucket import Bucket, LocalPlan, check_entry, free_staging, plan_of
+from .transfer.checks import (
+    agree,
+    control_device,
     digest_of,
     group_cache,
     group_key,
+    group_rank,
+    job_fingerprint,
     torch_dtype,
 )
-from ._torch_delta_session import DeltaReport, DeltaSession, refit_many
-from ._torch_quant import scale_tensor
-from ._torch_stage import CommitReport, StageReport
-
-# Kept on this module for the tests and tools that reach into it.
-from ._torch_bucket import _STAGING, _local_plan, _Message  # noqa: F401, E402
-from ._torch_common import _TORCH_DTYPES  # noqa: F401, E402
 
 __all__ = [
     "reshard_",
@@ -117,7 +113,7 @@ def reshard_(
     The first call with given layouts exchanges the whole job through the group; later calls
     with the same layouts (a refit every step) exchange a few integers only (one
     ``all_reduce`` on the backend's device: whether every rank's checks passed, and a digest
-    of its job), and the messages where a rank failed (see :mod:`reshard._torch_args`).
+    of its job), and the messages where a rank failed (see :mod:`reshard.transfer.arguments`).
 
     ``dst_layout`` may have another float dtype than ``src_layout`` (f64, f32, bf16, f16):
     the source ranks convert as torch's ``.to()`` does, and the wire carries the destination
@@ -231,7 +227,7 @@ def reshard_many_(
     tensors than the last time sends them dense, so even one model name shared by two models
     stays exact (and sends dense). fp8 quantized tensors (``quant``, scales) are refused there.
     """
-    rank, world = _group_rank(group)
+    rank, world = group_rank(group)
     if rank < 0:
         return None  # not a member of the group: nothing to send or receive
     if delta or session is not None:
@@ -254,11 +250,11 @@ def reshard_many_(
     except ReshardError as e:
         _args.refuse(e, given, group, rank)  # on every rank, as the checks below
     if moves:  # already quantized: values and scales move with the plain tensors
-        pairs, names = _tpq.plan(moves, pairs, names, group, quant, scale_dtype, rank, world)
+        pairs, names = _prequantized.plan(moves, pairs, names, group, quant, scale_dtype, rank, world)
     if names or not (entries or moves):
         _reshard_plain(pairs, names, group, bucket_bytes, checksum, rank, world)
     if entries:
-        _tq.reshard(entries, group, quant, scale_dtype, rank, world, checksum, native=_NATIVE)
+        _inflight.reshard(entries, group, quant, scale_dtype, rank, world, checksum, native=_NATIVE)
     return None
 
 
@@ -273,7 +269,7 @@ def reshard_state_dict_(src, dst, group=None, **options) -> None:
     each rank ``src`` is its source module or state dict (a trainer's FSDP2 model, None
     where it holds none), ``dst`` its destination one (an engine's), written in place. Both
     sides name the same tensors; ``options`` as for :func:`reshard_many_`."""
-    rank, _ = _group_rank(group)
+    rank, _ = group_rank(group)
     if rank < 0:
         return
     reshard_many_(_dt.state_dict_pairs(src, dst, group), group=group, **options)
@@ -294,7 +290,7 @@ def _reshard_plain(pairs, names, group, bucket_bytes: int, checksum: bool, rank:
         _PROGRAMS.move_to_end(key)
         fingerprint, digest = program.fingerprint, program.digest
     else:
-        fingerprint = _fingerprint(
+        fingerprint = job_fingerprint(
             "reshard_many_", pairs, names, bucket_bytes=bucket_bytes, checksum=bool(checksum)
         )
         digest = digest_of(fingerprint)
@@ -306,15 +302,15 @@ def _reshard_plain(pairs, names, group, bucket_bytes: int, checksum: bool, rank:
         plans = []
         for name in names:
             _, _, src_layout, dst_layout = pairs[name]
-            plan = _plan_of(name, src_layout, dst_layout, rank, world)
-            _check_entry(name, *pairs[name], plan, rank)
+            plan = plan_of(name, src_layout, dst_layout, rank, world)
+            check_entry(name, *pairs[name], plan, rank)
             plans.append(plan)
         return _Program(names, pairs, plans, bucket_bytes, fingerprint, digest, rank)
 
     # every call, the first and a refit every step alike, is refused on every rank before
     # any byte moves: one all_reduce of a few integers, more only where a rank failed
-    device = _control_device(group, (t for n in names for t in pairs[n][:2]))
-    program = _agree(fingerprint, prepare, group, rank, digest=digest, device=device)
+    device = control_device(group, (t for n in names for t in pairs[n][:2]))
+    program = agree(fingerprint, prepare, group, rank, digest=digest, device=device)
     if key not in _PROGRAMS:
         _PROGRAMS[key] = program
         if len(_PROGRAMS) > _PROGRAMS_MAX:
@@ -331,7 +327,7 @@ class _Program:
         self,
         names: List[str],
         pairs,
-        plans: List[_LocalPlan],
+        plans: List[LocalPlan],
         bucket_bytes: int,
         fingerprint,
         digest: str,
@@ -344,7 +340,7 @@ class _Program:
         self.digest = digest
         self.layouts = [(pairs[n][2], pairs[n][3]) for n in names]
         self.plans = plans
-        self.buckets: List[_Bucket] = []
+        self.buckets: List[Bucket] = []
         # buckets are cut from global sizes, which every rank knows alike
         members: List[int] = []
         filled = 0
@@ -360,15 +356,15 @@ class _Program:
         if members:
             self.buckets.append(self._bucket(members))
 
-    def _bucket(self, members: List[int]) -> _Bucket:
-        return _Bucket(
+    def _bucket(self, members: List[int]) -> Bucket:
+        return Bucket(
             members, [self.plans[i] for i in members], [self.layouts[i] for i in members], self.rank
         )
 
     def check(self, pairs, rank: int) -> None:
         """The tensors of this call fit the shards, as on the first call."""
         for name, plan in zip(self.names, self.plans):
-            _check_entry(name, *pairs[name], plan, rank)
+            check_entry(name, *pairs[name], plan, rank)
 
     def run(self, pairs, group, checksum: bool) -> None:
         items = [pairs[n] for n in self.names]

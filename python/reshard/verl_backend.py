@@ -62,7 +62,7 @@ import torch
 import torch.distributed as dist
 from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
 
-from . import _torch_dtensor as _dt
+from . import dtensor as _dt
 from ._core import AgreementError, ArgumentError, Layout, Replicate, ReshardError, Shard
 from . import _verl_specs as specs
 from .torch import reshard_many_, torch_dtype

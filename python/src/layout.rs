@@ -202,7 +202,7 @@ impl PyLayout {
         if strided {
             let layout = dt
                 .py()
-                .import("reshard._torch_dtensor")?
+                .import("reshard.dtensor")?
                 .call_method1("layout_of", (dt,))?;
             let layout = layout.cast::<PyLayout>()?.get();
             return Ok(PyLayout {

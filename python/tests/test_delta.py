@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 import reshard  # noqa: E402
 import reshard.torch as rt  # noqa: E402
 from conftest import random_mesh, random_placements, run_ranks  # noqa: E402
-from reshard import _torch_delta as codec  # noqa: E402
+from reshard.delta import codec  # noqa: E402
 
 DENSITIES = [0.0, 1e-4, 0.01, 0.5, 1.0]
 

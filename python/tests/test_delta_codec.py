@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 
 import reshard  # noqa: E402
 from reshard import _core  # noqa: E402
-from reshard import _torch_delta as codec  # noqa: E402
+from reshard.delta import codec  # noqa: E402
 
 # elements of 1, 2, 4 and 8 bytes
 DTYPES = [torch.uint8, torch.bool, torch.bfloat16, torch.int16, torch.float32, torch.int32, torch.float64]

@@ -5,7 +5,7 @@ quantized, delta, staged), keep ``requires_grad`` and get no ``grad_fn``; and th
 per process group do not outlive it (a group destroyed and made again agrees anew).
 
 The torch operations that run on a GPU run here too: ``reshard.torch._NATIVE = False`` packs
-CPU tensors with torch copies and quantizes with :mod:`reshard._quant_ops`, and a delta refit
+CPU tensors with torch copies and quantizes with :mod:`reshard.quant.ops`, and a delta refit
 is forced onto its torch path, as on a device.
 """
 
@@ -19,8 +19,8 @@ import torch.distributed as dist  # noqa: E402
 
 import reshard  # noqa: E402
 import reshard.torch as rt  # noqa: E402
-from reshard import _torch_common as common  # noqa: E402
-from reshard import _torch_delta as codec  # noqa: E402
+from reshard.transfer import checks as common  # noqa: E402
+from reshard.delta import codec  # noqa: E402
 from conftest import free_port, run_ranks  # noqa: E402
 
 SHAPE = (8, 8)
@@ -213,7 +213,7 @@ def test_parameters_that_require_grad_are_written_outside_autograd(torch_ops):
 
 def _cached_groups():
     """The process groups that the torch path's per-group caches hold entries of."""
-    from reshard import _torch_delta_session as sessions
+    from reshard.delta import session as sessions
 
     caches = (common._AGREED, rt._PROGRAMS, sessions._SESSIONS)
     return {id(k[0].group()) for cache in caches for k in cache}

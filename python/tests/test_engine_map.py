@@ -11,7 +11,7 @@ import torch
 
 from conftest import run_ranks
 from reshard import AgreementError, ArgumentError, Layout, Refit, Replicate, Shard
-from reshard._engine_recorded import split_layout
+from reshard.engine.recorded import split_layout
 from reshard.engine import refit_engine_
 from reshard.torch import local_tensor
 

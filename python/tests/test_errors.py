@@ -19,8 +19,9 @@ try:
     import torch
 
     import reshard.torch as rt
+    from reshard.transfer import bucket
 except ImportError:  # the tests that need them skip
-    torch = rt = None
+    torch = rt = bucket = None
 from reshard import (
     AbortedError,
     AgreementError,
@@ -336,14 +337,14 @@ def changed_transfer(rank, world):
     dst = reshard.Layout(SHAPE, "f32", 1, [1], ["R"])
     s = _full() if rank == 0 else None
     d = torch.zeros(SHAPE) if rank == 1 else None
-    seal = rt._Message.seal
+    seal = bucket.Message.seal
 
     def corrupt(message, buffer):
         seal(message, buffer)
         buffer[5] ^= 0x10
 
     if rank == 0:
-        rt._Message.seal = corrupt
+        bucket.Message.seal = corrupt
     try:
         if rank == 1:
             with pytest.raises(ChecksumError) as e:
@@ -356,7 +357,7 @@ def changed_transfer(rank, world):
         else:
             rt.reshard_(s, d, src, dst, checksum=True)
     finally:
-        rt._Message.seal = seal
+        bucket.Message.seal = seal
 
 
 def test_a_transfer_that_arrived_changed_is_a_checksum_error():

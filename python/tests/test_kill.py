@@ -43,7 +43,8 @@ def _trial(rank, port, victim, point, out_dir):
 
     import reshard
     import reshard.torch as rt
-    from reshard import _torch_control, _torch_stage
+    from reshard.delta import stage as staged
+    from reshard.transfer import control
     from test_delta import DST, SRC, bits_equal, shard
     from test_stage import live_shard
 
@@ -60,7 +61,7 @@ def _trial(rank, port, victim, point, out_dir):
     if me and point == "prepare":
         _die()
     if me and point in ("before-vote", "after-vote"):
-        decide = _torch_control.decide
+        decide = control.decide
 
         calls = []
 
@@ -73,9 +74,9 @@ def _trial(rank, port, victim, point, out_dir):
                 _die()
             return result
 
-        _torch_control.decide = dying
+        control.decide = dying
     if me and point == "mid-commit":
-        apply = _torch_stage._apply
+        apply = staged._apply
 
         def half(session_, stage):
             if not stage.live:  # rank 0 holds no destination shard: it dies at once
@@ -86,7 +87,7 @@ def _trial(rank, port, victim, point, out_dir):
             _die()
             return apply(session_, stage)
 
-        _torch_stage._apply = half
+        staged._apply = half
 
     start = time.monotonic()
     said = "committed"

@@ -11,9 +11,11 @@ torch = pytest.importorskip("torch")
 
 import reshard  # noqa: E402
 import reshard.torch as rt  # noqa: E402
+from reshard.transfer.bucket import STAGING  # noqa: E402
+from reshard.transfer.checks import TORCH_DTYPES  # noqa: E402
 from conftest import random_placements, random_shape, run_ranks  # noqa: E402
 
-DTYPES = list(rt._TORCH_DTYPES.values())
+DTYPES = list(TORCH_DTYPES.values())
 
 
 def raw(t):
@@ -221,7 +223,7 @@ def many_tensors(rank, world):
             d.zero_()
     # the staging arenas, once released, are allocated afresh
     rt.free_staging()
-    assert not vars(rt._STAGING)
+    assert not vars(STAGING)
     rt.reshard_many_(pairs)
     for name, (_, d, _, _) in pairs.items():
         if d is not None:

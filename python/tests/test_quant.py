@@ -10,7 +10,7 @@ torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
 
 import reshard  # noqa: E402
-import reshard._torch_quant as tq  # noqa: E402
+import reshard.quant.inflight as tq  # noqa: E402
 import reshard.torch as rt  # noqa: E402
 from conftest import run_ranks  # noqa: E402
 
@@ -591,7 +591,7 @@ def test_moe_refit_into_fp8_with_scales(tmp_path, native):
 def test_torch_ops_powers_and_logarithms_are_exact():
     """The device path's 2^e and log2 (from bit patterns) over every f32 power of two,
     subnormals included, and the values just above them."""
-    import reshard._quant_ops as ops
+    import reshard.quant.ops as ops
 
     e = torch.arange(-149, 128)
     x = ops._pow2(e)
@@ -607,7 +607,7 @@ def test_torch_ops_powers_and_logarithms_are_exact():
 def test_torch_ops_scales_at_the_extremes():
     """Block scales of the device path against the reference for amax 0, the smallest
     subnormal, the clamp at 1e-4, FMAX and just above, and the largest f32."""
-    import reshard._quant_ops as ops
+    import reshard.quant.ops as ops
 
     tiny = torch.tensor(2.0**-149)
     values = [0.0, float(tiny), 1e-4, 0.99e-4, 1.5, 448.0, 449.0, 57344.0, 3.0e38, -2.5e-30, 2.0**-126]

@@ -15,7 +15,7 @@ REFERENCE = Path(__file__).resolve().parents[2] / "docs" / "src" / "python-refer
 MODULES = [
     ("reshard", "_core.pyi"),
     ("reshard.torch", "torch.py"),
-    ("reshard.engine", "engine.py"),
+    ("reshard.engine", "engine/__init__.py"),
     ("reshard.vllm_backend", "vllm_backend.py"),
     ("reshard.sglang_loader", "sglang_loader.py"),
     ("reshard.verl_backend", "verl_backend.py"),

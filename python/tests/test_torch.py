@@ -10,6 +10,7 @@ import torch.distributed as dist  # noqa: E402
 
 import reshard  # noqa: E402
 import reshard.torch as rt  # noqa: E402
+from reshard.transfer import bucket  # noqa: E402
 from conftest import random_placements, random_shape, run_ranks  # noqa: E402
 
 
@@ -83,10 +84,10 @@ def train_to_infer(rank, world):
                 assert torch.equal(d, rt.local_tensor(dst, rank, full))
                 d.zero_()
             if i == 0:
-                info = rt._local_plan.cache_info()
+                info = bucket.local_plan.cache_info()
                 planned = info.hits + info.misses
         # the second call ran the cached program: not even a plan lookup
-        info = rt._local_plan.cache_info()
+        info = bucket.local_plan.cache_info()
         assert info.hits + info.misses == planned
 
     # the same 4 -> 2 inside a subgroup that leaves rank 0 out: layouts number the group's
@@ -212,7 +213,7 @@ def checksummed(rank, world):
 
     # a byte changed on the way: rank 1 flips one byte of the rows it sends to rank 5 after
     # summing them, and rank 5 refuses the transfer, naming it, before it unpacks anything
-    seal = rt._Message.seal
+    seal = bucket.Message.seal
 
     def corrupt(message, buffer):
         seal(message, buffer)
@@ -220,7 +221,7 @@ def checksummed(rank, world):
             buffer[3] ^= 0x40
 
     if rank == 1:
-        rt._Message.seal = corrupt
+        bucket.Message.seal = corrupt
     if d is not None:
         d.zero_()
     try:
@@ -237,7 +238,7 @@ def checksummed(rank, world):
             if d is not None:
                 assert torch.equal(d, rt.local_tensor(dst, rank, full))
     finally:
-        rt._Message.seal = seal
+        bucket.Message.seal = seal
 
 
 def test_checksums_pass_and_name_a_changed_transfer():

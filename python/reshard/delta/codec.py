@@ -15,9 +15,9 @@ on the device, with one host sync per bucket (the sizes of all its regions' enco
 their checksums, in one copy); such a receiver copies the bucket's messages to the host once,
 the core reads every encoding there and lists what it writes
 (:func:`reshard._core.delta_written`, checked whole first), and torch writes the values into
-the tensors on their device (:mod:`reshard._torch_delta_device`). ``torch_ops=True`` runs the
+the tensors on their device (:mod:`reshard.delta.device`). ``torch_ops=True`` runs the
 torch path on CPU tensors too (the conformance tests compare both paths byte for byte). The
-message's sections, tags and sizes are :mod:`reshard._torch_delta_format`'s.
+message's sections, tags and sizes are :mod:`reshard.delta.format`'s.
 
 A message (one per peer and bucket) carries its regions in the plan's order (which both sides
 know, with their shapes and dtypes)::
@@ -41,9 +41,9 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from ._core import ReshardError, delta_apply, delta_encode
-from ._torch_delta_device import apply_on_device, encode_on_device, scatter
-from ._torch_delta_format import (  # noqa: F401 (the codec's format, as its users name it)
+from .._core import ReshardError, delta_apply, delta_encode
+from .device import apply_on_device, encode_on_device, scatter
+from .format import (  # noqa: F401 (the codec's format, as its users name it)
     BITMASK,
     BLOCK,
     DENSE,
@@ -75,6 +75,7 @@ from ._torch_delta_format import (  # noqa: F401 (the codec's format, as its use
     says_nothing,
     summary,
 )
+
 
 def _uses_torch(tensors, torch_ops: Optional[bool]) -> bool:
     if torch_ops is not None:

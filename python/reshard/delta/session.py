@@ -1,7 +1,7 @@
 """Delta refit of torch tensors: :class:`DeltaSession` keeps, across calls, what each source
 rank last sent of every transfer (its base, in the wire dtype) and the version each
 destination rank's shards hold; a refit then sends every transfer as the blocks that changed
-against that base (:mod:`reshard._torch_delta`), or dense where the destination does not hold
+against that base (:mod:`reshard.delta.codec`), or dense where the destination does not hold
 the base.
 
 A call runs in three exchanges on the group: the fence, an all-gather of a few integers per
@@ -9,8 +9,8 @@ rank (whether its arguments are good, the version its shards hold, the version o
 the version it refits, a digest of the job), so that every rank knows before any data moves
 who gets what dense and why, and every rank raises alike on a bad argument or a disagreement;
 then the size of every message, point to point; then the messages, point to point, while each
-rank copies the regions it holds on both sides (:mod:`reshard._torch_delta_refit`); a staged
-refit runs the same into a staging beside the live shards (:mod:`reshard._torch_stage`).
+rank copies the regions it holds on both sides (:mod:`reshard.delta.refit`); a staged
+refit runs the same into a staging beside the live shards (:mod:`reshard.delta.stage`).
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from . import _torch_stage
-from ._core import ArgumentError
-from ._torch_common import group_cache, group_key
-from ._torch_delta_refit import DeltaReport, _check_version, _refit_live
-from ._torch_stage import CommitReport, StageReport
+from .._core import ArgumentError
+from ..transfer.checks import group_cache, group_key
+from . import stage as _stage
+from .refit import DeltaReport, check_version, refit_live
+from .stage import CommitReport, StageReport
 
 
 class DeltaSession:
@@ -103,7 +103,7 @@ class DeltaSession:
         self._spare_epoch = None  # the epoch at which the staging and the live were alike
         self._sent: Optional[int] = None  # the version of the bases kept
         self._serving: Optional[int] = None  # the version the live destination shards serve
-        self._stage = None  # the staged version (reshard._torch_stage._Stage), or None
+        self._stage = None  # the staged version (reshard.delta.stage._Stage), or None
         self._epoch = 0  # changes to the live shards: a staging prepared before one is stale
         # name -> (sender's piece key -> (version, the region as sent))
         self._bases: Dict[str, Dict[tuple, Tuple[int, torch.Tensor]]] = {}
@@ -146,7 +146,7 @@ class DeltaSession:
         """Says that this rank's destination shards now hold ``version`` (they were loaded from
         a snapshot of it; None: unknown), and serve it: a version staged before no longer
         commits."""
-        self.held = None if version is None else _check_version("version", version)
+        self.held = None if version is None else check_version("version", version)
         self._serving = self.held
         self._epoch += 1
         if self.held is not None and (self.newest is None or self.newest < self.held):
@@ -168,7 +168,7 @@ class DeltaSession:
         next time they are refit (their bases are older than the version held). The shards
         serve ``version`` after it (:attr:`serving`); a version staged before no longer
         commits."""
-        return _refit_live(self, pairs, version, src, dst, previous)
+        return refit_live(self, pairs, version, src, dst, previous)
 
     reshard_many_ = refit
 
@@ -188,7 +188,7 @@ class DeltaSession:
         device, none sharing memory with a live tensor or another staging), which are first
         filled from the live shards: a delta applies to what they hold. While a version is
         staged, a second prepare is refused."""
-        return _torch_stage.prepare(self, pairs, version, src, dst, previous, staging)
+        return _stage.prepare(self, pairs, version, src, dst, previous, staging)
 
     def commit(self, version: Optional[int] = None) -> CommitReport:
         """The second phase, a decision of the whole job: this rank checks that its live
@@ -202,7 +202,7 @@ class DeltaSession:
         :class:`reshard.InDoubtError` and keeps its staging: :meth:`resolve` applies what the
         job decided once a later job learns it. Refused (on every rank alike) when nothing
         is staged or ``version`` is not the staged one."""
-        return _torch_stage.commit(self, version)
+        return _stage.commit(self, version)
 
     def abort(self, version: Optional[int] = None) -> Optional[int]:
         """Votes against the staged version (``version``, if given, must be it) in the job's
@@ -210,19 +210,19 @@ class DeltaSession:
         :meth:`commit` raise :class:`reshard.AbortedError`), the live shards keep serving
         theirs, and the next refit sends them dense where the senders' bases moved on to the
         version dropped. Returns the version dropped (None: nothing was staged)."""
-        return _torch_stage.abort(self, version)
+        return _stage.abort(self, version)
 
     def resolve(self, commit: bool) -> Optional[int]:
         """Ends a decision this rank is in doubt about (:class:`reshard.InDoubtError`), as the
         job decided it: ``commit=True`` when any rank applied the commit, ``False`` when any
         aborted (or none knows: no living rank committed). On this rank alone. Returns the
         version the live shards then serve."""
-        return _torch_stage.resolve(self, commit)
+        return _stage.resolve(self, commit)
 
     def staging_bytes(self, pairs, *, dst=None) -> int:
         """The bytes :meth:`prepare` with these arguments allocates on this rank for its
         staging, known before anything moves (the size of this rank's destination tensors)."""
-        return _torch_stage.staging_bytes(pairs, dst)
+        return _stage.staging_bytes(pairs, dst)
 
 
 # (process group, model, checksum, bucket_bytes) -> the session of reshard_many_(delta=True)
@@ -263,4 +263,4 @@ def refit_many(
     for what, value in unsupported.items():
         if value is not None and problem is None:
             problem = f"{what}: a delta refit does not quantize into fp8; refit such tensors without delta"
-    return _refit_live(session, pairs, version, src, dst, previous, problem)
+    return refit_live(session, pairs, version, src, dst, previous, problem)

@@ -8,7 +8,7 @@ packs, so the wire carries fp8 values (one byte per element) followed by the sca
 with; every destination writes the values into its shard and the scales into its scale shard
 (:func:`reshard.quant_scale_shape`). CPU tensors are quantized and unpacked by the Rust
 kernels, tensors on other devices by torch operations on their device
-(:mod:`reshard._quant_ops`), bit for bit alike and with the same bytes on the wire.
+(:mod:`reshard.quant.ops`), bit for bit alike and with the same bytes on the wire.
 """
 
 from __future__ import annotations
@@ -21,17 +21,26 @@ from typing import List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from . import _quant_ops as _ops
-from . import _torch_prequant as _tpq
-from ._core import ArgumentError, ChecksumError, Layout, QuantPacking, ReshardError, crc32c, quant_scale_shape
-from ._torch_common import (
-    _agree,
-    _check_ranks,
-    _check_tensor,
-    _control_device,
-    _fingerprint,
-    _refuse_together,
+from .._core import (
+    ArgumentError,
+    ChecksumError,
+    Layout,
+    QuantPacking,
+    ReshardError,
+    crc32c,
+    quant_scale_shape,
 )
+from ..transfer.bucket import global_rank
+from ..transfer.checks import (
+    agree,
+    check_ranks,
+    check_tensor,
+    control_device,
+    job_fingerprint,
+    refuse_together,
+)
+from . import ops as _ops
+from . import prequantized as _prequantized
 
 _SCALE_DTYPES = {"f32": torch.float32, "e8m0": torch.uint8}
 
@@ -98,17 +107,13 @@ def scale_tensor(
     shape and dtype ``reshard_(..., quant=quant, scale=...)`` writes: f32 scales, or one
     ``uint8`` biased exponent per block for e8m0; on ``device`` (the CPU by default), which
     must be the destination shard's."""
-    from ._core import quant_scale_dtype
+    from .._core import quant_scale_dtype
 
     shape = quant_scale_shape(dst_layout, rank, quant)
     if shape is None:
         return None
     dtype = _SCALE_DTYPES[quant_scale_dtype(quant, scale_dtype)]
     return torch.zeros(shape, dtype=dtype, device=device)
-
-
-def _peer(group, r: int) -> int:
-    return r if group is None else dist.get_global_rank(group, r)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -193,7 +198,7 @@ def run(items, group, checksum: bool = False, native: bool = True) -> None:
         torch.device("cpu"),
     )
     # the Rust kernels quantize and unpack CPU tensors (unless ``native`` is off: the torch
-    # executor's ``_NATIVE``); torch operations (:mod:`reshard._quant_ops`) the others, with
+    # executor's ``_NATIVE``); torch operations (:mod:`reshard.quant.ops`) the others, with
     # the same bytes on the wire
     native = native and device.type == "cpu"
     wire = torch.device("cpu") if native else device
@@ -226,7 +231,7 @@ def run(items, group, checksum: bool = False, native: bool = True) -> None:
                 problem = type(e)(f"{items[bad][0]}src_local: {e}")
     # a non-finite value fails on its own rank; every rank of the group learns it before any
     # value moves, so none waits for a peer that gave up
-    _refuse_together(problem, group, _control_device(group, [device]))
+    refuse_together(problem, group, control_device(group, [device]))
 
     # partial amax: both ends of a pair post their messages in tensor order, then peer order
     extra = 4 if checksum else 0
@@ -241,8 +246,8 @@ def run(items, group, checksum: bool = False, native: bool = True) -> None:
                 sealed[:n].copy_(payload)
                 _seal(sealed, n, [(0, n)])
                 payload = sealed
-            ops.append(dist.P2POp(dist.isend, payload, _peer(group, peer), group))
-            ops.append(dist.P2POp(dist.irecv, into, _peer(group, peer), group))
+            ops.append(dist.P2POp(dist.isend, payload, global_rank(group, peer), group))
+            ops.append(dist.P2POp(dist.irecv, into, global_rank(group, peer), group))
         inboxes.append(inbox)
     for request in dist.batch_isend_irecv(ops) if ops else []:
         request.wait()
@@ -257,7 +262,7 @@ def run(items, group, checksum: bool = False, native: bool = True) -> None:
                         f"to rank {me} of blocks at {_box(offset, extent)}: sent with crc32c "
                         f"{bad[1]:#010x} but arrived as {bad[2]:#010x}"
                     )
-        _refuse_together(problem, group, _control_device(group, [device]))
+        refuse_together(problem, group, control_device(group, [device]))
     scales = []
     for (_, packing, *_), state, inbox in zip(items, states, inboxes):
         landed = [t[: t.numel() - extra] for t in inbox]
@@ -285,8 +290,8 @@ def run(items, group, checksum: bool = False, native: bool = True) -> None:
         if checksum:
             for m, b in zip(sends, out):
                 _seal(b, _aligned(m[1]), _spans(packing, m))
-        ops += [dist.P2POp(dist.isend, b, _peer(group, m[0]), group) for m, b in zip(sends, out)]
-        ops += [dist.P2POp(dist.irecv, b, _peer(group, m[0]), group) for m, b in zip(recvs, into)]
+        ops += [dist.P2POp(dist.isend, b, global_rank(group, m[0]), group) for m, b in zip(sends, out)]
+        ops += [dist.P2POp(dist.irecv, b, global_rank(group, m[0]), group) for m, b in zip(recvs, into)]
         landed.append((into, local))
     for request in dist.batch_isend_irecv(ops) if ops else []:
         request.wait()
@@ -318,7 +323,7 @@ def reshard(
 ) -> None:
     """Reshards ``entries`` (name -> ``(src_local, dst_local, src_layout, dst_layout,
     scale, src_scale)``, where a ``src_scale`` is refused) into fp8 with scales (see
-    :mod:`reshard._torch_quant`); checked through the group before any byte moves, as
+    :mod:`reshard.quant.inflight`); checked through the group before any byte moves, as
     :func:`reshard_many_`."""
     names = sorted(entries)
 
@@ -327,27 +332,27 @@ def reshard(
         for name in names:
             src_local, dst_local, src_layout, dst_layout, scale, src_scale = entries[name]
             label = f"{name}: " if name else ""
-            _tpq.refuse_src_scale(label, src_scale, src_layout)
+            _prequantized.refuse_src_scale(label, src_scale, src_layout)
             for what, layout in (("src_layout", src_layout), ("dst_layout", dst_layout)):
-                _check_ranks(label, what, layout, world)
+                check_ranks(label, what, layout, world)
             packing = packing_of(label, src_layout, dst_layout, rank, quant, scale_dtype)
             regions = []
             sides = (("src_local", src_local, src_layout), ("dst_local", dst_local, dst_layout))
             for what, tensor, layout in sides:
                 region = layout.local_region(rank)
                 shape = None if region is None else tuple(region[1])
-                _check_tensor(label, what, tensor, layout, shape, rank)
+                check_tensor(label, what, tensor, layout, shape, rank)
                 regions.append(region)
             check_scale(label, scale, packing, rank)
             check_devices(label, src_local, dst_local, scale)
             items.append((label, packing, src_local, dst_local, scale, *regions))
         return items
 
-    fingerprint = _fingerprint(
+    fingerprint = job_fingerprint(
         "reshard quant", entries, names, quant=quant, scale_dtype=scale_dtype, checksum=bool(checksum)
     )
-    device = _control_device(group, (t for name in names for t in entries[name][:2]))
-    run(_agree(fingerprint, prepare, group, rank, device=device), group, bool(checksum), native)
+    device = control_device(group, (t for name in names for t in entries[name][:2]))
+    run(agree(fingerprint, prepare, group, rank, device=device), group, bool(checksum), native)
 
 
 def _is_fp8(layout: Layout) -> bool:
@@ -383,7 +388,7 @@ def route(pairs, names, quant, scales, scale_dtype, src_scales):
     if extra:
         raise ArgumentError(f"scales: {extra[0]!r} is not one of the tensors")
     entries = {name: (*item, scales.get(name)) for name, item in quantized.items()}
-    entries, moves = _tpq.split(entries, dict(src_scales or {}))
+    entries, moves = _prequantized.split(entries, dict(src_scales or {}))
     names = [n for n in names if n not in quantized]
     return {n: pairs[n] for n in names}, names, entries, moves
 

@@ -5,7 +5,7 @@ A rank's arguments can be wrong on that rank alone: a ``scale`` given without ``
 malformed pair, a Refit's fused buffer of the wrong shape, a name that no tensor has. Raising
 there, on that rank only, would leave the others waiting in the group's agreement for a rank
 that gave up, until the backend's timeout. So a rank whose arguments are bad takes part in the
-agreement the others run on every call (:func:`reshard._torch_common._agree`), as a rank whose
+agreement the others run on every call (:func:`reshard.transfer.checks.agree`), as a rank whose
 tensors do not fit its shards does: every rank raises before any byte moves, the bad one its
 own :class:`reshard.ArgumentError`, the others :class:`reshard.AgreementError` naming it. On
 layouts the group has agreed on before (a refit every step), that agreement is one
@@ -19,15 +19,15 @@ from typing import Dict, Mapping, NoReturn, Tuple, Union
 
 import torch
 
-from . import _torch_cast as _tc
-from . import _torch_quant as _tq
-from ._core import ArgumentError, Layout, Refit, ReshardError
-from ._torch_common import _agree, _control_device
+from .._core import ArgumentError, Layout, Refit, ReshardError
+from ..quant import inflight as _inflight
+from . import cast as _cast
+from .checks import agree, control_device
 
 
 def read(pairs, rank: int, bucket_bytes, src, dst, quant, scales, scale_dtype, src_scales):
     """Checks this rank's arguments and sorts its tensors by how they move: ``(pairs, names,
-    entries, moves, quant)`` as :func:`reshard._torch_quant.route` gives them, with a Refit's
+    entries, moves, quant)`` as :func:`reshard.quant.inflight.route` gives them, with a Refit's
     parameters and scale shards taken from ``src`` and ``dst``. Raises :class:`ArgumentError`
     naming the argument that is wrong."""
     for what, given in (("scales", scales), ("src_scales", src_scales), ("src", src), ("dst", dst)):
@@ -40,7 +40,7 @@ def read(pairs, rank: int, bucket_bytes, src, dst, quant, scales, scale_dtype, s
             if scales is not None:
                 raise ArgumentError("scales: with a reshard.Refit, the scale shards come in dst")
             quant = pairs.quant
-            dst, scales = _tq.refit_scales(pairs, dst, rank)
+            dst, scales = _inflight.refit_scales(pairs, dst, rank)
         pairs = _refit_pairs(pairs, src, dst, rank)
     elif src is not None or dst is not None:
         raise ArgumentError("src, dst: given only with a reshard.Refit (pairs carry their tensors)")
@@ -62,8 +62,8 @@ def read(pairs, rank: int, bucket_bytes, src, dst, quant, scales, scale_dtype, s
                 label = f"{name}: " if name else ""
                 raise ArgumentError(f"{label}{what}: expected a reshard.Layout, got {type(layout).__name__}")
     # float casts (f32 -> bf16): converted by their source ranks, then moved in one dtype
-    pairs = _tc.cast_at_source(pairs, sorted(pairs))
-    return (*_tq.route(pairs, sorted(pairs), quant, scales, scale_dtype, src_scales), quant)
+    pairs = _cast.cast_at_source(pairs, sorted(pairs))
+    return (*_inflight.route(pairs, sorted(pairs), quant, scales, scale_dtype, src_scales), quant)
 
 
 def refuse(problem: Union[str, ReshardError], pairs, group, rank: int) -> NoReturn:
@@ -82,7 +82,7 @@ def refuse(problem: Union[str, ReshardError], pairs, group, rank: int) -> NoRetu
     try:
         # a fingerprint that no group ever agrees on: the refusal reaches every rank
         fingerprint = [("command", "refused"), ("problem", str(error))]
-        _agree(fingerprint, prepare, group, rank, device=_control_device(group, tensors))
+        agree(fingerprint, prepare, group, rank, device=control_device(group, tensors))
     except ReshardError as e:
         raise e from None
     except RuntimeError as e:
@@ -91,7 +91,7 @@ def refuse(problem: Union[str, ReshardError], pairs, group, rank: int) -> NoRetu
     raise AssertionError("an agreement on a refused call cannot pass")
 
 
-def _views(refit: Refit, tensors: Mapping[str, torch.Tensor], rank: int, side: str, what: str):
+def member_views(refit: Refit, tensors: Mapping[str, torch.Tensor], rank: int, side: str, what: str):
     """The parameters' local tensors by name from a rank's own tensors by name, where a
     fused buffer (vLLM's ``qkv_proj``, ``gate_up_proj``, ``w13``) stands for its members:
     each member is the view of its slice of the buffer."""
@@ -128,8 +128,8 @@ def _refit_fused(refit: Refit, rank: int, side: str):
 
 def _refit_pairs(refit: Refit, src, dst, rank: int):
     """Every parameter of ``refit`` as ``reshard_many_``'s pairs, with this rank's tensors."""
-    srcs = _views(refit, src or {}, rank, "train", "src")
-    dsts = _views(refit, dst or {}, rank, "infer", "dst")
+    srcs = member_views(refit, src or {}, rank, "train", "src")
+    dsts = member_views(refit, dst or {}, rank, "infer", "dst")
     pairs = {}
     for name, src_layout, dst_layout in _refit_layouts(refit):
         pairs[name] = (srcs.pop(name, None), dsts.pop(name, None), src_layout, dst_layout)

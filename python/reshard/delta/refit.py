@@ -16,13 +16,13 @@ from typing import Dict, List, Mapping, Optional
 import torch
 import torch.distributed as dist
 
-from . import _torch_args as _args
-from . import _torch_delta as _codec
-from . import _torch_delta_exchange as _exchange
-from . import _torch_dtensor as _dt
-from ._core import AgreementError, ArgumentError, Refit, ReshardError, VersionError
-from ._torch_bucket import _check_entry, _plan_of
-from ._torch_common import _agree, _check_tensor, _fingerprint, _group_rank, collective
+from .. import dtensor as _dt
+from .._core import AgreementError, ArgumentError, Refit, ReshardError, VersionError
+from ..transfer import arguments as _args
+from ..transfer.bucket import check_entry, plan_of
+from ..transfer.checks import agree, check_tensor, collective, group_rank, job_fingerprint
+from . import codec as _codec
+from . import exchange as _exchange
 
 _OK, _HELD, _BASE, _VERSION, _DIGEST, _NEWEST = range(6)
 _MAX_VERSION = (1 << 63) - 1
@@ -80,7 +80,7 @@ def _device_of(given, src, dst, group) -> torch.device:
     return torch.device("cpu")
 
 
-def _check_version(what: str, version) -> int:
+def check_version(what: str, version) -> int:
     if isinstance(version, bool) or not isinstance(version, int) or not 0 <= version <= _MAX_VERSION:
         raise ArgumentError(f"{what}: {version!r:.40} is invalid: a version is an integer in 0..2^63-1")
     return version
@@ -180,14 +180,14 @@ def _read(session, given, src, dst, previous, rank: int, world: int) -> _Job:
     plans = []
     for name in names:
         _, _, src_layout, dst_layout = pairs[name]
-        plan = _plan_of(name, src_layout, dst_layout, rank, world)
-        _check_entry(name, *pairs[name], plan, rank)
+        plan = plan_of(name, src_layout, dst_layout, rank, world)
+        check_entry(name, *pairs[name], plan, rank)
         if prev_pairs is not None and prev_pairs[name][0] is not None:
             label = f"{name}: " if name else ""
-            _check_tensor(label, "previous", prev_pairs[name][0], src_layout, plan.src_shape, rank)
+            check_tensor(label, "previous", prev_pairs[name][0], src_layout, plan.src_shape, rank)
         plans.append(plan)
     options = dict(checksum=session.checksum, anchor=session.anchor, bucket_bytes=session.bucket_bytes)
-    fingerprint = _fingerprint("delta refit", pairs, names, **options)
+    fingerprint = job_fingerprint("delta refit", pairs, names, **options)
     return _Job(pairs, names, plans, prev_pairs, fingerprint)
 
 
@@ -216,13 +216,13 @@ def _fence(session, job, ok: bool, version: int, digest: int, device, world: int
     return torch.stack(gathered).tolist()  # one host sync for every rank's fields
 
 
-def _refit_live(session, given, version, src, dst, previous, problem=None) -> DeltaReport:
+def refit_live(session, given, version, src, dst, previous, problem=None) -> DeltaReport:
     """A refit into the live shards: they serve its version after it, and none after one that
     failed while writing them."""
     last, held = session.last, session.held
     try:
         live = destinations(given, dst)
-        report = _refit(session, given, version, src, dst, previous, problem, live)
+        report = refit_delta(session, given, version, src, dst, previous, problem, live)
     except BaseException:
         if session.last != last or session.held != held:  # data moved, so the shards are a mix
             session._serving = None
@@ -233,11 +233,11 @@ def _refit_live(session, given, version, src, dst, previous, problem=None) -> De
     return report
 
 
-def _refit(session, given, version, src, dst, previous, problem=None, live=None) -> DeltaReport:
+def refit_delta(session, given, version, src, dst, previous, problem=None, live=None) -> DeltaReport:
     """One delta refit of ``session``; ``live`` are the destination tensors whose version the
     session tracks (the live shards, also when the refit writes into a staging beside them)."""
     group = session.group
-    rank, world = _group_rank(group)
+    rank, world = group_rank(group)
     if rank < 0:
         raise ArgumentError("this process is not a member of the session's group")
     job = None
@@ -247,7 +247,7 @@ def _refit(session, given, version, src, dst, previous, problem=None, live=None)
             raise ArgumentError(problem)
         if version is None:
             version = 1 if session.last is None else session.last + 1
-        version = _check_version("version", version)
+        version = check_version("version", version)
         job = _read(session, given, src, dst, previous, rank, world)
     except ReshardError as e:
         problem, own = str(e), type(e)
@@ -268,7 +268,7 @@ def _refit(session, given, version, src, dst, previous, problem=None, live=None)
     if any(fields[_DIGEST] != digest for fields in heard):
         # names what differs, on every rank; the marker keeps it from any agreement kept
         # from before (it never passes, so it is never kept itself)
-        _agree(job.fingerprint + [("fence", "disagreed")], lambda: None, group, rank)
+        agree(job.fingerprint + [("fence", "disagreed")], lambda: None, group, rank)
         raise AgreementError("the ranks disagree on the job, so nothing was moved")
     for r, fields in enumerate(heard):
         if fields[_VERSION] != version:

@@ -1,6 +1,6 @@
-"""The data of one delta refit, after the fence (:mod:`reshard._torch_delta_session`): every
+"""The data of one delta refit, after the fence (:mod:`reshard.delta.session`): every
 source rank encodes each of its transfers against its base where the destination holds it,
-one message per peer and bucket (:mod:`reshard._torch_delta`: the core's encoding of each
+one message per peer and bucket (:mod:`reshard.delta.codec`: the core's encoding of each
 region, the message's format), and the ranks exchange the messages, point to point, while
 each copies the regions it holds on both sides; then every destination applies what arrived
 onto its shards, in place, and with checksums compares each region after applying.
@@ -18,12 +18,12 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from . import _torch_control as _control
-from . import _torch_delta as _codec
-from ._core import ChecksumError, ReshardError
-from ._torch_bucket import _peer
+from .._core import ChecksumError, ReshardError
+from ..transfer import control as _control
+from ..transfer.bucket import global_rank
+from . import codec as _codec
 
-# The fence's field of a rank's held version (as _torch_delta_session gathers it).
+# The fence's field of a rank's held version (as the session gathers it).
 _HELD = 1
 
 
@@ -216,7 +216,7 @@ def _move(group, messages, recvs, checksum: bool, device, report) -> dict:
 
 
 def _op(op, tensor: torch.Tensor, peer: int, group):
-    return dist.P2POp(op, tensor, _peer(group, peer), group)
+    return dist.P2POp(op, tensor, global_rank(group, peer), group)
 
 
 def _apply(session, job, recvs, landing, report, rank: int) -> Optional[str]:

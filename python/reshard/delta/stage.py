@@ -1,4 +1,4 @@
-"""Staged refit of a :class:`reshard._torch_delta_session.DeltaSession`: a new version moves
+"""Staged refit of a :class:`reshard.delta.session.DeltaSession`: a new version moves
 into staging beside the live destination shards, which keep serving the old one, and is
 copied onto them only once the whole job has decided to commit it.
 
@@ -7,7 +7,7 @@ that fails on one rank half-way must leave every rank on the old version: a plai
 the live shards in place, so a failure there leaves a mix of versions. :func:`prepare` runs the
 refit into a shadow of each destination tensor instead (filled from the live tensor, so that a
 delta against the version the live shards hold applies to it as it would to them), then every
-rank votes through the job's control plane (:mod:`reshard._torch_control`). :func:`commit`
+rank votes through the job's control plane (:mod:`reshard.transfer.control`). :func:`commit`
 and :func:`abort` are the runtime's two-phase decision: each rank votes (commit, once its live
 tensors are checked again; abort), rank 0 decides for all, with presumed abort, and only then
 does any rank write its live shards, a copy per tensor: the engine's only pause.
@@ -21,8 +21,7 @@ from typing import Dict, Mapping, Optional
 
 import torch
 
-from . import _torch_control as _control
-from ._core import (
+from .._core import (
     AbortedError,
     ArgumentError,
     InDoubtError,
@@ -31,14 +30,15 @@ from ._core import (
     ReshardError,
     VersionError,
 )
-from ._torch_delta_refit import (
+from ..transfer import control as _control
+from ..transfer.checks import group_rank
+from .refit import (
     DeltaReport,
-    _check_version,
-    _group_rank,
-    _refit,
+    check_version,
     destinations,
     identities,
     local,
+    refit_delta,
 )
 
 
@@ -188,7 +188,7 @@ def _with(given, dst, shadows):
 def prepare(session, given, version, src, dst, previous, staging) -> StageReport:
     start = time.perf_counter()
     group = session.group
-    rank, world = _group_rank(group)
+    rank, world = group_rank(group)
     live = destinations(given, dst)
     shadows: Dict[str, torch.Tensor] = {}
     problem = None
@@ -222,7 +222,7 @@ def prepare(session, given, version, src, dst, previous, staging) -> StageReport
     given_shadows, dst_shadows = _with(given, dst, shadows)
     try:
         # a rank with a problem refuses at the fence, so every rank raises there alike
-        report = _refit(session, given_shadows, version, src, dst_shadows, previous, problem, live)
+        report = refit_delta(session, given_shadows, version, src, dst_shadows, previous, problem, live)
     except PeerLostError:
         raise  # the job is over (its communicator aborted): no vote to take
     except Exception as e:  # this rank still votes, so that the others do not wait for it
@@ -274,7 +274,7 @@ def _staged(session, version, call: str) -> Optional[_Stage]:
     """The staged version a commit or abort ends, or a refusal (alike on every rank: a
     prepare stages on every rank or on none)."""
     if version is not None:
-        version = _check_version("version", version)
+        version = check_version("version", version)
     if session._in_doubt is not None:
         raise VersionError(
             f"{call}: this rank is in doubt about version {session._in_doubt.version}: "

@@ -15,9 +15,9 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from . import _torch_control as _control
-from ._core import ArgumentError, ChecksumError, Layout, Packing, ReshardError, crc32c, rank_program
-from ._torch_common import _check_ranks, _check_tensor, torch_dtype
+from .._core import ArgumentError, ChecksumError, Layout, Packing, ReshardError, crc32c, rank_program
+from . import control as _control
+from .checks import check_ranks, check_tensor, torch_dtype
 
 # Regions inside a packed buffer start at multiples of this, so that a byte buffer can be
 # viewed as any element type.
@@ -37,7 +37,7 @@ class _Piece:
 
 
 @dataclass(frozen=True)
-class _LocalPlan:
+class LocalPlan:
     """One rank's part of the reshard of one tensor, in local coordinates."""
 
     src_shape: Optional[Tuple[int, ...]]
@@ -65,7 +65,7 @@ def _piece(p, src: int, dst: int) -> _Piece:
 
 
 @functools.lru_cache(maxsize=4096)
-def _local_plan(src: Layout, dst: Layout, rank: int) -> _LocalPlan:
+def local_plan(src: Layout, dst: Layout, rank: int) -> LocalPlan:
     """This rank's part of one tensor's reshard: the runtime's program for it
     (:func:`reshard._core.rank_program`), its regions by peer in the program's order."""
     sends_out, recvs_out, locals_out = rank_program([(src, dst)], rank)
@@ -84,7 +84,7 @@ def _local_plan(src: Layout, dst: Layout, rank: int) -> _LocalPlan:
         )
         for _, src_at, dst_at, extent in locals_out
     ]
-    return _LocalPlan(
+    return LocalPlan(
         src_shape=None if src_region is None else tuple(src_region[1]),
         dst_shape=None if dst_region is None else tuple(dst_region[1]),
         sends=sends,
@@ -93,28 +93,28 @@ def _local_plan(src: Layout, dst: Layout, rank: int) -> _LocalPlan:
     )
 
 
-def _check_entry(name: str, src_local, dst_local, src_layout, dst_layout, plan, rank: int) -> None:
+def check_entry(name: str, src_local, dst_local, src_layout, dst_layout, plan, rank: int) -> None:
     """This rank's tensors fit its shards of the layouts, on one device."""
     label = f"{name}: " if name else ""
-    _check_tensor(label, "src_local", src_local, src_layout, plan.src_shape, rank)
-    _check_tensor(label, "dst_local", dst_local, dst_layout, plan.dst_shape, rank)
+    check_tensor(label, "src_local", src_local, src_layout, plan.src_shape, rank)
+    check_tensor(label, "dst_local", dst_local, dst_layout, plan.dst_shape, rank)
     if src_local is not None and dst_local is not None and src_local.device != dst_local.device:
         raise ArgumentError(f"{label}src_local is on {src_local.device} but dst_local on {dst_local.device}")
 
 
-def _plan_of(name: str, src_layout, dst_layout, rank: int, world: int) -> _LocalPlan:
+def plan_of(name: str, src_layout, dst_layout, rank: int, world: int) -> LocalPlan:
     label = f"{name}: " if name else ""
     for what, layout in (("src_layout", src_layout), ("dst_layout", dst_layout)):
-        _check_ranks(label, what, layout, world)
+        check_ranks(label, what, layout, world)
     if src_layout.dtype != dst_layout.dtype:
-        # float casts were turned into moves of one dtype before (_torch_cast); what is left
+        # float casts were turned into moves of one dtype before (transfer.cast); what is left
         # is a conversion no engine loads (integers, bool, fp8 without quant)
         raise ArgumentError(
             f"{label}dst_layout: dtype {dst_layout.dtype} differs from src_layout's {src_layout.dtype}, "
             "and only float dtypes (f64, f32, bf16, f16) convert into each other"
         )
     try:
-        return _local_plan(src_layout, dst_layout, rank)
+        return local_plan(src_layout, dst_layout, rank)
     except ReshardError as e:
         raise type(e)(f"{label}{e}") from None  # of the core's kind, naming the tensor
 
@@ -123,7 +123,7 @@ def _aligned(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
-class _Message:
+class Message:
     """Everything one rank sends to (or receives from) one peer in one bucket: its regions,
     each in a tensor slot of the bucket, and where each lies in the packed buffer."""
 
@@ -203,21 +203,21 @@ class _Message:
 
 
 def _given(tensor: Optional[torch.Tensor]) -> torch.Tensor:
-    assert tensor is not None, "checked by _check_entry"
+    assert tensor is not None, "checked by check_entry"
     return tensor
 
 
-def _peer(group, r: int) -> int:
+def global_rank(group, r: int) -> int:
     return r if group is None else dist.get_global_rank(group, r)
 
 
-class _Bucket:
+class Bucket:
     """The copying program of one bucket of tensors on this rank, computed once per model and
     layouts: its tensors are slots ``2 j`` (source) and ``2 j + 1`` (destination) of its
     ``j``-th tensor; a message per peer and direction; the local copies; and the same as a
     :class:`reshard._core.Packing`, which copies CPU tensors in Rust."""
 
-    def __init__(self, members: List[int], plans: List[_LocalPlan], layouts, rank: int) -> None:
+    def __init__(self, members: List[int], plans: List[LocalPlan], layouts, rank: int) -> None:
         self.members = members
         self.locals: List[Tuple[int, Tuple[slice, ...], int, Tuple[slice, ...]]] = []
         slots = []
@@ -227,13 +227,13 @@ class _Bucket:
             slots.append(None if plan.src_shape is None else (list(plan.src_shape), src_layout.elem_bytes))
             slots.append(None if plan.dst_shape is None else (list(plan.dst_shape), dst_layout.elem_bytes))
         # the runtime's program of the whole bucket: its messages, their regions and offsets
-        # (a rank with sends (receives) has a source (destination): _check_entry sees to it)
+        # (a rank with sends (receives) has a source (destination): check_entry sees to it)
         sends_out, recvs_out, locals_out = rank_program(list(layouts), rank)
 
-        def messages(out, sending: bool) -> List[Tuple[int, _Message]]:
+        def messages(out, sending: bool) -> List[Tuple[int, Message]]:
             made = []
             for peer, nbytes, pieces in out:
-                m = _Message()
+                m = Message()
                 for p in pieces:
                     j, at = p[0], p[4]
                     ends = (rank, peer) if sending else (peer, rank)
@@ -275,7 +275,7 @@ class _Bucket:
         staged = _buffers(self.sends, tensors, device, checksum, "send")
         for (peer, m), buffer in zip(self.sends, staged):
             buffer = _given(m.direct(tensors) if buffer is None else buffer)
-            ops.append(dist.P2POp(dist.isend, buffer, _peer(group, peer), group))
+            ops.append(dist.P2POp(dist.isend, buffer, global_rank(group, peer), group))
         if native:
             self.packing.pack(tensors, staged)
         else:
@@ -288,7 +288,7 @@ class _Bucket:
         landing = _buffers(self.recvs, tensors, device, checksum, "recv")
         for (peer, m), buffer in zip(self.recvs, landing):
             buffer = _given(m.direct(tensors) if buffer is None else buffer)
-            ops.append(dist.P2POp(dist.irecv, buffer, _peer(group, peer), group))
+            ops.append(dist.P2POp(dist.irecv, buffer, global_rank(group, peer), group))
         requests = dist.batch_isend_irecv(ops) if ops else []
 
         # local copies need no communication: they run while the messages travel
@@ -328,12 +328,12 @@ def _buffers(messages, tensors, device, checksum: bool, way: str) -> List[Option
     if device.type != "cpu":
         return [None if n is None else torch.empty(n, dtype=torch.uint8, device=device) for n in sizes]
     total = sum(_aligned(n) for n in sizes if n is not None)
-    arena = getattr(_STAGING, way, None)
+    arena = getattr(STAGING, way, None)
     if arena is None or arena.numel() < total:
         arena = None
-        setattr(_STAGING, way, None)  # the old arena goes before the new one is allocated
+        setattr(STAGING, way, None)  # the old arena goes before the new one is allocated
         arena = torch.empty(total, dtype=torch.uint8)
-        setattr(_STAGING, way, arena)
+        setattr(STAGING, way, arena)
     out: List[Optional[torch.Tensor]] = []
     at = 0
     for n in sizes:
@@ -346,13 +346,13 @@ def _buffers(messages, tensors, device, checksum: bool, way: str) -> List[Option
 
 
 # This thread's staging arenas in CPU memory, by direction ("send", "recv").
-_STAGING = threading.local()
+STAGING = threading.local()
 
 
 def free_staging() -> None:
     """Releases this thread's staging buffers in CPU memory, which :func:`reshard_many_` keeps
     between calls (as large as the largest bucket's messages of this rank)."""
-    _STAGING.__dict__.clear()
+    STAGING.__dict__.clear()
 
 
 def _copies(dst: List[torch.Tensor], src: List[torch.Tensor]) -> None:

@@ -17,8 +17,8 @@ from typing import Dict, List, Mapping, Optional, Tuple
 
 import torch
 
-from ._core import ArgumentError, Layout, ReshardError, quantized_scale_layouts
-from ._torch_common import _agree, _check_ranks, _check_tensor, _control_device, _fingerprint
+from .._core import ArgumentError, Layout, ReshardError, quantized_scale_layouts
+from ..transfer.checks import agree, check_ranks, check_tensor, control_device, job_fingerprint
 
 # The scale tensor of ``name`` among the plain reshard's tensors.
 _SCALES = "{} (scales)"
@@ -79,7 +79,7 @@ def plan(
             src_local, dst_local, src_layout, dst_layout, src_scale, scale = moves[name]
             label = f"{name}: " if name else ""
             for what, layout in (("src_layout", src_layout), ("dst_layout", dst_layout)):
-                _check_ranks(label, what, layout, world)
+                check_ranks(label, what, layout, world)
             src_scales, dst_scales = _scale_layouts(label, src_layout, dst_layout, quant, scale_dtype)
             given = []
             src_scale, scale = _empty_as(src_scale, src_scales, rank), _empty_as(scale, dst_scales, rank)
@@ -90,7 +90,7 @@ def plan(
                 ("scale", scale, dst_scales),
             ):
                 region = layout.local_region(rank)
-                _check_tensor(label, what, tensor, layout, None if region is None else tuple(region[1]), rank)
+                check_tensor(label, what, tensor, layout, None if region is None else tuple(region[1]), rank)
                 if tensor is not None:
                     given.append((what, tensor))
             for what, tensor in given[1:]:
@@ -104,9 +104,9 @@ def plan(
             )
         return out
 
-    fingerprint = _fingerprint("reshard quantized", moves, order, quant=quant, scale_dtype=scale_dtype)
-    device = _control_device(group, (t for name in order for t in moves[name][:2]))
-    checked = _agree(fingerprint, prepare, group, rank, device=device)
+    fingerprint = job_fingerprint("reshard quantized", moves, order, quant=quant, scale_dtype=scale_dtype)
+    device = control_device(group, (t for name in order for t in moves[name][:2]))
+    checked = agree(fingerprint, prepare, group, rank, device=device)
     pairs = dict(pairs)
     for name in order:
         values, scales = checked[name]

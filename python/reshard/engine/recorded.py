@@ -1,4 +1,4 @@
-"""A refit into a live engine model by the map its own loader gives (:mod:`._engine_map`).
+"""A refit into a live engine model by the map its own loader gives (:mod:`.loader_map`).
 
 Every engine rank records its loader once; the ranks exchange what they recorded (one
 ``all_gather_object`` the first time), and every rank derives the same destination layout per
@@ -25,9 +25,9 @@ from typing import Dict, List, Mapping, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from . import _engine_map as em
-from ._core import AgreementError, ArgumentError, Layout, Refit, Replicate, Shard
-from ._torch_common import collective, group_key
+from .._core import AgreementError, ArgumentError, Layout, Refit, Replicate, Shard
+from ..transfer.checks import collective, group_key
+from . import loader_map as em
 
 Box = Tuple[Tuple[int, ...], Tuple[int, ...]]
 
@@ -39,7 +39,7 @@ _GATHERED: Dict[tuple, "EngineMap"] = {}
 
 @dataclass
 class EngineMap:
-    """Every rank's :class:`reshard._engine_map.RankMap` of one engine, by group rank, and the
+    """Every rank's :class:`reshard.engine.loader_map.RankMap` of one engine, by group rank, and the
     destination layout that each checkpoint tensor gets from them."""
 
     ranks: Dict[int, em.RankMap]
@@ -217,12 +217,12 @@ def recorded_pairs(
     tied alias left out) into ``model``'s live parameters, by every rank's recording
     (:func:`engine_map`). Raises :class:`ArgumentError` naming what is wrong on this rank,
     having run no collective (the caller refuses it on every rank)."""
-    from ._torch_args import _views
-    from ._torch_dtensor import unwrap_refit
+    from ..dtensor import unwrap_refit
+    from ..transfer.arguments import member_views
 
     if src is not None:
         src = tied_sources(
-            refit, _views(refit, unwrap_refit(refit, src, rank, "src", group), rank, "train", "src")
+            refit, member_views(refit, unwrap_refit(refit, src, rank, "src", group), rank, "train", "src")
         )
     mine = emap.ranks.get(rank)
     params = dict(model.named_parameters()) if model is not None else {}
@@ -301,7 +301,7 @@ def tied_sources(
 
 
 def _same_memory(a, b) -> bool:
-    from ._torch_dtensor import local_of
+    from ..dtensor import local_of
 
     a, b = local_of(a), local_of(b)
     return (

@@ -25,7 +25,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from ._core import ArgumentError, QuantPacking
+from .._core import ArgumentError, QuantPacking
 
 # Rust's AMAX_FLOOR: the lower clamp of a block's amax for block, channel and tensor scales.
 _AMAX_FLOOR = 1e-4

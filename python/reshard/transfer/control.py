@@ -28,9 +28,9 @@ from typing import List, Optional, Sequence
 
 import torch.distributed as dist
 
-from ._core import ArgumentError, Control, ControlListener, ReshardError
-from ._torch_common import _group_rank, end_job, lost_rank, peer_lost, register_lost_probe
-from ._torch_common import process_group as _process_group
+from .._core import ArgumentError, Control, ControlListener, ReshardError
+from .checks import end_job, group_rank, lost_rank, peer_lost, register_lost_probe
+from .checks import process_group as _process_group
 
 #: Seconds a rank waits for a peer before it names it as lost, when ``RESHARD_TIMEOUT`` is unset.
 DEFAULT_TIMEOUT = 60.0
@@ -55,7 +55,7 @@ def timeout() -> float:
 
 def control(group) -> Control:
     """This rank's control plane of ``group`` (joined on first use, by every rank at once)."""
-    rank, world = _group_rank(group)  # raises when the job on the group failed before
+    rank, world = group_rank(group)  # raises when the job on the group failed before
     pg = _process_group(group)
     known = _CONTROLS.get(pg)
     if isinstance(known, Control):

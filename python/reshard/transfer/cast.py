@@ -7,8 +7,8 @@ shard in the destination dtype (no larger than the shard when the cast narrows).
 
 from typing import Dict, List
 
-from ._core import Layout
-from ._torch_common import torch_dtype
+from .._core import Layout
+from .checks import torch_dtype
 
 # the dtypes the core's float casts convert between
 FLOATS = frozenset(("f64", "f32", "bf16", "f16"))

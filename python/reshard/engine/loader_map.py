@@ -22,7 +22,7 @@ from typing import Callable, Dict, Iterable, Iterator, List, Mapping, Optional, 
 import numpy as np
 import torch
 
-from ._core import ArgumentError
+from .._core import ArgumentError
 
 Box = Tuple[Tuple[int, ...], Tuple[int, ...]]  # (offset, extent)
 

@@ -1,5 +1,5 @@
 """The wire format of a delta refit's messages from Python, shared by both codec paths
-(:mod:`reshard._torch_delta`): the core's block tags and sizes, the message's sections and how
+(:mod:`reshard.delta.codec`): the core's block tags and sizes, the message's sections and how
 a receiver reads them, and what each region's encoding reports.
 """
 
@@ -10,7 +10,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from ._core import ReshardError, crc32c
+from .._core import ReshardError, crc32c
 
 #: Elements per block of a region's stream (``reshard_core::delta::BLOCK_ELEMS``).
 BLOCK = 4096

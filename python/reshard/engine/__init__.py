@@ -32,64 +32,27 @@ compare with its ``named_parameters()``); :func:`refit_engine_` runs a refit int
 from __future__ import annotations
 
 import weakref
-from typing import Dict, List, Mapping, Optional, Tuple
+from typing import Dict, Mapping, Optional, Tuple
 
 import torch
 
-from ._core import ArgumentError, Layout, Refit
-from ._torch_common import _TORCH_DTYPES, torch_dtype
+from .._core import ArgumentError, Layout, Refit
+from ..transfer.checks import group_rank, torch_dtype
+from . import table
+from .table import ENGINES
 
-#: The parameters whose vocabulary the engines pad.
-_VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
-
-ENGINES = ("vllm", "sglang")
+__all__ = [
+    "ENGINES",
+    "engine_params",
+    "refit_engine_",
+    "prepare_engine_",
+    "commit_engine_",
+    "abort_engine_",
+]
 
 # A delta refit's scratch shards of the vocab tables, by session: (the version they hold,
 # {name: shard}). A delta writes only what changed, so they live as long as the session.
 _SCRATCH: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
-def _engine_name(name: str) -> str:
-    """The engine's name of a refit's unfused parameter."""
-    for down in (".mlp.experts.down_proj.weight", ".mlp.experts.down_proj"):
-        if name.endswith(down):
-            return name[: -len(down)] + ".mlp.experts.w2_weight"
-    return name
-
-
-def _check_engine(engine: str, scale_name: str, vocab_pad: int) -> None:
-    if engine not in ENGINES:
-        raise ArgumentError(f"engine: {engine!r} is not one of {', '.join(ENGINES)}")
-    if scale_name not in ("weight_scale_inv", "weight_scale"):
-        raise ArgumentError(f"scale_name: {scale_name!r} is neither weight_scale_inv nor weight_scale")
-    if isinstance(vocab_pad, bool) or not isinstance(vocab_pad, int) or vocab_pad < 1:
-        raise ArgumentError(f"vocab_pad: {vocab_pad!r} is not a positive integer")
-
-
-def _padded(layout: Layout, rank: int, vocab_pad: int) -> Optional[Tuple[int, int, int]]:
-    """``(first, real, per)``: the padded split of the vocab rows on ``rank``: the first row it
-    holds, how many real rows, the rows of its shard; None where dim 0 is not split alone."""
-    vocab = layout.shape[0]
-    dims = [i for i, p in enumerate(layout.placements) if p.is_shard()]
-    if not dims:
-        return None
-    if any(p.dim != 0 for p in (layout.placements[i] for i in dims)) or len(dims) != 1:
-        raise ArgumentError(
-            f"{layout.spec}: the engines split the vocabulary over one mesh axis, on dim 0"
-        )
-    axis = dims[0]
-    tp = layout.mesh[axis]
-    padded = -(-vocab // vocab_pad) * vocab_pad
-    if padded % tp:
-        raise ArgumentError(f"vocab_pad: the padded vocabulary {padded} does not split over tp={tp} ranks")
-    per = padded // tp
-    position = list(layout.ranks).index(rank)
-    stride = 1
-    for n in layout.mesh[axis + 1 :]:
-        stride *= n
-    index = (position // stride) % tp
-    first = min(index * per, vocab)
-    return first, min(per, vocab - first), per
 
 
 def engine_params(
@@ -102,7 +65,7 @@ def engine_params(
 ) -> Dict[str, Tuple[Tuple[int, ...], torch.dtype]]:
     """What inference ``rank`` of ``refit`` holds in ``engine``: name -> (shape, dtype), in
     the refit's order (an empty dict on a rank that holds none)."""
-    _check_engine(engine, scale_name, vocab_pad)
+    table.check_engine(engine, scale_name, vocab_pad)
     fused = refit.fused(rank)
     member_of = {m: buffer for buffer, ms in fused.items() for m, *_ in ms}
     out: Dict[str, Tuple[Tuple[int, ...], torch.dtype]] = {}
@@ -120,95 +83,13 @@ def engine_params(
                 whole[ms[0][1]] = sum(extent for *_, extent in ms)
                 out[buffer] = (tuple(whole), dtype)
             continue
-        if name in _VOCAB:
-            split = _padded(layout, rank, vocab_pad)
+        if name in table.VOCAB:
+            split = table.padded(layout, rank, vocab_pad)
             if split is not None:
                 shape = (split[2], *shape[1:])
-        out[_engine_name(name)] = (tuple(shape), dtype)
-    for _weight, (scale, scale_shape) in _scales(refit, rank, scale_name).items():
+        out[table.engine_name(name)] = (tuple(shape), dtype)
+    for _weight, (scale, scale_shape) in table.scale_params(refit, rank, scale_name).items():
         out[scale] = scale_shape
-    return out
-
-
-def _scales(refit: Refit, rank: int, scale_name: str) -> Dict[str, Tuple[str, tuple]]:
-    """The fp8 scale shards an inference rank holds: weight (or fused buffer) -> (engine's
-    scale name, (shape, dtype))."""
-    if refit.quant is None:
-        return {}
-    from . import quant_scale_dtype, quant_scale_shape
-
-    dtype = _TORCH_DTYPES[quant_scale_dtype(refit.quant)]
-    out = {}
-    fused = refit.scale_fused(rank)
-    member_of = {m for ms in fused.values() for m, *_ in ms}
-    for buffer, ms in fused.items():
-        first = quant_scale_shape(refit.layouts(ms[0][0])[1], rank, refit.quant)
-        shape = list(first)
-        shape[ms[0][1]] = sum(extent for *_, extent in ms)
-        out[buffer] = (_rename_scale(buffer, scale_name), (tuple(shape), dtype))
-    for weight, (scale, _) in refit.scales.items():
-        if weight in member_of:
-            continue
-        shape = quant_scale_shape(refit.layouts(weight)[1], rank, refit.quant)
-        if shape is not None:
-            out[weight] = (_rename_scale(_engine_name(scale), scale_name), (tuple(shape), dtype))
-    return out
-
-
-def _rename_scale(name: str, scale_name: str) -> str:
-    if scale_name == "weight_scale" and name.endswith("weight_scale_inv"):
-        return name[: -len("_inv")]
-    return name
-
-
-def _refit_name(refit_names, name: str, scale_name: str) -> str:
-    """The refit's name of an engine's parameter (its own where they agree)."""
-    if name.endswith(".mlp.experts.w2_weight"):
-        prefix = name[: -len(".mlp.experts.w2_weight")]
-        for down in (".mlp.experts.down_proj", ".mlp.experts.down_proj.weight"):
-            if prefix + down in refit_names:
-                return prefix + down
-    if scale_name == "weight_scale" and name.endswith("weight_scale"):
-        return name + "_inv"
-    if name.endswith(".mlp.experts.w2_weight_scale_inv") or name.endswith(".mlp.experts.w2_weight_scale"):
-        return name if name.endswith("_inv") else name + "_inv"
-    return name
-
-
-def _replica_peers(layout: Layout, rank: int) -> List[int]:
-    """The ranks of ``rank``'s replica of a vocab-split layout, by their vocab shard."""
-    axis = next(i for i, p in enumerate(layout.placements) if p.is_shard())
-    ranks = list(layout.ranks)
-    stride = 1
-    for n in layout.mesh[axis + 1 :]:
-        stride *= n
-    position = ranks.index(rank)
-    base = position - ((position // stride) % layout.mesh[axis]) * stride
-    return [ranks[base + i * stride] for i in range(layout.mesh[axis])]
-
-
-def _vocab_moves(refit: Refit, vocab_pad: int):
-    """The pieces of the vocab tables the refit's split leaves on another engine rank than
-    the padded split wants: (name, piece name, source rank, its first row, destination rank,
-    its first row, rows), the same on every rank."""
-    names = set(refit.names)
-    out = []
-    for name in _VOCAB:
-        if name not in names:
-            continue
-        layout = refit.layouts(name)[1]
-        if not any(p.is_shard() for p in layout.placements):
-            continue
-        for r in layout.ranks:
-            first, real, _ = _padded(layout, r, vocab_pad)
-            offset, extent = layout.local_region(r)
-            if (offset[0], extent[0]) == (first, real) or real == 0:
-                continue
-            for s in _replica_peers(layout, r):
-                (s_first, *_), (s_rows, *_) = layout.local_region(s)
-                lo, hi = max(first, s_first), min(first + real, s_first + s_rows)
-                if lo < hi:
-                    out.append((name, f"{name}@{lo}:{s}>{r}", s, lo - s_first, r, lo - first, hi - lo))
     return out
 
 
@@ -232,7 +113,7 @@ def refit_engine_(
     ``engine`` is the engine's model (a vLLM or SGLang ``torch.nn.Module``), or its
     ``dict(named_parameters())`` with the model as ``loader``: where each slice of each
     checkpoint tensor lands is then recorded from the model's own ``load_weights``, run once
-    on probe data (:mod:`reshard._engine_map`), and the parameters end exactly as that loader
+    on probe data (:mod:`reshard.engine.loader_map`), and the parameters end exactly as that loader
     leaves them, padding included. Any architecture its loader loads refits this way.
 
     Without a model, ``engine`` is a ``dict`` of the parameters that :func:`engine_params`
@@ -242,16 +123,16 @@ def refit_engine_(
     :class:`reshard.torch.DeltaSession`, ``version=``) it is a delta refit, and returns its
     :class:`reshard.torch.DeltaReport` (None otherwise); the vocab rows that move once more
     between the engine's ranks go dense, from scratch shards kept with the session."""
-    from . import torch as rt
+    from .. import torch as rt
 
-    _check_engine(engine_kind, scale_name, vocab_pad)
-    rank, _ = rt._group_rank(group)
+    table.check_engine(engine_kind, scale_name, vocab_pad)
+    rank, _ = group_rank(group)
     if rank < 0:
         return None
     if isinstance(engine, torch.nn.Module) or loader is not None:
         return _refit_recorded(refit, src, engine, loader, group, rank, options)
     names = set(refit.names)
-    moves = _vocab_moves(refit, vocab_pad)
+    moves = table.vocab_moves(refit, vocab_pad)
     staged = {name for name, *_ in moves}
     session = _session(group, options) if moves else None
     kept = _SCRATCH.get(session) if session is not None else None
@@ -262,10 +143,10 @@ def refit_engine_(
         dst = {}
         for name, tensor in engine.items():
             tensor = tensor.data if isinstance(tensor, torch.nn.Parameter) else tensor
-            refit_name = _refit_name(names, name, scale_name)
+            refit_name = table.refit_name(names, name, scale_name)
             layout = refit.layouts(refit_name)[1] if refit_name in names else None
-            if refit_name in _VOCAB and layout is not None and layout.local_shape(rank) is not None:
-                split = _padded(layout, rank, vocab_pad)
+            if refit_name in table.VOCAB and layout is not None and layout.local_shape(rank) is not None:
+                split = table.padded(layout, rank, vocab_pad)
                 if split is not None:
                     tables[refit_name] = tensor
                     if tuple(tensor.shape[:1]) != (split[2],):
@@ -312,10 +193,10 @@ def refit_engine_(
 
 
 def _recorded_pairs(refit, src, engine, loader, group, rank):
-    """The recorded refit's :class:`reshard._engine_recorded.Recorded` on this rank; a bad
+    """The recorded refit's :class:`reshard.engine.recorded.Recorded` on this rank; a bad
     argument is refused on every rank."""
-    from . import _engine_recorded as er
-    from . import _torch_args as args
+    from ..transfer import arguments as args
+    from . import recorded as er
 
     model = engine if isinstance(engine, torch.nn.Module) else loader
     if engine is None:
@@ -340,7 +221,7 @@ def _recorded_pairs(refit, src, engine, loader, group, rank):
 
 def _refit_recorded(refit, src, engine, loader, group, rank, options):
     """:func:`refit_engine_` by the engine's recorded loader."""
-    from . import torch as rt
+    from .. import torch as rt
 
     recorded = _recorded_pairs(refit, src, engine, loader, group, rank)
     session = _session(group, options)
@@ -354,11 +235,11 @@ def _refit_recorded(refit, src, engine, loader, group, rank, options):
 def _session(group, options):
     """The :class:`reshard.torch.DeltaSession` a delta refit with these options runs on (the
     module's one of ``group`` with ``delta=True`` alone), or None."""
-    from ._torch_delta_session import DeltaSession, module_session
+    from ..delta.session import DeltaSession, module_session
 
     session = options.get("session")
     if session is None and options.get("delta"):
-        from .torch import DEFAULT_BUCKET_BYTES
+        from ..torch import DEFAULT_BUCKET_BYTES
 
         bucket_bytes = options.get("bucket_bytes", DEFAULT_BUCKET_BYTES)
         session = module_session(group, options.get("checksum", False), bucket_bytes)
@@ -374,9 +255,9 @@ def prepare_engine_(refit: Refit, src, engine, session, version: int, group=None
     :func:`refit_engine_`, by its recorded loader): ``session.prepare`` of the refit, the live
     parameters untouched. Returns this rank's :class:`reshard.torch.StageReport`; then
     :func:`commit_engine_` or :func:`abort_engine_` on every rank."""
-    from . import torch as rt
+    from .. import torch as rt
 
-    rank, _ = rt._group_rank(group)
+    rank, _ = group_rank(group)
     if rank < 0:
         return None
     if not isinstance(session, rt.DeltaSession):

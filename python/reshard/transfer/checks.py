@@ -16,9 +16,9 @@ from typing import Callable, List, MutableMapping, Optional, Set, Tuple, TypeVar
 import torch
 import torch.distributed as dist
 
-from ._core import AgreementError, ArgumentError, Layout, PeerLostError, ReshardError
+from .._core import AgreementError, ArgumentError, Layout, PeerLostError, ReshardError
 
-_TORCH_DTYPES = {
+TORCH_DTYPES = {
     name: getattr(torch, attr)
     for name, attr in [
         ("bool", "bool"),
@@ -43,14 +43,14 @@ _TORCH_DTYPES = {
 def torch_dtype(layout: Layout) -> torch.dtype:
     """The torch dtype of a layout's elements."""
     try:
-        return _TORCH_DTYPES[layout.dtype]
+        return TORCH_DTYPES[layout.dtype]
     except KeyError:
         raise ArgumentError(
             f"dtype {layout.dtype} has no torch equivalent in torch {torch.__version__}"
         ) from None
 
 
-def _check_tensor(
+def check_tensor(
     name: str, what: str, tensor, layout: Layout, shape: Optional[Tuple[int, ...]], rank: int
 ) -> None:
     """A rank in the layout gives a tensor of its shard's shape and dtype; others give None."""
@@ -100,7 +100,7 @@ def check_device(name: str, what: str, device: torch.device, current: Optional[i
     )
 
 
-def _check_ranks(name: str, what: str, layout: Layout, world: int) -> None:
+def check_ranks(name: str, what: str, layout: Layout, world: int) -> None:
     beyond = [r for r in layout.ranks if r >= world]
     if beyond:
         raise ArgumentError(
@@ -108,7 +108,7 @@ def _check_ranks(name: str, what: str, layout: Layout, world: int) -> None:
         )
 
 
-def _fingerprint(command: str, pairs, names: List[str], **options) -> List[Tuple[str, str]]:
+def job_fingerprint(command: str, pairs, names: List[str], **options) -> List[Tuple[str, str]]:
     """What this rank is about to run, as (field, value) pairs in a fixed order: every rank
     of the group must run alike (the command line's plan agreement, for torch)."""
     fields = [("command", command)]
@@ -210,7 +210,7 @@ def digest_of(fingerprint) -> str:
     return hashlib.blake2b(repr(fingerprint).encode(), digest_size=16).hexdigest()
 
 
-def _control_device(group, tensors=()) -> torch.device:
+def control_device(group, tensors=()) -> torch.device:
     """Where the group's backend takes the few integers of an agreement: the CPU for gloo
     (and for a group whose CPU tensors go through gloo), the device of the call's tensors
     (or devices, among ``tensors``) or the current CUDA device for NCCL. A CUDA tensor's
@@ -236,10 +236,10 @@ def _refusal_text(e: BaseException) -> str:
     return str(e) if isinstance(e, ReshardError) else f"{type(e).__name__}: {e}"
 
 
-def _agree(fingerprint, prepare, group, rank: int, *, digest: Optional[str] = None, device=None):
+def agree(fingerprint, prepare, group, rank: int, *, digest: Optional[str] = None, device=None):
     """Runs ``prepare`` (this rank's local checks and plans) and agrees with the group, on
     every call, before any byte moves: one ``all_reduce`` of four integers on ``device`` (the
-    backend's: :func:`_control_device` when None) says whether every rank's checks passed and
+    backend's: :func:`control_device` when None) says whether every rank's checks passed and
     whether every rank runs the same job (a 63-bit digest of its ``fingerprint``). A rank
     whose checks failed raises its own error; every other rank raises
     :class:`AgreementError` naming it; ranks that run different jobs all raise
@@ -258,7 +258,7 @@ def _agree(fingerprint, prepare, group, rank: int, *, digest: Optional[str] = No
         result, refusal = None, e
     word = int(digest[:16], 16) >> 1  # 63 bits: its negation fits an int64 too
     if device is None:
-        device = _control_device(group)
+        device = control_device(group)
     flags = torch.tensor(
         [refusal is None, known, word, -word], dtype=torch.int64, device=device
     )
@@ -297,7 +297,7 @@ def _agree(fingerprint, prepare, group, rank: int, *, digest: Optional[str] = No
     return result
 
 
-def _refuse_together(refusal: Optional[BaseException], group, device) -> None:
+def refuse_together(refusal: Optional[BaseException], group, device) -> None:
     """Every rank of the group learns whether one of them failed (``refusal``, None where
     it did not), through one ``all_reduce`` of a flag on ``device`` and, only when one did,
     the messages: the failed rank raises its own error, the others :class:`AgreementError`
@@ -391,7 +391,7 @@ def collective(group, what: str):
         raise peer_lost(group, what, e) from e
 
 
-def _group_rank(group) -> Tuple[int, int]:
+def group_rank(group) -> Tuple[int, int]:
     """This process's rank in ``group`` (the default group when None), and the group's size;
     raises at once when the job on the group failed before."""
     if not dist.is_initialized():

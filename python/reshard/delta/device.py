@@ -1,6 +1,6 @@
 """The delta codec's path for tensors on other devices than the CPU (CUDA): torch operations
 that write the core's bytes on the device, with one host sync per bucket, and apply received
-messages through what the core says each encoding writes (:mod:`reshard._torch_delta`).
+messages through what the core says each encoding writes (:mod:`reshard.delta.codec`).
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from ._core import ReshardError, crc32c, delta_written
-from ._torch_delta_format import (
+from .._core import ReshardError, crc32c, delta_written
+from .format import (
     BITMASK,
     BLOCK,
     CHUNK_BYTES,
