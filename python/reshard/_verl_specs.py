@@ -8,7 +8,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from . import _torch_dtensor as _dt
+from . import dtensor as _dt
 from ._core import ArgumentError, Layout, Replicate, Shard
 
 
