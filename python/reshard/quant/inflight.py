@@ -37,6 +37,7 @@ from ..transfer.checks import (
     check_tensor,
     control_device,
     job_fingerprint,
+    member_narrowed,
     refuse_together,
 )
 from . import ops as _ops
@@ -404,16 +405,8 @@ def refit_scales(refit, dst, rank: int):
         tensor = dst.pop(buffer, None)
         if tensor is None:
             continue
-        if not isinstance(tensor, torch.Tensor):
-            raise ArgumentError(f"dst: {buffer}: expected a tensor, got {type(tensor).__name__}")
-        for weight, dim, offset, extent in members:
-            if tensor.dim() <= dim or tensor.shape[dim] < offset + extent:
-                raise ArgumentError(
-                    f"dst: {buffer}: rank {rank}'s fused scale buffer has shape "
-                    f"{tuple(tensor.shape)}, but {weight}'s scales lie at "
-                    f"{offset}..{offset + extent} of dim {dim}"
-                )
-            scales[weight] = tensor.narrow(dim, offset, extent)
+        part = "{member}'s scales lie"
+        scales.update(member_narrowed("dst", buffer, tensor, rank, members, "fused scale buffer", part))
     for name in list(dst):
         if name in by_scale:
             scales[by_scale[name]] = dst.pop(name)

@@ -22,7 +22,7 @@ import torch
 from .._core import ArgumentError, Layout, Refit, ReshardError
 from ..quant import inflight as _inflight
 from . import cast as _cast
-from .checks import agree, control_device
+from .checks import agree, control_device, member_narrowed
 
 
 def read(pairs, rank: int, bucket_bytes, src, dst, quant, scales, scale_dtype, src_scales):
@@ -99,16 +99,7 @@ def member_views(refit: Refit, tensors: Mapping[str, torch.Tensor], rank: int, s
     views: Dict[str, torch.Tensor] = {}
     for name, tensor in tensors.items():
         if name in fused:
-            if not isinstance(tensor, torch.Tensor):
-                raise ArgumentError(f"{what}: {name}: expected a tensor, got {type(tensor).__name__}")
-            for member, dim, offset, extent in fused[name]:
-                if tensor.dim() <= dim or tensor.shape[dim] < offset + extent:
-                    raise ArgumentError(
-                        f"{what}: {name}: rank {rank}'s fused buffer has shape "
-                        f"{tuple(tensor.shape)}, but {member} lies at {offset}..{offset + extent} "
-                        f"of dim {dim}"
-                    )
-                views[member] = tensor.narrow(dim, offset, extent)
+            views.update(member_narrowed(what, name, tensor, rank, fused[name]))
         else:
             views[name] = tensor
     return views

@@ -11,7 +11,7 @@ import contextlib
 import hashlib
 import time
 import weakref
-from typing import Callable, List, MutableMapping, Optional, Set, Tuple, TypeVar
+from typing import Callable, Dict, List, MutableMapping, Optional, Set, Tuple, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -405,3 +405,22 @@ def group_rank(group) -> Tuple[int, int]:
     if group is None:
         return dist.get_rank(), dist.get_world_size()
     return dist.get_rank(group), dist.get_world_size(group)
+
+
+def member_narrowed(
+    what: str, name: str, tensor, rank: int, members, kind: str = "fused buffer", part: str = "{member} lies"
+) -> Dict[str, torch.Tensor]:
+    """The views of a fused buffer's members, ``members`` as ``(member, dim, offset, extent)``;
+    a buffer that is no tensor, or too small for a member, is refused naming it (``what`` the
+    argument, ``kind`` the buffer, ``part`` how a member's place is said)."""
+    if not isinstance(tensor, torch.Tensor):
+        raise ArgumentError(f"{what}: {name}: expected a tensor, got {type(tensor).__name__}")
+    views = {}
+    for member, dim, offset, extent in members:
+        if tensor.dim() <= dim or tensor.shape[dim] < offset + extent:
+            raise ArgumentError(
+                f"{what}: {name}: rank {rank}'s {kind} has shape {tuple(tensor.shape)}, but "
+                f"{part.format(member=member)} at {offset}..{offset + extent} of dim {dim}"
+            )
+        views[member] = tensor.narrow(dim, offset, extent)
+    return views
