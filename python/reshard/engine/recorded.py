@@ -44,14 +44,17 @@ class EngineMap:
 
     ranks: Dict[int, em.RankMap]
     layouts: Dict[str, Tuple[Layout, bool]] = field(default_factory=dict)
+    #: checkpoint name -> rank -> its pieces, indexed once (every refit reads it)
+    by_name: Dict[str, Dict[int, List[em.Piece]]] = field(default_factory=dict)
 
-    def holders(self, name: str) -> Dict[int, List[em.Piece]]:
-        out: Dict[int, List[em.Piece]] = {}
+    def __post_init__(self) -> None:
         for rank, recorded in sorted(self.ranks.items()):
             for piece in recorded.pieces:
-                if piece.name == name:
-                    out.setdefault(rank, []).append(piece)
-        return out
+                self.by_name.setdefault(piece.name, {}).setdefault(rank, []).append(piece)
+
+    def holders(self, name: str) -> Dict[int, List[em.Piece]]:
+        """The ranks that load some of ``name``, each with its pieces (empty: none does)."""
+        return self.by_name.get(name, {})
 
     def layout(self, name: str, shape, dtype) -> Optional[Tuple[Layout, bool]]:
         """The destination layout of checkpoint tensor ``name`` and whether it is a split that
@@ -89,7 +92,7 @@ def split_layout(shape: Tuple[int, ...], dtype, boxes: Dict[int, Box]) -> Option
         if len(intervals) == 1:
             if intervals[0] != (0, n):
                 return None
-        elif intervals != _chunks(n, len(intervals)) or any(a == b for a, b in intervals):
+        elif intervals != _chunks(n, len(intervals)):
             return None
         cuts.append(intervals)
     cut = [d for d in range(len(shape)) if len(cuts[d]) > 1]
@@ -218,12 +221,10 @@ def recorded_pairs(
     (:func:`engine_map`). Raises :class:`ArgumentError` naming what is wrong on this rank,
     having run no collective (the caller refuses it on every rank)."""
     from ..dtensor import unwrap_refit
-    from ..transfer.arguments import member_views
+    from ..transfer.arguments import train_sources
 
     if src is not None:
-        src = tied_sources(
-            refit, member_views(refit, unwrap_refit(refit, src, rank, "src", group), rank, "train", "src")
-        )
+        src = train_sources(refit, unwrap_refit(refit, src, rank, "src", group), rank)
     mine = emap.ranks.get(rank)
     params = dict(model.named_parameters()) if model is not None else {}
     if mine is not None:
@@ -276,37 +277,3 @@ def recorded_pairs(
         for param, at, size in mine.zeros:
             zeros.append(_box(params[param].data, at, size))
     return Recorded(pairs, copies, zeros, skipped, fresh)
-
-
-def tied_sources(
-    refit: Refit, src: Optional[Mapping[str, torch.Tensor]]
-) -> Optional[Dict[str, torch.Tensor]]:
-    """``src`` without the entries that are another entry under a second name (a tied
-    ``lm_head.weight`` in a trainer's ``state_dict()``) and that the refit does not name;
-    any other name the refit does not know is refused."""
-    if src is None:
-        return None
-    names = set(refit.names)
-    out = {}
-    for name, tensor in src.items():
-        if name in names:
-            out[name] = tensor
-    for name, tensor in src.items():
-        if name in names:
-            continue
-        same = [n for n, t in out.items() if _same_memory(t, tensor)]
-        if not same:
-            raise ArgumentError(f"src: {name} is not a tensor of the refit's model {refit.model}")
-    return out
-
-
-def _same_memory(a, b) -> bool:
-    from ..dtensor import local_of
-
-    a, b = local_of(a), local_of(b)
-    return (
-        a.data_ptr() == b.data_ptr()
-        and tuple(a.shape) == tuple(b.shape)
-        and a.dtype == b.dtype
-        and a.stride() == b.stride()
-    )

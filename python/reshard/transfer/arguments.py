@@ -117,17 +117,42 @@ def _refit_fused(refit: Refit, rank: int, side: str):
     return refit.fused(rank, side)
 
 
+def _unknown(what: str, name: str, refit: Refit, rank: int) -> ArgumentError:
+    return ArgumentError(
+        f"{what}: {name} is neither a parameter of {refit.model} nor a fused "
+        f"buffer that rank {rank} holds (see Refit.names and Refit.fused)"
+    )
+
+
+def train_sources(refit: Refit, src, rank: int) -> Dict[str, torch.Tensor]:
+    """A training rank's tensors by the refit's parameter names: fused buffers as their
+    members' views, and a tensor that is another one under a second name (the tied
+    ``lm_head.weight`` of a ``state_dict()``) left out; any other name is refused."""
+    srcs = member_views(refit, src or {}, rank, "train", "src")
+    names = set(refit.names)
+    kept = {n: t for n, t in srcs.items() if n in names}
+    for name, tensor in srcs.items():
+        if name not in names and not any(_same_memory(t, tensor) for t in kept.values()):
+            raise _unknown("src", name, refit, rank)
+    return kept
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.data_ptr(), tuple(a.shape), a.dtype, a.stride()) == (
+        b.data_ptr(),
+        tuple(b.shape),
+        b.dtype,
+        b.stride(),
+    )
+
+
 def _refit_pairs(refit: Refit, src, dst, rank: int):
     """Every parameter of ``refit`` as ``reshard_many_``'s pairs, with this rank's tensors."""
-    srcs = member_views(refit, src or {}, rank, "train", "src")
+    srcs = train_sources(refit, src, rank)
     dsts = member_views(refit, dst or {}, rank, "infer", "dst")
     pairs = {}
     for name, src_layout, dst_layout in _refit_layouts(refit):
         pairs[name] = (srcs.pop(name, None), dsts.pop(name, None), src_layout, dst_layout)
-    for what, left in (("src", srcs), ("dst", dsts)):
-        if left:
-            raise ArgumentError(
-                f"{what}: {sorted(left)[0]} is neither a parameter of {refit.model} nor a fused "
-                f"buffer that rank {rank} holds (see Refit.names and Refit.fused)"
-            )
+    if dsts:
+        raise _unknown("dst", sorted(dsts)[0], refit, rank)
     return pairs
