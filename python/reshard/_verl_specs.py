@@ -9,7 +9,8 @@ from typing import List, Optional, Tuple
 import torch
 
 from . import dtensor as _dt
-from ._core import ArgumentError, Layout, Replicate, Shard
+from ._core import ArgumentError, Layout
+from .engine.recorded import split_layout
 
 
 def describe(item) -> Tuple[str, tuple, Optional[torch.Tensor]]:
@@ -149,33 +150,19 @@ def _box_of(name: str, shape: tuple, place, tensor: torch.Tensor) -> Tuple[tuple
 
 
 def box_layout(shape: tuple, dtype: str, boxes: List[tuple]) -> Layout:
-    """The layout whose boxes are the contributing trainer ranks' blocks: one dim cut as
-    ``torch.chunk`` cuts it (a DTensor's ``Shard``), or every block the whole tensor."""
+    """The layout whose boxes are the contributing trainer ranks' blocks (a DTensor split,
+    :func:`reshard.engine.recorded.split_layout`), or refused naming the blocks."""
     held = [(r, tuple(o), tuple(e)) for r, o, e, contributes in boxes if contributes]
     if not held:
         raise ArgumentError("ShardSpec.contributes: no trainer rank contributes a block")
-    whole = tuple(0 for _ in shape)
-    if all(o == whole and e == tuple(shape) for _, o, e in held):
-        return Layout(shape, dtype, [len(held)], [r for r, _, _ in held], [Replicate()])
-    cut = sorted({d for _, o, e in held for d in range(len(shape)) if o[d] != 0 or e[d] != shape[d]})
-    if len(cut) == 1:
-        d = cut[0]
-        held.sort(key=lambda b: (b[1][d], -b[2][d], b[0]))
-        layout = Layout(shape, dtype, [len(held)], [r for r, _, _ in held], [Shard(d)])
-        if all(_region(layout, r) == (o, e) for r, o, e in held):
-            return layout
+    layout = split_layout(tuple(shape), dtype, {r: (o, e) for r, o, e in held})
+    if layout is not None:
+        return layout
     blocks = ", ".join(f"rank {r}: {list(o)}+{list(e)}" for r, o, e in held)
     raise ArgumentError(
         f"ShardSpec.place: the trainer ranks' blocks ({blocks}) of a tensor of shape {list(shape)} "
         "are no DTensor split (one dim cut into torch.chunk pieces, or every block whole)"
     )
-
-
-def _region(layout: Layout, rank: int):
-    region = layout.local_region(rank)
-    if region is None:
-        return None
-    return tuple(region[0]), tuple(region[1])
 
 
 def short(desc: tuple) -> str:
