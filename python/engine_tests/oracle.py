@@ -69,6 +69,13 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().view(torch.uint8)
 
 
+def scramble(params) -> None:
+    """Noise in every parameter, in place, so that a refit that misses an element shows."""
+    with torch.no_grad():
+        for p in params.values():
+            p.data.copy_(torch.randn(p.shape).to(p.dtype))
+
+
 def against_the_loader(name: str, model, rank: int, inputs, refit_step, steps: int = 2) -> int:
     """For each step: ``inputs(step)`` gives the whole tensors and this rank's sources; the
     model's own ``load_weights`` of the whole tensors is the oracle; the parameters are then
@@ -81,9 +88,7 @@ def against_the_loader(name: str, model, rank: int, inputs, refit_step, steps: i
         with torch.no_grad():
             model.load_weights(on_disk(full))
         oracle = {n: p.detach().clone() for n, p in params.items()}
-        with torch.no_grad():
-            for p in params.values():
-                p.data.copy_(torch.randn(p.shape).to(p.dtype))
+        scramble(params)
         refit_step(src)
         for n, p in params.items():
             assert p.data_ptr() == ptrs[n], f"{n}: storage changed"

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
 import vllm_engine  # noqa: E402
-from oracle import against_the_loader, bits, checkpoint, on_disk, shards  # noqa: E402
+from oracle import against_the_loader, bits, checkpoint, on_disk, scramble, shards  # noqa: E402
 
 from reshard import Refit  # noqa: E402
 from reshard.engine import refit_engine_  # noqa: E402
@@ -121,9 +121,7 @@ def run_backend_case(case: dict, rank: int, world: int, tmp: Path) -> None:
             with torch.no_grad():
                 model.load_weights(on_disk(full))
             served = {n: p.detach().clone() for n, p in params.items()}
-            with torch.no_grad():
-                for p in params.values():
-                    p.data.copy_(torch.randn(p.shape).to(p.dtype))
+            scramble(params)
             if case["mode"].get("delta") and seed > 0:
                 with torch.no_grad():  # the delta applies to what the engine held
                     model.load_weights(on_disk(checkpoint(refit, seed=seed - 1)))
