@@ -53,28 +53,32 @@ fn allowed() -> BTreeMap<&'static str, BTreeSet<&'static str>> {
     ])
 }
 
-/// The names in the `[dependencies]` table of `manifest` (not the dev-dependencies: tests
-/// and benchmarks may use any layer below or beside them).
-fn dependency_names(manifest: &str) -> BTreeSet<String> {
+/// The lines of the `[table]` of `manifest`, trimmed, comments left out.
+fn table_lines(manifest: &str, table: &str) -> Vec<String> {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let text =
         fs::read_to_string(root.join(manifest)).unwrap_or_else(|e| panic!("{manifest}: {e}"));
-    let mut in_deps = false;
-    let mut found = BTreeSet::new();
+    let mut inside = false;
+    let mut out = Vec::new();
     for line in text.lines() {
         let line = line.trim();
         if line.starts_with('[') {
-            in_deps = line == "[dependencies]";
-            continue;
-        }
-        if !in_deps || line.starts_with('#') {
-            continue;
-        }
-        if let Some((name, _)) = line.split_once('=') {
-            found.insert(name.trim().to_string());
+            inside = line == table;
+        } else if inside && !line.starts_with('#') {
+            out.push(line.to_string());
         }
     }
-    found
+    out
+}
+
+/// The names in the `[dependencies]` table of `manifest` (not the dev-dependencies: tests
+/// and benchmarks may use any layer below or beside them).
+fn dependency_names(manifest: &str) -> BTreeSet<String> {
+    table_lines(manifest, "[dependencies]")
+        .iter()
+        .filter_map(|line| line.split_once('='))
+        .map(|(name, _)| name.trim().to_string())
+        .collect()
 }
 
 /// The workspace crates among the dependencies of `manifest`.
@@ -105,20 +109,8 @@ fn every_crate_depends_only_on_the_layers_below_it() {
 
 /// The crates named by the `[features]` of `manifest` (`crate/feature`, `dep:crate`).
 fn feature_edges(manifest: &str) -> BTreeSet<String> {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let text =
-        fs::read_to_string(root.join(manifest)).unwrap_or_else(|e| panic!("{manifest}: {e}"));
-    let mut in_features = false;
     let mut found = BTreeSet::new();
-    for line in text.lines() {
-        let line = line.trim();
-        if line.starts_with('[') {
-            in_features = line == "[features]";
-            continue;
-        }
-        if !in_features || line.starts_with('#') {
-            continue;
-        }
+    for line in table_lines(manifest, "[features]") {
         let Some((_, list)) = line.split_once('=') else {
             continue;
         };
