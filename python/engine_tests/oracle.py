@@ -3,7 +3,10 @@ checkpoint as it lies on disk, and the check itself: the engine's own ``load_wei
 full checkpoint is the oracle, and a refit into scrambled parameters must equal it byte for
 byte, padding rows included, in the same storage."""
 
+import json
+import os
 import re
+from pathlib import Path
 
 import torch
 
@@ -34,6 +37,16 @@ QWEN3_MOE = dict(
     num_experts_per_tok=2,
     transformers_version="5.20.2",
 )
+
+
+def write_config(directory: Path, config: dict) -> str:
+    """``directory/config.json``, written whole at once: every rank writes it while the others
+    may be reading it, so each writes a file of its own and renames it into place."""
+    directory.mkdir(parents=True, exist_ok=True)
+    mine = directory / f"config.json.{os.getpid()}"
+    mine.write_text(json.dumps(config))
+    os.replace(mine, directory / "config.json")
+    return str(directory)
 
 
 def case(name, config, train, **kw):

@@ -13,15 +13,7 @@ loader's ``_initialize_model`` under the model's dtype. Made to run on a CPU by:
   it holds no parameters, so the weights are SGLang's own either way).
 """
 
-import json
 import os
-from pathlib import Path
-
-
-def write_config(directory: Path, config: dict) -> str:
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(config))
-    return str(directory)
 
 
 def _cpu_env(world: int) -> None:

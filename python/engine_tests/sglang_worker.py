@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
 import sglang_engine  # noqa: E402
-from oracle import against_the_loader, bits, checkpoint, shards  # noqa: E402
+from oracle import against_the_loader, bits, checkpoint, shards, write_config  # noqa: E402
 
 from reshard import Refit, sglang_loader  # noqa: E402
 
@@ -172,7 +172,7 @@ def main() -> None:
     tmp = Path(sys.argv[2])
     config = cases[0]["config"]
     assert all(c["config"] == config for c in cases), "one model config a process"
-    config_dir = sglang_engine.write_config(tmp / "model", config)
+    config_dir = write_config(tmp / "model", config)
     _, model_config, model = sglang_engine.build(
         config_dir,
         world,

@@ -1,16 +1,8 @@
 """vLLM's own model classes built on the CPU over gloo, as an engine rank of a refit."""
 
-import json
 import os
-from pathlib import Path
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-
-
-def write_config(directory: Path, config: dict) -> str:
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(config))
-    return str(directory)
 
 
 def build(model_dir: str, world: int, rank: int, dtype: str = "bfloat16", ep: bool = False):

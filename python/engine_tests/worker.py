@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
 import vllm_engine  # noqa: E402
-from oracle import against_the_loader, bits, checkpoint, on_disk, scramble, shards  # noqa: E402
+from oracle import against_the_loader, bits, checkpoint, on_disk, scramble, shards, write_config  # noqa: E402
 
 from reshard import Refit  # noqa: E402
 from reshard.engine import refit_engine_  # noqa: E402
@@ -45,7 +45,7 @@ def fsdp2_sources(config_dir: str, world: int, seed: int):
 
 
 def run_case(case: dict, rank: int, world: int, tmp: Path) -> None:
-    config_dir = vllm_engine.write_config(tmp / case["name"].replace(" ", "_"), case["config"])
+    config_dir = write_config(tmp / case["name"].replace(" ", "_"), case["config"])
     _, model = vllm_engine.build(
         config_dir, world, rank, dtype=case.get("dtype", "bfloat16"), ep=case.get("ep", False)
     )
@@ -90,7 +90,7 @@ def run_backend_case(case: dict, rank: int, world: int, tmp: Path) -> None:
     from reshard.vllm_backend import ColocatedClient, ReshardTrainerInitInfo
 
     load_general_plugins()
-    config_dir = vllm_engine.write_config(tmp / case["name"].replace(" ", "_"), case["config"])
+    config_dir = write_config(tmp / case["name"].replace(" ", "_"), case["config"])
     cfg, model = vllm_engine.build(config_dir, world, rank)
     transfer = WeightTransferConfig(**json.loads('{"backend": "reshard"}'))
     engine = WeightTransferEngineFactory.create_engine(transfer, cfg, torch.device("cpu"), model)
