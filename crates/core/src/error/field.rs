@@ -19,23 +19,41 @@ use std::sync::atomic::{AtomicBool, Ordering};
 /// An input of a reshard, a refit or a job: what an error points at.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Field {
+    /// The source layout (`--src`).
     Src,
+    /// The destination layout (`--dst`).
     Dst,
+    /// The global tensor's shape (`--shape`).
     Shape,
+    /// The tensor's dtype, the source's where the destination has another (`--dtype`).
     DType,
+    /// The dtype the destination receives the tensor in (`--dst-dtype`).
     DstDType,
+    /// How the destination is quantized to fp8 (`--quant`).
     Quant,
+    /// The dtype of the quantization scales (`--scale-dtype`).
     ScaleDType,
+    /// How the global tensor is filled (`--fill`).
     Fill,
+    /// The largest chunk a transfer is cut into (`--chunk-bytes`).
     ChunkBytes,
+    /// How long a rank waits for a peer before failing (`--timeout`).
     Timeout,
+    /// Which transport moves the bytes (`--transport`).
     Transport,
+    /// Whether every transfer is checksummed (`--checksum`).
     Checksum,
+    /// The model of a refit: a config, a checkpoint folder or a shipped name (`--model`).
     Model,
+    /// The training side's parallelism in a refit (`--train`).
     Train,
+    /// The inference side's parallelism in a refit (`--infer`).
     Infer,
+    /// A layout rule for the parameters a glob matches, ahead of the defaults (`--override`).
     Override,
+    /// The host each rank runs on (`--hosts`).
     Hosts,
+    /// Whether bytes that several ranks of a host need enter it once (`--relay`).
     Relay,
     /// How the inference side is quantized (`--infer-quant`).
     InferQuant,
