@@ -55,7 +55,10 @@ pub enum Difference {
         theirs: String,
     },
     /// The rank cannot run its part, for this reason.
-    Refused { reason: String },
+    Refused {
+        /// Why, as the rank reports it (its own check that failed).
+        reason: String,
+    },
 }
 
 impl Difference {

@@ -82,12 +82,17 @@ pub fn chunks(len: usize, chunk: usize) -> impl Iterator<Item = Range<usize>> {
 /// One transfer as its receiver checks it.
 #[derive(Clone, Copy, Debug)]
 pub struct Landed<'a> {
+    /// The sender.
     pub from: Rank,
+    /// The receiver, which checks.
     pub to: Rank,
+    /// The region moved, in global coordinates.
     pub region: &'a Region,
+    /// Bytes per element.
     pub elem_bytes: usize,
-    /// The receiver's shard (only the bytes of `dst_box`) and its box.
+    /// The receiver's shard (only the bytes of `dst_box`).
     pub shard: &'a [u8],
+    /// The box `shard` holds, in global coordinates (it contains `region`).
     pub dst_box: &'a Region,
     /// The chunk size both ends cut this transfer into.
     pub chunk: usize,

@@ -11,20 +11,35 @@ use serde::{Deserialize, Serialize};
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(try_from = "String", into = "String")]
 pub enum DType {
+    /// `torch.bool`: one byte, 0 or 1.
     Bool,
+    /// `torch.uint8`: unsigned 8-bit integer.
     U8,
+    /// `torch.int8`: signed 8-bit integer.
     I8,
+    /// `torch.float8_e4m3fn`: 8-bit float, 4 exponent and 3 mantissa bits, no infinities.
     Fp8E4M3,
+    /// `torch.float8_e5m2`: 8-bit float, 5 exponent and 2 mantissa bits.
     Fp8E5M2,
+    /// `torch.bfloat16`: 16-bit float, f32's 8 exponent bits and 7 mantissa bits.
     Bf16,
+    /// `torch.float16`: IEEE half precision.
     F16,
+    /// `torch.int16`: signed 16-bit integer.
     I16,
+    /// `torch.uint16`: unsigned 16-bit integer.
     U16,
+    /// `torch.float32`: IEEE single precision.
     F32,
+    /// `torch.int32`: signed 32-bit integer.
     I32,
+    /// `torch.uint32`: unsigned 32-bit integer.
     U32,
+    /// `torch.float64`: IEEE double precision.
     F64,
+    /// `torch.int64`: signed 64-bit integer.
     I64,
+    /// `torch.uint64`: unsigned 64-bit integer.
     U64,
 }
 

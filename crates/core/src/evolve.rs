@@ -32,7 +32,10 @@ pub enum Update {
     /// A seeded fraction (0..=1) of the elements, one ulp each.
     Density(f64),
     /// f32 masters stepped by `lr` times a seeded uniform in [-1, 1], cast to the dtype.
-    Training { lr: f32 },
+    Training {
+        /// The learning rate: the largest step a master takes per version.
+        lr: f32,
+    },
 }
 
 impl std::fmt::Display for Update {
@@ -48,8 +51,11 @@ impl std::fmt::Display for Update {
 /// A tensor's contents at every version.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Evolution {
+    /// The contents at version 0.
     pub fill: Fill,
+    /// What changes from one version to the next.
     pub update: Update,
+    /// Seeds the updates' draws (apart from the fill's own seed).
     pub seed: u64,
 }
 

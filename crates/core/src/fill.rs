@@ -23,7 +23,10 @@ pub enum Fill {
     /// Element `i` holds the low bytes of a 64-bit hash of `(seed, i)`: location-sensitive
     /// for every dtype. A misplaced element of a 1-byte type goes unseen with probability
     /// 1/256, so a misplaced run of `k` elements with `256^-k`; wider types do better.
-    Hash { seed: u64 },
+    Hash {
+        /// Seeds the hash: another seed, other contents.
+        seed: u64,
+    },
     /// `normal:SEED`: finite floats of varied magnitude, for the conversions (`--dst-dtype`,
     /// `--quant`), whose results depend on the values: element `i` is an approximately normal
     /// value (a sum of four uniforms, scaled to unit variance) times a power of two drawn per
@@ -32,7 +35,10 @@ pub enum Fill {
     /// tiny (near 2^-20, below the clamp). Only basic arithmetic, no `ln` or `cos` (whose last
     /// bit may differ between C libraries), so every host computes the same bits. Generated
     /// as f32 and cast (nearest even) to the tensor's float dtype; float dtypes only.
-    Normal { seed: u64 },
+    Normal {
+        /// Seeds the values and the rows' magnitudes.
+        seed: u64,
+    },
 }
 
 impl Default for Fill {

@@ -8,7 +8,9 @@ use serde::{Deserialize, Serialize};
 /// An axis-aligned box of a tensor: `offset[d] .. offset[d] + extent[d]` along every dim `d`.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct Region {
+    /// The box's first element along each dim.
     pub offset: Vec<u64>,
+    /// The box's size along each dim, in elements.
     pub extent: Vec<u64>,
 }
 
@@ -29,6 +31,7 @@ impl Region {
         }
     }
 
+    /// Number of dims.
     pub fn ndim(&self) -> usize {
         self.extent.len()
     }
@@ -47,6 +50,7 @@ impl Region {
             .unwrap_or(u64::MAX)
     }
 
+    /// Whether the box holds no element (some dim's extent is 0).
     pub fn is_empty(&self) -> bool {
         self.extent.contains(&0)
     }

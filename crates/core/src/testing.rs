@@ -25,7 +25,9 @@ pub fn torch_chunk_sizes(n: usize, k: usize) -> Vec<usize> {
 /// A dense N-D array of global linear indices: the reference's view of a tensor.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct IndexArray {
+    /// The array's shape, in elements.
     pub shape: Vec<usize>,
+    /// The global linear index of each element, row-major.
     pub data: Vec<u64>,
 }
 

@@ -39,7 +39,14 @@ pub const MX_BLOCK: u64 = 32;
 pub enum QuantScheme {
     /// `block:RxC` or, with `ue8m0`, `block:RxC:ue8m0`: one scale per `rows x cols` block of
     /// the last two dims.
-    Block { rows: u64, cols: u64, ue8m0: bool },
+    Block {
+        /// The block's extent along the second-to-last dim, in elements.
+        rows: u64,
+        /// The block's extent along the last dim, in elements.
+        cols: u64,
+        /// Whether the scales are rounded up to powers of two (DeepGEMM's `ue8m0`).
+        ue8m0: bool,
+    },
     /// `mx:32`: one power-of-two scale per 32 elements of the last dim.
     Mx,
     /// `channel`: one scale per row (the whole last dim).
@@ -199,8 +206,11 @@ impl QuantScheme {
 /// A scheme applied to one destination: the scheme, the fp8 format and the scale dtype.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Quant {
+    /// How the tensor is cut into blocks and each block's scale derived.
     pub scheme: QuantScheme,
+    /// The fp8 format of the quantized values.
     pub fp8: Fp8,
+    /// The dtype the scales are stored in.
     pub scale_dtype: ScaleDType,
 }
 

@@ -14,10 +14,15 @@ use crate::region::Region;
 /// over the scale grid, in the scale dtype).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct QuantizedTensor {
+    /// The tensor's shape, in elements.
     pub shape: Vec<u64>,
+    /// The scale grid's shape: blocks along each dim.
     pub grid_shape: Vec<u64>,
+    /// The fp8 values, one byte per element.
     pub values: Vec<u8>,
+    /// The scales, `scale_bytes` each.
     pub scales: Vec<u8>,
+    /// Bytes per scale (the scale dtype's size).
     pub scale_bytes: usize,
 }
 

@@ -11,9 +11,13 @@ use crate::region::Region;
 /// of a converting copy, counts destination bytes: what the wire carries.
 #[derive(Clone, Debug)]
 pub struct Cast {
+    /// The source's dtype.
     pub src: crate::DType,
+    /// The destination's dtype, which the stream carries.
     pub dst: crate::DType,
+    /// Bytes per source element.
     pub src_elem: usize,
+    /// Casts a run of source elements into destination ones (unused when quantizing).
     pub kernel: crate::convert::CastFn,
     /// Quantizing into fp8: the scales of the sending rank's shard, whose multipliers the
     /// runs get block by block. `None` for a float cast, and on a rank that only receives
@@ -25,7 +29,9 @@ pub struct Cast {
 /// every quantized run is read from.
 #[derive(Debug)]
 pub struct Quantizer {
+    /// The scales of the blocks the rank quantizes.
     pub scales: crate::convert::Scales,
+    /// The box of the rank's shard, in global coordinates.
     pub shard: Region,
 }
 

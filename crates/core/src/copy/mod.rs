@@ -154,6 +154,7 @@ impl CopyGeometry {
         self.len
     }
 
+    /// Whether the region holds no bytes.
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }

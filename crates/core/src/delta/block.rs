@@ -18,6 +18,7 @@ pub enum Encoding {
 }
 
 impl Encoding {
+    /// Every encoding, in tag order.
     pub const ALL: [Encoding; 4] = [
         Encoding::Unchanged,
         Encoding::Bitmask,
@@ -25,6 +26,7 @@ impl Encoding {
         Encoding::Dense,
     ];
 
+    /// The encoding of tag byte `tag`; `None` for an unknown tag.
     pub fn from_tag(tag: u8) -> Option<Encoding> {
         Encoding::ALL.get(tag as usize).copied()
     }

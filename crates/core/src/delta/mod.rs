@@ -43,20 +43,35 @@ pub const BLOCK_ELEMS: usize = 4096;
 /// What can be wrong with a delta a receiver is asked to apply, or with a request to encode.
 #[derive(Clone, Debug, Error, PartialEq, Eq)]
 pub enum DeltaError {
+    /// A parameter, a header field or a length that no encoder could have written, or a
+    /// request to encode that does not fit the stream.
     #[error("delta: {field} is {value}: {reason}")]
     Invalid {
+        /// What is wrong (`elem`, `block_elems`, `version`, `blocks`, `range`, ...).
         field: &'static str,
+        /// Its value.
         value: String,
+        /// What it must be.
         reason: &'static str,
     },
+    /// The encoding ends inside a block.
     #[error("delta: truncated: block {block} needs {needed} more bytes, {left} are left")]
     Truncated {
+        /// The block cut short, numbered from the start of the region's stream.
         block: u64,
+        /// Bytes the block's next part needs.
         needed: usize,
+        /// Bytes left in the encoding.
         left: usize,
     },
+    /// A block whose tag or index is wrong.
     #[error("delta: block {block}: {reason}")]
-    Malformed { block: u64, reason: String },
+    Malformed {
+        /// The block, numbered from the start of the region's stream.
+        block: u64,
+        /// What is wrong with it.
+        reason: String,
+    },
 }
 
 /// What one encode or apply saw: how many blocks took each encoding, and how many elements

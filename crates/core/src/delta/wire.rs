@@ -24,10 +24,13 @@ pub const HEADER_BYTES: usize = 18;
 /// What an encoding says about itself: enough for a receiver to apply it to its region.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Header {
+    /// Bytes per element (1, 2, 4 or 8).
     pub elem: u8,
+    /// Elements per block (1 to 65536); the region's last block may be shorter.
     pub block_elems: u32,
     /// The block of the region's stream the first encoded block is.
     pub first_block: u64,
+    /// How many blocks follow the header.
     pub blocks: u32,
 }
 
@@ -58,6 +61,7 @@ pub(super) fn check_params(elem: usize, block_elems: usize) -> Result<(), DeltaE
 }
 
 impl Header {
+    /// Appends the header's [`HEADER_BYTES`] bytes to `out`.
     pub fn write(&self, out: &mut Vec<u8>) {
         out.push(VERSION);
         out.push(self.elem);

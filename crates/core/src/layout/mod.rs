@@ -26,7 +26,7 @@ pub const MAX_RANK: Rank = crate::limits::MAX_RANK;
 /// How one mesh axis lays the tensor out.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Placement {
-    /// Split tensor dim `0` across the ranks of this axis.
+    /// Split the tensor dim it names across the ranks of this axis.
     Shard(usize),
     /// Every rank along this axis holds the same data.
     Replicate,
@@ -119,6 +119,7 @@ impl Mesh {
         })
     }
 
+    /// The mesh's shape: ranks along each axis.
     pub fn dims(&self) -> &[usize] {
         &self.dims
     }
@@ -128,6 +129,7 @@ impl Mesh {
         &self.ranks
     }
 
+    /// Number of ranks in the mesh.
     pub fn size(&self) -> usize {
         self.ranks.len()
     }
@@ -140,6 +142,7 @@ impl Mesh {
             .map(|i| self.positions[i].1)
     }
 
+    /// Whether `rank` belongs to the mesh.
     pub fn contains(&self, rank: Rank) -> bool {
         self.position(rank).is_some()
     }
@@ -246,22 +249,27 @@ impl Layout {
         })
     }
 
+    /// The global tensor's shape, in elements.
     pub fn shape(&self) -> &[u64] {
         &self.shape
     }
 
+    /// Number of tensor dims.
     pub fn ndim(&self) -> usize {
         self.shape.len()
     }
 
+    /// The element type.
     pub fn dtype(&self) -> DType {
         self.dtype
     }
 
+    /// The mesh the tensor is laid out over.
     pub fn mesh(&self) -> &Mesh {
         &self.mesh
     }
 
+    /// How each mesh axis lays the tensor out, one per axis.
     pub fn placements(&self) -> &[Placement] {
         &self.placements
     }

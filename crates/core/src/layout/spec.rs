@@ -9,7 +9,9 @@ use super::{Layout, Mesh, Placement, Rank};
 /// A placement as written by a user: `Shard(-1)` is legal until the tensor's rank is known.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum PlacementSpec {
+    /// `S(d)`: split tensor dim `d`, counted from the end when negative.
     Shard(i64),
+    /// `R`: every rank along the axis holds the same data.
     Replicate,
 }
 
@@ -114,9 +116,11 @@ fn parse_num<T: std::str::FromStr>(text: &str, what: &str) -> Result<T, String> 
 /// One side's layout as parsed from a spec, before the tensor's shape is known.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct LayoutSpec {
+    /// The mesh's shape (`mesh=AxB...`): ranks along each axis.
     pub mesh: Vec<usize>,
     /// `None`: the caller's default (source from 0, destination right after it).
     pub ranks: Option<Vec<Rank>>,
+    /// One placement per mesh axis (`place=P1,P2,...`).
     pub placements: Vec<PlacementSpec>,
 }
 

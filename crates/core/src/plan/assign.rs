@@ -8,6 +8,7 @@ use crate::region::Region;
 
 /// A destination rank as the source choice sees it.
 pub struct Receiver {
+    /// Its global rank.
     pub rank: Rank,
     /// Its position among the ranks of one destination replica ([`Layout::shard_position`]).
     pub shard_position: usize,

@@ -147,7 +147,6 @@ impl GatherBroadcast {
         })
     }
 
-    /// Bytes that cross between ranks, both phases together.
     /// The bytes on every host's link over both phases, when the hosts are known.
     pub fn host_links(&self) -> Option<super::HostLinks> {
         let mut total: Option<super::HostLinks> = None;
@@ -159,6 +158,7 @@ impl GatherBroadcast {
         total
     }
 
+    /// Bytes that cross between ranks, both phases together.
     pub fn wire_bytes(&self) -> u64 {
         [&self.gather, &self.broadcast]
             .into_iter()

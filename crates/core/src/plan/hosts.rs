@@ -43,6 +43,7 @@ pub struct Topology {
 }
 
 impl Topology {
+    /// The hosts of `hosts`, relaying as `relay` says.
     pub fn new(hosts: HostMap, relay: bool) -> Topology {
         Topology {
             hosts: Arc::new(hosts),
@@ -198,9 +199,12 @@ impl Crossing<'_> {
 /// The bytes into and out of one host (its link, each way).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct HostLink {
+    /// The host, by its number in the map.
     pub host: usize,
+    /// Bytes the host's ranks send to other hosts.
     #[serde(rename = "out")]
     pub out_bytes: u64,
+    /// Bytes the host's ranks receive from other hosts.
     #[serde(rename = "in")]
     pub in_bytes: u64,
 }

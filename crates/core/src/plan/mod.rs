@@ -45,7 +45,9 @@ use crate::region::Region;
 /// One box moved from one rank to another (`src == dst`: a local copy).
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Transfer {
+    /// The source rank, which holds the region.
     pub src: Rank,
+    /// The destination rank, which receives it.
     pub dst: Rank,
     /// In global tensor coordinates.
     pub region: Region,
@@ -66,6 +68,7 @@ impl Transfer {
         }
     }
 
+    /// Whether the transfer is a copy within one rank (`src == dst`).
     pub fn is_local(&self) -> bool {
         self.src == self.dst
     }
@@ -125,6 +128,7 @@ impl Plan {
         Plan::with_options(src, dst, PlanOptions::default())
     }
 
+    /// Plans a reshard from `src` to `dst` with `options`, not knowing the hosts.
     pub fn with_options(src: Layout, dst: Layout, options: PlanOptions) -> Result<Plan> {
         Plan::with_topology(src, dst, options, None)
     }
@@ -235,14 +239,17 @@ impl Plan {
         self.quant.as_ref()
     }
 
+    /// The source layout.
     pub fn src(&self) -> &Layout {
         &self.src
     }
 
+    /// The destination layout.
     pub fn dst(&self) -> &Layout {
         &self.dst
     }
 
+    /// The options the plan was made with.
     pub fn options(&self) -> PlanOptions {
         self.options
     }

@@ -23,7 +23,9 @@ use super::{Plan, PlanJson, PlanOptions, QuantRequest, Totals};
 /// The two plans of an already-quantized move, and the scheme they follow.
 #[derive(Clone, Debug)]
 pub struct QuantizedMove {
+    /// The scheme both sides are quantized with, and their fp8 format and scale dtype.
     pub quant: Quant,
+    /// The blocks of the tensor under the scheme.
     pub grid: BlockGrid,
     /// The fp8 values: a plain reshard, byte for byte.
     pub values: Plan,

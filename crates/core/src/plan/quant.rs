@@ -21,7 +21,9 @@ pub const AMAX_BYTES: usize = 4;
 /// What a plan quantizes with, and the block grid over the tensor.
 #[derive(Clone, Debug, PartialEq)]
 pub struct QuantPlan {
+    /// The scheme, the destination's fp8 format and the scale dtype.
     pub quant: Quant,
+    /// The blocks of the tensor under the scheme.
     pub grid: BlockGrid,
 }
 
@@ -29,7 +31,9 @@ pub struct QuantPlan {
 /// scheme's default otherwise).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct QuantRequest {
+    /// The scheme (`--quant`).
     pub scheme: QuantScheme,
+    /// The scale dtype (`--scale-dtype`); `None` takes the scheme's default.
     pub scale_dtype: Option<ScaleDType>,
 }
 
@@ -130,9 +134,11 @@ impl QuantPlan {
 pub struct QuantTotals {
     /// Bytes of partial amax between source ranks (4 per block piece, each way).
     pub amax_bytes: u64,
+    /// Partial amax messages between source ranks.
     pub amax_messages: u64,
-    /// Bytes of scales sent to other ranks, and copied inside a rank.
+    /// Bytes of scales sent to other ranks.
     pub scale_bytes: u64,
+    /// Bytes of scales copied inside a rank.
     pub scale_bytes_local: u64,
     /// Scale transfers between ranks.
     pub scale_messages: u64,
@@ -174,9 +180,11 @@ pub struct QuantRankPlan {
     pub src_blocks: Option<Region>,
     /// The scale shard this rank receives, if it is a destination.
     pub dst_blocks: Option<Region>,
-    /// Scale transfers it sends, receives and copies locally.
+    /// Scale transfers it sends.
     pub sends: Vec<Transfer>,
+    /// Scale transfers it receives.
     pub recvs: Vec<Transfer>,
+    /// Scale transfers it copies locally.
     pub locals: Vec<Transfer>,
 }
 

@@ -8,6 +8,7 @@ use super::Transfer;
 /// The sends, receives and local copies of one rank, in the order it should run them.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct RankPlan {
+    /// The rank whose part this is.
     pub rank: Rank,
     /// Remote transfers this rank sends, in schedule order: its own, and the relayed ones it
     /// forwards (whose `via` is this rank; it receives their region from their `src` in a
@@ -23,6 +24,7 @@ pub struct RankPlan {
 }
 
 impl RankPlan {
+    /// The part of `rank`, with nothing in it yet.
     pub fn new(rank: Rank) -> RankPlan {
         RankPlan {
             rank,

@@ -23,7 +23,9 @@ pub struct Totals {
     pub bytes_local: u64,
     /// Remote transfers.
     pub messages: u64,
+    /// The most bytes one rank sends to others (a relaying rank counts what it forwards).
     pub max_rank_send_bytes: u64,
+    /// The most bytes one rank receives from others.
     pub max_rank_recv_bytes: u64,
     /// What gather+broadcast moves for the same layouts (see [`gather_broadcast_bytes`]).
     pub gather_broadcast_bytes: u64,
@@ -66,6 +68,7 @@ impl Overflow {
         self.0 & Overflow::bit(field) != 0
     }
 
+    /// Whether no count overflowed.
     pub fn is_empty(&self) -> bool {
         self.0 == 0
     }
@@ -88,6 +91,7 @@ fn fit(total: u128, field: &'static str, overflow: &mut Overflow) -> u64 {
 }
 
 impl Totals {
+    /// The counts of `plan`'s transfers, and of its quantization's traffic if any.
     pub fn of(plan: &Plan) -> Totals {
         let elem = plan.elem_bytes();
         let mut overflow = Overflow::default();
@@ -195,10 +199,15 @@ pub fn gather_broadcast_bytes_wide(src: &Layout, dst: &Layout) -> u128 {
 /// One transfer in the plan JSON.
 #[derive(Clone, Debug, Serialize)]
 pub struct TransferJson {
+    /// The source rank.
     pub src: Rank,
+    /// The destination rank.
     pub dst: Rank,
+    /// The region's first element along each dim.
     pub offset: Vec<u64>,
+    /// The region's size along each dim, in elements.
     pub extent: Vec<u64>,
+    /// Bytes the transfer carries (in the wire dtype).
     pub bytes: u64,
     /// A relayed transfer: the rank on `dst`'s host that received the bytes from `src` and
     /// forwards them to `dst`.
@@ -210,6 +219,7 @@ pub struct TransferJson {
 /// bytes on every host's link.
 #[derive(Clone, Debug, Serialize)]
 pub struct TotalsJson {
+    /// The plan's byte and message counts.
     #[serde(flatten)]
     pub totals: Totals,
     /// Bytes out of and into every host (`--hosts`).
@@ -223,14 +233,19 @@ pub struct TotalsJson {
 /// The plan JSON of `reshard plan --json` (the design notes fix its fields).
 #[derive(Clone, Debug, Serialize)]
 pub struct PlanJson {
+    /// The tensor's shape, in elements.
     pub shape: Vec<u64>,
-    /// The source's dtype and element size.
+    /// The source's dtype.
     pub dtype: String,
+    /// The source's element size, in bytes.
     pub elem_bytes: usize,
-    /// The destination's (`--dst-dtype`): what the wire carries, so what `bytes` counts.
+    /// The destination's dtype (`--dst-dtype`): what the wire carries, so what `bytes` counts.
     pub dst_dtype: String,
+    /// The destination's element size, in bytes.
     pub dst_elem_bytes: usize,
+    /// Every transfer, sorted by (src, dst, region).
     pub transfers: Vec<TransferJson>,
+    /// The counts, and the bytes on the hosts' links.
     pub totals: TotalsJson,
     /// With `--quant`: the scheme, the scale grid, and the amax and scale traffic.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -247,14 +262,19 @@ pub struct QuantJson {
     /// Left out for a plan that quantizes as it packs.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub source: Option<&'static str>,
+    /// The scheme, as `--quant` writes it (`block:128x128`, `mx:32`, ...).
     pub scheme: String,
+    /// The scale dtype (`f32` or `e8m0`).
     pub scale_dtype: String,
+    /// Bytes per scale.
     pub scale_elem_bytes: usize,
     /// The block's extent along every dim of the tensor.
     pub block: Vec<u64>,
     /// The scale tensor's shape.
     pub scale_shape: Vec<u64>,
+    /// The partial amax messages between source ranks.
     pub amax: Vec<TransferJson>,
+    /// The scale transfers to the destinations.
     pub scales: Vec<TransferJson>,
 }
 
@@ -292,6 +312,7 @@ impl QuantJson {
 }
 
 impl PlanJson {
+    /// The JSON of `plan`.
     pub fn of(plan: &Plan) -> PlanJson {
         let elem = plan.elem_bytes();
         PlanJson {

@@ -62,7 +62,9 @@ pub fn for_each_overlap(layout: &Layout, region: &Region, mut f: impl FnMut(&[us
 /// Who holds each box of the source layout: looked up per box for one rank's plan, or
 /// tabulated once by box id for a full plan, whose every destination asks again.
 pub enum Holders<'a> {
+    /// Asks the layout for a box's holders each time ([`Layout::holders`]).
     OnDemand(&'a Layout),
+    /// Every box's holders in mesh order, indexed by [`Layout::box_id`].
     Table(Vec<Vec<Rank>>),
 }
 
@@ -92,8 +94,11 @@ impl Holders<'_> {
 /// How sources are chosen: the planner's options, the hosts when known, and whether a
 /// relaying rank's receives come with the transfers it forwards (a rank's own part).
 pub struct Chooser<'a> {
+    /// The planner's options.
     pub options: &'a PlanOptions,
+    /// The hosts, when known: sources are then chosen host by host.
     pub topology: Option<&'a Topology>,
+    /// Whether a relaying rank's receives include the transfers it forwards.
     pub forwards: bool,
 }
 

@@ -28,7 +28,10 @@ pub enum Messages {
     /// The bytes between each pair of ranks, all tensors together, cut into messages of at
     /// most `chunk_bytes`, each paying the startup: a batched executor that does not overlap
     /// one chunk's startup with the previous chunk's bytes.
-    Chunked { chunk_bytes: u64 },
+    Chunked {
+        /// The most bytes one message carries.
+        chunk_bytes: u64,
+    },
 }
 
 impl Messages {
@@ -45,9 +48,13 @@ impl Messages {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Port {
+    /// Sending over NVLink, to GPUs of the same domain.
     NvlinkSend,
+    /// Receiving over NVLink, from GPUs of the same domain.
     NvlinkRecv,
+    /// Sending over the network, through the GPU's NIC.
     NicSend,
+    /// Receiving over the network, through the GPU's NIC.
     NicRecv,
     /// Copies between two buffers on the GPU (local copies).
     Memory,
@@ -86,7 +93,9 @@ impl fmt::Display for Port {
 /// Bytes and messages through one port (or between one pair of ranks).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct Load {
+    /// Bytes carried.
     pub bytes: u64,
+    /// Messages carried (between a pair of ranks: its transfers).
     pub messages: u64,
 }
 
@@ -100,17 +109,24 @@ impl Load {
 /// The port that takes longest, and what it carries.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize)]
 pub struct Busiest {
+    /// The GPU, by its number in the cluster.
     pub gpu: usize,
+    /// Which of its ports.
     pub port: Port,
+    /// What the port carries.
     pub load: Load,
+    /// Modeled seconds of the port: its bytes over its bandwidth plus its messages' latency.
     pub seconds: f64,
 }
 
 /// Bytes moved over each kind of link.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct LinkBytes {
+    /// Copied through a GPU's memory: local copies, and between ranks that share a GPU.
     pub memory: u64,
+    /// Over NVLink, between GPUs of one domain.
     pub nvlink: u64,
+    /// Over the network, between domains.
     pub network: u64,
 }
 
@@ -135,6 +151,7 @@ pub struct ReshardCost {
     pub lower_bound_s: f64,
     /// The port that sets `seconds` (none when nothing moves).
     pub busiest: Option<Busiest>,
+    /// Bytes over each kind of link, local copies included.
     pub bytes: LinkBytes,
     /// Remote messages (local copies aside).
     pub messages: u64,
@@ -342,6 +359,7 @@ pub struct BaselineCost {
     pub broadcast_s: f64,
     /// Bytes received over all links, all-gathers and broadcasts together.
     pub bytes: u64,
+    /// `bytes` by kind of link.
     pub bytes_by_link: LinkBytes,
 }
 

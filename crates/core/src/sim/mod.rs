@@ -120,42 +120,72 @@ use crate::plan::Plan;
 /// Why a cluster cannot be used: every variant names the field or the rank.
 #[derive(Debug, Error)]
 pub enum SimError {
+    /// The name is no preset, and no file of that name can be read.
     #[error("`{path}` is neither a preset (h100, gb200) nor a readable cluster file: {source}")]
     Read {
+        /// The name given, read as a path.
         path: String,
+        /// Why reading it failed.
         #[source]
         source: std::io::Error,
     },
 
+    /// The file is not the JSON of a cluster or testbed.
     #[error("cluster file `{path}`: {source}")]
     Json {
+        /// The file's path (the name the text goes by, when parsed without a file).
         path: String,
+        /// What the JSON parser found wrong.
         #[source]
         source: serde_json::Error,
     },
 
+    /// A field that neither the file nor its base preset gives.
     #[error(
         "cluster field `{field}` is missing (give it, or start from a preset with \"base\": \"h100\" or \"gb200\")"
     )]
-    MissingField { field: &'static str },
+    MissingField {
+        /// The field, as the file names it.
+        field: &'static str,
+    },
 
+    /// A field whose value cannot describe a machine.
     #[error("cluster field `{field}`: {value} is invalid: {reason}")]
     InvalidField {
+        /// The field, as the file names it.
         field: &'static str,
+        /// Its value.
         value: String,
+        /// What it must be.
         reason: String,
     },
 
+    /// A rank of the plans beyond the cluster's `ranks` list.
     #[error("rank {rank} has no GPU: the cluster's `ranks` places only ranks 0..{placed}")]
-    RankNotPlaced { rank: Rank, placed: usize },
+    RankNotPlaced {
+        /// The rank.
+        rank: Rank,
+        /// How many ranks the list places.
+        placed: usize,
+    },
 
+    /// A rank of the plans beyond the testbed's hosts.
     #[error("rank {rank} is on no host: the testbed has ranks 0..{placed}")]
-    RankOffTestbed { rank: Rank, placed: usize },
+    RankOffTestbed {
+        /// The rank.
+        rank: Rank,
+        /// How many ranks the testbed's hosts run.
+        placed: usize,
+    },
 
+    /// More bytes than the model's 64-bit counts hold.
     #[error(
         "the plans and their gather+broadcast move {bytes} bytes, more than 2^64-1: too many to price"
     )]
-    TooLarge { bytes: u128 },
+    TooLarge {
+        /// The bytes the plans and their baseline move together.
+        bytes: u128,
+    },
 }
 
 /// The `simulation` object of the refit JSON (see the design notes).
@@ -183,10 +213,13 @@ pub struct SimOptions {
 /// Both prices, in detail.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Pricing {
+    /// The cluster's name.
     pub cluster: String,
+    /// The reshard's price.
     pub reshard: ReshardCost,
     /// No plan of these tensors, relaying or not, is faster (see [`domain_bound`]).
     pub domain_bound_s: f64,
+    /// The gather+broadcast baseline's price.
     pub gather_broadcast: BaselineCost,
 }
 

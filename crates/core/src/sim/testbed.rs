@@ -46,6 +46,7 @@ use crate::topology::HostMap;
 pub struct Testbed {
     /// How reports name it: the file's `name`, or its stem.
     pub name: String,
+    /// Number of hosts.
     pub hosts: usize,
     /// Consecutive ranks per host: ranks `[h * k, (h + 1) * k)` run on host `h`.
     pub ranks_per_host: usize,

@@ -9,6 +9,7 @@ use crate::region::Region;
 /// The scales of the blocks one rank quantizes, from their whole amax.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Scales {
+    /// The scheme, fp8 format and scale dtype the scales are for.
     pub quant: Quant,
     /// The blocks, in grid coordinates.
     pub blocks: Region,
