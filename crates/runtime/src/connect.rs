@@ -25,11 +25,14 @@ pub type Destination<'a> = Option<(&'a SharedBuffer, &'a Region)>;
 /// The peers one rank exchanges data with, in each direction.
 #[derive(Clone, Debug, Default)]
 pub struct Links {
+    /// The ranks it receives from.
     pub senders: BTreeSet<Rank>,
+    /// The ranks it sends to.
     pub receivers: BTreeSet<Rank>,
 }
 
 impl Links {
+    /// Every rank it exchanges data with, either way.
     pub fn peers(&self) -> BTreeSet<Rank> {
         self.senders.union(&self.receivers).copied().collect()
     }

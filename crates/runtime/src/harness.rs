@@ -86,7 +86,9 @@ impl Sample {
 /// What one check covered: `bytes` checked of the `of` bytes the method's destinations hold.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Checked {
+    /// Destination bytes the check covered.
     pub bytes: u64,
+    /// Bytes the method's destinations hold.
     pub of: u64,
 }
 
@@ -167,7 +169,9 @@ impl Repeat {
 pub struct Measured {
     /// Seconds of every timed repetition (between processes, the slowest rank's).
     pub times: Vec<f64>,
+    /// Bytes received from other ranks in one repetition (the job's: every rank's, summed).
     pub wire_bytes: u64,
+    /// Bytes copied within a rank in one repetition (the job's: every rank's, summed).
     pub bytes_local: u64,
     /// The most memory of one rank besides its shards: staging and [`Compare::extra_bytes`].
     pub peak_extra: u64,
@@ -229,6 +233,7 @@ impl Measured {
 /// What [`compare`] found: every method's measurements, in [`Compare::methods`] order.
 #[derive(Clone, Debug)]
 pub struct Comparison<M> {
+    /// Each method and its measurements.
     pub measured: Vec<(M, Measured)>,
     /// Every repetition of every method checked, each check covering every destination byte.
     pub verified: bool,
@@ -326,11 +331,18 @@ pub fn spread(times: &[f64]) -> (f64, f64, f64) {
 /// One method's line of a bench or refit report.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct MethodJson {
+    /// Median seconds of the timed repetitions.
     pub median_s: f64,
+    /// Seconds of the fastest timed repetition.
     pub min_s: f64,
+    /// Seconds of the slowest timed repetition.
     pub max_s: f64,
+    /// Bytes received from other ranks in one repetition, all ranks together.
     pub wire_bytes: u64,
+    /// Destination bytes per median second, in GB/s (10^9 bytes a second).
     pub gbps: f64,
+    /// The most memory one rank held besides its shards, in bytes: staging and full-tensor
+    /// buffers ([`Measured::peak_extra`]).
     pub peak_extra_bytes_per_rank: u64,
     /// Of `wire_bytes`, those written straight into the receivers' shards by same-host
     /// senders (shm), when any: absent when every byte went through rings or sockets.

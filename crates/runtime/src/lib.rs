@@ -126,6 +126,7 @@ impl TransportKind {
         TransportKind::Auto,
     ];
 
+    /// Its name, as `--transport` takes it.
     pub fn name(self) -> &'static str {
         match self {
             TransportKind::Local => "local",
@@ -155,6 +156,7 @@ impl FromStr for TransportKind {
 /// How the ranks reach each other: fixed when the process joins the job.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct JoinOptions {
+    /// Which transport carries each peer.
     pub transport: TransportKind,
     /// How long a rank waits for a peer before failing.
     pub timeout: Duration,

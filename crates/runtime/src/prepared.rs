@@ -95,6 +95,7 @@ pub struct PlanRank<'w> {
 }
 
 impl PlanRank<'_> {
+    /// The rank it runs.
     pub fn rank(&self) -> Rank {
         self.rank
     }

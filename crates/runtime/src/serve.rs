@@ -210,6 +210,7 @@ fn idle(d: Duration, stop: &AtomicBool) {
 /// What the server saw, from its start to its stop.
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct Served {
+    /// Passes served in all.
     pub passes: u64,
     /// Passes per stage, in the order the stages were marked, "before" first.
     pub passes_by_stage: Vec<(String, u64)>,

@@ -22,6 +22,7 @@ use reshard_transport::Transport;
 /// The baseline of every tensor of a batch.
 #[derive(Clone, Debug)]
 pub struct BatchBaseline {
+    /// Each tensor's gather+broadcast, in batch order.
     pub tensors: Vec<GatherBroadcast>,
 }
 
@@ -33,6 +34,7 @@ pub struct RankBaseline {
 }
 
 impl BatchBaseline {
+    /// Every tensor's baseline, or an error naming the first tensor it cannot be built for.
     pub fn new(batch: &Batch) -> Result<BatchBaseline> {
         let tensors = batch
             .tensors()

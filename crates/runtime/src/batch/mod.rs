@@ -53,7 +53,9 @@ use reshard_core::region::Region;
 /// One tensor of the batch: its name and both layouts (over one rank numbering).
 #[derive(Clone, Debug)]
 pub struct Tensor {
+    /// Its name, for reports and errors.
     pub name: String,
+    /// Where it lies before the move (the trainer's side).
     pub src: Layout,
     /// Of the source's dtype, another float dtype (cast in flight), or fp8 with `quant`.
     pub dst: Layout,
@@ -91,17 +93,24 @@ impl Tensor {
 /// `members` order (indices into the batch's tensors).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Fusion {
+    /// The fused buffer's name (`qkv_proj`, `gate_up_proj`).
     pub name: String,
+    /// The side whose buffers are fused.
     pub side: Side,
+    /// The dim the members' local shards are concatenated along.
     pub dim: usize,
+    /// The fused tensors, as indices into the batch's tensors, in buffer order.
     pub members: Vec<usize>,
 }
 
 /// A box of one tensor, dense and row-major in `bytes` of a buffer.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Piece {
+    /// The tensor, as an index into the batch's tensors.
     pub tensor: usize,
+    /// The box, in tensor coordinates.
     pub region: Region,
+    /// Its bytes in the buffer.
     pub bytes: Range<usize>,
 }
 
@@ -110,7 +119,9 @@ pub struct Piece {
 pub struct Buffer {
     /// The tensor's or the fusion's name.
     pub name: String,
+    /// Its size in bytes.
     pub len: usize,
+    /// The boxes it holds, each in a byte range of its own.
     pub pieces: Vec<Piece>,
 }
 
@@ -132,6 +143,7 @@ impl Buffer {
 /// Knobs of a batch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct BatchOptions {
+    /// How each tensor is planned.
     pub plan: PlanOptions,
     /// Tensors smaller than this (in bytes) whose source is fully replicated go in one packed
     /// broadcast per source root; 0 turns packing off.
@@ -429,10 +441,12 @@ impl Batch {
         self.tensors.iter().any(Tensor::converts)
     }
 
+    /// The tensors, in batch order: the indices moves, fusions and pieces name them by.
     pub fn tensors(&self) -> &[Tensor] {
         &self.tensors
     }
 
+    /// The fusions, as given.
     pub fn fusions(&self) -> &[Fusion] {
         &self.fusions
     }

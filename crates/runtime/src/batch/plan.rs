@@ -322,14 +322,19 @@ pub enum MoveKind {
 pub struct Move {
     /// The tensor (or, past the batch's tensors, a packed blob).
     pub tensor: usize,
+    /// What it carries.
     pub kind: MoveKind,
+    /// The sending rank.
     pub from: Rank,
+    /// The receiving rank.
     pub to: Rank,
     /// In tensor coordinates, or block grid coordinates for scales and amax.
     pub region: Region,
     /// Bytes per element on the wire (the destination's).
     pub elem_bytes: usize,
+    /// The source piece that holds `region`.
     pub src_box: Region,
+    /// The destination piece that holds `region`.
     pub dst_box: Region,
     /// Buffer and bytes of `src_box` on this rank, when it sends.
     pub src_at: Option<(usize, Range<usize>)>,
@@ -361,6 +366,7 @@ impl Move {
 /// stages those blocks' scales for its scale moves.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct QuantSource {
+    /// The tensor, as an index into the batch's tensors.
     pub tensor: usize,
     /// The rank's source box of the tensor (its pieces may lie in a fused buffer).
     pub shard: Region,
@@ -374,7 +380,9 @@ pub struct QuantSource {
 /// A packed broadcast: the root's small tensors, whole, one after the other in a blob.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Pack {
+    /// The rank that packs the blob and sends it: the first rank of the tensors' source mesh.
     pub root: Rank,
+    /// Bytes of the blob.
     pub len: usize,
     /// Each tensor and its bytes in the blob.
     pub tensors: Vec<(usize, Range<usize>)>,
@@ -383,7 +391,10 @@ pub struct Pack {
 /// What a rank does with a pack.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum PackRole {
+    /// Packs the blob from its source buffers, sends it to every receiver, and unpacks its
+    /// own boxes from it.
     Root,
+    /// Receives the blob and unpacks its own boxes from it.
     Receiver,
 }
 
@@ -397,6 +408,7 @@ pub type Blobs = (Vec<Vec<u8>>, Vec<Vec<u8>>);
 /// its destination buffers, then its scale buffers, then one blob per pack it receives.
 #[derive(Clone, Debug)]
 pub struct RankBatch {
+    /// The rank whose part it is.
     pub rank: Rank,
     /// The rank's source buffers.
     pub src: Vec<Buffer>,
@@ -406,6 +418,7 @@ pub struct RankBatch {
     pub scales: Vec<Buffer>,
     /// Every value and scale move, in schedule order.
     pub moves: Vec<Move>,
+    /// The packs it roots or receives, each with its role, in order of their roots.
     pub packs: Vec<(Pack, PackRole)>,
     /// The quantized tensors it holds a source shard of, in tensor order.
     pub quant: Vec<QuantSource>,

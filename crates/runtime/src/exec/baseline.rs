@@ -20,6 +20,7 @@ use reshard_transport::Transport;
 
 /// One rank's part of the baseline: its plans for both phases and its buffers.
 pub struct BaselineJob<'a> {
+    /// The tensor's gather+broadcast.
     pub baseline: &'a GatherBroadcast,
     /// This rank's part of the gather, if it gathers.
     pub gather: Option<&'a RankPlan>,

@@ -22,8 +22,11 @@ use reshard_transport::{Fault, LocalFabric};
 
 /// One rank's part of a run of many: its program and the buffers the job gives it.
 pub struct RankRun<'a, 'p> {
+    /// The rank's program.
     pub program: Program<'p>,
+    /// Its source buffers, as the program's [`super::program::Buf::Src`] numbers them.
     pub src: Vec<&'a [u8]>,
+    /// Its destination buffers, as the program's [`super::program::Buf::Dst`] numbers them.
     pub dst: Vec<&'a mut [u8]>,
 }
 

@@ -17,6 +17,7 @@ use reshard_transport::Transport;
 
 /// One rank's share of a run: its plan and its shards.
 pub struct RankJob<'buf, 'dst> {
+    /// The rank's part of the plan.
     pub plan: &'buf RankPlan,
     /// The source layout: where every sender's shard lies.
     pub src_layout: &'buf Layout,

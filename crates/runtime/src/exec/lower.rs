@@ -27,20 +27,27 @@ pub const NO_BUFFER: Buf = Buf::Src(usize::MAX);
 /// Where a rank's shard of one side lies: its box, and the bytes of a buffer holding it.
 #[derive(Clone, Debug)]
 pub struct Slot<'p> {
+    /// The shard's box, in tensor coordinates.
     pub region: Cow<'p, Region>,
+    /// The buffer holding it.
     pub buf: Buf,
+    /// The bytes of `buf` that hold the box, dense and row-major.
     pub bytes: Range<usize>,
 }
 
 /// A rank's part of a plan, as lowering takes it.
 pub struct PlanJob<'p> {
+    /// The rank's part of the plan.
     pub plan: &'p RankPlan,
     /// Where every sender's shard lies.
     pub src_layout: &'p Layout,
     /// The destination's dtype: the senders convert to it.
     pub dst_dtype: DType,
+    /// Where the rank's source shard lies, if it is a source.
     pub src: Option<Slot<'p>>,
+    /// Where the rank's destination shard lies, if it is a destination.
     pub dst: Option<Slot<'p>>,
+    /// With a quantizing plan: the rank's part of the quantization.
     pub quant: Option<QuantParts<'p>>,
 }
 
@@ -48,7 +55,9 @@ pub struct PlanJob<'p> {
 pub struct QuantParts<'p> {
     /// The tensor's name, for errors.
     pub tensor: &'p str,
+    /// The tensor's quantization over both layouts.
     pub plan: &'p QuantPlan,
+    /// This rank's part of it.
     pub rank: &'p QuantRankPlan,
     /// The buffer its scale shard lands in, if it is given one.
     pub scales: Option<Buf>,
@@ -438,13 +447,19 @@ fn relay_phases<'p>(
 /// A rank's part of the gather+broadcast baseline, as lowering takes it: its plans for both
 /// phases, and where its shards and its full-tensor buffer lie.
 pub struct BaselineParts<'p> {
+    /// The rank whose part it is.
     pub rank: Rank,
+    /// The tensor's gather+broadcast.
     pub baseline: &'p GatherBroadcast,
+    /// This rank's part of the gather, if it gathers.
     pub gather: Option<&'p RankPlan>,
+    /// This rank's part of the broadcast, if it sends or receives in it.
     pub broadcast: Option<&'p RankPlan>,
+    /// Where its source shard lies, if it is a source.
     pub src: Option<Slot<'p>>,
     /// The rank's full-tensor buffer, if it has one (bytes of the tensor in its source dtype).
     pub full: Option<(Buf, Range<usize>)>,
+    /// Where its destination shard lies, if it is a destination.
     pub dst: Option<Slot<'p>>,
     /// The box of the whole tensor.
     pub whole: Cow<'p, Region>,

@@ -38,8 +38,11 @@ pub fn cut_chunk(requested: usize, converts: bool) -> usize {
 /// run ([`Program::scratch`]: staging, blobs, partial amax, a full tensor).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Buf {
+    /// The caller's source buffer of this index.
     Src(usize),
+    /// The caller's destination buffer of this index.
     Dst(usize),
+    /// The executor's scratch buffer of this index ([`Program::scratch`]).
     Scratch(usize),
 }
 
@@ -54,8 +57,11 @@ pub enum Convert {
     /// Quantized into fp8 with the scales the amax phase settles for the source piece keyed
     /// `piece` ([`Scaling::pieces`]): known only once that phase has run.
     Quantize {
+        /// The source's dtype.
         src: DType,
+        /// The fp8 dtype it is quantized into.
         dst: DType,
+        /// The source piece whose scales it uses ([`Piece::key`]).
         piece: (usize, usize),
     },
 }
@@ -70,6 +76,7 @@ impl Convert {
         }
     }
 
+    /// Whether it converts at all (anything but [`Convert::Keep`]).
     pub fn is_some(&self) -> bool {
         !matches!(self, Convert::Keep)
     }
@@ -85,10 +92,13 @@ impl From<Option<Cast>> for Convert {
 /// where those boxes lie in the phase's buffers ([`Phase::src`], [`Phase::dst`]).
 #[derive(Clone, Debug, PartialEq)]
 pub struct Step<'p> {
+    /// The sending rank.
     pub from: Rank,
+    /// The receiving rank.
     pub to: Rank,
     /// In global tensor coordinates.
     pub region: Cow<'p, Region>,
+    /// Bytes per element on the wire (the destination's).
     pub elem_bytes: usize,
     /// The box holding `region` on the sender: a dense row-major piece of a source buffer.
     pub src_box: Cow<'p, Region>,
@@ -117,13 +127,18 @@ impl Step<'_> {
 /// the transport may hold their chunks (`'s`); the rest only for the run (`'r`).
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Steps<'s, 'r> {
+    /// The rank that runs them.
     pub rank: Rank,
+    /// The transfers it sends.
     pub sends: Vec<Step<'s>>,
+    /// The transfers it receives.
     pub recvs: Vec<Step<'r>>,
+    /// Transfers from the rank to itself: copied without the transport.
     pub locals: Vec<Step<'r>>,
 }
 
 impl Steps<'_, '_> {
+    /// Whether it has no step at all.
     pub fn is_empty(&self) -> bool {
         self.sends.is_empty() && self.recvs.is_empty() && self.locals.is_empty()
     }
@@ -133,13 +148,19 @@ impl Steps<'_, '_> {
 /// a relayed slab from the staging into the shard, the baseline's keep.
 #[derive(Clone, Debug, PartialEq)]
 pub struct LocalCopy<'p> {
+    /// The region copied, in tensor coordinates.
     pub region: Cow<'p, Region>,
+    /// The buffer read, and the bytes of `from_box` in it.
     pub from: (Buf, Range<usize>),
+    /// The box the bytes read hold, dense and row-major.
     pub from_box: Cow<'p, Region>,
+    /// The buffer written, and the bytes of `to_box` in it.
     pub to: (Buf, Range<usize>),
+    /// The box the bytes written hold, dense and row-major.
     pub to_box: Cow<'p, Region>,
     /// Bytes per element written (the destination's).
     pub elem_bytes: usize,
+    /// A float cast on the way, when the two sides' dtypes differ.
     pub cast: Option<Cast>,
     /// Whether the rank's stats count it as a local copy.
     pub counted: bool,
@@ -151,8 +172,11 @@ pub struct LocalCopy<'p> {
 pub struct Scaling<'p> {
     /// The tensor's name, for errors.
     pub tensor: Cow<'p, str>,
+    /// The tensor's quantization over both layouts.
     pub plan: &'p QuantPlan,
+    /// The dtype of its source shard.
     pub src_dtype: DType,
+    /// The fp8 dtype it is quantized into.
     pub dst_dtype: DType,
     /// The rank's source box of the tensor.
     pub shard: Cow<'p, Region>,
@@ -170,9 +194,13 @@ pub struct Scaling<'p> {
 /// A piece of a quantized tensor's source shard: dense, row-major in `bytes` of `buf`.
 #[derive(Clone, Debug)]
 pub struct Piece<'p> {
+    /// The buffer holding it.
     pub buf: Buf,
+    /// Its bytes in `buf`.
     pub bytes: Range<usize>,
+    /// Its box, in tensor coordinates.
     pub region: Cow<'p, Region>,
+    /// Its source buffer and first byte: how [`Convert::Quantize`] steps name it.
     pub key: (usize, usize),
 }
 
@@ -196,13 +224,16 @@ pub enum PhaseKind {
 /// One phase of a rank's program.
 #[derive(Clone, Debug)]
 pub struct Phase<'p> {
+    /// Which part of the job it is.
     pub kind: PhaseKind,
     /// Which job of a chain it belongs to (the baseline's gather and broadcast of each tensor):
     /// phases of every rank with the same `(part, kind)` run together.
     pub part: usize,
-    /// The buffers the steps' `src_at` index, and those their `dst_at` index.
+    /// The buffers the steps' `src_at` index.
     pub src: Vec<Buf>,
+    /// The buffers the steps' `dst_at` index.
     pub dst: Vec<Buf>,
+    /// Its sends, receives and local copies.
     pub steps: Steps<'p, 'p>,
     /// Local copies before the transfers (packing, assembling a fused shard).
     pub before: Vec<LocalCopy<'p>>,
@@ -259,6 +290,7 @@ impl<'p> Phase<'p> {
 /// A buffer the executor allocates for a run, zeroed.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Scratch {
+    /// Its size in bytes.
     pub len: usize,
     /// What it holds, for the out-of-memory error.
     pub what: String,
@@ -267,10 +299,13 @@ pub struct Scratch {
 /// One rank's whole part of a job.
 #[derive(Clone, Debug)]
 pub struct Program<'p> {
+    /// The rank that runs it.
     pub rank: Rank,
     /// The chunk size of every transfer, the same on both ends ([`cut_chunk`]).
     pub chunk_bytes: usize,
+    /// The buffers the executor allocates for the run, by [`Buf::Scratch`] index.
     pub scratch: Vec<Scratch>,
+    /// Its phases, in the order they run.
     pub phases: Vec<Phase<'p>>,
     /// Staging the program holds beside the transport's (relay staging, blobs, partial
     /// amax and staged scales), added to the rank's peak.
@@ -281,6 +316,7 @@ pub struct Program<'p> {
 }
 
 impl<'p> Program<'p> {
+    /// An empty program of `rank`, its transfers cut into chunks of `chunk_bytes`.
     pub fn new(rank: Rank, chunk_bytes: usize) -> Self {
         Program {
             rank,

@@ -16,8 +16,11 @@ use reshard_core::layout::Rank;
 /// the transport cuts it into.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Due {
+    /// The sending rank.
     pub from: Rank,
+    /// Bytes on the wire.
     pub bytes: u64,
+    /// Chunks the transport cuts it into.
     pub chunks: u64,
 }
 
@@ -36,7 +39,9 @@ enum State {
 /// by sender, how many of them and their bytes.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Missing {
+    /// The transfers that did not arrive, as indices into the rank's receives, in order.
     pub transfers: Vec<usize>,
+    /// By sender: how many of those transfers, and their bytes.
     pub by_peer: BTreeMap<Rank, (usize, u64)>,
 }
 
@@ -58,7 +63,9 @@ impl Missing {
 /// What a rank's sending side handed to its transport, counted as it goes.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Sent {
+    /// Bytes of the transfers whose last chunk went.
     pub bytes: u64,
+    /// Chunks handed over.
     pub chunks: u64,
 }
 
@@ -77,9 +84,13 @@ impl Sent {
 /// What a rank moved, once it has completed.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Moved {
+    /// Bytes of the transfers that landed.
     pub bytes_received: u64,
+    /// Chunks of the transfers that landed.
     pub chunks_received: u64,
+    /// Bytes its sending side handed to the transport.
     pub bytes_sent: u64,
+    /// Chunks its sending side handed to the transport.
     pub chunks_sent: u64,
 }
 

@@ -17,7 +17,9 @@ use reshard_transport::Lands;
 pub struct QuantJob<'buf, 'dst> {
     /// The tensor's name, for errors.
     pub tensor: &'buf str,
+    /// The tensor's quantization over both layouts.
     pub plan: &'buf QuantPlan,
+    /// This rank's part of it.
     pub rank: &'buf QuantRankPlan,
     /// Staging of [`QuantRankPlan::stage_bytes`]: the partial amax this rank sends, then its
     /// scales, which its scale transfers read until the run ends.

@@ -48,8 +48,11 @@ pub fn slabs(region: &Region, elem_bytes: usize, slab_bytes: u64) -> Vec<Region>
 /// One transfer's slab as a round moves it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Leg {
+    /// The sending rank.
     pub from: Rank,
+    /// The receiving rank.
     pub to: Rank,
+    /// The slab, in tensor coordinates.
     pub region: Region,
     /// Where the bytes lie on this rank: `None` in its shard (the source shard for a send,
     /// the destination shard for a receive), `Some(offset)` in a staging buffer (the one
@@ -65,7 +68,9 @@ pub struct Leg {
 /// One round of a rank's part.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Round {
+    /// The legs this rank sends, in schedule order.
     pub sends: Vec<Leg>,
+    /// The legs this rank receives, in schedule order.
     pub recvs: Vec<Leg>,
     /// Local copies (round 0).
     pub locals: Vec<Transfer>,
@@ -76,6 +81,7 @@ pub struct Round {
 /// A rank's part of a relay plan, round by round.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Rounds {
+    /// Round 0 first: round `j` carries slab `j` of every hop.
     pub rounds: Vec<Round>,
 }
 

@@ -8,12 +8,19 @@ use reshard_core::layout::Rank;
 /// What one rank did.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct RankStats {
+    /// The rank counted.
     pub rank: Rank,
+    /// Bytes sent to other ranks.
     pub bytes_sent: u64,
+    /// Bytes received from other ranks.
     pub bytes_received: u64,
+    /// Bytes copied within the rank, off the wire.
     pub bytes_local: u64,
+    /// Chunks handed to the transport.
     pub chunks_sent: u64,
+    /// Chunks received from other ranks.
     pub chunks_received: u64,
+    /// The most staging memory it held at once, in bytes: the transport's and its program's.
     pub peak_staging_bytes: u64,
     /// Of `bytes_sent`, those the transport wrote straight into their receivers' shards
     /// (shm direct writes): one copy per byte instead of two.
@@ -36,7 +43,9 @@ impl RankStats {
 /// What a whole run did.
 #[derive(Clone, Debug, Default)]
 pub struct RunStats {
+    /// Wall time of the run, every rank's part.
     pub elapsed: Duration,
+    /// Every rank's counts.
     pub ranks: Vec<RankStats>,
 }
 
@@ -66,10 +75,12 @@ impl RunStats {
         }
     }
 
+    /// Bytes received from other ranks, all ranks together.
     pub fn bytes_remote(&self) -> u64 {
         self.ranks.iter().map(|r| r.bytes_received).sum()
     }
 
+    /// Bytes copied within a rank, all ranks together.
     pub fn bytes_local(&self) -> u64 {
         self.ranks.iter().map(|r| r.bytes_local).sum()
     }
@@ -79,6 +90,7 @@ impl RunStats {
         self.ranks.iter().map(|r| r.bytes_direct).sum()
     }
 
+    /// The most staging memory of one rank, in bytes.
     pub fn peak_staging_bytes(&self) -> u64 {
         self.ranks
             .iter()

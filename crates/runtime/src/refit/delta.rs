@@ -24,22 +24,28 @@ use reshard_core::fill::Fill;
 pub struct DeltaStream {
     /// Versions in the stream; the first moves dense for want of a base.
     pub steps: u64,
+    /// How the tensors change from one version to the next.
     pub update: Update,
+    /// How the delta refit runs.
     pub options: DeltaOptions,
 }
 
 /// One version of a stream, on one rank or (combined) on all.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct VersionReport {
+    /// The version moved.
     pub version: u64,
-    /// The slowest rank's time of the delta refit, and of the dense one.
+    /// The slowest rank's seconds for the delta refit.
     pub delta_s: f64,
+    /// The slowest rank's seconds for the dense refit.
     pub dense_s: f64,
-    /// Bytes on the wire: the delta's values, fences and headers; the dense refit's values.
+    /// Bytes on the wire of the delta refit: its values, fences and headers.
     pub delta_wire_bytes: u64,
+    /// Bytes on the wire of the dense refit: its values.
     pub dense_wire_bytes: u64,
-    /// Elements of the transfers sent as deltas, and those that changed.
+    /// Elements of the transfers sent as deltas.
     pub elems: u64,
+    /// Of those elements, the ones that changed.
     pub changed: u64,
     /// Destination ranks sent something dense, and why.
     pub dense_to: Vec<(Rank, String)>,
@@ -48,17 +54,21 @@ pub struct VersionReport {
 /// What `refit --run --delta` reports.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct DeltaRefitReport {
+    /// The transport the ranks moved over.
     pub transport: String,
+    /// Versions in the stream.
     pub steps: u64,
+    /// How the tensors evolved, as [`Update`] prints it.
     pub update: String,
     /// Every version checked on every rank.
     pub verified: bool,
+    /// Each version, every rank's report combined.
     pub versions: Vec<VersionReport>,
     /// The most bytes one rank keeps between versions for the delta (its bases).
     pub base_bytes_per_rank: u64,
-    /// After the first version: the dense refits' total time over the deltas', and their
-    /// wire bytes over the deltas'.
+    /// After the first version: the dense refits' total time over the deltas'.
     pub speedup: f64,
+    /// After the first version: the dense refits' wire bytes over the deltas'.
     pub wire_ratio: f64,
 }
 

@@ -166,17 +166,24 @@ pub fn fill_of(tensor: usize, quantized: bool) -> Fill {
 /// What `refit --run` reports (the `run` object of the refit JSON).
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct RefitReport {
+    /// The transport the ranks moved over.
     pub transport: String,
+    /// Timed repetitions of each method.
     pub iters: u32,
     /// Every repetition of both methods checked on every rank, each check covering every
     /// destination byte and scale.
     pub verified: bool,
+    /// Tensors smaller than this many bytes went in packed broadcasts
+    /// ([`crate::batch::BatchOptions::pack_below`]).
     pub pack_below: u64,
+    /// Bytes of every destination shard, all ranks: what GB/s counts.
     pub dst_bytes: u64,
     /// Into an fp8 engine: bytes of the destinations' scale shards.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub scale_bytes: Option<u64>,
+    /// The batched reshard's measurements.
     pub reshard: MethodJson,
+    /// Per-tensor gather+broadcast's measurements.
     pub gather_broadcast: MethodJson,
     /// gather+broadcast's median over the reshard's.
     pub speedup: f64,

@@ -24,7 +24,9 @@ use reshard_core::evolve::Update;
 /// How one method of a staged stream moves each version.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct StageMethod {
+    /// Staged beside the live shards and committed, rather than written in place.
     pub staged: bool,
+    /// Moved as a delta refit, rather than dense.
     pub delta: bool,
 }
 
@@ -37,6 +39,7 @@ impl StageMethod {
         }
     }
 
+    /// Its name in reports: `in-place` or `staged`, with `-delta` for a delta refit.
     pub fn name(self) -> &'static str {
         match (self.staged, self.delta) {
             (false, false) => "in-place",
@@ -51,27 +54,37 @@ impl StageMethod {
 /// how commits roll.
 #[derive(Clone, Debug, PartialEq)]
 pub struct StageStream {
+    /// Versions in the stream.
     pub steps: u64,
+    /// How the tensors change from one version to the next.
     pub update: Update,
+    /// How the delta methods' refits run.
     pub delta: DeltaOptions,
+    /// The methods compared: each moves every version, in turn.
     pub methods: Vec<StageMethod>,
     /// Commit groups, as many groups of whole inference replicas ([`RefitRun::rolling_groups`];
     /// `None`: all at once).
     pub rolling: Option<usize>,
+    /// How the serving stand-ins serve meanwhile.
     pub serve: ServeOptions,
 }
 
 /// What `refit --run --stage` reports.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct StagedRefitReport {
+    /// The transport the ranks moved over.
     pub transport: String,
+    /// Versions in the stream.
     pub steps: u64,
+    /// How the tensors evolved, as [`Update`] prints it.
     pub update: String,
     /// Every version of every method checked on every rank.
     pub verified: bool,
     /// Bytes of the destination ranks' shards (values and scales), all ranks.
     pub dst_bytes: u64,
+    /// Every version by every method, every rank's report combined.
     pub versions: Vec<VersionServed>,
+    /// Each method summed up over the stream.
     pub methods: Vec<MethodSummary>,
 }
 

@@ -45,6 +45,7 @@ pub enum Method {
 }
 
 impl Method {
+    /// Its name in reports.
     pub fn name(self) -> &'static str {
         match self {
             Method::InPlace => "in-place",
@@ -126,6 +127,7 @@ impl Rollout {
         })
     }
 
+    /// The session that keeps its ranks' versions and stagings.
     pub fn session(&self) -> &DeltaSession {
         &self.session
     }

@@ -11,22 +11,25 @@ use reshard_core::layout::Rank;
 /// What one destination rank saw of one version.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct RankServed {
+    /// The destination rank.
     pub rank: Rank,
     /// The version its shards serve afterwards.
     pub serving: Option<u64>,
     /// How long its commit held the shards (0 in place: the whole refit held them).
     pub commit_s: f64,
-    /// The serving stand-in's longest gap between passes, and how many passes it served:
-    /// in all, and while the version was being moved (prepared, or written in place).
+    /// The serving stand-in's longest gap between passes, in seconds.
     pub pause_s: f64,
+    /// Passes the serving stand-in served in all.
     pub passes: u64,
+    /// Passes it served while the version was moved (prepared, or written in place).
     pub passes_during_refit: u64,
     /// Whether a pass saw anything but the version before or the version after, whole.
     pub mixed: bool,
-    /// Bytes of its shadows (staged), of the patches its commit applied, and of what it
-    /// copied from the shadows.
+    /// Bytes of its shadows (staged; 0 in place).
     pub staging_bytes: u64,
+    /// Bytes of the patches its commit applied.
     pub patch_bytes: u64,
+    /// Bytes its commit copied from the shadows.
     pub copied_bytes: u64,
     /// Which commit group it is in (rolling commit), from 0.
     pub group: usize,
@@ -35,16 +38,19 @@ pub struct RankServed {
 /// One version by one method, on the ranks of this process.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct VersionServed {
+    /// The version moved.
     pub version: u64,
+    /// The method's name (`staged`, `in-place-delta`, ...).
     pub method: String,
     /// Seconds to move the version: prepared (staged) or written (in place).
     pub refit_s: f64,
-    /// Seconds of the two-phase decision, and of the commit, from the decision to the last
-    /// group's end.
+    /// Seconds of the two-phase decision.
     pub decide_s: f64,
+    /// Seconds of the commit, from the decision to the last group's end.
     pub commit_s: f64,
     /// `commit`, `in place`, or `abort (why)`.
     pub outcome: String,
+    /// Each destination rank's view of it.
     pub ranks: Vec<RankServed>,
 }
 
@@ -110,8 +116,12 @@ impl VersionServed {
 /// Where a destination rank of a stream stands, as it says when the stream stops.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Standing {
+    /// The destination rank.
     pub rank: Rank,
+    /// The name of the stream's method.
     pub method: String,
+    /// The version its shards serve; `None` when none known (a refit in place or a commit
+    /// failed).
     pub serving: Option<u64>,
     /// A version still staged: only a rank in doubt keeps one.
     pub staged: Option<u64>,
@@ -134,22 +144,26 @@ impl std::fmt::Display for Standing {
 /// One method over a stream, as the report sums it up.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct MethodSummary {
+    /// The method's name.
     pub method: String,
-    /// Versions it moved, and those committed (or written in place).
+    /// Versions it moved.
     pub versions: usize,
+    /// Versions committed, or written in place.
     pub served: usize,
-    /// Medians over the versions after the first (the first has no base for a delta):
-    /// seconds to move a version, of the longest pause any rank's engine saw, and of the
-    /// commit.
+    /// Median seconds to move a version, over the versions after the first (the first has
+    /// no base for a delta).
     pub refit_s: f64,
+    /// Median, over the same versions, of the longest pause any rank's engine saw, in seconds.
     pub pause_s: f64,
+    /// Median seconds of the commit, over the same versions.
     pub commit_s: f64,
     /// The median pause over the median refit in place (when `in-place` ran too).
     pub pause_over_in_place: Option<f64>,
     /// Passes the engines served while versions were moved, after the first.
     pub passes_during_refit: u64,
-    /// The most bytes of shadows, and of patches, one rank held.
+    /// The most bytes of shadows one rank held.
     pub staging_bytes_per_rank: u64,
+    /// The most bytes of patches one rank's commit applied.
     pub patch_bytes_per_rank: u64,
     /// Whether any pass of any engine saw a mix of versions.
     pub mixed: bool,

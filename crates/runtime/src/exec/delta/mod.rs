@@ -57,6 +57,7 @@ impl Default for DeltaOptions {
 }
 
 impl DeltaOptions {
+    /// Refuses an anchor of 0 and a block size the encoder does not take.
     pub fn validate(&self) -> Result<()> {
         if self.anchor == Some(0) {
             return Err(Error::InvalidOption {
@@ -189,12 +190,16 @@ impl RankDelta {
 /// One refit of a rank: its state, the version it brings, and how.
 #[derive(Debug)]
 pub struct DeltaRun<'d> {
+    /// The rank's memory of its past refits, which this one updates.
     pub state: &'d mut RankDelta,
+    /// The version this refit brings.
     pub version: u64,
+    /// How it runs.
     pub options: DeltaOptions,
 }
 
 impl<'d> DeltaRun<'d> {
+    /// The rank's part of `refit`, with its memory `state`.
     pub fn new(state: &'d mut RankDelta, refit: &DeltaRefit) -> DeltaRun<'d> {
         DeltaRun {
             state,
@@ -215,8 +220,9 @@ pub struct DeltaCounts {
     pub bytes: u64,
     /// Bytes the same transfers would have moved dense.
     pub dense_bytes: u64,
-    /// Of the delta transfers: their elements, and those that changed.
+    /// Elements of the transfers that moved as deltas.
     pub elems: u64,
+    /// Of those elements, the ones that changed.
     pub changed: u64,
     /// Blocks per encoding: unchanged, bitmask, offsets, dense.
     pub blocks: [u64; 4],
@@ -225,11 +231,15 @@ pub struct DeltaCounts {
 /// What one rank's delta refit did.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct DeltaReport {
+    /// The rank it reports on.
     pub rank: Rank,
+    /// The version the refit brought.
     pub version: u64,
     /// The version its destination shards held before.
     pub held: Option<u64>,
+    /// What its transfers carried as a sender.
     pub sent: DeltaCounts,
+    /// What its transfers carried as a receiver.
     pub received: DeltaCounts,
     /// Bytes of fences and headers it sent.
     pub control_bytes: u64,

@@ -25,6 +25,7 @@ struct Ranks {
 }
 
 impl DeltaSession {
+    /// A session in which no rank has taken part in a refit yet.
     pub fn new() -> DeltaSession {
         DeltaSession::default()
     }
@@ -194,8 +195,11 @@ impl DeltaSession {
 /// One refit of a session: its version, and how it runs.
 #[derive(Clone, Debug)]
 pub struct DeltaRefit {
+    /// The session that keeps every rank's state from this refit to the next.
     pub session: DeltaSession,
+    /// The version this refit brings: its receivers hold it once the refit completes.
     pub version: u64,
+    /// How it runs.
     pub options: DeltaOptions,
 }
 
@@ -212,7 +216,9 @@ impl Eq for DeltaRefit {}
 /// One staged refit of a session: the version the run stages.
 #[derive(Clone, Debug)]
 pub struct StageRefit {
+    /// The session that keeps the staging until its commit or abort.
     pub session: DeltaSession,
+    /// The version the run stages.
     pub version: u64,
 }
 

@@ -22,10 +22,12 @@ pub const HEADER_BYTES: usize = 24;
 /// A receiver's word to a sender: the version its shards hold, if any.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Fence {
+    /// The version its shards hold; `None` when they hold none known.
     pub held: Option<u64>,
 }
 
 impl Fence {
+    /// The fence as it goes on the wire ([`FENCE_BYTES`] bytes).
     pub fn write(&self) -> [u8; FENCE_BYTES] {
         let mut out = [0u8; FENCE_BYTES];
         if let Some(v) = self.held {
@@ -35,6 +37,7 @@ impl Fence {
         out
     }
 
+    /// The fence in `bytes`, or why they are not one.
     pub fn read(bytes: &[u8]) -> Result<Fence, String> {
         let bytes: &[u8; FENCE_BYTES] = bytes
             .try_into()
@@ -104,10 +107,13 @@ impl Dense {
 /// What a transfer carries in a delta phase.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Carries {
+    /// The values as they would move without delta, and why.
     Dense(Dense),
     /// An encoding of `len` bytes against version `base`.
     Delta {
+        /// The version the encoding is against: the one the receiver holds.
         base: u64,
+        /// Bytes of the encoding.
         len: u64,
     },
 }
@@ -115,12 +121,14 @@ pub enum Carries {
 /// A sender's word about one transfer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Header {
+    /// Whether the transfer's values come dense or as a delta.
     pub carries: Carries,
     /// The CRC-32C of the new region, with `--checksum`.
     pub crc: Option<u32>,
 }
 
 impl Header {
+    /// Appends the header as it goes on the wire ([`HEADER_BYTES`] bytes) to `out`.
     pub fn write(&self, out: &mut Vec<u8>) {
         let mut h = [0u8; HEADER_BYTES];
         match self.carries {
@@ -138,6 +146,7 @@ impl Header {
         out.extend_from_slice(&h);
     }
 
+    /// The header in `h`, or why it is not one.
     pub fn read(h: &[u8]) -> Result<Header, String> {
         if h.len() != HEADER_BYTES {
             return Err(format!("a header of {} bytes, not {HEADER_BYTES}", h.len()));

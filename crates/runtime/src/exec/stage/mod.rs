@@ -67,7 +67,10 @@ impl Patch {
 /// served then (`onto`), and what its commit does.
 #[derive(Debug)]
 pub struct Staged {
+    /// The version staged.
     pub version: u64,
+    /// The version the live shards served when it was staged, which they must still serve
+    /// at commit (`None`: none known).
     pub onto: Option<u64>,
     /// Each destination buffer's length.
     lens: Vec<usize>,
@@ -79,13 +82,17 @@ pub struct Staged {
 /// What one rank's commit did.
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
 pub struct CommitReport {
+    /// The rank that committed.
     pub rank: Rank,
+    /// The version committed: its shards serve it now.
     pub version: u64,
     /// Bytes copied from the shadows.
     pub copied_bytes: u64,
-    /// Patches applied, their encoded bytes, and the elements they changed.
+    /// Patches applied.
     pub patches: u64,
+    /// Bytes of the patches' encodings.
     pub patch_bytes: u64,
+    /// Elements the patches changed.
     pub changed: u64,
     /// How long the commit held the live shards.
     pub seconds: f64,
