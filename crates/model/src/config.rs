@@ -46,48 +46,74 @@ pub enum Architecture {
 /// The subset of an HF `config.json` that fixes the parameters.
 #[derive(Clone, Debug, Deserialize)]
 pub struct ModelConfig {
+    /// The model classes (`LlamaForCausalLM`): the first known one decides the family.
     #[serde(default)]
     pub architectures: Vec<String>,
+    /// The family's short name (`llama`, `qwen3_moe`), read when no class is known.
     #[serde(default)]
     pub model_type: String,
+    /// Rows of the token embedding and of the output head.
     pub vocab_size: u64,
+    /// The model's width: the size of every hidden state.
     pub hidden_size: u64,
+    /// The width of a dense layer's MLP.
     pub intermediate_size: u64,
+    /// Decoder layers.
     pub num_hidden_layers: u64,
+    /// Query heads per layer.
     pub num_attention_heads: u64,
     /// Defaults to `num_attention_heads` (plain multi-head attention).
     pub num_key_value_heads: Option<u64>,
     /// Defaults to `hidden_size / num_attention_heads`.
     pub head_dim: Option<u64>,
+    /// The output head shares the embedding's weights, so there is no `lm_head.weight`.
     #[serde(default)]
     pub tie_word_embeddings: bool,
     /// Older configs say `torch_dtype`, newer ones `dtype` (see [`ModelConfig::param_dtype`]).
     pub torch_dtype: Option<String>,
+    /// The parameter dtype, as transformers 5 names it (`bfloat16`).
     pub dtype: Option<String>,
     /// The transformers release that wrote the config, if it says: a config written by
     /// transformers must name its dtype, and 5 and later name stacked experts their own way.
     pub transformers_version: Option<String>,
+    /// The query, key and value projections (and Llama's output projection) have biases.
     #[serde(default)]
     pub attention_bias: bool,
 
     // Qwen3-MoE
+    /// Routed experts per MoE layer (Qwen3-MoE, transformers 4).
     pub num_experts: Option<u64>,
     /// transformers 5's name for `num_experts` (and for DeepSeek's `n_routed_experts`).
     pub num_local_experts: Option<u64>,
+    /// The width of one expert's MLP (a shared expert's too); required by a MoE model.
     pub moe_intermediate_size: Option<u64>,
+    /// Every how many layers one has experts (Qwen3-MoE): layer `i` does when `i + 1` is a
+    /// multiple. Defaults to 1.
     pub decoder_sparse_step: Option<u64>,
+    /// Layers kept dense whatever `decoder_sparse_step` says (Qwen3-MoE).
     #[serde(default)]
     pub mlp_only_layers: Vec<u64>,
 
     // DeepSeek-V3 / Kimi-K2
+    /// Routed experts per MoE layer (DeepSeek-V3).
     pub n_routed_experts: Option<u64>,
+    /// Shared experts per MoE layer, held as one MLP that many times as wide; defaults to 0.
     pub n_shared_experts: Option<u64>,
+    /// How many leading layers are dense; defaults to 0.
     pub first_k_dense_replace: Option<u64>,
+    /// Every how many layers (past the dense ones) one has experts: layer `i` does when `i`
+    /// is a multiple. Defaults to 1.
     pub moe_layer_freq: Option<u64>,
+    /// The rank of the low-rank query projection; without it, queries are projected at
+    /// full rank (`q_proj`).
     pub q_lora_rank: Option<u64>,
+    /// The rank of the compressed key/value projection; required by DeepSeek-V3.
     pub kv_lora_rank: Option<u64>,
+    /// The per-head query/key size without rotary embedding; required by DeepSeek-V3.
     pub qk_nope_head_dim: Option<u64>,
+    /// The per-head query/key size with rotary embedding; required by DeepSeek-V3.
     pub qk_rope_head_dim: Option<u64>,
+    /// The per-head value size; required by DeepSeek-V3.
     pub v_head_dim: Option<u64>,
     /// Multi-token-prediction layers: not part of the refit (inference does not load them).
     pub num_nextn_predict_layers: Option<u64>,
@@ -265,6 +291,7 @@ impl ModelConfig {
             .is_some_and(|major| major >= 5)
     }
 
+    /// Key/value heads per layer: `num_key_value_heads`, or one per query head.
     pub fn kv_heads(&self) -> u64 {
         self.num_key_value_heads.unwrap_or(self.num_attention_heads)
     }

@@ -18,8 +18,12 @@ use crate::error::ModelError;
 /// `dim`, on every rank that holds them.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Fused {
+    /// The buffer's parameter name, as its framework names it
+    /// (`model.layers.0.mlp.gate_up_proj.weight`).
     pub name: String,
+    /// The dimension the members are concatenated along.
     pub dim: usize,
+    /// The members, as indices into the tensor list, in buffer order.
     pub members: Vec<usize>,
 }
 

@@ -16,13 +16,18 @@ use reshard_core::limits::MAX_MESH_RANKS;
 /// `tp x cp x dp`, and `edp = tp x cp x dp / (ep x etp)`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Training {
+    /// Tensor parallelism: ranks that split a layer's weights.
     pub tp: usize,
+    /// Context parallelism: ranks that split the sequence and replicate the weights.
     pub cp: usize,
+    /// Expert parallelism: ranks that split a layer's routed experts among them.
     pub ep: usize,
     /// Expert tensor parallelism. Defaults to 1, as MoE recipes of NeMo RL and Megatron-Bridge
     /// set it (Megatron-core itself would default to `tp`).
     pub etp: usize,
+    /// Data parallelism of the dense layers: replicas of a stage (or FSDP ranks).
     pub dp: usize,
+    /// Pipeline stages, each holding a contiguous range of layers.
     pub pp: usize,
     /// FSDP shard-group size: the data-parallel ranks of a group split every parameter along
     /// dim 0 (an extra `Shard(0)` axis); groups replicate (HSDP). `None`: no FSDP. Written
@@ -34,8 +39,11 @@ pub struct Training {
 /// vLLM-style inference parallelism. The world is `tp x pp x dp`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Inference {
+    /// Tensor parallelism: ranks that split a layer's weights.
     pub tp: usize,
+    /// Data parallelism: engine replicas, which with `ep` share out the routed experts.
     pub dp: usize,
+    /// Pipeline stages, each holding a contiguous range of layers.
     pub pp: usize,
     /// vLLM's expert parallelism: the routed experts of a stage are split over all its
     /// `tp x dp` ranks, without tensor parallelism inside an expert (without it, those ranks
@@ -397,6 +405,7 @@ impl Inference {
         Ok(Inference { tp, dp, pp, ep })
     }
 
+    /// Ranks on the whole inference side, `tp x pp x dp`.
     pub fn world(&self) -> usize {
         self.tp * self.pp * self.dp
     }

@@ -17,12 +17,16 @@ use crate::error::ModelError;
 /// One named parameter tensor.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Param {
+    /// The name a checkpoint gives it (`model.layers.0.self_attn.q_proj.weight`).
     pub name: String,
+    /// The size of each dimension, in elements.
     pub shape: Vec<u64>,
+    /// Its element type, as the config or the checkpoint gives it.
     pub dtype: DType,
 }
 
 impl Param {
+    /// A parameter `name` of `shape` and `dtype`.
     pub fn new(name: impl Into<String>, shape: &[u64], dtype: DType) -> Param {
         Param {
             name: name.into(),
@@ -39,6 +43,7 @@ impl Param {
             .unwrap_or(u64::MAX)
     }
 
+    /// Size in bytes (saturating, as [`Param::numel`]).
     pub fn bytes(&self) -> u64 {
         self.numel().saturating_mul(self.dtype.size() as u64)
     }
@@ -89,10 +94,14 @@ pub enum ExpertNames {
 /// A model: its name, its decoder depth (for pipeline stages) and its parameters.
 #[derive(Clone, Debug)]
 pub struct Model {
+    /// A shipped model's name, or the name of the config file or checkpoint folder.
     pub name: String,
+    /// Decoder layers, from the config, or counted from the names without one.
     pub num_layers: u64,
     /// Unknown for a checkpoint read without its config.
     pub heads: Option<Heads>,
+    /// Every parameter: one derived from a config lists the embedding, the layers in order,
+    /// then the final norm and the head.
     pub params: Vec<Param>,
     /// The config's `quantization_config`: how the inference engine holds the weights
     /// (what `refit` quantizes unless `--infer-quant` says otherwise).
@@ -102,12 +111,14 @@ pub struct Model {
 }
 
 impl Model {
+    /// Elements in all parameters (saturating).
     pub fn num_params(&self) -> u64 {
         self.params
             .iter()
             .fold(0, |acc, p| acc.saturating_add(p.numel()))
     }
 
+    /// Bytes in all parameters, each in its dtype (saturating).
     pub fn weight_bytes(&self) -> u64 {
         self.params
             .iter()

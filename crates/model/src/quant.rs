@@ -245,6 +245,8 @@ impl InferQuant {
         }
     }
 
+    /// What the core's quantizing plan is asked for: [`InferQuant::scheme`], with the
+    /// scheme's default scale dtype.
     pub fn request(&self) -> QuantRequest {
         QuantRequest {
             scheme: self.scheme(),

@@ -14,6 +14,7 @@ use reshard_core::error::Error;
 use reshard_core::layout::Rank;
 
 const MAGIC: [u8; 4] = *b"RSHD";
+/// Bytes of a frame header: magic, kind and payload length.
 pub const HEADER_BYTES: usize = 16;
 /// Largest control message: a rank table of a million ranks fits.
 pub const MAX_CONTROL_BYTES: u64 = 64 << 20;
@@ -21,29 +22,51 @@ pub const MAX_CONTROL_BYTES: u64 = 64 << 20;
 /// What a frame carries.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Kind {
+    /// A JSON control message, at most [`MAX_CONTROL_BYTES`].
     Control = 1,
+    /// One chunk of a transfer, as raw bytes.
     Data = 2,
 }
 
 /// Why a frame was rejected.
 #[derive(Debug, thiserror::Error)]
 pub enum FrameError {
+    /// The peer closed the stream, before or in the middle of a frame.
     #[error("connection closed")]
     Closed,
+    /// A header that does not start with `RSHD` (the bytes found instead).
     #[error("bad magic {0:02x?}: not a reshard peer")]
     Magic([u8; 4]),
+    /// A header whose kind is neither control (1) nor data (2).
     #[error("unknown frame kind {0}")]
     Kind(u32),
+    /// A control frame where a data frame was due, or the other way round.
     #[error("unexpected {got:?} frame, expected {want:?}")]
-    UnexpectedKind { got: Kind, want: Kind },
+    UnexpectedKind {
+        /// The kind the header says.
+        got: Kind,
+        /// The kind the reader expected.
+        want: Kind,
+    },
+    /// A data frame whose length is not the one the receiver's plan expects.
     #[error("frame of {got} bytes, expected {want}")]
-    Length { got: u64, want: u64 },
+    Length {
+        /// The payload length the header says, in bytes.
+        got: u64,
+        /// The chunk's length in the receiver's plan, in bytes.
+        want: u64,
+    },
+    /// A control frame longer than its limit (its length, in bytes).
     #[error("control frame of {0} bytes is over the limit")]
     TooLarge(u64),
+    /// A control message that cannot be encoded as JSON, or a body that does not decode as
+    /// one (why).
     #[error("malformed control message: {0}")]
     Json(String),
+    /// A read or write that did not complete within the stream's timeout.
     #[error("timed out")]
     TimedOut,
+    /// Any other I/O error of the stream.
     #[error("{0}")]
     Io(io::Error),
 }

@@ -370,6 +370,7 @@ impl Group {
         self.control.lost()
     }
 
+    /// The job's timeout: how long any one wait may last.
     pub fn timeout(&self) -> Duration {
         self.timeout
     }

@@ -39,7 +39,9 @@ use reshard_core::region::Region;
 /// the receiver alone can say.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Lands {
+    /// In the receiver's destination shard.
     Shard,
+    /// In a buffer beside the shard, which only the receiver can name.
     Aside,
 }
 
@@ -47,11 +49,15 @@ pub enum Lands {
 /// read from the sender's source shard.
 #[derive(Clone, Debug)]
 pub struct Outgoing<'buf> {
+    /// The sending rank.
     pub from: Rank,
+    /// The receiving rank.
     pub to: Rank,
     /// The sender's whole source shard, holding `src_box`.
     pub src: &'buf [u8],
+    /// The box of the tensor that `src` holds.
     pub src_box: &'buf Region,
+    /// The box of the tensor the transfer moves, inside `src_box`.
     pub region: &'buf Region,
     /// Bytes per element on the wire: the destination dtype's.
     pub elem_bytes: usize,
@@ -77,10 +83,12 @@ impl Outgoing<'_> {
         )
     }
 
+    /// Bytes of the chunk, as on the wire.
     pub fn len(&self) -> usize {
         self.range.len()
     }
 
+    /// Whether the chunk holds no bytes.
     pub fn is_empty(&self) -> bool {
         self.range.is_empty()
     }
@@ -95,15 +103,21 @@ impl Outgoing<'_> {
 /// A chunk of a transfer as its receiver expects it.
 #[derive(Debug)]
 pub struct Incoming<'a> {
+    /// The sending rank.
     pub from: Rank,
+    /// The receiving rank.
     pub to: Rank,
     /// The receiver's whole destination shard, holding `dst_box`.
     pub dst: &'a mut [u8],
+    /// The box of the tensor that `dst` holds.
     pub dst_box: &'a Region,
     /// The sender's source box (for transports that read the sender's memory directly).
     pub src_box: &'a Region,
+    /// The box of the tensor the transfer moves, inside `dst_box`.
     pub region: &'a Region,
+    /// Bytes per element on the wire: the destination dtype's.
     pub elem_bytes: usize,
+    /// Bytes `range` of the region's stream in the destination dtype (wire bytes).
     pub range: Range<usize>,
     /// Where the transfer lands: [`Lands::Shard`] when `dst` is the receiver's destination
     /// shard.
@@ -111,10 +125,12 @@ pub struct Incoming<'a> {
 }
 
 impl Incoming<'_> {
+    /// Bytes of the chunk, as on the wire.
     pub fn len(&self) -> usize {
         self.range.len()
     }
 
+    /// Whether the chunk holds no bytes.
     pub fn is_empty(&self) -> bool {
         self.range.is_empty()
     }
@@ -161,16 +177,21 @@ impl Incoming<'_> {
 /// A whole transfer as its receiver expects it: from whom, what, and where it lands.
 #[derive(Clone, Debug)]
 pub struct Receive<'a> {
+    /// The sending rank.
     pub from: Rank,
+    /// The receiving rank.
     pub to: Rank,
+    /// The box of the tensor the transfer moves.
     pub region: &'a Region,
     /// The sender's source box (for transports that read the sender's memory directly).
     pub src_box: &'a Region,
     /// The receiver's box holding `region`.
     pub dst_box: &'a Region,
+    /// Bytes per element on the wire: the destination dtype's.
     pub elem_bytes: usize,
     /// Which destination buffer holds `dst_box`, and at which bytes.
     pub buffer: usize,
+    /// The bytes of that buffer that hold `dst_box`.
     pub bytes: Range<usize>,
     /// Whether that buffer is the receiver's destination shard.
     pub lands: Lands,
@@ -182,6 +203,7 @@ impl Receive<'_> {
         self.region.volume() as usize * self.elem_bytes
     }
 
+    /// Whether the transfer moves no bytes.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
@@ -206,6 +228,7 @@ impl Receive<'_> {
 /// The control plane of a multi-process run: a barrier, the two-phase decision on a staged
 /// version, and a common verdict.
 pub trait Job {
+    /// This process's rank.
     fn rank(&self) -> Rank;
 
     /// Number of processes in the job.

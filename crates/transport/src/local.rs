@@ -21,13 +21,28 @@ use super::{Incoming, Outgoing, Transport};
 pub enum Fault {
     /// The rank dies after handling (sending or receiving) `after_chunks` chunks: its links
     /// close, as a killed process's sockets do.
-    Die { rank: Rank, after_chunks: u64 },
+    Die {
+        /// The rank that dies.
+        rank: Rank,
+        /// Chunks it handles before it dies.
+        after_chunks: u64,
+    },
     /// The rank stops sending for `for_` before failing, with its links open: a hung peer.
-    Stall { rank: Rank, for_: Duration },
+    Stall {
+        /// The rank that stalls.
+        rank: Rank,
+        /// How long it stalls.
+        for_: Duration,
+    },
     /// When the `chunk`-th chunk the rank handles (counted from 0 over its sends and
     /// receives, as for `Die`) is one it receives, its first byte is flipped after it lands:
     /// a byte changed on the way, which only `--checksum` notices.
-    Corrupt { rank: Rank, chunk: u64 },
+    Corrupt {
+        /// The rank whose received chunk is corrupted.
+        rank: Rank,
+        /// The chunk's number among those the rank handles.
+        chunk: u64,
+    },
 }
 
 impl Fault {
@@ -45,10 +60,12 @@ impl Fault {
 pub struct LocalFabric {
     /// How long a receiver waits for a peer's next chunk before giving up.
     pub timeout: Duration,
+    /// The failures to inject; a rank takes the first one that names it.
     pub faults: Vec<Fault>,
 }
 
 impl LocalFabric {
+    /// A fabric without faults whose receivers wait `timeout`.
     pub fn new(timeout: Duration) -> LocalFabric {
         LocalFabric {
             timeout,

@@ -46,6 +46,7 @@ pub enum RingError {
     TimedOut,
     /// One side gave up ([`Ring::abort`]).
     Aborted,
+    /// A call to the operating system failed.
     Os(std::io::Error),
 }
 
@@ -169,6 +170,7 @@ impl Ring {
         unsafe { &*self.base.cast::<Header>() }
     }
 
+    /// Bytes per slot, as the ring declares them: the most one slot carries.
     pub fn slot_bytes(&self) -> usize {
         self.slot_bytes
     }

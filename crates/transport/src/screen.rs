@@ -106,6 +106,8 @@ pub struct Screen<'l> {
 }
 
 impl<'l> Screen<'l> {
+    /// Screens the newcomers to `listener`, the port of `rank` (which names it in logs),
+    /// allowing each [`HELLO_WAIT`] for its hello.
     pub fn new(listener: &'l TcpListener, rank: Rank) -> Screen<'l> {
         Screen::with_hello_wait(listener, rank, HELLO_WAIT)
     }

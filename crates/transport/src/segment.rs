@@ -77,6 +77,7 @@ unsafe impl Send for SharedBuffer {}
 unsafe impl Sync for SharedBuffer {}
 
 impl SharedBuffer {
+    /// A buffer of `len` bytes; one of 0 maps nothing.
     pub fn new(len: usize) -> Result<SharedBuffer> {
         if len == 0 {
             return Ok(SharedBuffer { map: None, len });

@@ -73,6 +73,7 @@ impl TcpTransport {
         })
     }
 
+    /// The rank these links belong to.
     pub fn rank(&self) -> Rank {
         self.rank
     }

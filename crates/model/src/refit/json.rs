@@ -7,10 +7,15 @@ use super::{Refit, RefitTotals};
 /// The `reshard` part of the refit JSON.
 #[derive(Clone, Debug, Serialize)]
 pub struct RefitReshardJson {
+    /// Bytes that cross between ranks ([`RefitTotals::bytes_remote`]).
     pub bytes_remote: u64,
+    /// Bytes copied inside a rank ([`RefitTotals::bytes_local`]).
     pub bytes_local: u64,
+    /// Transfers between ranks ([`RefitTotals::messages`]).
     pub messages: u64,
+    /// The most bytes one rank sends.
     pub max_rank_send_bytes: u64,
+    /// The most bytes one rank receives.
     pub max_rank_recv_bytes: u64,
     /// Quantized refits only: scale bytes sent between ranks.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -23,15 +28,20 @@ pub struct RefitReshardJson {
 /// The `quant` part of the refit JSON: the scheme, the fp8 dtype and how many weights.
 #[derive(Clone, Debug, Serialize)]
 pub struct RefitQuantJson {
+    /// The quantization scheme, as the core writes it (`block:128x128`).
     pub scheme: String,
+    /// The fp8 dtype (`fp8e4m3`).
     pub dtype: String,
+    /// Weights quantized.
     pub tensors: usize,
 }
 
 /// The `gather_broadcast` part of the refit JSON.
 #[derive(Clone, Debug, Serialize)]
 pub struct RefitGatherBroadcastJson {
+    /// What gather+broadcast moves ([`RefitTotals::gather_broadcast_bytes`]).
     pub bytes: u64,
+    /// 2x the weights, as NVIDIA counts it ([`RefitTotals::logical_payload_bytes`]).
     pub logical_payload_bytes: u64,
 }
 
@@ -39,11 +49,17 @@ pub struct RefitGatherBroadcastJson {
 /// cluster cost model when asked for, and left out otherwise.
 #[derive(Clone, Debug, Serialize)]
 pub struct RefitJson {
+    /// The model's name.
     pub model: String,
+    /// Tensors refitted.
     pub tensors: usize,
+    /// Elements in all the weights.
     pub params: u64,
+    /// Bytes of all the weights, in `train_dtype`.
     pub weight_bytes: u64,
+    /// Ranks on the training side.
     pub train_ranks: usize,
+    /// Ranks on the inference side.
     pub infer_ranks: usize,
     /// The dtype training holds the weights in ([`Refit::train_dtype`]; `mixed` if they
     /// differ): `weight_bytes` and gather+broadcast's bytes are counted in it.
@@ -52,17 +68,22 @@ pub struct RefitJson {
     /// ([`Refit::infer_dtype`]): reshard's bytes are wire bytes, counted in it (and in fp8
     /// for the quantized ones).
     pub infer_dtype: String,
+    /// Wall-clock time spent planning, in seconds.
     pub plan_seconds: f64,
+    /// What reshard's plan moves.
     pub reshard: RefitReshardJson,
+    /// What gather+broadcast would move instead, for comparison.
     pub gather_broadcast: RefitGatherBroadcastJson,
     /// Into an fp8 engine only.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub quant: Option<RefitQuantJson>,
+    /// The cluster cost model's estimate, when asked for.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub simulation: Option<serde_json::Value>,
 }
 
 impl RefitJson {
+    /// The JSON of `refit` with its `totals`, without a simulation.
     pub fn of(refit: &Refit, totals: &RefitTotals) -> RefitJson {
         let quantized = refit.quant.is_some();
         RefitJson {

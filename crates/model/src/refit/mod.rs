@@ -38,8 +38,11 @@ fn dividing(heads: u64, tp: u64) -> String {
 /// One parameter of a refit: where it is now and where it must go.
 #[derive(Clone, Debug)]
 pub struct RefitTensor {
+    /// The parameter's name.
     pub name: String,
+    /// Its layout on the training side.
     pub src: Layout,
+    /// Its layout on the inference side.
     pub dst: Layout,
 }
 
@@ -56,13 +59,17 @@ pub enum Ranks {
 /// Every tensor of a model with its two layouts, and the fused buffers of each side.
 #[derive(Clone, Debug)]
 pub struct Refit {
+    /// The model's name.
     pub model: String,
+    /// Every parameter, in the model's order.
     pub tensors: Vec<RefitTensor>,
     /// Megatron-LM's fused buffers (indices into `tensors`).
     pub src_fused: Vec<Fused>,
     /// vLLM's fused buffers (indices into `tensors`).
     pub dst_fused: Vec<Fused>,
+    /// Ranks on the training side, numbered from 0.
     pub train_ranks: usize,
+    /// Ranks on the inference side, numbered from `infer_base`.
     pub infer_ranks: usize,
     /// The first inference rank.
     pub infer_base: Rank,
@@ -198,6 +205,7 @@ impl Refit {
             .sum()
     }
 
+    /// Elements in all the weights (saturating at `u64::MAX`).
     pub fn params(&self) -> u64 {
         // a layout's bytes fit in u64, so its element count does too
         self.tensors.iter().fold(0, |acc, t| {
@@ -459,13 +467,17 @@ impl Sums {
 /// The totals of a whole-model refit.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct RefitTotals {
+    /// Tensors refitted.
     pub tensors: usize,
+    /// Elements in all the weights.
     pub params: u64,
+    /// Bytes of all the weights, in the training side's dtypes.
     pub weight_bytes: u64,
     /// Bytes that cross between ranks, over all tensors.
     pub bytes_remote: u64,
     /// Bytes copied inside a rank (colocated sides).
     pub bytes_local: u64,
+    /// Transfers between ranks (one per box sent), over all tensors.
     pub messages: u64,
     /// The most bytes one rank sends, over all tensors together.
     pub max_rank_send_bytes: u64,
@@ -475,6 +487,7 @@ pub struct RefitTotals {
     pub gather_broadcast_bytes: u64,
     /// 2x the weights: how NVIDIA counts the traffic of gather+broadcast.
     pub logical_payload_bytes: u64,
+    /// Wall-clock time spent planning every tensor, in seconds.
     pub plan_seconds: f64,
     /// Bytes of scales sent between ranks (quantized refits; 0 otherwise).
     pub scale_bytes: u64,

@@ -28,6 +28,7 @@ pub struct RefitScale {
 /// The quantization of a refit ([`Refit::quantized`]).
 #[derive(Clone, Debug)]
 pub struct RefitQuant {
+    /// The engine's quantization: fp8 dtype, block size and the modules it leaves alone.
     pub spec: InferQuant,
     /// For every tensor of the refit, its quantization if the engine keeps it in fp8.
     pub plans: Vec<Option<QuantPlan>>,

@@ -93,15 +93,23 @@ pub use vllm::{infer_engines, infer_layout};
 /// How a parameter is split, independently of the parallelism sizes (see the module docs).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Kind {
+    /// Every rank of the stage holds all of it.
     Replicate,
+    /// TP splits dim 0 (output features, vocabulary).
     Column,
+    /// TP splits dim 1 (input features).
     Row,
+    /// [`Kind::Column`] by whole key/value heads: with more TP ranks than heads, each head
+    /// is replicated on `tp / heads` neighbouring ranks (as vLLM does).
     KvColumn,
+    /// Stacked experts `[E, out, in]`: EP splits dim 0, expert TP dim 1.
     ExpertColumn,
+    /// Stacked experts `[E, out, in]`: EP splits dim 0, expert TP dim 2.
     ExpertRow,
 }
 
 impl Kind {
+    /// Every kind, in the order error messages list them.
     pub const ALL: [Kind; 6] = [
         Kind::Replicate,
         Kind::Column,
@@ -111,6 +119,7 @@ impl Kind {
         Kind::ExpertRow,
     ];
 
+    /// The name an override writes (`kv-column`).
     pub const fn name(self) -> &'static str {
         match self {
             Kind::Replicate => "replicate",
@@ -151,7 +160,9 @@ impl FromStr for Kind {
 /// Which side of a refit a rule applies to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Which {
+    /// The training side (Megatron-LM).
     Train,
+    /// The inference side (vLLM).
     Infer,
 }
 

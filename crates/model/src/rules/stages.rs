@@ -7,7 +7,9 @@ use crate::error::ModelError;
 /// What the layout rules need to know about the model besides a parameter.
 #[derive(Clone, Copy, Debug)]
 pub struct ModelFacts {
+    /// Decoder layers, cut into pipeline stages.
     pub num_layers: u64,
+    /// Attention head counts, which tensor parallelism keeps whole; `None` when unknown.
     pub heads: Option<Heads>,
     /// The input embedding doubles as the output projection (no `lm_head`).
     pub tied_embeddings: bool,

@@ -65,6 +65,7 @@ pub struct Coordinator {
 }
 
 impl Coordinator {
+    /// Rank 0's side of a job of `world` ranks whose waits are bounded by `timeout`.
     pub fn new(world: usize, timeout: Duration) -> Coordinator {
         Coordinator {
             world,
@@ -80,10 +81,13 @@ impl Coordinator {
         }
     }
 
+    /// The first member lost before it reported, and how ([`super::Machine::lost`]).
     pub fn lost(&self) -> Option<&(Rank, String)> {
         self.lost.as_ref()
     }
 
+    /// When the driver must feed a tick at the latest: the call's deadline or the next
+    /// heartbeat to waiting members, whichever comes first ([`super::Machine::wakeup`]).
     pub fn wakeup(&self) -> Option<Instant> {
         let deadline = self.collecting.as_ref().map(|c| c.deadline);
         match (deadline, self.next_beat) {
@@ -99,6 +103,8 @@ impl Coordinator {
             .collect()
     }
 
+    /// Feeds one event that happened at `now`; returns what to do about it
+    /// ([`super::Machine::handle`]).
     pub fn handle(&mut self, now: Instant, event: Event) -> Vec<Action> {
         let mut actions = Vec::new();
         match event {

@@ -44,6 +44,7 @@ pub struct Member {
 }
 
 impl Member {
+    /// The side of member `rank`, whose waits are bounded by `timeout`.
     pub fn new(rank: Rank, timeout: Duration) -> Member {
         Member {
             rank,
@@ -57,10 +58,13 @@ impl Member {
         }
     }
 
+    /// The first rank known to be lost, and how ([`super::Machine::lost`]).
     pub fn lost(&self) -> Option<&(Rank, String)> {
         self.lost.as_ref()
     }
 
+    /// When rank 0's silence will have lasted too long for the call in progress; `None`
+    /// outside a call ([`super::Machine::wakeup`]).
     pub fn wakeup(&self) -> Option<Instant> {
         self.awaiting.as_ref().map(|a| a.deadline)
     }
@@ -69,6 +73,8 @@ impl Member {
         later(now, self.timeout.saturating_mul(MEMBER_PATIENCE))
     }
 
+    /// Feeds one event that happened at `now`; returns what to do about it
+    /// ([`super::Machine::handle`]).
     pub fn handle(&mut self, now: Instant, event: Event) -> Vec<Action> {
         let mut actions = Vec::new();
         match event {

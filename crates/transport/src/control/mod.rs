@@ -137,34 +137,58 @@ pub fn later(now: Instant, d: Duration) -> Instant {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub enum Msg {
     /// A member's description of the job it is about to run, right after rendezvous.
-    Agree { fingerprint: Fingerprint },
+    Agree {
+        /// What the member is about to run.
+        fingerprint: Fingerprint,
+    },
     /// Rank 0's answer when a rank's job differs from its own.
-    Disagree { rank: Rank, difference: Difference },
+    Disagree {
+        /// The first rank whose job differs.
+        rank: Rank,
+        /// How its job differs from rank 0's.
+        difference: Difference,
+    },
     /// A member has reached a barrier.
     Barrier,
     /// Rank 0's all-clear: every rank reached the agreement or the barrier.
     Go,
     /// A member's outcome: its report, or its error.
     Status {
+        /// Why the member's part failed; `None` when it went well.
         error: Option<String>,
+        /// The member's report; null when it failed.
         report: serde_json::Value,
     },
     /// Rank 0's decision for the job: the ranks that failed, and why (none: success).
-    Verdict { failures: Vec<(Rank, String)> },
+    Verdict {
+        /// Each failed rank with its error, in rank order.
+        failures: Vec<(Rank, String)>,
+    },
     /// Rank 0 is alive and on its way to answer.
     Working,
     /// A member's vote: it holds its whole next version, staged and checked.
     Prepared,
     /// A member's vote: it does not, and why.
-    NotPrepared { why: String },
+    NotPrepared {
+        /// Why it is not prepared.
+        why: String,
+    },
     /// Rank 0's decision: every rank was prepared, every rank commits.
     Commit,
     /// Rank 0's decision: the ranks that were not prepared, and why; every rank aborts.
-    Abort { ranks: Vec<(Rank, String)> },
+    Abort {
+        /// Each rank that was not prepared with its reason, in rank order.
+        ranks: Vec<(Rank, String)>,
+    },
     /// Rank 0's notice, between calls or during one: a member's link closed before it
     /// reported, so it is lost. The other members learn it at once, and may stop waiting
     /// for it elsewhere (a data link, a peer's connection) instead of for their timeout.
-    Lost { rank: Rank, detail: String },
+    Lost {
+        /// The lost member.
+        rank: Rank,
+        /// How its link was lost ([`Lost`]), in words.
+        detail: String,
+    },
 }
 
 /// The outcome of the two-phase decision, the same on every rank that learns it.
@@ -173,11 +197,15 @@ pub enum Decision {
     /// Every rank voted prepared: each applies its staged version.
     Commit,
     /// Some rank was not prepared (or was lost before the decision): each drops its staging
-    /// and keeps the version it serves. The ranks that were not, and why, in rank order.
-    Abort { ranks: Vec<(Rank, String)> },
+    /// and keeps the version it serves.
+    Abort {
+        /// The ranks that were not prepared, and why, in rank order.
+        ranks: Vec<(Rank, String)>,
+    },
 }
 
 impl Decision {
+    /// Whether every rank applies its staged version.
     pub fn is_commit(&self) -> bool {
         matches!(self, Decision::Commit)
     }
@@ -229,9 +257,19 @@ pub enum Event {
     /// The rank makes a call.
     Call(Call),
     /// A message arrived from rank `from`.
-    Message { from: Rank, msg: Msg },
+    Message {
+        /// The sending rank.
+        from: Rank,
+        /// What it sent.
+        msg: Msg,
+    },
     /// The link to `peer` is gone; nothing more comes from it.
-    Gone { peer: Rank, lost: Lost },
+    Gone {
+        /// The rank at the other end of the link.
+        peer: Rank,
+        /// How the link was lost.
+        lost: Lost,
+    },
     /// Time passed (the driver woke at [`Machine::wakeup`]).
     Tick,
 }
@@ -240,7 +278,12 @@ pub enum Event {
 #[derive(Debug)]
 pub enum Action {
     /// Send `msg` to each of `to`.
-    Send { to: Vec<Rank>, msg: Msg },
+    Send {
+        /// The ranks to send to.
+        to: Vec<Rank>,
+        /// The message, the same to each.
+        msg: Msg,
+    },
     /// The call is settled: every rank's report on rank 0 after finish (indexed by rank),
     /// nothing otherwise, or the error that every rank returns alike.
     Done(Result<Vec<serde_json::Value>>),
@@ -296,7 +339,9 @@ fn mismatch(rank: Rank) -> reshard_core::error::Error {
 /// One rank's side of the protocol: rank 0 coordinates, the others are members.
 #[derive(Debug)]
 pub enum Machine {
+    /// Rank 0's side.
     Coordinator(Coordinator),
+    /// The side of any other rank.
     Member(Member),
 }
 

@@ -9,10 +9,16 @@ use reshard_core::layout::Rank;
 /// Where a process stands in the job, from its environment.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct GroupEnv {
+    /// This process's rank (`RANK`).
     pub rank: Rank,
+    /// Processes in the job (`WORLD_SIZE`), from 1 to [`MAX_WORLD`].
     pub world: usize,
+    /// Where rank 0 listens (`MASTER_ADDR`); `127.0.0.1` when unset.
     pub master_addr: String,
+    /// The port rank 0 listens on (`MASTER_PORT`), from 1 to 65535.
     pub master_port: u16,
+    /// The job's shared secret (`RESHARD_TOKEN`): a hello with another is turned away;
+    /// [`DEFAULT_TOKEN`] when unset.
     pub token: String,
     /// The name of this process's host: ranks that give the same name share a host (and its
     /// memory). `RESHARD_HOST` when set (`launch --hosts` sets it), else the host name with
