@@ -46,18 +46,6 @@ fn require_privileges(test: &str) {
     assert!(tools, "{test}: emulated hosts need iproute2's ip and tc");
 }
 
-/// Whether this kernel has netem (the links' delay line); many small VM kernels do not.
-fn netem_available() -> bool {
-    Command::new("unshare")
-        .args([
-            "-n", "tc", "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms",
-        ])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success())
-}
-
 /// A marker no other job carries.
 fn new_mark(name: &str) -> String {
     format!("{name}-{}-{:?}", std::process::id(), Instant::now())
@@ -219,7 +207,7 @@ fn two_hosts_of_two_ranks_verify_over_auto_and_leave_nothing() {
         .collect::<Vec<_>>()
     };
     let mut shape = vec!["--hosts", "2", "--nproc", "4", "--link", "1gbit"];
-    if netem_available() {
+    if common::netem_available() {
         shape.extend(["--link-latency", "1"]);
     } else {
         // the clear refusal, then the same job without the delay
@@ -295,7 +283,7 @@ fn the_links_are_shaped_as_asked_and_kill_9_leaves_nothing() {
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let before = root_links();
     let root_ns = namespace(std::process::id(), "net");
-    let netem = netem_available();
+    let netem = common::netem_available();
     let mut args = vec!["--hosts", "2", "--nproc", "4", "--link", "3mbit"];
     if netem {
         args.extend(["--link-latency", "7"]);

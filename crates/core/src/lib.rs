@@ -26,6 +26,8 @@
 //! assert_eq!(totals.gather_broadcast_bytes, 640); // all-gather, then 4 full copies
 //! ```
 
+#![warn(missing_docs)]
+
 pub mod agreement;
 pub mod checksum;
 pub mod convert;

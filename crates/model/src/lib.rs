@@ -17,6 +17,8 @@
 //! assert_eq!(expert.dst.local_region(16).unwrap().extent, [128, 48, 2048]); // 768 / (tp 8 x dp 2)
 //! ```
 
+#![warn(missing_docs)]
+
 mod config;
 mod dtypes;
 mod error;

@@ -43,6 +43,8 @@
 //! world.run(&plan, &sources, &mut dests, &RunOptions::default()).unwrap();
 //! ```
 
+#![warn(missing_docs)]
+
 /// Declares one of the executor's drivers that the benchmarks and the command line's
 /// measurements call directly: public with the `bench` feature, crate-private without it, so
 /// that the library's own entry points are [`World`]'s and [`PlanRank::run`].

@@ -7,6 +7,8 @@
 //! when the sender's memory is reachable, copy straight from shard to shard
 //! ([`Incoming::copy_from`]: one copy).
 
+#![warn(missing_docs)]
+
 pub mod carrier;
 pub mod control;
 pub mod frame;

@@ -301,3 +301,15 @@ pub fn tiny_qwen3(dir: &Path) -> PathBuf {
     .unwrap();
     path
 }
+
+/// Whether this kernel has netem (the links' delay line); many small VM kernels do not.
+pub fn netem_available() -> bool {
+    std::process::Command::new("unshare")
+        .args([
+            "-n", "tc", "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms",
+        ])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+}
