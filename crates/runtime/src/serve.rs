@@ -10,7 +10,7 @@
 //! [`Server::start`] runs such an engine as a thread: each pass takes a read lock of the live
 //! buffers ([`Live`]), sums a fixed sample of their bytes (CRC-32C) and lets the lock go,
 //! then waits as an engine waits between steps. [`Server::stop`] says what it saw
-//! ([`Served`]): how many passes, in which stage of the refit ([`Server::mark`]), the longest
+//! ([`Served`]): how many passes, under which mark of the refit ([`Server::mark`]), the longest
 //! gap between two passes (the pause), and the distinct digests, which
 //! [`Served::only`] checks against the digests of the versions ([`Served::digest`]).
 
@@ -31,7 +31,7 @@ const PIECE: usize = 4 << 10;
 /// The bytes at the start of every non-empty buffer that every sample holds.
 const HEAD: usize = 64;
 
-/// The stage of passes before any [`Server::mark`].
+/// The mark of passes before any [`Server::mark`].
 const BEFORE: &str = "before";
 
 /// How the stand-in serves.
@@ -58,14 +58,14 @@ struct Shared {
     stop: AtomicBool,
     /// Passes done so far.
     passes: AtomicU64,
-    /// The stages marked, in order (the first is [`BEFORE`]), and the one in effect.
-    stages: Mutex<(Vec<String>, usize)>,
+    /// The marks, in order (the first is [`BEFORE`]), and the one in effect.
+    marks: Mutex<(Vec<String>, usize)>,
 }
 
 impl Shared {
-    /// The stage in effect now.
-    fn stage(&self) -> usize {
-        self.stages.lock().unwrap_or_else(|e| e.into_inner()).1
+    /// The mark in effect now.
+    fn mark(&self) -> usize {
+        self.marks.lock().unwrap_or_else(|e| e.into_inner()).1
     }
 }
 
@@ -83,7 +83,7 @@ impl Server {
         let shared = Arc::new(Shared {
             stop: AtomicBool::new(false),
             passes: AtomicU64::new(0),
-            stages: Mutex::new((vec![BEFORE.to_string()], 0)),
+            marks: Mutex::new((vec![BEFORE.to_string()], 0)),
         });
         let theirs = Arc::clone(&shared);
         let thread = std::thread::Builder::new()
@@ -99,19 +99,19 @@ impl Server {
         })
     }
 
-    /// Names the stage of the refit from now on (e.g. "prepare", "decide", "commit"), so that
-    /// passes are counted per stage; passes before any mark count under "before". A pass
-    /// counts in the stage in effect when it starts; a stage marked again counts on.
-    pub fn mark(&self, stage: &str) {
-        let mut stages = self.shared.stages.lock().unwrap_or_else(|e| e.into_inner());
-        let at = match stages.0.iter().position(|s| s == stage) {
+    /// Marks the part of the refit from now on (e.g. "prepare", "decide", "commit"), so that
+    /// passes are counted per mark; passes before any mark count under "before". A pass
+    /// counts under the mark in effect when it starts; a name marked again counts on.
+    pub fn mark(&self, name: &str) {
+        let mut marks = self.shared.marks.lock().unwrap_or_else(|e| e.into_inner());
+        let at = match marks.0.iter().position(|s| s == name) {
             Some(at) => at,
             None => {
-                stages.0.push(stage.to_string());
-                stages.0.len() - 1
+                marks.0.push(name.to_string());
+                marks.0.len() - 1
             }
         };
-        stages.1 = at;
+        marks.1 = at;
     }
 
     /// The passes done so far.
@@ -150,7 +150,7 @@ fn serve(live: &Live, options: &ServeOptions, shared: &Shared) -> Served {
     while !shared.stop.load(Ordering::Acquire) {
         let buffers = live.read().unwrap_or_else(|e| e.into_inner());
         let start = Instant::now();
-        let stage = shared.stage();
+        let mark = shared.mark();
         if !buffers.iter().map(Vec::len).eq(sampled.0.iter().copied()) {
             let lens: Vec<usize> = buffers.iter().map(Vec::len).collect();
             sampled = (lens.clone(), sample(&lens, options.sample_bytes));
@@ -162,14 +162,14 @@ fn serve(live: &Live, options: &ServeOptions, shared: &Shared) -> Served {
         if let Some(prev) = last_end {
             let gap = start - prev;
             if longest_gap.is_none_or(|(g, _)| gap > g) {
-                longest_gap = Some((gap, stage));
+                longest_gap = Some((gap, mark));
             }
         }
         last_end = Some(end);
-        if counts.len() <= stage {
-            counts.resize(stage + 1, 0);
+        if counts.len() <= mark {
+            counts.resize(mark + 1, 0);
         }
-        counts[stage] += 1;
+        counts[mark] += 1;
         served.passes += 1;
         if !served.digests.contains(&digest) {
             served.digests.push(digest);
@@ -178,20 +178,20 @@ fn serve(live: &Live, options: &ServeOptions, shared: &Shared) -> Served {
         idle(options.idle, &shared.stop);
     }
     let names = shared
-        .stages
+        .marks
         .lock()
         .unwrap_or_else(|e| e.into_inner())
         .0
         .clone();
     counts.resize(names.len(), 0);
-    if let Some((gap, stage)) = longest_gap {
+    if let Some((gap, mark)) = longest_gap {
         served.longest_gap_s = gap.as_secs_f64();
-        served.longest_gap_stage = names[stage].clone();
+        served.longest_gap_mark = names[mark].clone();
     }
     if served.passes > 0 {
         served.pass_s = busy.as_secs_f64() / served.passes as f64;
     }
-    served.passes_by_stage = names.into_iter().zip(counts).collect();
+    served.passes_by_mark = names.into_iter().zip(counts).collect();
     served
 }
 
@@ -212,13 +212,13 @@ fn idle(d: Duration, stop: &AtomicBool) {
 pub struct Served {
     /// Passes served in all.
     pub passes: u64,
-    /// Passes per stage, in the order the stages were marked, "before" first.
-    pub passes_by_stage: Vec<(String, u64)>,
+    /// Passes per mark, in the order marked, "before" first.
+    pub passes_by_mark: Vec<(String, u64)>,
     /// The longest time from the end of one pass to the start of the next: it includes
     /// the idle wait, and any wait for the lock.
     pub longest_gap_s: f64,
-    /// The stage in which that gap ended.
-    pub longest_gap_stage: String,
+    /// The mark under which that gap ended.
+    pub longest_gap_mark: String,
     /// The distinct digests the passes saw, in the order first seen.
     pub digests: Vec<u32>,
     /// Mean seconds per pass (under the lock, the idle wait not counted).
@@ -392,24 +392,24 @@ mod tests {
         let live = live(version(0, 2, 4 << 10));
         let server = Server::start(live, ServeOptions::default()).unwrap();
         passes_after(&server, 0, 1);
-        for stage in ["prepare", "decide", "commit"] {
-            server.mark(stage);
-            // a pass in progress at the mark counts in the stage before
+        for name in ["prepare", "decide", "commit"] {
+            server.mark(name);
+            // a pass in progress at the mark counts under the mark before
             let seen = server.passes();
             passes_after(&server, seen, 2);
         }
         let served = server.stop();
         let names: Vec<&str> = served
-            .passes_by_stage
+            .passes_by_mark
             .iter()
             .map(|(s, _)| s.as_str())
             .collect();
         assert_eq!(names, ["before", "prepare", "decide", "commit"]);
         assert!(
-            served.passes_by_stage.iter().all(|&(_, n)| n >= 1),
+            served.passes_by_mark.iter().all(|&(_, n)| n >= 1),
             "{served:?}"
         );
-        let total: u64 = served.passes_by_stage.iter().map(|&(_, n)| n).sum();
+        let total: u64 = served.passes_by_mark.iter().map(|&(_, n)| n).sum();
         assert_eq!(total, served.passes);
     }
 
@@ -423,7 +423,7 @@ mod tests {
         passes_after(&server, 0, 1);
         let served = server.stop();
         assert_eq!(served.passes, 1);
-        assert_eq!(served.passes_by_stage, vec![("before".to_string(), 1)]);
+        assert_eq!(served.passes_by_mark, vec![("before".to_string(), 1)]);
     }
 
     #[test]

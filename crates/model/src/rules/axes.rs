@@ -4,7 +4,7 @@
 use reshard_core::layout::{Layout, Mesh, Placement, Rank};
 
 use super::super::params::Param;
-use super::stages::ModelFacts;
+use super::pipeline::ModelFacts;
 use super::{Kind, Which};
 use crate::error::ModelError;
 

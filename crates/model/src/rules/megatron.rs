@@ -5,7 +5,7 @@ use reshard_core::layout::{Layout, Placement};
 use super::super::parallel::Training;
 use super::super::params::Param;
 use super::axes::{Axis, build, expert_dim, stage_axis, tp_axes};
-use super::stages::{ModelFacts, check_stages, stages_of};
+use super::pipeline::{ModelFacts, check_stages, stages_of};
 use super::{Kind, Which};
 use crate::error::ModelError;
 

@@ -81,13 +81,13 @@ use crate::error::ModelError;
 
 mod axes;
 mod megatron;
-mod stages;
+mod pipeline;
 #[cfg(test)]
 mod tests;
 mod vllm;
 
 pub use megatron::train_layout;
-pub use stages::{ModelFacts, stage_of_layer, stages_of};
+pub use pipeline::{ModelFacts, stage_of_layer, stages_of};
 pub use vllm::{infer_engines, infer_layout};
 
 /// How a parameter is split, independently of the parallelism sizes (see the module docs).

@@ -223,7 +223,7 @@ impl Rollout {
             let seen = served.get(&rank).cloned().unwrap_or_default();
             let commit = reports.get(&rank).cloned().unwrap_or_default();
             let during = seen
-                .passes_by_stage
+                .passes_by_mark
                 .iter()
                 .filter(|(stage, _)| stage == "refit")
                 .map(|(_, n)| n)
