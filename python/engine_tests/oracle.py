@@ -110,3 +110,22 @@ def against_the_loader(name: str, model, rank: int, inputs, refit_step, steps: i
                 where = diff.nonzero()[:4].tolist()
                 raise AssertionError(f"{name} step {step}: {n} differs on rank {rank} at {where}")
     return len(params)
+
+
+def check_the_table(refit: Refit, model, rank: int, engine: str, ep: bool = False) -> None:
+    """The table of engine parameters (``engine_params``: names, shapes, dtypes) is the
+    engine's own ``named_parameters()``, buffer for buffer (under expert parallelism the
+    experts are split otherwise than the table's tensor parallelism: those are left out)."""
+    from reshard.engine import engine_params
+
+    table = engine_params(refit, rank, engine)
+    real = {n: (tuple(p.shape), p.dtype) for n, p in model.named_parameters()}
+    if ep:
+        table = {n: v for n, v in table.items() if ".experts." not in n}
+        real = {n: v for n, v in real.items() if ".experts." not in n}
+    if table != real:
+        names = sorted(set(table) | set(real))
+        lines = [
+            f"{n}: table {table.get(n)}, {engine} {real.get(n)}" for n in names if table.get(n) != real.get(n)
+        ]
+        raise AssertionError(f"engine_params differs from {engine}'s parameters:\n" + "\n".join(lines))

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
 import sglang_engine  # noqa: E402
-from oracle import against_the_loader, bits, checkpoint, shards, write_config  # noqa: E402
+from oracle import against_the_loader, bits, check_the_table, checkpoint, shards, write_config  # noqa: E402
 
 from reshard import Refit, sglang_loader  # noqa: E402
 
@@ -136,6 +136,7 @@ def run_case(case: dict, model, model_config, manager, rank: int, world: int, co
         infer_dtype=dtype,
     )
     refit = Refit(**args)
+    check_the_table(refit, model, rank, "sglang")
     sglang_loader._JOB.clear()
     os.environ.pop(sglang_loader.ENV, None)
     if case.get("from_env"):  # as a scheduler process SGLang spawned would find it

@@ -19,7 +19,16 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
 import vllm_engine  # noqa: E402
-from oracle import against_the_loader, bits, checkpoint, on_disk, scramble, shards, write_config  # noqa: E402
+from oracle import (  # noqa: E402
+    against_the_loader,
+    bits,
+    check_the_table,
+    checkpoint,
+    on_disk,
+    scramble,
+    shards,
+    write_config,
+)
 
 from reshard import Refit  # noqa: E402
 from reshard.engine import refit_engine_  # noqa: E402
@@ -57,6 +66,8 @@ def run_case(case: dict, rank: int, world: int, tmp: Path) -> None:
         train_dtype="f32",
         infer_dtype=case.get("dtype", "bfloat16"),
     )
+
+    check_the_table(refit, model, rank, "vllm", ep=case.get("ep", False))
 
     def inputs(step):
         if case.get("fsdp2"):

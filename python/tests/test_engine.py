@@ -1,5 +1,6 @@
 """An engine's own parameters as a Refit's destinations: vLLM's and SGLang's names, fused
-buffers and padded vocabulary, against parameter lists written from their model definitions."""
+buffers and padded vocabulary (the table itself is checked against their model classes in
+python/engine_tests)."""
 
 import json
 
@@ -34,51 +35,25 @@ QWEN3_MOE = dict(
     num_experts_per_tok=2,
 )
 
-# vLLM's Qwen3ForCausalLM (and SGLang's) on one rank of tp=2, its named_parameters(): the
-# vocabulary padded to 1024 rows and split evenly, q/k/v and gate/up fused, the heads split.
-VLLM_QWEN3_TP2 = {
-    "model.embed_tokens.weight": (512, 64),
-    "model.layers.0.self_attn.qkv_proj.weight": ((64 + 32 + 32) // 2, 64),
-    "model.layers.0.self_attn.o_proj.weight": (64, 32),
-    "model.layers.0.self_attn.q_norm.weight": (16,),
-    "model.layers.0.self_attn.k_norm.weight": (16,),
-    "model.layers.0.mlp.gate_up_proj.weight": (2 * 128 // 2, 64),
-    "model.layers.0.mlp.down_proj.weight": (64, 64),
-    "model.layers.0.input_layernorm.weight": (64,),
-    "model.layers.0.post_attention_layernorm.weight": (64,),
-    "model.norm.weight": (64,),
-    "lm_head.weight": (512, 64),
-}
-# Qwen3MoeForCausalLM: the router replicated, the experts in FusedMoE's w13 [E, 2I/tp, H]
-# and w2 [E, H, I/tp]
-VLLM_QWEN3_MOE_TP2 = {
-    k: v
-    for k, v in VLLM_QWEN3_TP2.items()
-    if ".mlp.gate_up_proj" not in k and ".mlp.down_proj" not in k
-}
-VLLM_QWEN3_MOE_TP2.update(
-    {
-        "model.layers.0.mlp.gate.weight": (4, 64),
-        "model.layers.0.mlp.experts.w13_weight": (4, 2 * 32 // 2, 64),
-        "model.layers.0.mlp.experts.w2_weight": (4, 64, 32 // 2),
-    }
-)
-
-
 def _path(tmp_path, config, name="config.json"):
     path = tmp_path / name
     path.write_text(json.dumps(config))
     return str(path)
 
 
-@pytest.mark.parametrize("config, want", [(QWEN3, VLLM_QWEN3_TP2), (QWEN3_MOE, VLLM_QWEN3_MOE_TP2)])
-def test_engine_params_are_vllms(tmp_path, config, want):
+@pytest.mark.parametrize("config", [QWEN3, QWEN3_MOE])
+def test_engine_params_arguments_and_padding(tmp_path, config):
+    # The names, shapes and dtypes themselves are checked against vLLM's and SGLang's own
+    # model classes, built at tp=2 and tp=4, in python/engine_tests (check_the_table).
     refit = Refit(_path(tmp_path, config), "fsdp=2", "tp=2")
     for rank in (2, 3):
-        for engine in ("vllm", "sglang"):
-            got = engine_params(refit, rank, engine)
-            assert {k: v[0] for k, v in got.items()} == want
-            assert all(dtype == torch.float32 for _, dtype in got.values())
+        vllm, sglang = engine_params(refit, rank, "vllm"), engine_params(refit, rank, "sglang")
+        assert [v for v in vllm.values()] == [v for v in sglang.values()]
+        renamed = {k.replace(".experts.routed_experts.", ".experts."): v for k, v in vllm.items()}
+        assert renamed == sglang  # vLLM keeps the routed experts one module deeper
+        assert all(dtype == torch.float32 for _, dtype in vllm.values())
+        # the vocabulary padded to a multiple of 64 (1024 rows) and split evenly
+        assert vllm["lm_head.weight"][0] == (512, 64)
     assert engine_params(refit, 0) == {}
     # no padding past the table when asked (vocab_pad=1): torch.chunk's split
     assert engine_params(refit, 2, vocab_pad=1)["lm_head.weight"][0] == (500, 64)
@@ -134,10 +109,11 @@ def _engine_refit(rank, world, path, vocab):
         for x in "qkv"
     )
     assert torch.equal(engine[attn + "qkv_proj.weight"], torch.cat([q, k, v]))
-    if "model.layers.0.mlp.experts.w2_weight" in engine:
+    w2 = "model.layers.0.mlp.experts.routed_experts.w2_weight"
+    if w2 in engine:
         down = "model.layers.0.mlp.experts.down_proj"
         want = rt.local_tensor(refit.layouts(down)[1], rank, full[down])
-        assert torch.equal(engine["model.layers.0.mlp.experts.w2_weight"], want)
+        assert torch.equal(engine[w2], want)
     # an engine parameter of the wrong padded shape is refused, naming it
     bad = dict(engine, **{"lm_head.weight": torch.zeros(per - 1, 64)})
     padded = r"lm_head.weight: shape \[\d+, 64\], but vllm pads the vocabulary"
@@ -175,14 +151,14 @@ def _engine_delta(rank, world, path):
     else:
         engine = {n: torch.zeros(s, dtype=d) for n, (s, d) in engine_params(refit, rank).items()}
     session = rt.DeltaSession()
-    first = refit_engine_(refit, src, engine, session=session)
+    first = refit_engine_(refit, src, engine, delta=session)
     assert first.base is None and first.fenced
     if engine is not None:
         _check_tables(refit, engine, full, rank, 1000)
     # row 505 lands in rank 3's scratch shard and moves on to rank 2: the scratch is kept
     full["lm_head.weight"][505] += 1
     full["model.norm.weight"][0] += 1
-    second = refit_engine_(refit, src, engine, session=session)
+    second = refit_engine_(refit, src, engine, delta=rt.Delta(session))
     assert second.base == 1 and second.fenced == {}
     if rank < 2:
         assert second.bytes_sent < second.bytes_dense / 10
@@ -192,7 +168,7 @@ def _engine_delta(rank, world, path):
     if rank == 2:
         engine_module._SCRATCH.pop(session)
     full["lm_head.weight"][3] -= 1
-    third = refit_engine_(refit, src, engine, session=session)
+    third = refit_engine_(refit, src, engine, session=session)  # the flat keyword, as before
     assert list(third.fenced) == [2], third.fenced
     if engine is not None:
         _check_tables(refit, engine, full, rank, 1000)
@@ -200,3 +176,24 @@ def _engine_delta(rank, world, path):
 
 def test_refit_into_vllm_parameters_by_delta(tmp_path):
     run_ranks(_engine_delta, 4, _path(tmp_path, QWEN3), timeout=60)
+
+
+def test_sglang_options_from_the_environment_take_a_delta_group(tmp_path, monkeypatch):
+    from reshard import sglang_loader
+
+    job = {"model": _path(tmp_path, QWEN3), "train": "tp=2", "infer": "tp=2", "colocated": True}
+    monkeypatch.setenv(
+        sglang_loader.ENV, json.dumps({**job, "options": {"delta": {"model": "policy"}, "checksum": True}})
+    )
+    sglang_loader._JOB.clear()
+    try:
+        assert sglang_loader._job()["options"] == {"delta": rt.Delta(model="policy"), "checksum": True}
+        sglang_loader._JOB.clear()
+        monkeypatch.setenv(sglang_loader.ENV, json.dumps({**job, "options": {"delta": {"models": "p"}}}))
+        with pytest.raises(ReshardError, match="RESHARD_SGLANG_REFIT: .*unexpected keyword argument 'models'"):
+            sglang_loader._job()
+        sglang_loader._JOB.clear()
+        monkeypatch.setenv(sglang_loader.ENV, json.dumps({**job, "options": {"delta": True, "model": "p"}}))
+        assert sglang_loader._job()["options"] == {"delta": True, "model": "p"}  # flat, as before
+    finally:
+        sglang_loader._JOB.clear()

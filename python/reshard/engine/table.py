@@ -16,6 +16,21 @@ VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
 
 ENGINES = ("vllm", "sglang")
 
+#: Where vLLM (0.33 and later) keeps a MoE layer's routed experts: FusedMoE's ``w13_weight``
+#: and ``w2_weight`` (and their scales) under ``.mlp.experts.routed_experts``; SGLang keeps
+#: them under ``.mlp.experts``.
+_EXPERTS, _ROUTED = ".mlp.experts.", ".mlp.experts.routed_experts."
+
+
+def engine_key(name: str, engine: str) -> str:
+    """``engine``'s name of a parameter the table names as SGLang does."""
+    if engine == "vllm" and _EXPERTS in name:
+        head, tail = name.rsplit(_EXPERTS, 1)
+        if tail.startswith(("w13_", "w2_")):
+            return head + _ROUTED + tail
+    return name
+
+
 def engine_name(name: str) -> str:
     """The engine's name of a refit's unfused parameter."""
     for down in (".mlp.experts.down_proj.weight", ".mlp.experts.down_proj"):
@@ -92,6 +107,7 @@ def _rename_scale(name: str, scale_name: str) -> str:
 
 def refit_name(refit_names, name: str, scale_name: str) -> str:
     """The refit's name of an engine's parameter (its own where they agree)."""
+    name = name.replace(_ROUTED, _EXPERTS)
     if name.endswith(".mlp.experts.w2_weight"):
         prefix = name[: -len(".mlp.experts.w2_weight")]
         for down in (".mlp.experts.down_proj", ".mlp.experts.down_proj.weight"):
