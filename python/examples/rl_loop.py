@@ -89,11 +89,11 @@ def _assemble(refit, engine, rank, group, vocab_pad=64):
         fused = refit.fused(r)
         pieces, at = {}, {}
         for name, tensor in theirs.items():
-            if name in fused:
-                for member, dim, offset, extent in fused[name]:
+            refit_name = table.refit_name(names, name, "weight_scale_inv")
+            if refit_name in fused:
+                for member, dim, offset, extent in fused[refit_name]:
                     pieces[member] = tensor.narrow(dim, offset, extent)
                 continue
-            refit_name = table.refit_name(names, name, "weight_scale_inv")
             layout = refit.layouts(refit_name)[1]
             if refit_name in table.VOCAB:  # the padded split: its real rows, where they start
                 first, real, _ = table.padded(layout, r, vocab_pad)
@@ -151,7 +151,7 @@ def _run_model(rank, args, moe: bool, world_group, engine_group, train_mesh, pat
         engine = {n: torch.zeros(s, dtype=d) for n, (s, d) in engine_params(refit, rank).items()}
         engine_model = model.to(dtype)
     src = dict(trainer.named_parameters()) if trainer is not None else None
-    delta = {"session": rt.DeltaSession()} if args.delta else {}  # one session across the steps
+    delta = rt.DeltaSession() if args.delta else None  # one session across the steps
     gen = torch.Generator().manual_seed(1234)
     prompts = torch.randint(0, args.vocab, (args.batch, 4), generator=gen)
     baseline, served = {}, None
@@ -162,7 +162,7 @@ def _run_model(rank, args, moe: bool, world_group, engine_group, train_mesh, pat
         # the refit, timed on every rank; the pause lasts until the engine's model is rebuilt
         dist.barrier()
         start = time.perf_counter()
-        report = refit_engine_(refit, src, engine, **delta)
+        report = refit_engine_(refit, src, engine, delta=delta)
         refit_s = time.perf_counter() - start
         full = None
         if engine is not None:

@@ -159,7 +159,8 @@ class RefitJob:
 
     def refit(self, **options) -> List[float]:
         """One refit on every actor at once; each rank's seconds, by rank. ``options`` as
-        :func:`reshard.torch.reshard_many_` takes them (``checksum=True``)."""
+        :func:`reshard.torch.reshard_many_` takes them (``checksum=True``,
+        ``delta=reshard.torch.Delta(model="policy")``)."""
         calls = [actor.reshard_call.remote(_refit, self.engine, options) for actor in self.actors]
         return self._get(calls, "refit")
 

@@ -21,7 +21,8 @@ What the job is (the checkpoint's config, the trainer's and the engine's paralle
 is set once per process, before the first request, by :func:`configure`; in the scheduler
 processes that SGLang spawns itself, the first call reads it from the environment variable
 ``RESHARD_SGLANG_REFIT`` instead: a JSON object of :class:`reshard.Refit`'s arguments, with
-an optional ``"options"`` object for ``refit_engine_`` (e.g. ``{"delta": true}``)::
+an optional ``"options"`` object for ``refit_engine_`` (e.g. ``{"delta": true}``, or
+``{"delta": {"model": "policy"}}`` for :class:`reshard.torch.Delta`'s fields)::
 
     RESHARD_SGLANG_REFIT='{"model": "/ckpt/config.json", "train": "fsdp=2", "infer": "tp=2",
                            "colocated": true, "train_dtype": "f32", "infer_dtype": "bf16"}'
@@ -73,6 +74,10 @@ def _job() -> Dict[str, Any]:
         options = args.pop("options", None) or {}
         try:
             refit = Refit(**args)
+            if isinstance(options.get("delta"), dict):  # {"delta": {"model": "policy"}}
+                from .torch import Delta
+
+                options["delta"] = Delta(**options["delta"])
         except TypeError as e:
             raise ArgumentError(f"{ENV}: {e}") from None
         configure(refit, **options)

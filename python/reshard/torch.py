@@ -22,13 +22,14 @@ host for them.
 from __future__ import annotations
 
 import collections
-from typing import List, Mapping, Optional, Sequence, Tuple, Union
+import dataclasses
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
 from . import dtensor as _dt
 from ._core import Layout, Refit, ReshardError
-from .delta.session import DeltaReport, DeltaSession, refit_many
+from .delta.session import DeltaReport, DeltaSession, module_session, refit_many
 from .delta.stage import CommitReport, StageReport
 from .quant import inflight as _inflight
 from .quant import prequantized as _prequantized
@@ -50,6 +51,8 @@ __all__ = [
     "reshard_",
     "reshard_many_",
     "reshard_state_dict_",
+    "Quant",
+    "Delta",
     "dtensor_layout",
     "torch_dtype",
     "local_tensor",
@@ -69,6 +72,136 @@ _NATIVE = True
 #: Tensors are exchanged in buckets of about this many bytes of global tensor (a tensor larger
 #: than a bucket gets a bucket of its own), to bound the staging memory of a whole-model refit.
 DEFAULT_BUCKET_BYTES = 1 << 30
+
+
+@dataclasses.dataclass(frozen=True)
+class Quant:
+    """The fp8 options of :func:`reshard_many_` (``quant=Quant(...)``; a string ``quant`` is
+    ``Quant(method=quant)``).
+
+    ``method`` is the scaling scheme of the tensors quantized in flight (``"block:128x128"``,
+    ``"block:128x128:ue8m0"``, ``"mx:32"``, ``"channel"`` or ``"tensor"``; see
+    :func:`reshard_`), ``scales`` their destination scale shards by name (None where the rank
+    holds no shard; :func:`scale_tensor` allocates one) and ``scale_dtype`` the scales' dtype
+    (``"e8m0"``: uint8 biased exponents; f32 otherwise). ``src_scales`` are the source scale
+    shards by name of the tensors already quantized (fp8 sources, their destination scales in
+    ``scales`` too). Nothing is checked here: :func:`reshard_many_` checks the options on
+    every rank, and refuses a bad one on all of them."""
+
+    method: Optional[str] = None
+    scales: Optional[Mapping[str, Optional[torch.Tensor]]] = None
+    scale_dtype: Optional[str] = None
+    src_scales: Optional[Mapping[str, Optional[torch.Tensor]]] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Delta:
+    """The options of a delta refit by :func:`reshard_many_` (``delta=Delta(...)``;
+    ``delta=True`` is ``Delta()``, ``delta=session`` is ``Delta(session=session)``): only the
+    blocks that changed since the last refit move.
+
+    ``session`` is the :class:`DeltaSession` that refits (None: the module's session of the
+    process group and ``model``), ``version`` the version this refit brings (None: the
+    session's last one plus one), ``previous`` this rank's source tensors at the last refit's
+    version, by name (for a session made with ``keep_base=False``), and ``model`` a name the
+    caller gives the model refit by the module's session (a policy and a frozen reference with
+    the same parameter names are two models, each with its own bases and versions; not with a
+    ``session``, which is one model's already). Nothing is checked here: :func:`reshard_many_`
+    checks the options on every rank, and refuses a bad one on all of them."""
+
+    session: Optional[DeltaSession] = None
+    version: Optional[int] = None
+    previous: Optional[Mapping[str, torch.Tensor]] = None
+    model: Optional[str] = None
+
+
+#: The flat keywords :func:`reshard_many_` took before its options came in groups: each is
+#: folded into the field of the same name of :class:`Quant` or :class:`Delta`.
+QUANT_FIELDS = ("scales", "scale_dtype", "src_scales")
+DELTA_FIELDS = ("session", "version", "previous", "model")
+
+
+def option_groups(
+    quant, delta, flat: Mapping[str, Any], where: str = "reshard_many_"
+) -> Tuple[Quant, Optional[Delta], Optional[str]]:
+    """:func:`reshard_many_`'s ``quant`` and ``delta`` as their groups, the flat keywords
+    ``flat`` (:data:`QUANT_FIELDS`, :data:`DELTA_FIELDS`) folded into them: ``(quant, delta,
+    problem)``, where ``delta`` is None for a call that is no delta refit and ``problem`` is
+    the message of a bad option (None when all are good), which the caller refuses on every
+    rank. Another keyword raises :class:`TypeError` on this rank, as Python does for a
+    keyword that a function does not take."""
+    for key in flat:
+        if key not in QUANT_FIELDS and key not in DELTA_FIELDS:
+            raise TypeError(f"{where}() got an unexpected keyword argument {key!r}")
+    problems: List[str] = []
+    if isinstance(quant, Quant):
+        group, spelled = quant, "in quant=Quant({}=...)"
+    else:
+        group, spelled = Quant(), "in quant"
+        if quant is not None and not isinstance(quant, str):
+            problems.append(
+                f"quant: {quant!r:.40} ({type(quant).__name__}) is not a scheme (a str such as "
+                "'block:128x128') nor a reshard.torch.Quant"
+            )
+        else:
+            group = Quant(method=quant)
+    quant_group = _folded(group, QUANT_FIELDS, flat, spelled, problems)
+
+    delta_group: Optional[Delta] = None
+    spelled = "in delta=Delta({}=...)"
+    if isinstance(delta, Delta):
+        delta_group = delta
+    elif isinstance(delta, DeltaSession):
+        delta_group, spelled = Delta(session=delta), "as delta=<a DeltaSession>"
+    elif isinstance(delta, int):  # True and False (and 1 and 0)
+        delta_group = Delta() if delta else None
+    elif delta is not None:
+        problems.append(
+            f"delta: {delta!r:.40} ({type(delta).__name__}) is not True, False, a "
+            "reshard.torch.Delta nor a reshard.torch.DeltaSession"
+        )
+    if delta_group is None:
+        given = [k for k in DELTA_FIELDS if flat.get(k) is not None]
+        if flat.get("session") is not None:  # a session alone makes a delta refit, as it did
+            delta_group = Delta()
+        elif given:
+            problems.append(
+                "version, previous, model: given only with delta (delta=True, a reshard.torch.Delta "
+                "or a reshard.torch.DeltaSession)"
+            )
+    if delta_group is not None:
+        delta_group = _folded(delta_group, DELTA_FIELDS, flat, spelled, problems)
+    return quant_group, delta_group, (problems[0] if problems else None)
+
+
+def _folded(group, fields: Sequence[str], flat: Mapping[str, Any], spelled: str, problems: List[str]):
+    """``group`` with the flat keywords of its ``fields`` that were given (not None) in it; one
+    given both ways is a problem, and the group's own value stays."""
+    given: Dict[str, Any] = {}
+    for key in fields:
+        value = flat.get(key)
+        if value is None:
+            continue
+        if getattr(group, key) is not None:
+            problems.append(f"{key}: given twice, as {key}= and {spelled.format(key)}; give it once")
+        else:
+            given[key] = value
+    return dataclasses.replace(group, **given) if given else group
+
+
+def delta_session(group, options: Mapping[str, Any]) -> Optional[DeltaSession]:
+    """The :class:`DeltaSession` that ``reshard_many_(..., group=group, **options)`` refits
+    with (with ``delta=True`` and no session, the module's one of the group, ``model``,
+    ``checksum`` and ``bucket_bytes``), or None: not a delta refit, or no session there."""
+    flat = {k: v for k, v in options.items() if k in QUANT_FIELDS or k in DELTA_FIELDS}
+    _, delta, _ = option_groups(options.get("quant"), options.get("delta"), flat)
+    if delta is None:
+        return None
+    if delta.session is not None:
+        return delta.session if isinstance(delta.session, DeltaSession) else None
+    model = delta.model if isinstance(delta.model, str) else None
+    checksum = options.get("checksum", False)
+    return module_session(group, checksum, options.get("bucket_bytes", DEFAULT_BUCKET_BYTES), model)
 
 
 def local_tensor(layout: Layout, rank: int, global_tensor: torch.Tensor) -> Optional[torch.Tensor]:
@@ -152,10 +285,12 @@ def reshard_(
         {"": (src_local, dst_local, src_layout, dst_layout)},
         group=group,
         checksum=checksum,
-        quant=quant,
-        scales=None if quant is None and scale is None else {"": scale},
-        scale_dtype=scale_dtype,
-        src_scales=None if src_scale is None else {"": src_scale},
+        quant=Quant(
+            method=quant,
+            scales=None if quant is None and scale is None else {"": scale},
+            scale_dtype=scale_dtype,
+            src_scales=None if src_scale is None else {"": src_scale},
+        ),
     )
 
 
@@ -170,21 +305,17 @@ def reshard_many_(
     *,
     src: Optional[Mapping[str, torch.Tensor]] = None,
     dst: Optional[Mapping[str, torch.Tensor]] = None,
-    quant: Optional[str] = None,
-    scales: Optional[Mapping[str, Optional[torch.Tensor]]] = None,
-    scale_dtype: Optional[str] = None,
-    src_scales: Optional[Mapping[str, Optional[torch.Tensor]]] = None,
-    delta: bool = False,
-    session: Optional[DeltaSession] = None,
-    version: Optional[int] = None,
-    previous: Optional[Mapping[str, torch.Tensor]] = None,
-    model: Optional[str] = None,
+    quant: Union[None, str, Quant] = None,
+    delta: Union[None, bool, Delta, DeltaSession] = None,
+    **flat,
 ) -> Optional[DeltaReport]:
     """:func:`reshard_` for many tensors at once (a whole model): ``pairs`` maps a name to
-    ``(src_local, dst_local, src_layout, dst_layout)``.
+    ``(src_local, dst_local, src_layout, dst_layout)``. The options come in groups: the plain
+    call takes none of them, ``quant=Quant(...)`` moves tensors into fp8, ``delta=Delta(...)``
+    makes the call a delta refit.
 
-    Or ``pairs`` is a :class:`reshard.Refit` (a model with both sides' parallelism), and
-    ``src`` and ``dst`` are this rank's own tensors by name: its training shards, and its
+    ``pairs`` may also be a :class:`reshard.Refit` (a model with both sides' parallelism),
+    and ``src`` and ``dst`` this rank's own tensors by name: its training shards, and its
     inference shards, where a vLLM fused buffer (``...qkv_proj.weight``) stands for its
     members (``Refit.fused(rank)``), written in place. Ranks of the group pass what they hold
     (``Refit.rank_names(rank)``) and nothing else. On every call, before any byte moves,
@@ -206,55 +337,81 @@ def reshard_many_(
     Tensors whose ``dst_layout`` has another float dtype (f64, f32, bf16, f16: a
     ``Refit(train_dtype=...)``) are converted by their source ranks before they move, as
     torch's ``.to()`` converts them, so the wire carries the destination dtype.
-    Tensors whose ``dst_layout`` is fp8 (and source is not) are quantized in flight as
-    ``quant`` says (see :func:`reshard_`), their scale shards given by name in ``scales``
-    (None where the rank holds no shard); they move after the others, in one batch for all.
-    Already-quantized tensors (fp8 sources, given in ``scales`` too) take their source scale
-    shards by name in ``src_scales``, and move with the plain tensors.
-    With a :class:`reshard.Refit` that has fp8 weights (``infer_quant``), ``quant`` is the
+
+    ``quant=Quant(method, scales=..., scale_dtype=..., src_scales=...)`` (a :class:`Quant`;
+    ``quant="block:128x128"`` is ``Quant(method="block:128x128")``): tensors whose
+    ``dst_layout`` is fp8 (and source is not) are quantized in flight as ``method`` says (see
+    :func:`reshard_`), their scale shards given by name in ``scales`` (None where the rank
+    holds no shard); they move after the others, in one batch for all. Already-quantized
+    tensors (fp8 sources, given in ``scales`` too) take their source scale shards by name in
+    ``src_scales``, and move with the plain tensors.
+    With a :class:`reshard.Refit` that has fp8 weights (``infer_quant``), the method is the
     refit's and the scale shards come in ``dst`` under the engine's names
     (``X.weight_scale_inv``, fused ones as ``qkv_proj.weight_scale_inv``; see
     :attr:`reshard.Refit.scales` and :meth:`reshard.Refit.scale_fused`).
 
-    With ``delta=True`` or a ``session`` (a :class:`DeltaSession`), the call is a delta
-    refit: ``session.refit(pairs, version, src=src, dst=dst, previous=previous)``, which sends
-    only the blocks that changed since the session's last refit where the destination holds
-    it, and returns its :class:`DeltaReport`. ``delta=True`` alone uses one session per
-    process group, ``model`` (a name the caller gives: a policy and a frozen reference with
-    the same parameter names are two models, each with its own bases and versions) and
-    ``checksum``, kept in this module as long as the group; make a :class:`DeltaSession` to
-    choose ``anchor`` and ``keep_base``, or to forget. A session refit into other destination
-    tensors than the last time sends them dense, so even one model name shared by two models
-    stays exact (and sends dense). fp8 quantized tensors (``quant``, scales) are refused there.
-    """
+    ``delta=Delta(session, version=..., previous=..., model=...)`` (a :class:`Delta`;
+    ``delta=True`` is ``Delta()``, ``delta=session`` is ``Delta(session=session)``): the call
+    is a delta refit, ``session.refit(pairs, version, src=src, dst=dst, previous=previous)``,
+    which sends only the blocks that changed since the session's last refit where the
+    destination holds it, and returns its :class:`DeltaReport`. Without a session it uses one
+    session per process group, ``model`` (a name the caller gives: a policy and a frozen
+    reference with the same parameter names are two models, each with its own bases and
+    versions), ``checksum`` and ``bucket_bytes``, kept in this module as long as the group;
+    make a :class:`DeltaSession` to choose ``anchor`` and ``keep_base``, or to forget. A
+    session refit into other destination tensors than the last time sends them dense, so even
+    one model name shared by two models stays exact (and sends dense). fp8 quantized tensors
+    (``quant``) are refused there.
+
+    The flat keywords of earlier versions still work, folded into the groups: ``scales``,
+    ``scale_dtype`` and ``src_scales`` into ``quant``, ``session``, ``version``, ``previous``
+    and ``model`` into ``delta`` (``session=s`` alone is ``delta=s``). One given both flat and
+    in its group raises :class:`reshard.ArgumentError` naming both; any other keyword raises
+    :class:`TypeError`. A bad option is refused on every rank, before any byte moves, naming
+    the option and its value."""
+    quant, delta, problem = option_groups(quant, delta, flat)
     rank, world = group_rank(group)
     if rank < 0:
         return None  # not a member of the group: nothing to send or receive
-    if delta or session is not None:
-        unsupported = dict(quant=quant, scales=scales, scale_dtype=scale_dtype, src_scales=src_scales)
+    if delta is not None:
         return refit_many(
-            pairs, group, checksum, bucket_bytes, session, version, src, dst, previous, model, **unsupported
+            pairs,
+            group,
+            checksum,
+            bucket_bytes,
+            delta.session,
+            delta.version,
+            src,
+            dst,
+            delta.previous,
+            delta.model,
+            problem,
+            quant=quant.method,
+            scales=quant.scales,
+            scale_dtype=quant.scale_dtype,
+            src_scales=quant.src_scales,
         )
-    if version is not None or previous is not None or model is not None:
-        _args.refuse("version, previous, model: given only with delta=True or a session", pairs, group, rank)
+    if problem is not None:
+        _args.refuse(problem, pairs, group, rank)
     given = pairs
+    scale_dtype = quant.scale_dtype
     try:
         if isinstance(pairs, Refit):  # DTensors: their local tensors, their boxes checked
             src = _dt.unwrap_refit(pairs, src, rank, "src", group)
             dst = _dt.unwrap_refit(pairs, dst, rank, "dst", group)
         else:  # DTensors: their local tensors, and their layouts where a pair gives None
             pairs = given = _dt.unwrap_pairs(pairs, group, rank)
-        pairs, names, entries, moves, quant = _args.read(
-            pairs, rank, bucket_bytes, src, dst, quant, scales, scale_dtype, src_scales
+        pairs, names, entries, moves, method = _args.read(
+            pairs, rank, bucket_bytes, src, dst, quant.method, quant.scales, scale_dtype, quant.src_scales
         )
     except ReshardError as e:
         _args.refuse(e, given, group, rank)  # on every rank, as the checks below
     if moves:  # already quantized: values and scales move with the plain tensors
-        pairs, names = _prequantized.plan(moves, pairs, names, group, quant, scale_dtype, rank, world)
+        pairs, names = _prequantized.plan(moves, pairs, names, group, method, scale_dtype, rank, world)
     if names or not (entries or moves):
         _reshard_plain(pairs, names, group, bucket_bytes, checksum, rank, world)
     if entries:
-        _inflight.reshard(entries, group, quant, scale_dtype, rank, world, checksum, native=_NATIVE)
+        _inflight.reshard(entries, group, method, scale_dtype, rank, world, checksum, native=_NATIVE)
     return None
 
 
@@ -268,7 +425,8 @@ def reshard_state_dict_(src, dst, group=None, **options) -> None:
     """Refits one model's DTensors into another's, every layout read from the DTensors: on
     each rank ``src`` is its source module or state dict (a trainer's FSDP2 model, None
     where it holds none), ``dst`` its destination one (an engine's), written in place. Both
-    sides name the same tensors; ``options`` as for :func:`reshard_many_`."""
+    sides name the same tensors; ``options`` as for :func:`reshard_many_` (``checksum=True``,
+    ``delta=Delta(model="policy")``)."""
     rank, _ = group_rank(group)
     if rank < 0:
         return

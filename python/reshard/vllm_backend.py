@@ -128,10 +128,10 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         if update_info.phase == "refit":
             if info.staged:
                 raise ArgumentError("phase: refit, but the engine was set up staged (prepare, then commit)")
-            options = dict(checksum=info.checksum)
-            if self.session is not None:
-                options.update(session=self.session, version=version)
-            report = _engine.refit_engine_(self.refit, src, self.model, **options)
+            from .torch import Delta
+
+            delta = None if self.session is None else Delta(self.session, version=version)
+            report = _engine.refit_engine_(self.refit, src, self.model, checksum=info.checksum, delta=delta)
         elif not info.staged:
             raise ArgumentError(f"phase: {update_info.phase}, but the engine was not set up staged")
         elif update_info.phase == "prepare":

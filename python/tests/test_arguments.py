@@ -137,6 +137,83 @@ def test_a_bad_argument_on_some_ranks_raises_on_every_rank():
     run_ranks(one_rank_bad, 4, timeout=TIMEOUT)
 
 
+def option_groups(rank, world):
+    """The options in groups (``quant=Quant(...)``, ``delta=Delta(...)``) and the earlier flat
+    keywords folded into them: one given both ways, or a group of the wrong kind, is refused
+    on every rank before any byte moves; an unknown keyword is Python's TypeError."""
+    src = reshard.Layout(SHAPE, "f32", 2, [0, 1], ["S(0)"])
+    dst = reshard.Layout(SHAPE, "f32", 2, [2, 3], ["S(1)"])
+    s, d = _tensors(rank, src, dst)
+    pair = (s, d, src, dst)
+    scale = {"w": None}
+
+    # a keyword that is no option: raised on each rank, as Python raises it, nothing agreed
+    with pytest.raises(TypeError, match="reshard_many_\\(\\) got an unexpected keyword argument 'scale'"):
+        rt.reshard_many_({"w": pair}, quant="block:4x4", scale=torch.zeros(1))
+    with pytest.raises(TypeError, match="unexpected keyword argument 'sessions'"):
+        rt.reshard_many_({"w": pair}, delta=True, sessions=None)
+
+    # on every rank, the same field flat and in its group: every rank raises its own error
+    for call in (
+        lambda: rt.reshard_many_({"w": pair}, delta=rt.Delta(model="policy"), model="reference"),
+        lambda: rt.reshard_many_({"w": pair}, quant=rt.Quant("block:4x4", scales=scale), scales=scale),
+    ):
+        with pytest.raises(reshard.ArgumentError) as e:
+            call()
+        assert "given twice, as " in str(e.value) and not str(e.value).startswith("nothing"), str(e.value)
+    if d is not None:
+        assert not bool(d.any()), "nothing was moved"
+
+    # on one rank: the others hear of it; a delta refit's fence names the rank (its own
+    # error names the option), a plain call's agreement the rank and its error
+    with pytest.raises(reshard.ReshardError) as e:
+        flat = "reference" if rank == 1 else None
+        rt.reshard_many_({"w": pair}, delta=rt.Delta(model="policy"), model=flat)
+    if rank == 1:
+        assert isinstance(e.value, reshard.ArgumentError), repr(e.value)
+        assert str(e.value) == "model: given twice, as model= and in delta=Delta(model=...); give it once"
+    else:
+        assert isinstance(e.value, reshard.AgreementError), repr(e.value)
+        assert str(e.value).startswith("nothing was moved: rank 1 refused its arguments"), str(e.value)
+    refused_everywhere(
+        rank,
+        {2},
+        lambda: rt.reshard_many_(
+            {"w": pair},
+            quant=rt.Quant("block:4x4", scale_dtype="e8m0"),
+            scale_dtype="e8m0" if rank == 2 else None,
+        ),
+        "scale_dtype: given twice, as scale_dtype= and in quant=Quant(scale_dtype=...); give it once",
+    )
+    refused_everywhere(
+        rank,
+        {3},
+        lambda: rt.reshard_many_({"w": pair}, delta="yes" if rank == 3 else None),
+        "delta: 'yes' (str) is not True, False, a reshard.torch.Delta nor a reshard.torch.DeltaSession",
+    )
+    refused_everywhere(
+        rank,
+        {0},
+        lambda: rt.reshard_many_({"w": pair}, quant=("block:4x4",) if rank == 0 else None),
+        "quant: ('block:4x4',) (tuple) is not a scheme",
+    )
+    refused_everywhere(
+        rank,
+        {0, 1},
+        lambda: rt.reshard_many_({"w": pair}, version=2 if rank < 2 else None),
+        "version, previous, model: given only with delta",
+    )
+
+    # the group still works, and moves the data
+    rt.reshard_many_({"w": pair}, quant=rt.Quant())
+    if d is not None:
+        assert bool((d == 1).all())
+
+
+def test_options_in_groups_refused_alike_on_every_rank():
+    run_ranks(option_groups, 4, timeout=TIMEOUT)
+
+
 def later_call(rank, world):
     # rank 2 holds no shard: ranks 0 and 1 move the data without it
     src = reshard.Layout(SHAPE, "i32", 1, [0], ["R"])

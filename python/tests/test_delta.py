@@ -369,8 +369,17 @@ def previous_and_options(rank, world):
         expect(full, rank, out)
         assert report.version == version and (version == 1) == bool(report.fenced)
     mine = rt.DeltaSession(checksum=True)
-    report = rt.reshard_many_({"w": (shard(SRC, rank, full), out, SRC, DST)}, session=mine, version=7)
+    report = rt.reshard_many_({"w": (shard(SRC, rank, full), out, SRC, DST)}, delta=rt.Delta(mine, version=7))
     assert report.version == 7 and mine.last == 7
+    # delta=session is Delta(session=session); the flat session= and version= fold in alike
+    full = nudged(full.to(torch.bfloat16), 0.001, gen).to(torch.float32)
+    report = rt.reshard_many_({"w": (shard(SRC, rank, full), out, SRC, DST)}, delta=mine)
+    expect(full, rank, out)
+    assert report.version == 8 and mine.last == 8 and not report.fenced
+    full = nudged(full.to(torch.bfloat16), 0.001, gen).to(torch.float32)
+    report = rt.reshard_many_({"w": (shard(SRC, rank, full), out, SRC, DST)}, session=mine, version=10)
+    expect(full, rank, out)
+    assert report.version == 10 and mine.last == 10 and not report.fenced
     assert rt.reshard_many_({"w": (shard(SRC, rank, full), out, SRC, DST)}) is None
 
     # what a delta refit does not do raises on every rank, before anything moves
@@ -386,7 +395,7 @@ def previous_and_options(rank, world):
         want = rt.local_tensor(fp8, rank, values)
         assert want is None or bits_equal(fp8_out, want)
     with pytest.raises(reshard.ReshardError, match="quant: a delta refit does not quantize"):
-        rt.reshard_many_({"w": (shard(SRC, rank, full), out, SRC, DST)}, delta=True, quant="tensor")
+        rt.reshard_many_({"w": (shard(SRC, rank, full), out, SRC, DST)}, delta=True, quant=rt.Quant("tensor"))
     refused = "delta: w: dst_layout is fp8e4m3, and a delta refit does not quantize"
     with pytest.raises(reshard.ReshardError, match=refused):
         rt.reshard_many_({"w": (shard(SRC, rank, full), fp8_out, SRC, fp8)}, delta=True)

@@ -189,7 +189,7 @@ def parameters(rank, world, torch_ops):
         for name, (s, *_rest) in pairs.items():
             with torch.no_grad():
                 s.copy_(rt.local_tensor(_rest[1], rank, fulls[name] * version))
-        rt.reshard_many_(pairs, delta=True, version=version, model="params")
+        rt.reshard_many_(pairs, delta=rt.Delta(version=version, model="params"))
         check(lambda full, v=version: full * v)
     session = rt.DeltaSession()
     for version in (3, 4):

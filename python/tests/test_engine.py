@@ -190,7 +190,7 @@ def test_sglang_options_from_the_environment_take_a_delta_group(tmp_path, monkey
         assert sglang_loader._job()["options"] == {"delta": rt.Delta(model="policy"), "checksum": True}
         sglang_loader._JOB.clear()
         monkeypatch.setenv(sglang_loader.ENV, json.dumps({**job, "options": {"delta": {"models": "p"}}}))
-        with pytest.raises(ReshardError, match="RESHARD_SGLANG_REFIT: .*unexpected keyword argument 'models'"):
+        with pytest.raises(ReshardError, match="_REFIT: .*unexpected keyword argument 'models'"):
             sglang_loader._job()
         sglang_loader._JOB.clear()
         monkeypatch.setenv(sglang_loader.ENV, json.dumps({**job, "options": {"delta": True, "model": "p"}}))

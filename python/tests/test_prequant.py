@@ -141,9 +141,7 @@ def many(rank, world):
                 "w": (None if w_s is None else w_s.clone(), w_d, w_src, w_dst),
                 "n": (None if n_s is None else n_s.clone(), n_d, n_src, n_dst),
             },
-            quant=scheme,
-            scales={"pre": scale, "w": w_scale},
-            src_scales={"pre": s_scale},
+            quant=rt.Quant(scheme, scales={"pre": scale, "w": w_scale}, src_scales={"pre": s_scale}),
         )
         if rank >= 2:
             assert torch.equal(d.view(torch.uint8), want.view(torch.uint8))

@@ -463,21 +463,27 @@ def mixed_many(rank, world):
     w = shard(w_dst, None, torch.float8_e4m3fn)
     n = shard(n_dst, None, torch.bfloat16)
     scale = rt.scale_tensor(w_dst, rank, "block:8x16")
-    for _ in range(2):  # a second call reuses what the first agreed on
+    grouped = dict(quant=rt.Quant("block:8x16", scales={"w": scale}))
+    flat = dict(quant="block:8x16", scales={"w": scale})  # the earlier spelling, folded in
+    # a second call reuses what the first agreed on: the two spellings are one job
+    for options in (grouped, flat, grouped):
+        if rank in (2, 3):
+            w.view(torch.uint8).zero_()
+            n.zero_()
+            scale.zero_()
         rt.reshard_many_(
             {
                 "w": (shard(w_src, full_w), w, w_src, w_dst),
                 "n": (shard(n_src, full_n), n, n_src, n_dst),
             },
-            quant="block:8x16",
-            scales={"w": scale},
+            **options,
         )
-    if rank in (2, 3):
-        q, s = reference(full_w, "block:8x16", "fp8e4m3")
-        offset, extent = w_dst.local_region(rank)
-        assert torch.equal(w.view(torch.uint8), q[:, offset[1] : offset[1] + extent[1]])
-        assert torch.equal(scale, s[:, offset[1] // 16 : (offset[1] + extent[1]) // 16])
-        assert torch.equal(n, full_n)
+        if rank in (2, 3):
+            q, s = reference(full_w, "block:8x16", "fp8e4m3")
+            offset, extent = w_dst.local_region(rank)
+            assert torch.equal(w.view(torch.uint8), q[:, offset[1] : offset[1] + extent[1]])
+            assert torch.equal(scale, s[:, offset[1] // 16 : (offset[1] + extent[1]) // 16])
+            assert torch.equal(n, full_n)
     with pytest.raises(reshard.ReshardError, match="w: dst_layout: dtype fp8e4m3 needs quant"):
         rt.reshard_many_({"w": (shard(w_src, full_w), w, w_src, w_dst)})
 

@@ -30,8 +30,8 @@ def policy_and_reference(rank, world, explicit):
         policy = step(policy, gen)  # the policy trains; the reference stays frozen
         for name, full, out in (("policy", policy, out_policy), ("reference", reference, out_reference)):
             pairs = {"w": (shard(SRC, rank, full), out, SRC, DST)}
-            model = name if explicit else None
-            report = rt.reshard_many_(pairs, delta=True, checksum=True, model=model)
+            delta = rt.Delta(model=name) if explicit else True
+            report = rt.reshard_many_(pairs, delta=delta, checksum=True)
             expect(full, rank, out)
             if explicit and version > 1 and rank in (1, 2, 3):
                 # each model keeps its own bases: the frozen reference sends nothing new

@@ -241,25 +241,28 @@ def module_session(group, checksum: bool, bucket_bytes, model: Optional[str] = N
 
 def refit_many(
     pairs, group, checksum: bool, bucket_bytes, session, version, src, dst, previous, model=None,
-    **unsupported,
+    problem=None, **unsupported,
 ):
-    """:func:`reshard.torch.reshard_many_` with ``delta=True`` or a ``session``: a refit of
-    ``session`` (with ``delta=True`` alone, the module's session of ``group``, ``model``,
-    ``checksum`` and ``bucket_bytes``)."""
-    problem = None
+    """:func:`reshard.torch.reshard_many_` with ``delta=`` (a ``reshard.torch.Delta``'s
+    fields): a refit of ``session`` (without one, the module's session of ``group``,
+    ``model``, ``checksum`` and ``bucket_bytes``). ``problem`` is a bad option found before
+    (refused on every rank, as the ones found here), ``unsupported`` the fp8 options, refused
+    when given."""
     if model is not None and not isinstance(model, str):
-        problem = f"model: expected a name (str), got {type(model).__name__}"
+        problem = problem or f"model: expected a name (str), got {type(model).__name__}"
         model = None
     if session is None:
         session = module_session(group, checksum, bucket_bytes, model)
     elif not isinstance(session, DeltaSession):
         raise ArgumentError(f"session: expected a reshard.torch.DeltaSession, got {type(session).__name__}")
     elif model is not None:
-        problem = "model: given with a session (a DeltaSession is one model's already)"
+        problem = problem or "model: given with a session (a DeltaSession is one model's already)"
     elif group is not None and group is not session.group:
-        problem = "group: differs from the session's group (a DeltaSession refits the group it was made with)"
+        problem = problem or (
+            "group: differs from the session's group (a DeltaSession refits the group it was made with)"
+        )
     elif checksum and not session.checksum:
-        problem = "checksum: True, but the session was made without (DeltaSession(checksum=True))"
+        problem = problem or "checksum: True, but the session was made without (DeltaSession(checksum=True))"
     for what, value in unsupported.items():
         if value is not None and problem is None:
             problem = f"{what}: a delta refit does not quantize into fp8; refit such tensors without delta"

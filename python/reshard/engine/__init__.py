@@ -18,6 +18,9 @@ engine parameter (Qwen3, Qwen3-MoE)               the refit's parameters it hold
 every other parameter                             the same name, its shard's shape
 ================================================  ==============================================
 
+vLLM (0.33) keeps the routed experts one module deeper than SGLang:
+``...mlp.experts.routed_experts.w13_weight`` and ``...routed_experts.w2_weight``.
+
 Both engines pad the vocabulary to a multiple of 64 (``vocab_pad``) before splitting it over
 the tensor-parallel ranks evenly, so rank ``r`` of ``tp`` holds rows ``[r V'/tp, (r+1) V'/tp)``
 of the padded table (``V' = ceil(V / 64) 64``), the rows past ``V`` unused; where that is the
@@ -64,7 +67,9 @@ def engine_params(
     scale_name: str = "weight_scale_inv",
 ) -> Dict[str, Tuple[Tuple[int, ...], torch.dtype]]:
     """What inference ``rank`` of ``refit`` holds in ``engine``: name -> (shape, dtype), in
-    the refit's order (an empty dict on a rank that holds none)."""
+    the refit's order (an empty dict on a rank that holds none): the engine's own
+    ``named_parameters()``, as vLLM 0.33 and SGLang 0.5.23 build them (the engine tests check
+    it against their model classes)."""
     table.check_engine(engine, scale_name, vocab_pad)
     fused = refit.fused(rank)
     member_of = {m: buffer for buffer, ms in fused.items() for m, *_ in ms}
@@ -90,7 +95,7 @@ def engine_params(
         out[table.engine_name(name)] = (tuple(shape), dtype)
     for _weight, (scale, scale_shape) in table.scale_params(refit, rank, scale_name).items():
         out[scale] = scale_shape
-    return out
+    return {table.engine_key(name, engine): value for name, value in out.items()}
 
 
 def refit_engine_(
@@ -119,10 +124,11 @@ def refit_engine_(
     Without a model, ``engine`` is a ``dict`` of the parameters that :func:`engine_params`
     lists (the vLLM and SGLang names of the model families it knows, fp8 scales included).
 
-    ``options`` go to ``reshard_many_``: with ``delta=True`` or ``session=`` (a
-    :class:`reshard.torch.DeltaSession`, ``version=``) it is a delta refit, and returns its
-    :class:`reshard.torch.DeltaReport` (None otherwise); the vocab rows that move once more
-    between the engine's ranks go dense, from scratch shards kept with the session."""
+    ``options`` go to ``reshard_many_``: with ``delta=`` (``True``, a
+    :class:`reshard.torch.Delta` or a :class:`reshard.torch.DeltaSession`) it is a delta
+    refit, and returns its :class:`reshard.torch.DeltaReport` (None otherwise); the vocab
+    rows that move once more between the engine's ranks go dense, from scratch shards kept
+    with the session."""
     from .. import torch as rt
 
     table.check_engine(engine_kind, scale_name, vocab_pad)
@@ -234,16 +240,10 @@ def _refit_recorded(refit, src, engine, loader, group, rank, options):
 
 def _session(group, options):
     """The :class:`reshard.torch.DeltaSession` a delta refit with these options runs on (the
-    module's one of ``group`` with ``delta=True`` alone), or None."""
-    from ..delta.session import DeltaSession, module_session
+    module's one of ``group`` and ``model`` with ``delta=True`` alone), or None."""
+    from .. import torch as rt
 
-    session = options.get("session")
-    if session is None and options.get("delta"):
-        from ..torch import DEFAULT_BUCKET_BYTES
-
-        bucket_bytes = options.get("bucket_bytes", DEFAULT_BUCKET_BYTES)
-        session = module_session(group, options.get("checksum", False), bucket_bytes)
-    return session if isinstance(session, DeltaSession) else None
+    return rt.delta_session(group, options)
 
 
 # A staged engine refit's pieces and zeroed boxes, applied after its commit: session -> Recorded.
