@@ -71,7 +71,7 @@ def _base_of(session, job, name: str, piece, held: int) -> Optional[torch.Tensor
         if prev is None or session.last != held:
             return None
         return prev[piece.local]
-    kept = session._bases.get(name, {}).get(_key(job, name, piece))
+    kept = session.state.bases.get(name, {}).get(_key(job, name, piece))
     if kept is None or kept[0] != held:
         return None
     return kept[1]
@@ -87,7 +87,7 @@ def _outgoing(session, job, name: str, piece, held: int, anchored: bool, report,
         key = _key(job, name, piece)
         # the old base takes the new region (no allocation); it leaves the session first, so
         # that a call that fails later leaves no wrong base
-        kept = session._bases.get(name, {}).pop(key, None)
+        kept = session.state.bases.get(name, {}).pop(key, None)
         if kept is not None and (kept[1].numel(), kept[1].dtype, kept[1].device) == (
             new.numel(),
             new.dtype,
@@ -157,10 +157,10 @@ def run(session, job, heard, version: int, report, device, rank: int) -> None:
     # this rank sent what it sent: its bases are the new regions, whatever arrived here
     for name in job.names:
         if session.keep_base:
-            session._bases[name] = bases.get(name, {})
+            session.state.bases[name] = bases.get(name, {})
         else:
-            session._bases.pop(name, None)
-    session._sent = version if session.keep_base else None
+            session.state.bases.pop(name, None)
+    session.state.sent = version if session.keep_base else None
     session.last = version
     report.base_bytes = session.base_bytes
     if failure is not None or problem is not None:

@@ -122,7 +122,7 @@ def _other_destinations(session, now: Dict[str, tuple]) -> bool:
     (another model's under the same names, say): such a destination does not hold the
     session's version, so it gets everything dense."""
     return any(
-        session._destinations.get(name, ident) != ident for name, ident in now.items()
+        session.state.destinations.get(name, ident) != ident for name, ident in now.items()
     )
 
 
@@ -201,7 +201,7 @@ def _fence(session, job, ok: bool, version: int, digest: int, device, world: int
     if job is not None and job.previous is not None:
         base = session.last  # the caller's previous tensors are the last refit's
     else:
-        base = session._sent if session.keep_base else None
+        base = session.state.sent if session.keep_base else None
     mine = [
         int(ok),
         -1 if session.held is None else session.held,
@@ -225,11 +225,11 @@ def refit_live(session, given, version, src, dst, previous, problem=None) -> Del
         report = refit_delta(session, given, version, src, dst, previous, problem, live)
     except BaseException:
         if session.last != last or session.held != held:  # data moved, so the shards are a mix
-            session._serving = None
-            session._epoch += 1
+            session.state.serving = None
+            session.state.epoch += 1
         raise
-    session._serving = report.version
-    session._epoch += 1
+    session.state.serving = report.version
+    session.state.epoch += 1
     return report
 
 
@@ -283,7 +283,7 @@ def refit_delta(session, given, version, src, dst, previous, problem=None, live=
                 "already refit, staged or restored (versions only increase: a version reused "
                 "with other weights would leave a snapshot of it wrong), so nothing was moved"
             )
-    session._destinations.update(now)
+    session.state.destinations.update(now)
     session.newest = version
     report = _report(session, job, heard, version)
     with torch.no_grad():  # parameters are read and written in place, outside autograd

@@ -15,6 +15,8 @@ refit runs the same into a staging beside the live shards (:mod:`reshard.delta.s
 
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -24,6 +26,33 @@ from ..transfer.checks import group_cache, group_key
 from . import stage as _stage
 from .refit import DeltaReport, check_version, refit_live
 from .stage import CommitReport, StageReport
+
+
+@dataclasses.dataclass
+class SessionState:
+    """What a :class:`DeltaSession` keeps between refits, read and written by the modules of
+    :mod:`reshard.delta` that run them (exchange, refit, stage); a caller reads the session's
+    properties instead."""
+
+    #: name -> identity of the destination tensor last refit: other tensors under a name
+    #: (another model's) do not hold the session's version, so they get everything dense.
+    destinations: Dict[str, tuple] = dataclasses.field(default_factory=dict)
+    #: The staging tensors by name, allocated once and kept across versions.
+    spare: Dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    #: A staged version whose decision this rank never heard, or None.
+    in_doubt: Optional[object] = None
+    #: The epoch at which the staging and the live shards were alike, or None.
+    spare_epoch: Optional[int] = None
+    #: The version of the bases kept, or None.
+    sent: Optional[int] = None
+    #: The version the live destination shards serve, or None.
+    serving: Optional[int] = None
+    #: The staged version (its shadows, version and epoch), or None.
+    stage: Optional[object] = None
+    #: Changes to the live shards: a staging prepared before one is stale.
+    epoch: int = 0
+    #: name -> (sender's piece key -> (version, the region as sent)).
+    bases: Dict[str, Dict[tuple, Tuple[int, torch.Tensor]]] = dataclasses.field(default_factory=dict)
 
 
 class DeltaSession:
@@ -94,61 +123,50 @@ class DeltaSession:
         #: The highest version this rank has refit, staged or restored: the next one must be
         #: above it on every rank (versions only increase).
         self.newest: Optional[int] = None
-        # name -> identity of the destination tensor last refit: other tensors under a name
-        # (another model's) do not hold the session's version, so they get everything dense
-        self._destinations: Dict[str, tuple] = {}
-        # the staging tensors by name, allocated once and kept across versions
-        self._spare: Dict[str, torch.Tensor] = {}
-        self._in_doubt = None  # a staged version whose decision this rank never heard
-        self._spare_epoch = None  # the epoch at which the staging and the live were alike
-        self._sent: Optional[int] = None  # the version of the bases kept
-        self._serving: Optional[int] = None  # the version the live destination shards serve
-        self._stage = None  # the staged version (reshard.delta.stage._Stage), or None
-        self._epoch = 0  # changes to the live shards: a staging prepared before one is stale
-        # name -> (sender's piece key -> (version, the region as sent))
-        self._bases: Dict[str, Dict[tuple, Tuple[int, torch.Tensor]]] = {}
+        #: What the session keeps between refits for the modules that run them.
+        self.state = SessionState()
 
     @property
     def serving(self) -> Optional[int]:
         """The version this rank's live destination shards serve: the last one a
         :meth:`refit` or :meth:`commit` brought them to, or :meth:`restore` said (None before
         the first, or after a refit that failed while writing them)."""
-        return self._serving
+        return self.state.serving
 
     @property
     def staged(self) -> Optional[int]:
         """The version :meth:`prepare` staged and no :meth:`commit` or :meth:`abort` has
         ended yet, or None."""
-        return None if self._stage is None else self._stage.version
+        return None if self.state.stage is None else self.state.stage.version
 
     @property
     def staging(self) -> Dict[str, torch.Tensor]:
         """The staged version's tensors by destination name (empty when nothing is staged)."""
-        return {} if self._stage is None else dict(self._stage.shadows)
+        return {} if self.state.stage is None else dict(self.state.stage.shadows)
 
     @property
     def base_bytes(self) -> int:
         """Memory this rank keeps for bases, in bytes."""
-        return sum(t.numel() * t.element_size() for per in self._bases.values() for _, t in per.values())
+        return sum(t.numel() * t.element_size() for per in self.state.bases.values() for _, t in per.values())
 
     def forget(self) -> None:
         """Drops this rank's bases and held version, as a restarted rank has neither: the next
         refit sends everything it sends dense and gets everything it receives dense; a staged
         version is dropped too (a restarted rank has none)."""
-        self._stage = None
-        self._in_doubt = None
-        self._bases.clear()
-        self._sent = None
+        self.state.stage = None
+        self.state.in_doubt = None
+        self.state.bases.clear()
+        self.state.sent = None
         self.held = None
-        self._destinations.clear()
+        self.state.destinations.clear()
 
     def restore(self, version: Optional[int]) -> None:
         """Says that this rank's destination shards now hold ``version`` (they were loaded from
         a snapshot of it; None: unknown), and serve it: a version staged before no longer
         commits."""
         self.held = None if version is None else check_version("version", version)
-        self._serving = self.held
-        self._epoch += 1
+        self.state.serving = self.held
+        self.state.epoch += 1
         if self.held is not None and (self.newest is None or self.newest < self.held):
             self.newest = self.held
 

@@ -164,13 +164,13 @@ def _shadows(session, staging, live: Dict[str, torch.Tensor]) -> Dict[str, torch
         return {name: staging[name] for name in live}
     out = {}
     for name, t in live.items():
-        spare = session._spare.get(name)
+        spare = session.state.spare.get(name)
         if spare is None or spare.shape != t.shape or spare.dtype != t.dtype or spare.device != t.device:
             spare = torch.empty_like(t)
-            session._spare[name] = spare
+            session.state.spare[name] = spare
         out[name] = spare
-    for name in [n for n in session._spare if n not in live]:
-        del session._spare[name]
+    for name in [n for n in session.state.spare if n not in live]:
+        del session.state.spare[name]
     return out
 
 def _with(given, dst, shadows):
@@ -193,19 +193,20 @@ def prepare(session, given, version, src, dst, previous, staging) -> StageReport
     shadows: Dict[str, torch.Tensor] = {}
     problem = None
     try:
-        if session._in_doubt is not None:
+        if session.state.in_doubt is not None:
             raise VersionError(
-                f"prepare: this rank is in doubt about version {session._in_doubt.version} "
+                f"prepare: this rank is in doubt about version {session.state.in_doubt.version} "
                 "(resolve() it first, as the job decided)"
             )
-        if session._stage is not None:
+        if session.state.stage is not None:
             raise VersionError(
-                f"prepare: version {session._stage.version} is staged: commit or abort it first"
+                f"prepare: version {session.state.stage.version} is staged: commit or abort it first"
             )
         shadows = _shadows(session, staging, live)
         # the staging holds what the live shards hold (the delta's base applies to it),
         # unless it is the session's own and a commit left them alike since
-        alike = staging is None and session._spare_epoch == session._epoch and set(shadows) == set(live)
+        state = session.state
+        alike = staging is None and state.spare_epoch == state.epoch and set(shadows) == set(live)
         if not alike:
             with torch.no_grad():
                 for name, t in live.items():
@@ -213,7 +214,7 @@ def prepare(session, given, version, src, dst, previous, staging) -> StageReport
     except (ReshardError, RuntimeError) as e:  # RuntimeError: out of memory for the shadows
         problem = str(e)
         shadows.clear()
-    session._spare_epoch = None  # the staging is about to hold another version
+    session.state.spare_epoch = None  # the staging is about to hold another version
     if version is None:
         wanted = 1 if session.last is None else session.last + 1
     else:
@@ -246,8 +247,8 @@ def prepare(session, given, version, src, dst, previous, staging) -> StageReport
         raise
     if not_prepared is None:
         assert report is not None
-        session._stage = _Stage(
-            report.version, session.serving, session._epoch, live, shadows, identities(live)
+        session.state.stage = _Stage(
+            report.version, session.serving, session.state.epoch, live, shadows, identities(live)
         )
         nbytes = _bytes(live.values())
         seconds = time.perf_counter() - start
@@ -275,12 +276,12 @@ def _staged(session, version, call: str) -> Optional[_Stage]:
     prepare stages on every rank or on none)."""
     if version is not None:
         version = check_version("version", version)
-    if session._in_doubt is not None:
+    if session.state.in_doubt is not None:
         raise VersionError(
-            f"{call}: this rank is in doubt about version {session._in_doubt.version}: "
+            f"{call}: this rank is in doubt about version {session.state.in_doubt.version}: "
             "resolve() it as the job decided"
         )
-    stage: Optional[_Stage] = session._stage
+    stage: Optional[_Stage] = session.state.stage
     if stage is not None and version is not None and version != stage.version:
         raise VersionError(f"{call}: version {version} was asked for, but version {stage.version} is staged")
     return stage
@@ -289,7 +290,7 @@ def _staged(session, version, call: str) -> Optional[_Stage]:
 def _still_live(session, stage: _Stage) -> Optional[str]:
     """Why this rank could not commit ``stage`` now, or None: the live tensors must be the
     ones staged onto (same memory, shape, dtype), serving what they served then."""
-    if session._epoch != stage.epoch:
+    if session.state.epoch != stage.epoch:
         onto = "no version" if stage.onto is None else f"version {stage.onto}"
         now = "no known version" if session.serving is None else f"version {session.serving}"
         return (
@@ -316,13 +317,13 @@ def commit(session, version) -> CommitReport:
     try:
         not_prepared = _control.decide(session.group, why_not)
     except InDoubtError:
-        session._stage, session._in_doubt = None, stage
+        session.state.stage, session.state.in_doubt = None, stage
         raise
     except ReshardError:
-        session._stage = None
+        session.state.stage = None
         raise
     if not_prepared is not None:
-        session._stage = None
+        session.state.stage = None
         served = "no version yet" if session.serving is None else f"version {session.serving}"
         reasons = "; ".join(f"rank {r}: {why}" for r, why in not_prepared)
         raise AbortedError(
@@ -341,12 +342,12 @@ def _apply(session, stage: _Stage) -> CommitReport:
     for device in devices:  # the pause ends when the copies have
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - start
-    session._stage = session._in_doubt = None
+    session.state.stage = session.state.in_doubt = None
     previous = session.serving
-    session._serving = session.held = stage.version
-    session._epoch += 1
-    if all(session._spare.get(n) is s for n, s in stage.shadows.items()):
-        session._spare_epoch = session._epoch  # the session's staging and the live are alike
+    session.state.serving = session.held = stage.version
+    session.state.epoch += 1
+    if all(session.state.spare.get(n) is s for n, s in stage.shadows.items()):
+        session.state.spare_epoch = session.state.epoch  # the session's staging and the live are alike
     return CommitReport(stage.version, previous, _bytes(stage.live.values()), seconds)
 
 
@@ -357,16 +358,16 @@ def abort(session, version) -> Optional[int]:
     try:
         _control.decide(session.group, f"abort() was called for version {stage.version}")
     finally:
-        session._stage = None  # this rank voted abort: no rank commits, whatever happens next
+        session.state.stage = None  # this rank voted abort: no rank commits, whatever happens next
     return stage.version
 
 
 def resolve(session, commit: bool) -> Optional[int]:
-    stage: Optional[_Stage] = session._in_doubt
+    stage: Optional[_Stage] = session.state.in_doubt
     if stage is None:
         raise VersionError("resolve: this rank is in doubt about no version")
     if commit:
         _apply(session, stage)
     else:
-        session._in_doubt = None
+        session.state.in_doubt = None
     return session.serving
