@@ -6,7 +6,7 @@
 //! destination shards hold and, as a sender, the base of each of its transfers (what it last
 //! sent, in the wire dtype: after any cast or quantization, so a change that vanishes in the
 //! wire dtype sends nothing). A phase of values then runs in three exchanges on the same
-//! links ([`super::delta_phase`]):
+//! links (the executor's `delta_phase`):
 //!
 //! 1. **Fence**: every receiver tells each of its senders the version it holds (16 bytes a
 //!    peer, [`wire::Fence`]).
