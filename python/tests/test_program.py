@@ -88,3 +88,40 @@ def _cells(offset, extent):
     for o, n in zip(offset, extent):
         cells = [c + (i,) for c in cells for i in range(o, o + n)]
     return cells
+
+
+def test_quantized_messages_agree_on_both_ends_and_are_the_plans_transfers():
+    # a reshard into fp8 runs the runtime's program too (QuantPacking: its amax phase, then
+    # values and scales by peer): what a sender packs where is what its receiver unpacks
+    from test_quant import random_cases
+
+    cases = random_cases(29, 60, 4)
+    assert len(cases) >= 20
+    for _, _, _, scheme, src, dst, _ in cases:
+        ranks = sorted(set(src.ranks) | set(dst.ranks))
+        packs = {r: reshard._core.QuantPacking(src, dst, r, scheme) for r in ranks}
+        got = []
+        for r, p in packs.items():
+            for peer, nbytes, values, scales in p.messages("sends"):
+                theirs = {m[0]: m[1:] for m in packs[peer].messages("recvs")}
+                assert theirs[r] == (nbytes, values, scales), (scheme, r, peer)
+                got += [(s, d, tuple(off), tuple(ext)) for _, s, d, off, ext in values]
+            for _, _, values, _ in p.messages("local"):
+                got += [(s, d, tuple(off), tuple(ext)) for _, s, d, off, ext in values]
+            # the partial amax: one exchange each way per peer that shares a block
+            for peer, offset, extent in p.amax_blocks:
+                assert (r, offset, extent) in packs[peer].amax_blocks, (scheme, r, peer)
+            # every scale of a destination's scale shard arrives exactly once
+            if p.scale_shape is not None:
+                seen = {}
+                for which in ("recvs", "local"):
+                    for _, _, _, scales in p.messages(which):
+                        for _, offset, extent in scales:
+                            for cell in _cells(offset, extent):
+                                seen[cell] = seen.get(cell, 0) + 1
+                assert set(seen) == set(_cells(p.scale_offset, p.scale_shape)), (scheme, r)
+                assert set(seen.values()) <= {1}, (scheme, r)
+        # the values move as a plain reshard into the same layout in the source's dtype would
+        same = reshard.Layout(dst.shape, src.dtype, dst.mesh, dst.ranks, dst.placements)
+        want = sorted((t.src, t.dst, tuple(t.offset), tuple(t.extent)) for t in reshard.plan(src, same).transfers)
+        assert sorted(got) == want, scheme

@@ -1,5 +1,7 @@
 //! Quantizing in flight for `reshard.torch`: one rank's part of a reshard into fp8 with
-//! scales, with the core's arithmetic (`reshard_core::convert`) and plan (`QuantPlan`).
+//! scales, with the core's arithmetic (`reshard_core::convert`) and the runtime's program of
+//! it (`lower_plan` of the core's `QuantPlan`: its amax exchanges, then its values and scales
+//! by peer, in the program's order).
 //!
 //! A [`QuantPacking`] is computed once per layouts, scheme and rank. Its calls, in order:
 //! [`QuantPacking::amax`] (the local amax of the source shard, and the partial amax this rank
@@ -15,70 +17,17 @@ use pyo3::types::{PyBytes, PyList};
 use reshard_core::convert::{AmaxGrid, BlockGrid, Scales};
 use reshard_core::plan::{QuantPlan, QuantRankPlan};
 use reshard_core::region::Region;
-use reshard_core::{DType, Layout, Plan, Rank, Transfer};
+use reshard_core::{DType, Plan, Rank};
 
 use crate::layout::PyLayout;
 use crate::{error, plan_options};
 
+mod messages;
 mod scales;
 
+use messages::{Message, lowered};
 use scales::request;
 pub(crate) use scales::{quant_scale_dtype, quant_scale_shape, quantized_scale_layouts};
-
-const ALIGN: usize = 16;
-
-fn aligned(n: usize) -> usize {
-    n.div_ceil(ALIGN) * ALIGN
-}
-
-/// One message: the value transfers it holds, then their scale transfers from `scales_at`.
-struct Message {
-    peer: Rank,
-    values: Vec<Transfer>,
-    scales: Vec<Transfer>,
-    scales_at: usize,
-    size: usize,
-}
-
-impl Message {
-    fn new(peer: Rank, values: Vec<Transfer>, scales: Vec<Transfer>, scale_bytes: usize) -> Self {
-        let value_bytes: u64 = values.iter().map(|t| t.region.volume()).sum();
-        let scales_at = aligned(value_bytes as usize);
-        let scale_total: u64 = scales.iter().map(|t| t.region.volume()).sum();
-        Message {
-            peer,
-            values,
-            scales,
-            scales_at,
-            size: scales_at + scale_total as usize * scale_bytes,
-        }
-    }
-}
-
-/// The messages of `transfers` grouped by peer (`peer_of`), in order of first appearance,
-/// each with its scale transfers.
-fn messages(
-    qp: &QuantPlan,
-    dst: &Layout,
-    transfers: &[Transfer],
-    peer_of: impl Fn(&Transfer) -> Rank,
-) -> Vec<Message> {
-    let mut peers: Vec<Rank> = transfers.iter().map(&peer_of).collect();
-    peers.sort_unstable();
-    peers.dedup();
-    peers
-        .into_iter()
-        .map(|p| {
-            let values: Vec<Transfer> = transfers
-                .iter()
-                .filter(|t| peer_of(t) == p)
-                .cloned()
-                .collect();
-            let scales = qp.scale_transfers(dst, &values);
-            Message::new(p, values, scales, qp.scale_bytes())
-        })
-        .collect()
-}
 
 /// Calls `f(element index in shard, run length)` for every row of `region` (inside `shard`),
 /// row-major.
@@ -261,11 +210,7 @@ impl QuantPacking {
         let qp = plan.quant().expect("a quantizing plan").clone();
         let rp = plan.rank_part(rank);
         let qrp = qp.for_rank(&src, &dst, &rp);
-        let mut amax = qrp.amax.clone();
-        amax.sort_by(|a, b| (a.0, &a.1.offset).cmp(&(b.0, &b.1.offset)));
-        let sends = messages(&qp, &dst, &rp.sends, |t| t.dst);
-        let recvs = messages(&qp, &dst, &rp.recvs, |t| t.src);
-        let local = messages(&qp, &dst, &rp.locals, |t| t.src).pop();
+        let (amax, sends, recvs, local) = lowered(&src, &dst, rank, &rp, &qp, &qrp)?;
         Ok(QuantPacking {
             src_dtype: src.dtype(),
             src_shard: src.local_region(rank),
