@@ -138,10 +138,22 @@ def reader(stream, sink):
 def command(args, model_path):
     train = args.nproc // 2
     cmd = [
-        args.reshard, "launch", "--nproc", str(args.nproc), "--grace", str(args.grace), "--",
-        "refit", "--model", model_path,
-        "--train", f"fsdp={train}", "--infer", f"tp={args.nproc - train}",
-        "--run", "--stage",
+        args.reshard,
+        "launch",
+        "--nproc",
+        str(args.nproc),
+        "--grace",
+        str(args.grace),
+        "--",
+        "refit",
+        "--model",
+        model_path,
+        "--train",
+        f"fsdp={train}",
+        "--infer",
+        f"tp={args.nproc - train}",
+        "--run",
+        "--stage",
     ]
     if args.delta:
         cmd += ["--delta", "--stage-methods", "staged-delta"]
@@ -154,17 +166,17 @@ def command(args, model_path):
 def run_job(cmd, kill_at, rng, nproc, bound):
     """Runs one job; kills a random rank at `kill_at` seconds (None: no kill)."""
     t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE)
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     out, err = [], []
-    threads = [threading.Thread(target=reader, args=(proc.stdout, out), daemon=True),
-               threading.Thread(target=reader, args=(proc.stderr, err), daemon=True)]
+    threads = [
+        threading.Thread(target=reader, args=(proc.stdout, out), daemon=True),
+        threading.Thread(target=reader, args=(proc.stderr, err), daemon=True),
+    ]
     for t in threads:
         t.start()
     pids = ranks_of(proc.pid, nproc, t0 + 30)
     started = set(pids.values())
-    res = {"killed_rank": None, "kill_s": None, "kill_missed": False, "hang": False,
-           "ranks_found": len(pids)}
+    res = {"killed_rank": None, "kill_s": None, "kill_missed": False, "hang": False, "ranks_found": len(pids)}
     if kill_at is not None:
         victim = rng.randrange(nproc)
         res["killed_rank"] = victim
@@ -234,8 +246,10 @@ def judge(res, err, nproc):
     if res["hang"]:
         reasons.append(f"hang: ranks {res.get('still_running')} still running")
     if launch_killed & surviving:
-        reasons.append(f"ranks {sorted(launch_killed & surviving)} did not end on their own "
-                       "(killed by the launcher after its grace)")
+        reasons.append(
+            f"ranks {sorted(launch_killed & surviving)} did not end on their own "
+            "(killed by the launcher after its grace)"
+        )
     if panics:
         reasons.append(f"panic: {panics[0]}")
     if res["ranks_found"] < nproc:
@@ -284,10 +298,17 @@ def main():
     ap.add_argument("--grace", type=float, default=30, help="the launcher's --grace")
     ap.add_argument("--bound", type=float, default=60, help="seconds a job may run after the kill")
     ap.add_argument("--model", help="an HF config.json (default: a small qwen3 written to a temp file)")
-    ap.add_argument("--reshard", default=os.path.join(
-        os.path.dirname(os.path.abspath(__file__)), "..", "..", "target", "release", "reshard"))
-    ap.add_argument("--window", type=float,
-                    help="kill moments are uniform in [0.3, WINDOW] s (default: 0.85 of a clean run)")
+    ap.add_argument(
+        "--reshard",
+        default=os.path.join(
+            os.path.dirname(os.path.abspath(__file__)), "..", "..", "target", "release", "reshard"
+        ),
+    )
+    ap.add_argument(
+        "--window",
+        type=float,
+        help="kill moments are uniform in [0.3, WINDOW] s (default: 0.85 of a clean run)",
+    )
     ap.add_argument("--json", action="store_true", help="print every trial as JSON at the end")
     args = ap.parse_args()
     args.reshard = os.path.normpath(args.reshard)
@@ -321,10 +342,13 @@ def main():
             served = ",".join(f"{r}:{x}" for r, x in v["served"].items()) or "-"
             doubt = ",".join(f"{r}:{w}" for r, w in v["in_doubt"].items()) or "-"
             missed = " (missed: rank already gone)" if res["kill_missed"] else ""
-            print(f"trial {i:2d}  killed rank {res['killed_rank']}{missed} at {res['kill_s']:.2f} s"
-                  f"  served {served}  in doubt {doubt}  phase {v['phase']}"
-                  f"  ended {res['end_after_kill_s']:.1f} s after  rc {res['rc']}"
-                  f"  {'PASS' if v['pass'] else 'FAIL'}", flush=True)
+            print(
+                f"trial {i:2d}  killed rank {res['killed_rank']}{missed} at {res['kill_s']:.2f} s"
+                f"  served {served}  in doubt {doubt}  phase {v['phase']}"
+                f"  ended {res['end_after_kill_s']:.1f} s after  rc {res['rc']}"
+                f"  {'PASS' if v['pass'] else 'FAIL'}",
+                flush=True,
+            )
             if not v["pass"]:
                 for r in v["reasons"]:
                     print(f"    {r}")
@@ -337,12 +361,17 @@ def main():
             phases[t["phase"]] = phases.get(t["phase"], 0) + 1
         doubt_trials = sum(1 for t in trials if t["in_doubt"])
         killed0 = sum(1 for t in trials if t["killed_rank"] == 0 and not t["kill_missed"])
-        print(f"summary: {passed}/{len(trials)} passed; served versions seen {versions}; "
-              f"rank 0 killed in {killed0}; trials with ranks in doubt {doubt_trials}; phases "
-              + ", ".join(f"{k} {n}" for k, n in sorted(phases.items())))
+        print(
+            f"summary: {passed}/{len(trials)} passed; served versions seen {versions}; "
+            f"rank 0 killed in {killed0}; trials with ranks in doubt {doubt_trials}; phases "
+            + ", ".join(f"{k} {n}" for k, n in sorted(phases.items()))
+        )
         if args.json:
-            print(json.dumps({"command": cmd, "seed": args.seed, "window_s": window,
-                              "trials": trials}, indent=1))
+            print(
+                json.dumps(
+                    {"command": cmd, "seed": args.seed, "window_s": window, "trials": trials}, indent=1
+                )
+            )
         return 0 if passed == len(trials) else 1
     finally:
         if tmp is not None:

@@ -92,8 +92,10 @@ def run(tmp_path_factory):
     outs = [(p.wait(), (tmp / f"{n}.log").read_text())[1] for n, p in zip(names, procs)]
     failed = [n for n, p in zip(names, procs) if p.returncode != 0]
     if failed:
-        text = "\n".join(f"--- {n} (exit {p.returncode})\n" + "\n".join(o.splitlines()[-40:])
-                         for n, p, o in zip(names, procs, outs))
+        text = "\n".join(
+            f"--- {n} (exit {p.returncode})\n" + "\n".join(o.splitlines()[-40:])
+            for n, p, o in zip(names, procs, outs)
+        )
         raise AssertionError(f"workers {failed} failed:\n{text}")
     return tmp
 
@@ -119,12 +121,16 @@ def test_refused_on_every_rank_naming_the_parameter(run):
 
 
 def test_a_failing_export_is_heard_by_every_rank(run):
-    said = {w: pickle.loads((run / f"failure-{w}.pkl").read_bytes())
-            for w in ("trainer0", "trainer1", "rollout0", "rollout1")}
+    said = {
+        w: pickle.loads((run / f"failure-{w}.pkl").read_bytes())
+        for w in ("trainer0", "trainer1", "rollout0", "rollout1")
+    }
     assert said.pop("trainer1") == "builtins.RuntimeError: the export failed here"
     for w, text in said.items():
-        assert text == ("reshard.AgreementError: nothing was moved: trainer rank 1's export raised "
-                        "RuntimeError: the export failed here"), (w, text)
+        assert text == (
+            "reshard.AgreementError: nothing was moved: trainer rank 1's export raised "
+            "RuntimeError: the export failed here"
+        ), (w, text)
 
 
 def test_full_pairs_after_a_refusal_on_the_same_group(run):
@@ -138,8 +144,17 @@ def test_full_pairs_after_a_refusal_on_the_same_group(run):
 
 def test_fsdp2_shards_into_tp2_rollout(run):
     oracle = torch.load(run / "oracle.pt")
-    dims = {"q_proj": 0, "k_proj": 0, "v_proj": 0, "gate_proj": 0, "up_proj": 0, "o_proj": 1,
-            "down_proj": 1, "embed_tokens": 0, "lm_head": 0}
+    dims = {
+        "q_proj": 0,
+        "k_proj": 0,
+        "v_proj": 0,
+        "gate_proj": 0,
+        "up_proj": 0,
+        "o_proj": 1,
+        "down_proj": 1,
+        "embed_tokens": 0,
+        "lm_head": 0,
+    }
     for i in range(2):
         got = torch.load(run / f"recv-4-rollout{i}.pt")
         assert list(got) == list(oracle)
@@ -159,8 +174,10 @@ def derive(specs, shape, tp=1, rules=()):
     from reshard import _verl_specs, verl_backend
 
     actors = len(specs)
-    heard = [dict(world_rank=r, rollout_tp=tp, rollout_shard_dims=list(rules), rollout_dtype=None)
-             for r in range(actors + 2)]
+    heard = [
+        dict(world_rank=r, rollout_tp=tp, rollout_shard_dims=list(rules), rollout_dtype=None)
+        for r in range(actors + 2)
+    ]
     job = verl_backend._Job(heard, actors, actors, torch.device("cpu"))
     said = []
     for local, spec in specs:
@@ -201,21 +218,33 @@ def test_explicit_places_that_are_a_dtensor_split_and_identity_slots():
 
     from reshard import ArgumentError
 
-    flat = [(torch.zeros(9), ShardSpec(full_shape=(5, 3), place=0)),
-            (torch.zeros(6), ShardSpec(full_shape=(5, 3), place=9))]
+    flat = [
+        (torch.zeros(9), ShardSpec(full_shape=(5, 3), place=0)),
+        (torch.zeros(6), ShardSpec(full_shape=(5, 3), place=9)),
+    ]
     _, src, _, _ = derive(flat, (5, 3))
     assert regions(src, (0, 1)) == [((0, 0), (3, 3)), ((3, 0), (2, 3))]
     slots = [("e0", (3,)), ("e1", (3,)), ("e2", (3,)), ("e3", (3,)), ("e4", (3,))]
-    blocks = [(torch.zeros(3), ShardSpec(full_shape=(5, 3), place=BlockPlacement((1, 3), (0, 0), (5, 3)),
-                                         hf_slots=slots)),
-              (torch.zeros(12), ShardSpec(full_shape=(5, 3), place=BlockPlacement((4, 3), (1, 0), (5, 3)),
-                                          hf_slots=slots))]
+    blocks = [
+        (
+            torch.zeros(3),
+            ShardSpec(full_shape=(5, 3), place=BlockPlacement((1, 3), (0, 0), (5, 3)), hf_slots=slots),
+        ),
+        (
+            torch.zeros(12),
+            ShardSpec(full_shape=(5, 3), place=BlockPlacement((4, 3), (1, 0), (5, 3)), hf_slots=slots),
+        ),
+    ]
     with pytest.raises(ArgumentError, match=r"^w: ShardSpec.place: .* no DTensor split"):
         derive(blocks, (5, 3))  # 1 + 4 rows is no torch.chunk split of 5 (3 + 2)
-    blocks[0] = (torch.zeros(9), ShardSpec(full_shape=(5, 3), place=BlockPlacement((3, 3), (0, 0), (5, 3)),
-                                           hf_slots=slots))
-    blocks[1] = (torch.zeros(6), ShardSpec(full_shape=(5, 3), place=BlockPlacement((2, 3), (3, 0), (5, 3)),
-                                           hf_slots=slots))
+    blocks[0] = (
+        torch.zeros(9),
+        ShardSpec(full_shape=(5, 3), place=BlockPlacement((3, 3), (0, 0), (5, 3)), hf_slots=slots),
+    )
+    blocks[1] = (
+        torch.zeros(6),
+        ShardSpec(full_shape=(5, 3), place=BlockPlacement((2, 3), (3, 0), (5, 3)), hf_slots=slots),
+    )
     _, src, _, got = derive(blocks, (5, 3))
     assert regions(src, (0, 1)) == [((0, 0), (3, 3)), ((3, 0), (2, 3))] and got == tuple(slots)
 
@@ -229,8 +258,9 @@ def test_refusals_name_the_parameter():
     partial = ShardSpec(full_shape=(4,), mesh=fake_mesh((4,)), placements=(Partial(),))
     with pytest.raises(ArgumentError, match=r"^w: ShardSpec.placements: .*Partial"):
         derive([(torch.zeros(4), partial)] * 4, (4,))
-    converter = ShardSpec(full_shape=(4, 2), mesh=fake_mesh((4,)), placements=(Shard(0),),
-                          to_hf_chunk=lambda start, seg: [])
+    converter = ShardSpec(
+        full_shape=(4, 2), mesh=fake_mesh((4,)), placements=(Shard(0),), to_hf_chunk=lambda start, seg: []
+    )
     with pytest.raises(ArgumentError, match=r"^w: ShardSpec.to_hf_chunk"):
         derive([(torch.zeros(2), converter)] * 4, (4, 2))
     plain = ShardSpec(full_shape=(4, 2), mesh=fake_mesh((4,)), placements=(Shard(0),))

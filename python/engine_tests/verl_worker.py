@@ -143,7 +143,6 @@ class Trainer(Worker):
         spec = ShardSpec(full_shape=(4, 6), place=block, gather_group=dist.group.WORLD)
         yield "bad.weight", torch.zeros(6, dtype=torch.bfloat16), spec
 
-
     def failing_export(self):
         """The shard export, which fails on rank 1 after a few tensors (rank 0's goes on)."""
         for i, item in enumerate(self.export()):

@@ -138,7 +138,7 @@ def _order(shape, mesh, placements) -> Tuple[List[int], List[object]]:
             raise ArgumentError(
                 f"placements: _StridedShard(dim={dim}, split_factor={split}) on mesh axis {axis} "
                 f"of a tensor of shape {list(shape)}: the later mesh axes that shard dim {dim} "
-                f"(sizes {[mesh[o] for o in order[at + 1:] if placements[o][0] == 'shard']}) do "
+                f"(sizes {[mesh[o] for o in order[at + 1 :] if placements[o][0] == 'shard']}) do "
                 f"not multiply to {split}, so its shards are not boxes"
             )
         order.insert(last, order.pop(at))

@@ -296,9 +296,7 @@ def reshard_(
 
 @torch.no_grad()  # destinations are written in place, Parameters that require grad included
 def reshard_many_(
-    pairs: Union[
-        Mapping[str, Tuple[Optional[torch.Tensor], Optional[torch.Tensor], Layout, Layout]], Refit
-    ],
+    pairs: Union[Mapping[str, Tuple[Optional[torch.Tensor], Optional[torch.Tensor], Layout, Layout]], Refit],
     group=None,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     checksum: bool = False,

@@ -496,8 +496,14 @@ def _float_dtype_name(dtype) -> Optional[str]:
     if dtype is None:
         return None
     name = str(dtype).replace("torch.", "")
-    name = {"bf16": "bfloat16", "f16": "float16", "fp16": "float16", "f32": "float32", "fp32": "float32",
-            "f64": "float64"}.get(name, name)
+    name = {
+        "bf16": "bfloat16",
+        "f16": "float16",
+        "fp16": "float16",
+        "f32": "float32",
+        "fp32": "float32",
+        "f64": "float64",
+    }.get(name, name)
     found = getattr(torch, name, None)
     if not isinstance(found, torch.dtype) or not found.is_floating_point:
         raise ArgumentError(f"rollout_dtype: {dtype!r} is not a float dtype")

@@ -35,6 +35,7 @@ QWEN3_MOE = dict(
     num_experts_per_tok=2,
 )
 
+
 def _path(tmp_path, config, name="config.json"):
     path = tmp_path / name
     path.write_text(json.dumps(config))

@@ -139,8 +139,7 @@ def test_the_runtime_names_a_disagreement_or_a_refusal_with_an_agreement_error()
     for e in raised:
         assert isinstance(e, AgreementError), e
         assert str(e) == (
-            "the ranks disagree on the job, so nothing was moved: rank 1 runs shape 8; "
-            "rank 0 runs shape 4"
+            "the ranks disagree on the job, so nothing was moved: rank 1 runs shape 8; rank 0 runs shape 4"
         )
     why = [None, "w: dst_local: the wrong shape"]
     raised = _threads([lambda r=r: ctl[r].agree("job", [("shape", "4")], why[r]) for r in range(2)])

@@ -84,7 +84,14 @@ def check_move(rank, case, checksum=False):
     d = None if want is None else torch.zeros_like(want)
     scale = rt.scale_tensor(dst, rank, scheme, scale_dtype)
     rt.reshard_(
-        s, d, src, dst, quant=scheme, scale=scale, src_scale=s_scale, scale_dtype=scale_dtype,
+        s,
+        d,
+        src,
+        dst,
+        quant=scheme,
+        scale=scale,
+        src_scale=s_scale,
+        scale_dtype=scale_dtype,
         checksum=checksum,
     )
     if want is None:
@@ -213,7 +220,12 @@ def refusals(rank, world):
     d = None if d is None else torch.zeros(d, dtype=torch.float8_e4m3fn)
     with pytest.raises(reshard.ReshardError) as e:
         rt.reshard_(
-            bf16_local, d, bf16, dst, quant=scheme, scale=rt.scale_tensor(dst, rank, scheme),
+            bf16_local,
+            d,
+            bf16,
+            dst,
+            quant=scheme,
+            scale=rt.scale_tensor(dst, rank, scheme),
             src_scale=torch.zeros(2, 2) if rank == 0 else None,
         )
     message = (

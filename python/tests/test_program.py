@@ -123,5 +123,6 @@ def test_quantized_messages_agree_on_both_ends_and_are_the_plans_transfers():
                 assert set(seen.values()) <= {1}, (scheme, r)
         # the values move as a plain reshard into the same layout in the source's dtype would
         same = reshard.Layout(dst.shape, src.dtype, dst.mesh, dst.ranks, dst.placements)
-        want = sorted((t.src, t.dst, tuple(t.offset), tuple(t.extent)) for t in reshard.plan(src, same).transfers)
+        transfers = reshard.plan(src, same).transfers
+        want = sorted((t.src, t.dst, tuple(t.offset), tuple(t.extent)) for t in transfers)
         assert sorted(got) == want, scheme

@@ -57,9 +57,7 @@ def values(refit, name, layout, rank, train):
 
 
 def cast_refit(rank, world, path, train_dtype, infer_dtype):
-    refit = reshard.Refit(
-        path, train="tp=2", infer="tp=2", train_dtype=train_dtype, infer_dtype=infer_dtype
-    )
+    refit = reshard.Refit(path, train="tp=2", infer="tp=2", train_dtype=train_dtype, infer_dtype=infer_dtype)
     train = getattr(torch, {"f32": "float32", "f64": "float64"}[str(train_dtype)])
     src, dst = {}, {}
     fused = refit.fused(rank)

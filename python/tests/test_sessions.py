@@ -68,6 +68,7 @@ def aliasing_staging(rank, world):
     session.commit()
     full = step(full, gen)
     before_a, before_b = clone(a), clone(b)
+
     def cases():
         if a is None:  # rank 0 holds no destination shard: nothing of its own to stage
             return [(label, None, message) for label, message in LABELS]

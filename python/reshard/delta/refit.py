@@ -121,9 +121,7 @@ def _other_destinations(session, now: Dict[str, tuple]) -> bool:
     """Whether this rank's destination tensors are not the ones the session last refit
     (another model's under the same names, say): such a destination does not hold the
     session's version, so it gets everything dense."""
-    return any(
-        session.state.destinations.get(name, ident) != ident for name, ident in now.items()
-    )
+    return any(session.state.destinations.get(name, ident) != ident for name, ident in now.items())
 
 
 @dataclass

@@ -258,8 +258,18 @@ def module_session(group, checksum: bool, bucket_bytes, model: Optional[str] = N
 
 
 def refit_many(
-    pairs, group, checksum: bool, bucket_bytes, session, version, src, dst, previous, model=None,
-    problem=None, **unsupported,
+    pairs,
+    group,
+    checksum: bool,
+    bucket_bytes,
+    session,
+    version,
+    src,
+    dst,
+    previous,
+    model=None,
+    problem=None,
+    **unsupported,
 ):
     """:func:`reshard.torch.reshard_many_` with ``delta=`` (a ``reshard.torch.Delta``'s
     fields): a refit of ``session`` (without one, the module's session of ``group``,

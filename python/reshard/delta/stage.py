@@ -173,6 +173,7 @@ def _shadows(session, staging, live: Dict[str, torch.Tensor]) -> Dict[str, torch
         del session.state.spare[name]
     return out
 
+
 def _with(given, dst, shadows):
     """The call's arguments with the shadows in place of the live destination tensors."""
     if isinstance(given, Refit):

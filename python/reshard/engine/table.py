@@ -56,9 +56,7 @@ def padded(layout: Layout, rank: int, vocab_pad: int) -> Optional[Tuple[int, int
     if not dims:
         return None
     if any(p.dim != 0 for p in (layout.placements[i] for i in dims)) or len(dims) != 1:
-        raise ArgumentError(
-            f"{layout.spec}: the engines split the vocabulary over one mesh axis, on dim 0"
-        )
+        raise ArgumentError(f"{layout.spec}: the engines split the vocabulary over one mesh axis, on dim 0")
     axis = dims[0]
     tp = layout.mesh[axis]
     padded = -(-vocab // vocab_pad) * vocab_pad

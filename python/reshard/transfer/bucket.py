@@ -23,6 +23,7 @@ from .checks import check_ranks, check_tensor, torch_dtype
 # viewed as any element type.
 _ALIGN = 16
 
+
 @dataclass(frozen=True)
 class _Piece:
     """One region of one message: where it sits in the local tensor and in the buffer, and

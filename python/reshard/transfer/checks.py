@@ -40,6 +40,7 @@ TORCH_DTYPES = {
     if hasattr(torch, attr)
 }
 
+
 def torch_dtype(layout: Layout) -> torch.dtype:
     """The torch dtype of a layout's elements."""
     try:
@@ -259,9 +260,7 @@ def agree(fingerprint, prepare, group, rank: int, *, digest: Optional[str] = Non
     word = int(digest[:16], 16) >> 1  # 63 bits: its negation fits an int64 too
     if device is None:
         device = control_device(group)
-    flags = torch.tensor(
-        [refusal is None, known, word, -word], dtype=torch.int64, device=device
-    )
+    flags = torch.tensor([refusal is None, known, word, -word], dtype=torch.int64, device=device)
     with collective(group, "the agreement on the job"):
         dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=group)
     passed, agreed, least, most = (int(v) for v in flags.tolist())
