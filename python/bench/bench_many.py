@@ -7,7 +7,8 @@ tensors of ``--rows`` x 1024 (2 MiB each by default) through one ``reshard_many_
 tensor of ``tensors * rows`` x 1024 through ``reshard_``: the same bytes, the same shape of
 every region (half rows). Each timing runs from a barrier to the slowest rank's end; the two
 calls alternate, and the median of each one's timed repetitions is reported. Every result is
-verified.
+verified. A third call moves the same tensors with every region staged on the receiver (the
+program before large regions were received in place), for comparison.
 
     python python/bench/bench_many.py [--tensors 300] [--rows 1024] [--iters 5] [--torch-copies]
 
@@ -27,6 +28,7 @@ import torch.multiprocessing as mp
 
 import reshard
 import reshard.torch as rt
+from reshard.transfer import bucket
 
 COLS = 1024
 SRC_SPEC, DST_SPEC = "mesh=2 place=S(0)", "mesh=2 place=S(1)"
@@ -93,13 +95,18 @@ def worker(rank, port, args, out):
 
     many = {f"layers.{i}.weight": tensor((args.rows, COLS), i) for i in range(args.tensors)}
     one = tensor((args.tensors * args.rows, COLS), 0)
-    results = dict(
-        zip(
-            ("many", "one"),
-            timed([lambda: rt.reshard_many_(many), lambda: rt.reshard_(*one)], args.iters, args.warmup),
-        )
-    )
+    # the same tensors under other names, whose program (built by this first call) stages
+    # every region on the receiver: how it was before regions were received in place
+    staged = {f"staged.{i}.weight": many[f"layers.{i}.weight"] for i in range(args.tensors)}
+    in_place_bytes = bucket.IN_PLACE_BYTES
+    bucket.IN_PLACE_BYTES = float("inf")
+    rt.reshard_many_(staged)
+    bucket.IN_PLACE_BYTES = in_place_bytes
+    calls = [lambda: rt.reshard_many_(many), lambda: rt.reshard_many_(staged), lambda: rt.reshard_(*one)]
+    results = dict(zip(("many", "staged", "one"), timed(calls, args.iters, args.warmup)))
     results["many_verified"] = verified(list(many.values()), range(args.tensors), rank)
+    rt.reshard_many_(staged)
+    results["staged_verified"] = verified(list(staged.values()), range(args.tensors), rank)
     results["one_verified"] = verified([one], [0], rank)
     if rank == 0:
         out.put(results)
@@ -131,6 +138,7 @@ def main():
     print(f"{'call':<44} {'median s':>9} {'GB/s':>6} {'vs one tensor':>14} verified")
     rows = [
         (f"reshard_many_, {args.tensors} tensors", r["many"], r["many_verified"]),
+        (f"reshard_many_, {args.tensors} tensors, all staged", r["staged"], r["staged_verified"]),
         ("reshard_, one tensor", r["one"], r["one_verified"]),
     ]
     for name, seconds, ok in rows:

@@ -257,3 +257,61 @@ def test_crc32c_refuses_what_it_cannot_read_in_place():
         reshard._core.crc32c(t.to(torch.int32), [(0, 1)])
     with pytest.raises(reshard.ReshardError, match="not contiguous"):
         reshard._core.crc32c(t[::2], [(0, 1)])
+
+
+def in_place(rank, world, native):
+    # 2 training ranks (row shards) to 2 inference ranks (column shards): every region of the
+    # large tensors is one run of its destination shard and at least IN_PLACE_BYTES, so a
+    # message of several regions travels as one operation per region, each received straight
+    # into its tensor; a transposed destination takes the region through the staging buffer,
+    # and small tensors' regions travel together between them
+    rt._NATIVE = native
+    shapes = {
+        "big0": (1024, 512),
+        "small": (64, 8),
+        "big1": (1024, 512),
+        "odd": (48, 40),
+        "big2": (1024, 512),
+    }
+    rows, cols = 1024, 512
+    assert (rows // 2) * (cols // 2) * 4 >= bucket.IN_PLACE_BYTES
+    landed = []
+    view = bucket.Message.view
+
+    def counted(message, part, tensors):
+        got = view(message, part, tensors)
+        landed.append(got is not None)
+        return got
+
+    bucket.Message.view = counted
+    try:
+        for checksum in (False, True):
+            pairs, wants = {}, {}
+            for i, (name, shape) in enumerate(shapes.items()):
+                full = numbered(shape, torch.float32) + 1000 * i
+                s_layout = reshard.Layout(shape, "f32", 2, [0, 1], ["S(0)"])
+                d_layout = reshard.Layout(shape, "f32", 2, [2, 3], ["S(1)"])
+                s = rt.local_tensor(s_layout, rank, full)
+                d = None
+                if rank >= 2:
+                    local = d_layout.local_shape(rank)
+                    # big2's destination is a transposed view: not contiguous
+                    d = torch.zeros(local[::-1]).t() if name == "big2" else torch.zeros(local)
+                    wants[name] = rt.local_tensor(d_layout, rank, full)
+                pairs[name] = (None if s is None else s.clone(), d, s_layout, d_layout)
+            rt.reshard_many_(pairs, checksum=checksum)
+            for name, want in wants.items():
+                assert torch.equal(pairs[name][1], want), (name, checksum, native)
+    finally:
+        bucket.Message.view = view
+        rt._NATIVE = True
+    if rank >= 2:
+        # without checksums: big0 and big1 in place from each source, big2 staged
+        assert landed.count(True) == 4 and landed.count(False) == 2, landed
+    else:
+        assert landed == []
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_large_regions_are_received_in_place(native):
+    run_ranks(in_place, 4, native)

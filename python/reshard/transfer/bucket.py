@@ -23,6 +23,19 @@ from .checks import check_ranks, check_tensor, torch_dtype
 # viewed as any element type.
 _ALIGN = 16
 
+# A region of a message of several regions that is one run of its destination shard and at
+# least this large travels as an operation of its own, which the receiver posts straight into
+# its tensor: no staging copy on that side. Both ends cut a message alike, from the layouts.
+IN_PLACE_BYTES = 256 * 1024
+
+
+def _one_run(offset, extent, box) -> bool:
+    """Whether the region (global ``offset``, ``extent``) is one run of the row-major ``box``
+    (its global offset and extent): every dim after its first of more than one element whole."""
+    _, whole = box
+    first = next((d for d, n in enumerate(extent) if n > 1), len(extent))
+    return all(extent[d] == whole[d] for d in range(first + 1, len(extent)))
+
 
 @dataclass(frozen=True)
 class _Piece:
@@ -132,12 +145,40 @@ class Message:
         self.parts: List[Tuple[int, _Piece, torch.dtype]] = []
         self.nbytes = 0
         self.spans: List[Tuple[int, int]] = []
+        # how the message travels without checksums: (start, bytes, part) per operation, part
+        # the index of a region received in place, None for bytes that are staged
+        self.segments: List[Tuple[int, int, Optional[int]]] = []
 
     def add(self, slot: int, piece: _Piece, dtype: torch.dtype, at: int) -> None:
         """Adds a region at byte ``at`` of the message, where the runtime's program puts it."""
         self.parts.append((slot, piece, dtype))
         self.spans.append((at, piece.nbytes))
         self.nbytes = max(self.nbytes, at + piece.nbytes)
+
+    def cut(self, in_place: List[bool]) -> None:
+        """Cuts the message into its operations: each region of ``in_place`` on its own, the
+        regions between them together; one operation if no region is in place."""
+        segments: List[Tuple[int, int, Optional[int]]] = []
+        run: Optional[Tuple[int, int]] = None
+        for i, ((at, n), own) in enumerate(zip(self.spans, in_place)):
+            if not own:
+                run = (at, at + n) if run is None else (run[0], at + n)
+                continue
+            if run is not None:
+                segments.append((run[0], run[1] - run[0], None))
+                run = None
+            segments.append((at, n, i))
+        if run is not None:
+            segments.append((run[0], run[1] - run[0], None))
+        self.segments = segments if len(segments) > 1 else [(0, self.nbytes, None)]
+
+    def view(self, part: int, tensors: List[Optional[torch.Tensor]]) -> Optional[torch.Tensor]:
+        """Region ``part``'s bytes in its tensor, if they are contiguous there."""
+        slot, piece, _ = self.parts[part]
+        view = _given(tensors[slot])[piece.local]
+        if not view.is_contiguous():
+            return None
+        return view.reshape(-1).view(torch.uint8)
 
     def direct(self, tensors: List[Optional[torch.Tensor]]) -> Optional[torch.Tensor]:
         """The bytes of the one region this message holds, in place, if they are contiguous:
@@ -150,13 +191,20 @@ class Message:
             return None
         return view.reshape(-1).view(torch.uint8)
 
-    def regions(self, buffer: torch.Tensor, tensors: List[Optional[torch.Tensor]]):
-        """Each region's slot in the packed ``buffer`` and its place in its tensor."""
+    def regions(self, buffer: torch.Tensor, tensors: List[Optional[torch.Tensor]], only=None):
+        """Each region's slot in the packed ``buffer`` and its place in its tensor (of the
+        regions ``only`` names, if given)."""
         slots, places = [], []
-        for (at, nbytes), (slot, piece, dtype) in zip(self.spans, self.parts):
-            slots.append(buffer[at : at + nbytes].view(dtype).view(piece.shape))
-            places.append(_given(tensors[slot])[piece.local])
+        for i, ((at, nbytes), (slot, piece, dtype)) in enumerate(zip(self.spans, self.parts)):
+            if only is None or i in only:
+                slots.append(buffer[at : at + nbytes].view(dtype).view(piece.shape))
+                places.append(_given(tensors[slot])[piece.local])
         return slots, places
+
+    def staged_parts(self) -> List[int]:
+        """The regions no operation of their own receives in place."""
+        own = {part for _, _, part in self.segments if part is not None}
+        return [i for i in range(len(self.parts)) if i not in own]
 
     def checked_nbytes(self) -> int:
         """The size of the message with its checksums: the packed regions, then one
@@ -194,11 +242,13 @@ class Message:
                     f"arrived as {got:#010x}"
                 )
 
-    def program(self) -> Tuple[int, List[Tuple[int, List[int], List[int], int]]]:
-        """The message as :class:`reshard._core.Packing` takes it."""
+    def program(self, only=None) -> Tuple[int, List[Tuple[int, List[int], List[int], int]]]:
+        """The message as :class:`reshard._core.Packing` takes it (the regions ``only`` names,
+        if given)."""
         pieces = [
             (slot, [s.start for s in piece.local], list(piece.shape), at)
-            for (at, _), (slot, piece, _) in zip(self.spans, self.parts)
+            for i, ((at, _), (slot, piece, _)) in enumerate(zip(self.spans, self.parts))
+            if only is None or i in only
         ]
         return self.nbytes, pieces
 
@@ -235,11 +285,18 @@ class Bucket:
             made = []
             for peer, nbytes, pieces in out:
                 m = Message()
+                receiver = peer if sending else rank
+                in_place = []
                 for p in pieces:
                     j, at = p[0], p[4]
                     ends = (rank, peer) if sending else (peer, rank)
-                    m.add(2 * j + (0 if sending else 1), _piece(p, *ends), dtypes[j], at)
+                    piece = _piece(p, *ends)
+                    m.add(2 * j + (0 if sending else 1), piece, dtypes[j], at)
+                    box = layouts[j][1].local_region(receiver)
+                    big = piece.nbytes >= IN_PLACE_BYTES
+                    in_place.append(big and _one_run(piece.offset, piece.shape, box))
                 assert m.nbytes == nbytes
+                m.cut(in_place)
                 made.append((peer, m))
             return made
 
@@ -254,6 +311,13 @@ class Bucket:
                     tuple(slice(o, o + n) for o, n in zip(dst_at, extent)),
                 )
             )
+        # without checksums, the regions received in place are not unpacked
+        self.unpacking = Packing(
+            slots,
+            [],
+            [m.program(set(m.staged_parts())) for _, m in self.recvs],
+            [],
+        )
         self.packing = Packing(
             slots,
             [m.program() for _, m in self.sends],
@@ -268,15 +332,26 @@ class Bucket:
         self, tensors: List[Optional[torch.Tensor]], group, device, checksum: bool, native: bool = True
     ) -> None:
         """Pack, post every send and receive, copy locally, wait, unpack. With ``checksum``,
-        every message is packed with its sums, and checked before any unpacking. CPU tensors
-        are copied by the Rust program (unless ``native`` is off: the torch executor's
-        ``_NATIVE``), all messages in one call; others by one batched torch copy per message."""
+        every message is packed with its sums, travels whole, and is checked before any
+        unpacking; without, a message travels as its operations (:meth:`Message.cut`), and a
+        region cut out on its own lands in its tensor. CPU tensors are copied by the Rust
+        program (unless ``native`` is off: the torch executor's ``_NATIVE``), all messages in
+        one call; others by one batched torch copy per message."""
         native = native and device.type == "cpu"
-        ops = []
+        ops, peers = [], []
+
+        def post(op, buffer, peer) -> None:
+            ops.append(dist.P2POp(op, buffer, global_rank(group, peer), group))
+            peers.append(peer)
+
         staged = _buffers(self.sends, tensors, device, checksum, "send")
         for (peer, m), buffer in zip(self.sends, staged):
             buffer = _given(m.direct(tensors) if buffer is None else buffer)
-            ops.append(dist.P2POp(dist.isend, buffer, global_rank(group, peer), group))
+            if checksum or len(m.segments) == 1:
+                post(dist.isend, buffer, peer)
+            else:
+                for start, n, _ in m.segments:
+                    post(dist.isend, buffer[start : start + n], peer)
         if native:
             self.packing.pack(tensors, staged)
         else:
@@ -287,9 +362,18 @@ class Bucket:
             for (_, m), buffer in zip(self.sends, staged):
                 m.seal(_given(buffer))
         landing = _buffers(self.recvs, tensors, device, checksum, "recv")
-        for (peer, m), buffer in zip(self.recvs, landing):
+        # the regions cut out on their own that could not land in place: (message, region)
+        fallback: List[Tuple[int, int]] = []
+        for k, ((peer, m), buffer) in enumerate(zip(self.recvs, landing)):
             buffer = _given(m.direct(tensors) if buffer is None else buffer)
-            ops.append(dist.P2POp(dist.irecv, buffer, global_rank(group, peer), group))
+            if checksum or len(m.segments) == 1:
+                post(dist.irecv, buffer, peer)
+                continue
+            for start, n, part in m.segments:
+                view = None if part is None else m.view(part, tensors)
+                if view is None and part is not None:
+                    fallback.append((k, part))
+                post(dist.irecv, buffer[start : start + n] if view is None else view, peer)
         requests = dist.batch_isend_irecv(ops) if ops else []
 
         # local copies need no communication: they run while the messages travel
@@ -301,19 +385,23 @@ class Bucket:
                 [_given(tensors[s])[ss] for s, ss, _, _ in self.locals],
             )
 
-        peers = [peer for peer, _ in self.sends] + [peer for peer, _ in self.recvs]
         _control.wait(requests, peers, group, "a reshard's messages")
         if checksum:
             me = dist.get_rank(group)
             for (_, m), buffer in zip(self.recvs, landing):
                 m.check(_given(buffer), me)
         if native:
-            self.packing.unpack(landing, tensors)
+            (self.packing if checksum else self.unpacking).unpack(landing, tensors)
         else:
             for (_, m), buffer in zip(self.recvs, landing):
                 if buffer is not None:
-                    slots, places = m.regions(buffer, tensors)
+                    only = None if checksum else set(m.staged_parts())
+                    slots, places = m.regions(buffer, tensors, only)
                     _copies(places, slots)
+        for k, part in fallback:
+            (_, m), buffer = self.recvs[k], landing[k]
+            slots, places = m.regions(_given(buffer), tensors, {part})
+            _copies(places, slots)
 
 
 def _buffers(messages, tensors, device, checksum: bool, way: str) -> List[Optional[torch.Tensor]]:
