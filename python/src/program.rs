@@ -24,7 +24,7 @@ use crate::{error, plan_options};
 /// as any element type.
 pub(crate) const ALIGN: usize = 16;
 
-fn aligned(n: usize) -> usize {
+pub(crate) fn aligned(n: usize) -> usize {
     n.div_ceil(ALIGN) * ALIGN
 }
 
@@ -50,7 +50,12 @@ fn relative(region: &Region, shard: &Region) -> Vec<u64> {
 }
 
 /// Where a rank's shard of one side lies, as lowering takes it.
-fn slot<'a>(region: &'a Option<Region>, buf: Buf, layout: &Layout, rank: Rank) -> Option<Slot<'a>> {
+pub(crate) fn slot<'a>(
+    region: &'a Option<Region>,
+    buf: Buf,
+    layout: &Layout,
+    rank: Rank,
+) -> Option<Slot<'a>> {
     region.as_ref().map(|r| Slot {
         region: Cow::Borrowed(r),
         buf,

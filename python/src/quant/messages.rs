@@ -4,8 +4,6 @@
 //! (fp8, one byte each, row-major per transfer, one transfer after the other), then at the
 //! next multiple of 16 its scales.
 
-use std::borrow::Cow;
-
 use pyo3::prelude::*;
 
 use reshard_core::error::Error;
@@ -13,17 +11,12 @@ use reshard_core::plan::{QuantPlan, QuantRankPlan, RankPlan};
 use reshard_core::region::Region;
 use reshard_core::{Layout, Rank, Transfer};
 use reshard_runtime::exec::ExecOptions;
-use reshard_runtime::exec::lower::{PlanJob, QuantParts, Slot, lower_plan};
+use reshard_runtime::exec::lower::{PlanJob, QuantParts, lower_plan};
 use reshard_runtime::exec::program::{Buf, PhaseKind, Step};
 use reshard_transport::Lands;
 
 use crate::error;
-
-const ALIGN: usize = 16;
-
-fn aligned(n: usize) -> usize {
-    n.div_ceil(ALIGN) * ALIGN
-}
+use crate::program::{aligned, slot};
 
 /// One message: the value transfers it holds, then their scale transfers from `scales_at`.
 pub(super) struct Message {
@@ -85,19 +78,12 @@ pub(super) fn lowered(
     Option<Message>,
 )> {
     let (src_box, dst_box) = (src.local_region(rank), dst.local_region(rank));
-    let slot = |region: &Option<Region>, buf: Buf, bytes: u64| {
-        region.as_ref().map(|r| Slot {
-            region: Cow::Owned(r.clone()),
-            buf,
-            bytes: 0..bytes as usize,
-        })
-    };
     let job = PlanJob {
         plan,
         src_layout: src,
         dst_dtype: dst.dtype(),
-        src: slot(&src_box, Buf::Src(0), src.local_bytes(rank)),
-        dst: slot(&dst_box, Buf::Dst(0), dst.local_bytes(rank)),
+        src: slot(&src_box, Buf::Src(0), src, rank),
+        dst: slot(&dst_box, Buf::Dst(0), dst, rank),
         quant: Some(QuantParts {
             tensor: "tensor",
             plan: qp,
