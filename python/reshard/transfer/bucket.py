@@ -148,6 +148,8 @@ class Message:
         # how the message travels without checksums: (start, bytes, part) per operation, part
         # the index of a region received in place, None for bytes that are staged
         self.segments: List[Tuple[int, int, Optional[int]]] = []
+        # the regions no operation of their own receives in place (set by cut)
+        self.staged: frozenset = frozenset()
 
     def add(self, slot: int, piece: _Piece, dtype: torch.dtype, at: int) -> None:
         """Adds a region at byte ``at`` of the message, where the runtime's program puts it."""
@@ -171,6 +173,8 @@ class Message:
         if run is not None:
             segments.append((run[0], run[1] - run[0], None))
         self.segments = segments if len(segments) > 1 else [(0, self.nbytes, None)]
+        own = {part for _, _, part in self.segments if part is not None}
+        self.staged = frozenset(i for i in range(len(self.parts)) if i not in own)
 
     def view(self, part: int, tensors: List[Optional[torch.Tensor]]) -> Optional[torch.Tensor]:
         """Region ``part``'s bytes in its tensor, if they are contiguous there."""
@@ -183,13 +187,7 @@ class Message:
     def direct(self, tensors: List[Optional[torch.Tensor]]) -> Optional[torch.Tensor]:
         """The bytes of the one region this message holds, in place, if they are contiguous:
         such a message needs no staging copy."""
-        if len(self.parts) != 1:
-            return None
-        slot, piece, _ = self.parts[0]
-        view = _given(tensors[slot])[piece.local]
-        if not view.is_contiguous():
-            return None
-        return view.reshape(-1).view(torch.uint8)
+        return self.view(0, tensors) if len(self.parts) == 1 else None
 
     def regions(self, buffer: torch.Tensor, tensors: List[Optional[torch.Tensor]], only=None):
         """Each region's slot in the packed ``buffer`` and its place in its tensor (of the
@@ -200,11 +198,6 @@ class Message:
                 slots.append(buffer[at : at + nbytes].view(dtype).view(piece.shape))
                 places.append(_given(tensors[slot])[piece.local])
         return slots, places
-
-    def staged_parts(self) -> List[int]:
-        """The regions no operation of their own receives in place."""
-        own = {part for _, _, part in self.segments if part is not None}
-        return [i for i in range(len(self.parts)) if i not in own]
 
     def checked_nbytes(self) -> int:
         """The size of the message with its checksums: the packed regions, then one
@@ -315,7 +308,7 @@ class Bucket:
         self.unpacking = Packing(
             slots,
             [],
-            [m.program(set(m.staged_parts())) for _, m in self.recvs],
+            [m.program(m.staged) for _, m in self.recvs],
             [],
         )
         self.packing = Packing(
@@ -395,12 +388,16 @@ class Bucket:
         else:
             for (_, m), buffer in zip(self.recvs, landing):
                 if buffer is not None:
-                    only = None if checksum else set(m.staged_parts())
+                    only = None if checksum else m.staged
                     slots, places = m.regions(buffer, tensors, only)
                     _copies(places, slots)
-        for k, part in fallback:
-            (_, m), buffer = self.recvs[k], landing[k]
-            slots, places = m.regions(_given(buffer), tensors, {part})
+        if fallback:
+            slots, places = [], []
+            for k, part in fallback:
+                (_, m), buffer = self.recvs[k], landing[k]
+                s, p = m.regions(_given(buffer), tensors, {part})
+                slots += s
+                places += p
             _copies(places, slots)
 
 
