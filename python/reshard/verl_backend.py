@@ -66,6 +66,7 @@ from . import dtensor as _dt
 from ._core import AgreementError, ArgumentError, Layout, Replicate, ReshardError, Shard
 from . import _verl_specs as specs
 from .torch import reshard_many_, torch_dtype
+from .transfer.job_group import job_group
 
 BACKEND = "reshard"
 
@@ -187,7 +188,7 @@ class ReshardCheckpointEngine(CheckpointEngine):
             store = dist.TCPStore(master["addr"], int(master["port"]), is_master=False, timeout=self.timeout)
         name = "reshard-verl-{}-{}-{}-{}".format(*key[:2], *key[3:])
         world_rank = dist.get_rank() if dist.is_initialized() else None  # in the trainer's own world
-        self.group = _job_group(store, rank, world_size, master["backend"], name, self.timeout)
+        self.group = job_group(store, rank, world_size, master["backend"], name, self.timeout)
         self.rank, self.world_size, self.actor_world_size = rank, world_size, actor_world_size
         self._key = key
         self._job = None
@@ -525,36 +526,3 @@ def _transfer_device(backend: str) -> torch.device:
     if "nccl" in backend and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def _job_group(store, rank: int, world: int, backend: str, name: str, timeout: datetime.timedelta):
-    """The job's process group, beside this process's own default group (a trainer's world,
-    a rollout worker's): registered with torch.distributed so that its collectives and
-    point-to-point calls take it, this process's default-group rank standing for its rank in
-    the job (the other ranks get stand-in numbers above the default world's, which only this
-    process's bookkeeping sees). A process without a default group makes the job's its default."""
-    from torch.distributed import distributed_c10d as c10d
-
-    if not dist.is_initialized():
-        dist.init_process_group(
-            backend, store=dist.PrefixStore(f"{name}/", store), rank=rank, world_size=world, timeout=timeout
-        )
-        return dist.group.WORLD
-    me, base = dist.get_rank(), dist.get_world_size()
-    stand_in = [base + i for i in range(world)]
-    stand_in[rank] = me
-    options = {}
-    if "nccl" in backend and dist.is_nccl_available():
-        nccl = dist.ProcessGroupNCCL.Options()
-        nccl.is_high_priority_stream = False
-        if hasattr(nccl, "lazy_init"):  # made on its own, never split from the default group's
-            nccl.lazy_init = True
-        options = {"backend_options": nccl}
-    make = c10d._new_process_group_helper
-    try:
-        pg, _ = make(world, rank, stand_in, backend, store, name, timeout=timeout, **options)
-    except TypeError:  # torch before backend_options
-        options = {"pg_options": options["backend_options"]} if options else {}
-        pg, _ = make(world, rank, stand_in, backend, store, name, timeout=timeout, **options)
-    c10d._world.pg_group_ranks[pg] = {g: i for i, g in enumerate(stand_in)}
-    return pg

@@ -108,6 +108,7 @@ def refit_engine_(
     engine_kind: str = "vllm",
     vocab_pad: int = 64,
     scale_name: str = "weight_scale_inv",
+    recorded: Optional[bool] = None,
     **options,
 ):
     """:func:`reshard.torch.reshard_many_` of ``refit`` into an engine's own parameters,
@@ -120,6 +121,10 @@ def refit_engine_(
     checkpoint tensor lands is then recorded from the model's own ``load_weights``, run once
     on probe data (:mod:`reshard.engine.loader_map`), and the parameters end exactly as that loader
     leaves them, padding included. Any architecture its loader loads refits this way.
+
+    ``recorded=True`` takes the recorded loader's path on a rank whose ``engine`` is None
+    too (a trainer rank of a job whose engine ranks pass their model): every rank of the group
+    must take the same path, and only the ranks with an engine can tell which it is.
 
     Without a model, ``engine`` is a ``dict`` of the parameters that :func:`engine_params`
     lists (the vLLM and SGLang names of the model families it knows, fp8 scales included).
@@ -135,7 +140,9 @@ def refit_engine_(
     rank, _ = group_rank(group)
     if rank < 0:
         return None
-    if isinstance(engine, torch.nn.Module) or loader is not None:
+    if recorded is None:
+        recorded = isinstance(engine, torch.nn.Module) or loader is not None
+    if recorded:
         return _refit_recorded(refit, src, engine, loader, group, rank, options)
     names = set(refit.names)
     moves = table.vocab_moves(refit, vocab_pad)
