@@ -419,10 +419,10 @@ def _local_sources(source, refit: Refit, trainers: int) -> Dict[str, torch.Tenso
     out = {}
     names = set(refit.names)
     for name, p in module.named_parameters():
-        if name not in names:
-            continue  # the refit's names are the checkpoint's; a tied lm_head is left out
-        want = refit.layouts(name)[0]
-        if _dt.is_dtensor(p):
+        # a fused buffer (transformers' experts' gate_up_proj) stands for its members, which
+        # the refit checks; a name the refit does not know is refused there, naming it
+        want = refit.layouts(name)[0] if name in names else None
+        if _dt.is_dtensor(p) and want is not None:
             have = _dt.layout_of(p)
             boxes = [(have.local_region(r), want.local_region(r)) for r in range(trainers)]
             if any(str(a) != str(b) for a, b in boxes):
@@ -430,6 +430,8 @@ def _local_sources(source, refit: Refit, trainers: int) -> Dict[str, torch.Tenso
                     f"source: {name} is laid out as {have.spec} over the trainer's ranks, but the "
                     f"refit's train parallelism lays it out as {want.spec}"
                 )
+            out[name] = p.detach().to_local()
+        elif _dt.is_dtensor(p):
             out[name] = p.detach().to_local()
         else:
             out[name] = p.detach()

@@ -33,7 +33,9 @@ import torch
 from ._core import ArgumentError
 
 # Module attributes that are the module's structure, never a post-load result.
-_STRUCTURE = {"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set", "training"}
+_STRUCTURE = {"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set", "training", "_reshard_method_state"}
+# What a quantization method keeps between post-load steps (set aside while one runs again).
+_METHOD_STATE = ("moe_kernel",)
 
 
 def _reload_api():
@@ -97,6 +99,7 @@ class ServedModel:
                 "(process_weights_after_loading) that a refit cannot follow"
             )
         self._layers: List[Tuple[str, torch.nn.Module, torch.nn.Module]] = []
+        self._made: Dict[int, torch.nn.Module] = {}  # a layer reached twice is mirrored once
         self.mirror = self._mirror(model, "")
         # the layers' post-load results, kept alive while the live layers use them
         self._kept: Dict[str, torch.nn.Module] = {}
@@ -104,7 +107,10 @@ class ServedModel:
 
     def _mirror(self, live: torch.nn.Module, prefix: str) -> torch.nn.Module:
         info_of, skip, materialize, restore_refs, *_ = self._api
+        if id(live) in self._made:
+            return self._made[id(live)]
         out = _bare_copy(live)
+        self._made[id(live)] = out
         for name, child in live._modules.items():
             out._modules[name] = None if child is None else self._mirror(child, f"{prefix}{name}.")
         info = info_of.get(live)
@@ -145,9 +151,21 @@ class ServedModel:
         for name, tensor in mirror._buffers.items():
             proc._buffers[name] = tensor.detach().clone()
         method = getattr(proc, "quant_method", None)
+        kept = {}
         with torch.no_grad():
             if isinstance(method, quantize_base):
-                method.process_weights_after_loading(proc)
+                # the step runs as it ran when the server loaded the model: what the method
+                # keeps between calls (a fused-MoE kernel, which skips the CPU's prepacking on
+                # a second call) is set aside, and its new value is the layer's from now on
+                kept = {k: getattr(method, k) for k in _METHOD_STATE if getattr(method, k, None) is not None}
+                for key in kept:
+                    setattr(method, key, None)
+                try:
+                    method.process_weights_after_loading(proc)
+                finally:
+                    proc._reshard_method_state = {k: getattr(method, k, None) for k in kept}
+                    for key, value in kept.items():
+                        setattr(method, key, value)
                 if hasattr(proc, "update_param_tp_status"):
                     proc.update_param_tp_status()
             if deferred(proc):
@@ -197,6 +215,9 @@ class ServedModel:
                     old.data.copy_(new)
                 for key, value in sets:
                     setattr(live, key, value)
+                method = getattr(live, "quant_method", None)
+                for key, value in getattr(proc, "_reshard_method_state", {}).items():
+                    setattr(method, key, value)
                 self._kept[name] = proc
         return len(plans)
 
