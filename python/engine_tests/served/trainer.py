@@ -58,6 +58,65 @@ def generate(reference, state):
     return out
 
 
+class Stream:
+    """Requests one after another on a thread, each a short greedy completion: the longest gap
+    between two answers while a round runs is the pause the server's clients saw."""
+
+    def __init__(self, url: str, model_dir: str) -> None:
+        import threading
+
+        self.url, self.model_dir = url, model_dir
+        self.done: list = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+        self.thread.start()
+
+    def run(self) -> None:
+        import requests
+
+        while not self.stop.is_set():
+            try:
+                requests.post(
+                    f"{self.url}/v1/completions",
+                    json={"model": self.model_dir, "prompt": [9, 10, 11], "max_tokens": 2, "temperature": 0},
+                    timeout=120,
+                ).raise_for_status()
+            except Exception:  # noqa: BLE001 - a failed request is a gap too
+                continue
+            self.done.append(time.monotonic())
+
+    def longest_gap(self, start: float, end: float) -> float:
+        """The longest time without an answer between ``start`` and ``end``."""
+        times = [start] + [t for t in self.done if start < t < end] + [end]
+        later = [t for t in self.done if t >= end]
+        if later:
+            times[-1] = later[0]  # the gap that was open at the end runs to the next answer
+        return max(b - a for a, b in zip(times, times[1:]))
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(30)
+
+
+def die_at(stage: str) -> None:
+    """The trainer killed (SIGKILL) when its side of ``stage`` begins: ``prepare`` (the
+    workers are in their prepare, waiting for its bytes) or ``decision`` (they wait for the
+    job's decision, whose coordinator is this job's rank 0)."""
+    import signal
+
+    from reshard import engine
+
+    name = {"prepare": "prepare_engine_", "decision": "commit_engine_"}[stage]
+    real = getattr(engine, name)
+
+    def dying(*args, **kwargs):
+        if args and args[0] is not None:  # the trainer's own call
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(*args, **kwargs)
+
+    setattr(engine, name, dying)
+
+
 def full_state(model):
     """The whole tensors of the trainer's weights (a collective under FSDP2), for the oracle."""
     out = {}
@@ -103,7 +162,10 @@ def main() -> None:
     trainer = WeightTransferTrainerFactory.trainer_init(
         info, client=HTTPVLLMWeightSyncClient(url), source=ModuleSource(model)
     )
+    if options.get("die_at"):
+        die_at(options["die_at"])
     served = full_state(model)
+    stream = Stream(url, model_dir) if rank == 0 and options.get("stream") else None
     previous = generate(reference, served) if rank == 0 else None
     aborts = set(options.get("abort", []))
     for step in range(options.get("rounds", 5)):
@@ -115,7 +177,11 @@ def main() -> None:
         commit = step not in aborts
         started = time.monotonic()
         report = trainer.send_weights(commit=commit)
-        seconds = time.monotonic() - started
+        ended = time.monotonic()
+        seconds = ended - started
+        if stream is not None:
+            time.sleep(0.5)  # the answer that ends the last gap
+            report["longest_gap_s"] = stream.longest_gap(started, ended)
         state = full_state(model)
         if commit:
             served = state
@@ -134,6 +200,8 @@ def main() -> None:
                 line["got"], line["want"] = got, want
             print(json.dumps(line), flush=True)
             previous = want
+    if stream is not None:
+        stream.close()
     if world > 1:
         dist.barrier()
     trainer.shutdown()
