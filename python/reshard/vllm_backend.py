@@ -67,6 +67,8 @@ from ._core import ArgumentError, Refit, ReshardError
 BACKEND = "reshard"
 logger = logging.getLogger(__name__)
 PHASES = ("refit", "prepare", "commit", "abort")
+#: The refusal of an init while the last trainer's round is open (it was killed inside it).
+OPEN_ROUND = "reshard: a weight update of the last trainer is still open (end it with /finish_weight_update)"
 BACKENDS = ("gloo", "nccl")
 
 # The trainer's local shards of this process, for the worker of this process (colocated): set
@@ -226,6 +228,8 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         self.session = None
         self.job: Optional[_Job] = None
         self.reports: list = []
+        #: A round is open (started, not finished): a trainer killed inside one leaves it so.
+        self.open = False
 
     def parse_init_info(self, init_dict):
         try:
@@ -274,6 +278,8 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
                 f"data_parallel_size: {self.parallel_config.data_parallel_size}; a separate trainer "
                 "refits one engine (data_parallel_size 1) of tensor- and expert-parallel workers"
             )
+        if self.open:  # refused alike on every worker, so that the trainer can end it first
+            raise ArgumentError(OPEN_ROUND)
         from .vllm_served import served_model
 
         refit = Refit(
@@ -291,6 +297,7 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
     def start_weight_update(self) -> None:
         if self.refit is None:
             raise ArgumentError("reshard: init_weight_transfer_engine was not called")
+        self.open = True
 
     def receive_weights(self, update_info: ReshardUpdateInfo) -> None:
         if self.refit is None:
@@ -368,7 +375,7 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
             torch.cuda.synchronize(self.device)
 
     def finish_weight_update(self) -> None:
-        pass  # written in place: nothing to finalize
+        self.open = False  # written in place: nothing to finalize
 
     def shutdown(self) -> None:
         if self.job is not None:
@@ -489,6 +496,19 @@ class _Call:
             raise self.error
 
 
+def _init_ending_an_open_round(client, info: dict) -> None:
+    """``init_weight_transfer_engine``; where the last trainer was killed inside a round (the
+    workers refuse the init alike, saying so), the round is ended first."""
+    try:
+        client.init_weight_transfer_engine(info)
+    except Exception as e:  # noqa: BLE001 - only the open round is handled here
+        if OPEN_ROUND not in str(getattr(getattr(e, "response", None), "text", "")) + str(e):
+            raise
+        logger.warning("reshard: the last trainer's round is still open on the server: ending it")
+        client.finish_weight_update()
+        client.init_weight_transfer_engine(info)
+
+
 def _base_init(cls, **kw):
     """The keyword arguments ``TrainerWeightTransferEngine.__init__`` takes in this vLLM
     (0.32: client, source, is_sender; 0.33 adds rank)."""
@@ -567,12 +587,8 @@ class ReshardTrainer(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
                 worker["train_dtype"] = dtype
                 worker["backend"] = info.transport or ("nccl" if _on_cuda(self.source) else "gloo")
                 self._store = store
-                try:  # a round a killed trainer left open on the server is ended first
-                    self.client.finish_weight_update()
-                except Exception:  # noqa: BLE001 - none was open
-                    pass
                 # the worker checks the info and starts joining on a thread: it answers at once
-                self.client.init_weight_transfer_engine(worker)
+                _init_ending_an_open_round(self.client, worker)
             except BaseException as e:  # noqa: B036 - told to every trainer rank, then raised
                 problem = e
                 addr = secret = infer = dtype = worker = None
@@ -620,13 +636,15 @@ class ReshardTrainer(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
         def rpc(fn, *args):
             return _Call(fn, *args) if sender else None
 
-        if sender:
-            client.start_weight_update()
+        paused, opened = None, False
         try:
             if not self.info.staged:
                 if sender:
                     server.post("pause", mode="keep")
                 paused = time.monotonic()
+                if sender:
+                    client.start_weight_update()
+                    opened = True
                 call = rpc(client.update_weights, {"version": v})
                 from .torch import Delta
 
@@ -639,14 +657,24 @@ class ReshardTrainer(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
                     if call is not None:
                         call.result()
             else:
-                call = rpc(client.update_weights, {"version": v, "phase": "prepare"})
-                if call is not None:
-                    call.result()  # the workers' prepare started, beside what they serve
+                # the prepare: a round of its own, which the workers answer at once (their
+                # prepare runs on a thread while they serve), so that a trainer killed in its
+                # own prepare leaves no round open
+                if sender:
+                    client.start_weight_update()
+                    try:
+                        client.update_weights({"version": v, "phase": "prepare"})
+                    finally:
+                        client.finish_weight_update()
                 _engine.prepare_engine_(self.refit, src, None, self.session, v, self.group)
                 report["prepare_s"] = time.monotonic() - started
+                # the decision and the commit, the server paused
                 if sender:
                     server.post("pause", mode="keep")
                 paused = time.monotonic()
+                if sender:
+                    client.start_weight_update()
+                    opened = True
                 phase = "commit" if commit else "abort"
                 call = rpc(client.update_weights, {"version": v, "phase": phase})
                 try:
@@ -658,9 +686,10 @@ class ReshardTrainer(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
                     if call is not None:
                         call.result()
         finally:
-            if sender:
+            if sender and paused is not None:
                 try:
-                    client.finish_weight_update()
+                    if opened:
+                        client.finish_weight_update()
                     server.post("reset_prefix_cache")
                 finally:
                     server.post("resume")
