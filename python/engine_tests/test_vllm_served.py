@@ -56,7 +56,9 @@ class TestQwen3:
         _exact(live.trainer(qwen3, {"rounds": 5, "delta": True}), 5)
 
     def test_fsdp2_two_ranks_staged_while_serving(self, qwen3):
-        rounds = live.trainer(qwen3, {"rounds": 5, "staged": True, "delta": True, "abort": [2], "stream": True}, world=2)
+        rounds = live.trainer(
+            qwen3, {"rounds": 5, "staged": True, "delta": True, "abort": [2], "stream": True}, world=2
+        )
         _exact(rounds, 5)
         assert not rounds[2]["commit"] and not rounds[2]["changed"]  # the abort left the old weights
         for r in rounds:
@@ -73,7 +75,9 @@ class TestQwen3:
         it), answers within a bounded time, and a restarted trainer refits it."""
         before = judge.completions(qwen3.url, qwen3.model_dir)
         started = time.monotonic()
-        live.trainer(qwen3, {"rounds": 1, "staged": True, "die_at": stage, "timeout_s": 10}, expect_death=True)
+        live.trainer(
+            qwen3, {"rounds": 1, "staged": True, "die_at": stage, "timeout_s": 10}, expect_death=True
+        )
         assert judge.completions(qwen3.url, qwen3.model_dir) == before
         assert time.monotonic() - started < 120
         _exact(live.trainer(qwen3, {"rounds": 2, "staged": True}), 2)
@@ -82,7 +86,10 @@ class TestQwen3:
         for body, field in [
             ({"init_info": {"train": "tp=1", "bogus": 1}}, "init_info.bogus"),
             ({"init_info": {"train": "tp=1", "staged": "yes"}}, "staged"),
-            ({"init_info": {"train": "tp=1", "master_address": "127.0.0.1", "master_port": 0}}, "master_port"),
+            (
+                {"init_info": {"train": "tp=1", "master_address": "127.0.0.1", "master_port": 0}},
+                "master_port",
+            ),
             ({"init_info": {"train": ""}}, "train"),
         ]:
             answer = qwen3.post("init_weight_transfer_engine", body)

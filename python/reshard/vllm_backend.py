@@ -166,7 +166,9 @@ class _Job:
     on a thread, so that ``/init_weight_transfer_engine`` answers at once), the refit and the
     served model's mirror."""
 
-    def __init__(self, info: ReshardInitInfo, refit: Refit, rank: int, served, infer: str, dtype: str) -> None:
+    def __init__(
+        self, info: ReshardInitInfo, refit: Refit, rank: int, served, infer: str, dtype: str
+    ) -> None:
         self.info, self.refit, self.rank, self.served = info, refit, rank, served
         self.infer, self.dtype = infer, dtype
         self.group = None
@@ -184,8 +186,14 @@ class _Job:
             limit = datetime.timedelta(seconds=self.info.timeout_s)
             store = store_of(self.info.master_address, int(self.info.master_port), False, limit)
             world = self.refit.world
-            self.group = job_group(store, self.rank, world, self.info.backend, _group_name(self.info.secret), limit)
-            _introduce(self.group, world, {"side": "infer", "rank": self.rank, "infer": self.infer, "dtype": self.dtype})
+            self.group = job_group(
+                store, self.rank, world, self.info.backend, _group_name(self.info.secret), limit
+            )
+            _introduce(
+                self.group,
+                world,
+                {"side": "infer", "rank": self.rank, "infer": self.infer, "dtype": self.dtype},
+            )
         except BaseException as e:  # noqa: B036 - reported by the next call
             logger.warning("reshard: joining the trainer's job failed: %s", e)
             self.error = e
@@ -266,8 +274,12 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
             world = dist.get_world_size()
             infer = f"tp={tp}" if world == tp else f"dp={world // tp},tp={tp}"
             self.refit = Refit(
-                config, init_info.train, infer, colocated=True,
-                train_dtype=init_info.train_dtype or dtype, infer_dtype=dtype,
+                config,
+                init_info.train,
+                infer,
+                colocated=True,
+                train_dtype=init_info.train_dtype or dtype,
+                infer_dtype=dtype,
             )
             self.info = init_info
             if init_info.delta or init_info.staged:
@@ -283,8 +295,11 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         from .vllm_served import served_model
 
         refit = Refit(
-            config, init_info.train, f"tp={tp}",
-            train_dtype=init_info.train_dtype or dtype, infer_dtype=dtype,
+            config,
+            init_info.train,
+            f"tp={tp}",
+            train_dtype=init_info.train_dtype or dtype,
+            infer_dtype=dtype,
         )
         served = served_model(self.model, self.model_config.dtype)
         if self.job is not None:  # a new trainer: the old job is over
@@ -341,7 +356,12 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
                 self.refit, None, mirror, group, checksum=job.info.checksum, delta=delta, recorded=True
             )
             job.served.derive()
-            return {"phase": phase, "version": version, "seconds": time.monotonic() - started, "report": report}
+            return {
+                "phase": phase,
+                "version": version,
+                "seconds": time.monotonic() - started,
+                "report": report,
+            }
         if phase == "prepare":
             if job.prepare is not None and job.prepare.is_alive():
                 raise ArgumentError(f"phase: prepare of version {version} while another prepare runs")
@@ -551,7 +571,9 @@ class ReshardTrainer(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
         module = getattr(self.source, "_module", None)
         config = getattr(module, "config", None)
         if config is None or not hasattr(config, "to_json_string"):
-            raise ArgumentError("config: the trainer's module has no Hugging Face config; name its config.json")
+            raise ArgumentError(
+                "config: the trainer's module has no Hugging Face config; name its config.json"
+            )
         directory = tempfile.mkdtemp(prefix="reshard-trainer-")
         path = os.path.join(directory, "config.json")
         with open(path, "w") as f:
@@ -578,12 +600,18 @@ class ReshardTrainer(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
                 if infer is None:
                     tp, everything = self.server.world(False), self.server.world(True)
                     if tp is None:
-                        raise ArgumentError("infer: the engine's parallelism ('tp=2'), for a client without a URL")
+                        raise ArgumentError(
+                            "infer: the engine's parallelism ('tp=2'), for a client without a URL"
+                        )
                     if everything != tp:
-                        raise ArgumentError(f"infer: the server runs {everything // tp} data-parallel engines")
+                        raise ArgumentError(
+                            f"infer: the server runs {everything // tp} data-parallel engines"
+                        )
                     infer = f"tp={tp}"
                 dtype = info.train_dtype or _source_dtype(self.source)
-                worker = dict(info.worker_info(), master_address=addr, master_port=int(store.port), secret=secret)
+                worker = dict(
+                    info.worker_info(), master_address=addr, master_port=int(store.port), secret=secret
+                )
                 worker["train_dtype"] = dtype
                 worker["backend"] = info.transport or ("nccl" if _on_cuda(self.source) else "gloo")
                 self._store = store
@@ -592,8 +620,14 @@ class ReshardTrainer(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
             except BaseException as e:  # noqa: B036 - told to every trainer rank, then raised
                 problem = e
                 addr = secret = infer = dtype = worker = None
-            offer = [addr, None if worker is None else worker["master_port"], secret, infer, dtype,
-                     None if problem is None else f"{type(problem).__name__}: {problem}"]
+            offer = [
+                addr,
+                None if worker is None else worker["master_port"],
+                secret,
+                infer,
+                dtype,
+                None if problem is None else f"{type(problem).__name__}: {problem}",
+            ]
             offer.append(None if worker is None else worker["backend"])
         else:
             offer.append(None)
@@ -612,7 +646,9 @@ class ReshardTrainer(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
         self.group = job_group(store, self.rank, ranks.world, transport, _group_name(secret), limit)
         heard = _introduce(self.group, ranks.world, {"side": "train", "rank": self.rank})
         engine = heard[ranks.train_ranks]
-        self.refit = Refit(config, info.train, engine["infer"], train_dtype=dtype, infer_dtype=engine["dtype"])
+        self.refit = Refit(
+            config, info.train, engine["infer"], train_dtype=dtype, infer_dtype=engine["dtype"]
+        )
         if info.delta or info.staged:
             from .torch import DeltaSession
 
@@ -651,7 +687,13 @@ class ReshardTrainer(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
                 delta = None if self.session is None else Delta(self.session, version=v)
                 try:
                     _engine.refit_engine_(
-                        self.refit, src, None, self.group, checksum=self.info.checksum, delta=delta, recorded=True
+                        self.refit,
+                        src,
+                        None,
+                        self.group,
+                        checksum=self.info.checksum,
+                        delta=delta,
+                        recorded=True,
                     )
                 finally:
                     if call is not None:
@@ -804,7 +846,8 @@ def _refusal(body: Any, field_name: str, cls) -> Optional[str]:
         known = {f.name for f in dataclasses_fields(cls)}
         unknown = sorted(set(info) - known)
         if unknown:
-            return f"{field_name}.{unknown[0]}: not a field of {cls.__name__} (fields: {', '.join(sorted(known))})"
+            fields = ", ".join(sorted(known))
+            return f"{field_name}.{unknown[0]}: not a field of {cls.__name__} (fields: {fields})"
         try:
             cls(**info)
         except TypeError as e:

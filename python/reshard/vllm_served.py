@@ -33,7 +33,14 @@ import torch
 from ._core import ArgumentError
 
 # Module attributes that are the module's structure, never a post-load result.
-_STRUCTURE = {"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set", "training", "_reshard_method_state"}
+_STRUCTURE = {
+    "_parameters",
+    "_buffers",
+    "_modules",
+    "_non_persistent_buffers_set",
+    "training",
+    "_reshard_method_state",
+}
 # What a quantization method keeps between post-load steps (set aside while one runs again).
 _METHOD_STATE = ("moe_kernel",)
 
@@ -46,8 +53,13 @@ def _reload_api():
     from vllm.model_executor.model_loader.reload.meta import SKIP_TENSORS, materialize_meta_tensor
     from vllm.model_executor.model_loader.reload.sanitize import restore_layer_refs
 
-    return LAYERWISE_INFO, SKIP_TENSORS, materialize_meta_tensor, restore_layer_refs, QuantizeMethodBase, (
-        is_deferred_attention_layer
+    return (
+        LAYERWISE_INFO,
+        SKIP_TENSORS,
+        materialize_meta_tensor,
+        restore_layer_refs,
+        QuantizeMethodBase,
+        (is_deferred_attention_layer),
     )
 
 
@@ -124,7 +136,9 @@ class ServedModel:
             )
         with device:
             for name, meta in params.items():
-                out._parameters[name] = _seeded(restore_refs(materialize(meta), out), live._parameters.get(name))
+                out._parameters[name] = _seeded(
+                    restore_refs(materialize(meta), out), live._parameters.get(name)
+                )
             for name, meta in buffers.items():
                 out._buffers[name] = _seeded(restore_refs(materialize(meta), out), live._buffers.get(name))
         for name, tensor in live._parameters.items():

@@ -49,7 +49,9 @@ class Server:
             "--middleware", "reshard.vllm_backend.check_requests",
         ]  # fmt: skip
         self.out = open(log, "w")
-        self.proc = subprocess.Popen(args, env=env, stdout=self.out, stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(
+            args, env=env, stdout=self.out, stderr=subprocess.STDOUT, start_new_session=True
+        )
         deadline = time.monotonic() + start_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
