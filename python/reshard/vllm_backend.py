@@ -38,6 +38,7 @@ One round, from the trainer: ``start_weight_update``, ``update_weights({"version
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
 import inspect
@@ -428,7 +429,11 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         return {"phase": "broadcast", "version": update_info.version, "seconds": time.monotonic() - started}
 
     def update_weights(self, update_info: dict) -> None:
-        self.receive_weights(self.parse_update_info(update_info))
+        try:
+            self.receive_weights(self.parse_update_info(update_info))
+        except BaseException:
+            self.open = False  # the worker ends the round on a failed update, as vLLM's does
+            raise
         if torch.device(self.device).type == "cuda":  # the writes done before the worker returns
             torch.cuda.synchronize(self.device)
 
@@ -710,28 +715,16 @@ class ReshardTrainer(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
         if self.group is None:
             return self._send_colocated(commit)
         src = _local_sources(self.source, self.refit, self.refit.train_ranks)
-        sender, client, server, v = self.is_sender, self.client, self.server, self.version
+        v, times = self.version, {"started": time.monotonic()}
         report: Dict[str, Any] = {"version": v, "staged": self.info.staged}
-        started = time.monotonic()
+        if not self.info.staged:
+            from .torch import Delta
 
-        def rpc(fn, *args):
-            return _Call(fn, *args) if sender else None
-
-        paused, opened = None, False
-        try:
-            if not self.info.staged:
-                if sender:
-                    server.post("pause", mode="keep")
-                paused = time.monotonic()
-                if sender:
-                    client.start_weight_update()
-                    opened = True
-                call = rpc(client.update_weights, {"version": v})
-                from .torch import Delta
-
-                delta = None if self.session is None else Delta(self.session, version=v)
-                try:
-                    _engine.refit_engine_(
+            delta = None if self.session is None else Delta(self.session, version=v)
+            with self._paused(times):
+                self._with_workers(
+                    {"version": v},
+                    lambda: _engine.refit_engine_(
                         self.refit,
                         src,
                         None,
@@ -739,51 +732,27 @@ class ReshardTrainer(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
                         checksum=self.info.checksum,
                         delta=delta,
                         recorded=True,
-                    )
-                finally:
-                    if call is not None:
-                        call.result()
-            else:
-                # the prepare: a round of its own, which the workers answer at once (their
-                # prepare runs on a thread while they serve), so that a trainer killed in its
-                # own prepare leaves no round open
-                if sender:
-                    client.start_weight_update()
-                    try:
-                        client.update_weights({"version": v, "phase": "prepare"})
-                    finally:
-                        client.finish_weight_update()
-                _engine.prepare_engine_(self.refit, src, None, self.session, v, self.group)
-                report["prepare_s"] = time.monotonic() - started
-                # the decision and the commit, the server paused
-                if sender:
-                    server.post("pause", mode="keep")
-                paused = time.monotonic()
-                if sender:
-                    client.start_weight_update()
-                    opened = True
-                phase = "commit" if commit else "abort"
-                call = rpc(client.update_weights, {"version": v, "phase": phase})
+                    ),
+                )
+        else:
+            # the prepare: a round of its own, which the workers answer at once (their prepare
+            # runs on a thread while they serve), so that a trainer killed in its own prepare
+            # leaves no round open
+            if self.is_sender:
+                self.client.start_weight_update()
                 try:
-                    if commit:
-                        _engine.commit_engine_(self.session, v)
-                    else:
-                        _engine.abort_engine_(self.session, v)
+                    self.client.update_weights({"version": v, "phase": "prepare"})
                 finally:
-                    if call is not None:
-                        call.result()
-        finally:
-            if sender and paused is not None:
-                try:
-                    if opened:
-                        client.finish_weight_update()
-                    server.post("reset_prefix_cache")
-                finally:
-                    server.post("resume")
-        report["pause_s"] = time.monotonic() - paused
-        report["seconds"] = time.monotonic() - started
-        self.reports.append(report)
-        return report
+                    self.client.finish_weight_update()
+            _engine.prepare_engine_(self.refit, src, None, self.session, v, self.group)
+            report["prepare_s"] = time.monotonic() - times["started"]
+            # the job's decision and the commit, the server paused
+            decide = _engine.commit_engine_ if commit else _engine.abort_engine_
+            with self._paused(times):
+                self._with_workers(
+                    {"version": v, "phase": "commit" if commit else "abort"}, lambda: decide(self.session, v)
+                )
+        return self._report(report, times)
 
     def broadcast_weights(self, version: Optional[int] = None) -> Dict[str, Any]:
         """The gather+broadcast refit over the same group, for comparison (what vLLM's nccl
@@ -794,49 +763,64 @@ class ReshardTrainer(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
 
         if self.group is None:
             raise ArgumentError("broadcast_weights: needs a separate trainer job")
-        self.version = self.version + 1 if version is None else version
         module = getattr(self.source, "_module", None)
         if module is None:
             raise ArgumentError("source: broadcast_weights reads a ModuleSource's module")
+        self.version = self.version + 1 if version is None else version
         params = dict(module.named_parameters())
-        sender, started = self.is_sender, time.monotonic()
-        if sender:
-            self.server.post("pause", mode="keep")
-        paused = time.monotonic()
+        times = {"started": time.monotonic()}
+
+        def broadcast() -> None:
+            root = dist.get_global_rank(self.group, 0)
+            for name in self.refit.names:
+                p = params[name]
+                full = p.full_tensor() if hasattr(p, "full_tensor") else p
+                full = full.detach().to(_torch_dtype(self.refit.layouts(name)[0].dtype)).contiguous()
+                dist.broadcast(full, src=root, group=self.group)
+
+        with self._paused(times):
+            self._with_workers({"version": self.version, "phase": "broadcast"}, broadcast)
+        if self.session is not None:
+            self.session.restore(None)  # the workers' mirrors no longer hold what they serve
+        return self._report({"version": self.version, "broadcast": True}, times)
+
+    @contextlib.contextmanager
+    def _paused(self, times: Dict[str, float]):
+        """The server paused (``/pause?mode=keep``) and a round open on it, by trainer rank 0;
+        then the round finished, the prefix cache reset and the server resumed, whatever
+        happened. Every rank notes when the pause began (``times["paused"]``)."""
+        opened = False
         try:
-            if sender:
+            if self.is_sender:
+                self.server.post("pause", mode="keep")
+            times["paused"] = time.monotonic()
+            if self.is_sender:
                 self.client.start_weight_update()
-            call = (
-                _Call(self.client.update_weights, {"version": self.version, "phase": "broadcast"})
-                if sender
-                else None
-            )
-            try:
-                root = dist.get_global_rank(self.group, 0)
-                for name in self.refit.names:
-                    p = params[name]
-                    full = p.full_tensor() if hasattr(p, "full_tensor") else p
-                    full = full.detach().to(_torch_dtype(self.refit.layouts(name)[0].dtype)).contiguous()
-                    dist.broadcast(full, src=root, group=self.group)
-            finally:
-                if call is not None:
-                    call.result()
+                opened = True
+            yield
         finally:
-            if sender:
+            if self.is_sender and "paused" in times:
                 try:
-                    self.client.finish_weight_update()
+                    if opened:
+                        self.client.finish_weight_update()
                     self.server.post("reset_prefix_cache")
                 finally:
                     self.server.post("resume")
-        if self.session is not None:
-            self.session.restore(None)
+
+    def _with_workers(self, update: Dict[str, Any], body) -> None:
+        """``body``, this rank's side of a collective of the whole job, while trainer rank 0
+        asks the workers to run theirs (``/update_weights``, answered once they are done)."""
+        call = _Call(self.client.update_weights, update) if self.is_sender else None
+        try:
+            body()
+        finally:
+            if call is not None:
+                call.result()
+
+    def _report(self, report: Dict[str, Any], times: Dict[str, float]) -> Dict[str, Any]:
         now = time.monotonic()
-        report = {
-            "version": self.version,
-            "broadcast": True,
-            "pause_s": now - paused,
-            "seconds": now - started,
-        }
+        report["pause_s"] = now - times["paused"]
+        report["seconds"] = now - times["started"]
         self.reports.append(report)
         return report
 
