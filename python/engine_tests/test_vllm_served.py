@@ -191,3 +191,24 @@ def test_the_mirror_follows_vllms_own_reload(tmp_path):
             ServedModel(model, torch.float32)
     finally:
         del method.process_weights_after_loading
+
+
+@pytest.fixture(scope="class")
+def qwen3_bf16(tmp_path_factory):
+    root = tmp_path_factory.mktemp("qwen3_bf16")
+    srv = live.Server(
+        tiny.model(root / "model", "qwen3", dtype="bfloat16"), root / "server.log", tp=2, dtype="bfloat16"
+    )
+    yield srv
+    srv.stop()
+
+
+class TestQwen3Bf16:
+    """A bf16 server at TP 2, f32 trainer: after every reshard round, the server answers as it
+    does after vLLM's own reload of the same weights (sent whole, loaded by vLLM)."""
+
+    def test_staged_delta_against_vllms_reload(self, qwen3_bf16):
+        rounds = live.trainer(
+            qwen3_bf16, {"rounds": 5, "staged": True, "delta": True, "judge": "reload"}, world=2
+        )
+        _exact(rounds, 5)

@@ -165,10 +165,12 @@ def main() -> None:
     )
     if options.get("die_at"):
         die_at(options["die_at"])
-    judged = options.get("judge", True)
+    judged = options.get("judge", True) is True
     served = full_state(model) if judged else None
     stream = Stream(url, model_dir) if rank == 0 and options.get("stream") else None
     previous = generate(reference, served) if rank == 0 and judged else None
+    if options.get("judge") == "reload" and rank == 0:
+        previous = completions(url, model_dir)
     aborts = set(options.get("abort", []))
     for step in range(options.get("rounds", 5)):
         for _ in range(steps):
@@ -192,7 +194,21 @@ def main() -> None:
             state = full_state(model)
             if commit:
                 served = state
-        if rank == 0 and not judged:
+        if options.get("judge") == "reload":
+            # vLLM's own reload of the same weights is the oracle (a bf16 server, whose
+            # arithmetic is not transformers'): the answers after reshard's round, then after
+            # the same weights whole through vLLM's reload, must be the same tokens
+            got = completions(url, model_dir) if rank == 0 else None
+            trainer.broadcast_weights()
+            if rank == 0:
+                want = completions(url, model_dir)
+                line = {"round": step, "commit": commit, "equal": got == want, "seconds": seconds}
+                line["changed"], line["report"] = want != previous, report
+                if got != want:
+                    line["got"], line["want"] = got, want
+                print(json.dumps(line), flush=True)
+                previous = want
+        elif rank == 0 and not judged:
             line = {"round": step, "commit": commit, "seconds": seconds, "report": report}
             print(json.dumps(line), flush=True)
         elif rank == 0:
