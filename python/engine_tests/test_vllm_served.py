@@ -122,6 +122,16 @@ class TestQwen3Moe:
     def test_fsdp2_two_ranks_dense(self, qwen3_moe):
         _exact(live.trainer(qwen3_moe, {"rounds": 2}, world=2), 2)
 
+    def test_trainer_killed_at_the_decision(self, qwen3_moe):
+        """Both workers serve the version before (none learned a commit), and a restarted
+        trainer refits them."""
+        before = judge.completions(qwen3_moe.url, qwen3_moe.model_dir)
+        live.trainer(
+            qwen3_moe, {"rounds": 1, "staged": True, "die_at": "decision", "timeout_s": 10}, expect_death=True
+        )
+        assert judge.completions(qwen3_moe.url, qwen3_moe.model_dir) == before
+        _exact(live.trainer(qwen3_moe, {"rounds": 2, "staged": True}), 2)
+
 
 @pytest.fixture(scope="class")
 def llama(tmp_path_factory):

@@ -391,9 +391,40 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         if job.prepared is not None:
             error, job.prepared = job.prepared, None
             raise error
-        report = _engine.commit_engine_(job.session, version)
-        job.served.derive()
+        report = self._commit_alike(job, version)
         return {"phase": phase, "version": version, "seconds": time.monotonic() - started, "report": report}
+
+    def _commit_alike(self, job: "_Job", version: int):
+        """The job's decision, then every worker of this server serving the same version: a
+        worker in doubt (the decision's coordinator, trainer rank 0, was lost before it told
+        this worker) learns from the others, over the workers' own group, whether any of them
+        committed, and does as they did; none did: it keeps the old weights."""
+        import torch.distributed as dist
+
+        from ._core import InDoubtError
+
+        report, doubt, failure = None, False, None
+        try:
+            report = _engine.commit_engine_(job.session, version)
+        except InDoubtError as e:
+            doubt, failure = True, e
+        except BaseException as e:  # noqa: B036 - raised once the workers agree
+            failure = e
+        committed = failure is None
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            flag = torch.tensor([1 if committed else 0], dtype=torch.int64)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # the workers' own group, every worker
+            if doubt and int(flag.item()) == 1:
+                _engine.resolve_engine_(job.session, True)
+                committed, failure = True, None
+                logger.warning("reshard: in doubt about version %s: another worker committed it", version)
+        if doubt and not committed:
+            _engine.resolve_engine_(job.session, False)
+        if committed:
+            job.served.derive()
+        if failure is not None:
+            raise failure
+        return report
 
     def _broadcast(self, update_info: ReshardUpdateInfo):
         """The gather+broadcast refit, for comparison (what vLLM's nccl backend does): every
@@ -566,17 +597,38 @@ def _why(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}" + (f": {said}" if said else "")
 
 
-def _init_ending_an_open_round(client, info: dict) -> None:
-    """``init_weight_transfer_engine``; where the last trainer was killed inside a round (the
-    workers refuse the init alike, saying so), the round is ended first."""
-    try:
-        client.init_weight_transfer_engine(info)
-    except Exception as e:  # noqa: BLE001 - only the open round is handled here
-        if OPEN_ROUND not in str(getattr(getattr(e, "response", None), "text", "")) + str(e):
-            raise
-        logger.warning("reshard: the last trainer's round is still open on the server: ending it")
-        client.finish_weight_update()
-        client.init_weight_transfer_engine(info)
+#: Tries of ``/init_weight_transfer_engine`` after a trainer was killed mid-round (see
+#: :func:`_init_after_a_lost_trainer`).
+INIT_TRIES = 3
+
+
+def _init_after_a_lost_trainer(client, info: dict) -> str:
+    """``init_weight_transfer_engine`` with ``info``; returns the job's secret.
+
+    A trainer killed inside a round leaves it open on the server (the workers refuse the next
+    init alike, saying so: the round is finished, then the init tried again), or leaves a
+    failed call behind: vLLM's multiprocessing executor raises at the first worker whose call
+    failed and leaves the others' answers to be read as the next call's, so the next call of
+    a server with several workers may fail with the last one's error. A failed init is tried
+    again (up to :data:`INIT_TRIES` times), each time as a new job with a secret of its own,
+    so that a worker that joined a failed try waits on a group no one else joins."""
+    for attempt in range(INIT_TRIES):
+        info = dict(info, secret=secrets.token_hex(16))
+        try:
+            client.init_weight_transfer_engine(info)
+            return info["secret"]
+        except Exception as e:  # noqa: BLE001 - raised after the last try
+            if attempt == INIT_TRIES - 1:
+                raise
+            if OPEN_ROUND in str(getattr(getattr(e, "response", None), "text", "")) + str(e):
+                logger.warning("reshard: the last trainer's round is still open on the server: ending it")
+                try:
+                    client.finish_weight_update()
+                except Exception:  # noqa: BLE001 - the executor's leftover answer, read here
+                    pass
+            else:
+                logger.warning("reshard: the server refused the init (%s): trying again", e)
+    raise AssertionError("unreachable")
 
 
 def _base_init(cls, **kw):
@@ -645,7 +697,6 @@ class ReshardTrainer(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
             try:
                 addr = info.master_address or os.environ.get("MASTER_ADDR") or "127.0.0.1"
                 store = store_of(addr, 0, True, limit)
-                secret = secrets.token_hex(16)
                 infer = info.infer
                 if infer is None:
                     tp, everything = self.server.world(False), self.server.world(True)
@@ -659,14 +710,12 @@ class ReshardTrainer(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
                         )
                     infer = f"tp={tp}"
                 dtype = info.train_dtype or _source_dtype(self.source)
-                worker = dict(
-                    info.worker_info(), master_address=addr, master_port=int(store.port), secret=secret
-                )
+                worker = dict(info.worker_info(), master_address=addr, master_port=int(store.port))
                 worker["train_dtype"] = dtype
                 worker["backend"] = info.transport or ("nccl" if _on_cuda(self.source) else "gloo")
                 self._store = store
                 # the worker checks the info and starts joining on a thread: it answers at once
-                _init_ending_an_open_round(self.client, worker)
+                secret = _init_after_a_lost_trainer(self.client, worker)
             except BaseException as e:  # noqa: B036 - told to every trainer rank, then raised
                 problem = e
                 addr = secret = infer = dtype = worker = None

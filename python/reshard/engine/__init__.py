@@ -51,6 +51,7 @@ __all__ = [
     "prepare_engine_",
     "commit_engine_",
     "abort_engine_",
+    "resolve_engine_",
 ]
 
 # A delta refit's scratch shards of the vocab tables, by session: (the version they hold,
@@ -281,11 +282,30 @@ def commit_engine_(session, version: Optional[int] = None):
     """Commits what :func:`prepare_engine_` staged (a decision of the whole job, see
     :meth:`reshard.torch.DeltaSession.commit`), then writes the pieces that a rank holds
     twice and zeroes the padding, as the engine's loader leaves them."""
+    from .._core import InDoubtError
+
     recorded = _STAGED.pop(session, None)
-    report = session.commit(version)
+    try:
+        report = session.commit(version)
+    except InDoubtError:
+        if recorded is not None:
+            _STAGED[session] = recorded  # for resolve_engine_
+        raise
     if recorded is not None:
         recorded.finish()
     return report
+
+
+def resolve_engine_(session, commit: bool):
+    """Ends a commit this rank is in doubt about (:class:`reshard.InDoubtError` from
+    :func:`commit_engine_`) as the job decided it, :meth:`reshard.torch.DeltaSession.resolve`:
+    on commit the staged version is applied as :func:`commit_engine_` applies it. Returns the
+    version the parameters then hold."""
+    recorded = _STAGED.pop(session, None)
+    held = session.resolve(commit)
+    if commit and recorded is not None:
+        recorded.finish()
+    return held
 
 
 def abort_engine_(session, version: Optional[int] = None):
