@@ -165,7 +165,7 @@ def test_the_mirror_follows_vllms_own_reload(tmp_path):
     from vllm import LLM, SamplingParams
 
     from reshard import ArgumentError
-    from reshard.vllm_served import ServedModel
+    from reshard.weight_transfer.served_model import ServedModel
 
     model_dir = tiny.model(tmp_path / "model", "qwen3")
     llm = LLM(model=str(model_dir), dtype="float32", enforce_eager=True, max_model_len=128, seed=0)

@@ -30,7 +30,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from ._core import ArgumentError
+from .._core import ArgumentError
 
 # Module attributes that are the module's structure, never a post-load result.
 _STRUCTURE = {
