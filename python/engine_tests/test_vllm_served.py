@@ -80,7 +80,8 @@ class TestQwen3:
             qwen3, {"rounds": 1, "staged": True, "die_at": stage, "timeout_s": 10}, expect_death=True
         )
         assert judge.completions(qwen3.url, qwen3.model_dir) == before
-        assert time.monotonic() - started < 120
+        # the trainer's start, its timeout (10 s) and the pause lease (20 s), on a loaded machine
+        assert time.monotonic() - started < 300
         _exact(live.trainer(qwen3, {"rounds": 2, "staged": True}), 2)
 
     def test_bad_info_is_refused_with_400_naming_the_field(self, qwen3):
