@@ -118,7 +118,8 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         except ValueError as e:
             raise ArgumentError(str(e)) from e
 
-    def _infer(self) -> str:
+    def _infer(self) -> int:
+        """The engine's tensor parallelism; pipeline parallelism is refused."""
         tp = self.parallel_config.tensor_parallel_size
         if self.parallel_config.pipeline_parallel_size != 1:
             raise ArgumentError(
