@@ -399,7 +399,7 @@ def reshard_many_(
             dst = _dt.unwrap_refit(pairs, dst, rank, "dst", group)
         else:  # DTensors: their local tensors, and their layouts where a pair gives None
             pairs = given = _dt.unwrap_pairs(pairs, group, rank)
-        pairs, names, entries, moves, method = _args.read(
+        pairs, names, entries, moves, method = _inflight.read(
             pairs, rank, bucket_bytes, src, dst, quant.method, quant.scales, scale_dtype, quant.src_scales
         )
     except ReshardError as e:

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from .. import dtensor as _dt
 from .._core import AgreementError, ArgumentError, Refit, ReshardError, VersionError
-from ..transfer import arguments as _args
+from ..quant import inflight as _inflight
 from ..transfer.bucket import check_entry, plan_of
 from ..transfer.checks import agree, check_tensor, collective, group_rank, job_fingerprint
 from . import codec as _codec
@@ -162,19 +162,19 @@ def _read(session, given, src, dst, previous, rank: int, world: int) -> _Job:
             for tensors, side in ((src, "src"), (dst, "dst"), (previous, "src"))
         )
     bucket = 1 << 30  # read's check of the plain path's option; a delta refit has no buckets
-    pairs, names, entries, moves, _ = _args.read(given, rank, bucket, src, dst, None, None, None, None)
+    pairs, names, entries, moves, _ = _inflight.read(given, rank, bucket, src, dst, None, None, None, None)
     if entries or moves:
         raise ArgumentError(f"delta: {sorted({**entries, **moves})[0]}: fp8 tensors are not refit by delta")
     prev_pairs = None
     if previous is not None:
         if isinstance(given, Refit):
-            prev_pairs = _args.read(given, rank, bucket, previous, dst, None, None, None, None)[0]
+            prev_pairs = _inflight.read(given, rank, bucket, previous, dst, None, None, None, None)[0]
         else:
             extra = sorted(set(previous) - set(given))
             if extra:
                 raise ArgumentError(f"previous: {extra[0]!r} is not one of the tensors")
             raw = {n: (previous.get(n), item[1], item[2], item[3]) for n, item in given.items()}
-            prev_pairs = _args.read(raw, rank, bucket, None, None, None, None, None, None)[0]
+            prev_pairs = _inflight.read(raw, rank, bucket, None, None, None, None, None, None)[0]
     plans = []
     for name in names:
         _, _, src_layout, dst_layout = pairs[name]

@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import math
 import struct
-from typing import List, Optional, Tuple
+from typing import List, Mapping, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -30,6 +30,7 @@ from .._core import (
     crc32c,
     quant_scale_shape,
 )
+from ..transfer import arguments as _arguments
 from ..transfer.bucket import global_rank
 from ..transfer.checks import (
     agree,
@@ -37,7 +38,6 @@ from ..transfer.checks import (
     check_tensor,
     control_device,
     job_fingerprint,
-    member_narrowed,
     refuse_together,
 )
 from . import ops as _ops
@@ -360,6 +360,18 @@ def _is_fp8(layout: Layout) -> bool:
     return layout.dtype in ("fp8e4m3", "fp8e5m2")
 
 
+def read(pairs, rank: int, bucket_bytes, src, dst, quant, scales, scale_dtype, src_scales):
+    """This rank's arguments of :func:`reshard.torch.reshard_many_`, checked
+    (:func:`reshard.transfer.arguments.read`) and sorted by how they move: ``(pairs, names,
+    entries, moves, quant)`` as :func:`route` gives them."""
+    if src_scales is not None and not isinstance(src_scales, Mapping):
+        raise ArgumentError(
+            f"src_scales: expected a mapping of names to tensors, got {type(src_scales).__name__}"
+        )
+    pairs, quant, scales = _arguments.read(pairs, rank, bucket_bytes, src, dst, quant, scales)
+    return (*route(pairs, sorted(pairs), quant, scales, scale_dtype, src_scales), quant)
+
+
 def route(pairs, names, quant, scales, scale_dtype, src_scales):
     """Sorts the tensors of :func:`reshard_many_` by how they move: ``(pairs, names)`` of the
     plain ones, the entries quantized in flight (name -> ``(src_local, dst_local,
@@ -392,22 +404,3 @@ def route(pairs, names, quant, scales, scale_dtype, src_scales):
     entries, moves = _prequantized.split(entries, dict(src_scales or {}))
     names = [n for n in names if n not in quantized]
     return {n: pairs[n] for n in names}, names, entries, moves
-
-
-def refit_scales(refit, dst, rank: int):
-    """Splits a rank's inference tensors into the weights (and other parameters) and the
-    scale shards of the fp8 weights, by weight name; a fused scale buffer stands for its
-    members' scales (each a view of its slice)."""
-    dst = dict(dst or {})
-    by_scale = {scale: weight for weight, (scale, _) in refit.scales.items()}
-    scales = {}
-    for buffer, members in refit.scale_fused(rank).items():
-        tensor = dst.pop(buffer, None)
-        if tensor is None:
-            continue
-        part = "{member}'s scales lie"
-        scales.update(member_narrowed("dst", buffer, tensor, rank, members, "fused scale buffer", part))
-    for name in list(dst):
-        if name in by_scale:
-            scales[by_scale[name]] = dst.pop(name)
-    return dst, scales

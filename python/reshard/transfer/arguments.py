@@ -20,17 +20,16 @@ from typing import Dict, Mapping, NoReturn, Tuple, Union
 import torch
 
 from .._core import ArgumentError, Layout, Refit, ReshardError
-from ..quant import inflight as _inflight
 from . import cast as _cast
 from .checks import agree, control_device, member_narrowed
 
 
-def read(pairs, rank: int, bucket_bytes, src, dst, quant, scales, scale_dtype, src_scales):
-    """Checks this rank's arguments and sorts its tensors by how they move: ``(pairs, names,
-    entries, moves, quant)`` as :func:`reshard.quant.inflight.route` gives them, with a Refit's
-    parameters and scale shards taken from ``src`` and ``dst``. Raises :class:`ArgumentError`
-    naming the argument that is wrong."""
-    for what, given in (("scales", scales), ("src_scales", src_scales), ("src", src), ("dst", dst)):
+def read(pairs, rank: int, bucket_bytes, src, dst, quant, scales):
+    """Checks this rank's arguments: ``(pairs, quant, scales)``, a Refit's parameters and
+    scale shards taken from ``src`` and ``dst``, float casts converted at their sources
+    (:func:`reshard.quant.inflight.read` then sorts them by how they move). Raises
+    :class:`ArgumentError` naming the argument that is wrong."""
+    for what, given in (("scales", scales), ("src", src), ("dst", dst)):
         if given is not None and not isinstance(given, Mapping):
             raise ArgumentError(f"{what}: expected a mapping of names to tensors, got {type(given).__name__}")
     if isinstance(pairs, Refit):
@@ -40,7 +39,7 @@ def read(pairs, rank: int, bucket_bytes, src, dst, quant, scales, scale_dtype, s
             if scales is not None:
                 raise ArgumentError("scales: with a reshard.Refit, the scale shards come in dst")
             quant = pairs.quant
-            dst, scales = _inflight.refit_scales(pairs, dst, rank)
+            dst, scales = _refit_scales(pairs, dst, rank)
         pairs = _refit_pairs(pairs, src, dst, rank)
     elif src is not None or dst is not None:
         raise ArgumentError("src, dst: given only with a reshard.Refit (pairs carry their tensors)")
@@ -63,7 +62,26 @@ def read(pairs, rank: int, bucket_bytes, src, dst, quant, scales, scale_dtype, s
                 raise ArgumentError(f"{label}{what}: expected a reshard.Layout, got {type(layout).__name__}")
     # float casts (f32 -> bf16): converted by their source ranks, then moved in one dtype
     pairs = _cast.cast_at_source(pairs, sorted(pairs))
-    return (*_inflight.route(pairs, sorted(pairs), quant, scales, scale_dtype, src_scales), quant)
+    return pairs, quant, scales
+
+
+def _refit_scales(refit, dst, rank: int):
+    """Splits a rank's inference tensors into the weights (and other parameters) and the
+    scale shards of the fp8 weights, by weight name; a fused scale buffer stands for its
+    members' scales (each a view of its slice)."""
+    dst = dict(dst or {})
+    by_scale = {scale: weight for weight, (scale, _) in refit.scales.items()}
+    scales = {}
+    for buffer, members in refit.scale_fused(rank).items():
+        tensor = dst.pop(buffer, None)
+        if tensor is None:
+            continue
+        part = "{member}'s scales lie"
+        scales.update(member_narrowed("dst", buffer, tensor, rank, members, "fused scale buffer", part))
+    for name in list(dst):
+        if name in by_scale:
+            scales[by_scale[name]] = dst.pop(name)
+    return dst, scales
 
 
 def refuse(problem: Union[str, ReshardError], pairs, group, rank: int) -> NoReturn:
