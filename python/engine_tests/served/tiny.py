@@ -4,36 +4,24 @@ BPE tokenizer trained here (no hub), so that ``vllm serve DIR`` starts offline."
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import torch
 
-BASE = {
-    "vocab_size": 1000,  # padded by vLLM to a multiple of 64 per rank: uneven rows
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 32,  # the CPU attention kernels take 32, 64, 80, ...: not 16
-    "max_position_embeddings": 256,
-    "rms_norm_eps": 1e-6,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import oracle  # noqa: E402 - the engine tests' configs
+
+# The engine tests' small models, as a server needs them: heads of 32 (the CPU attention
+# kernels take 32, 64, 80, ...: not 16), the tokenizer's special tokens, and the dtype the
+# server is started with instead of the config's.
+SERVED = {"head_dim": 32, "bos_token_id": 1, "eos_token_id": 2}
+CONFIGS = {
+    kind: dict(
+        {k: v for k, v in config.items() if k not in ("torch_dtype", "transformers_version")}, **SERVED
+    )
+    for kind, config in (("qwen3", oracle.QWEN3), ("llama", oracle.LLAMA), ("qwen3_moe", oracle.QWEN3_MOE))
 }
-QWEN3 = dict(BASE, architectures=["Qwen3ForCausalLM"], model_type="qwen3", tie_word_embeddings=False)
-LLAMA = dict(BASE, architectures=["LlamaForCausalLM"], model_type="llama", tie_word_embeddings=False)
-QWEN3_MOE = dict(
-    QWEN3,
-    architectures=["Qwen3MoeForCausalLM"],
-    model_type="qwen3_moe",
-    moe_intermediate_size=32,
-    num_experts=4,
-    num_experts_per_tok=2,
-    decoder_sparse_step=1,
-    mlp_only_layers=[],
-)
-CONFIGS = {"qwen3": QWEN3, "llama": LLAMA, "qwen3_moe": QWEN3_MOE}
 
 TEXT = (
     "the quick brown fox jumps over the lazy dog. a refit moves the weights of a model from "

@@ -141,10 +141,3 @@ class ReshardTrainerInitInfo(TrainerInitInfo):
         for key in ("rank", "transport", "infer"):
             out.pop(key, None)
         return out
-
-
-def torch_dtype_of(name: str) -> torch.dtype:
-    """The torch dtype of a layout's dtype name."""
-    from ..transfer.checks import TORCH_DTYPES
-
-    return TORCH_DTYPES[name]

@@ -26,6 +26,7 @@ the parameter.
 from __future__ import annotations
 
 import copy
+from types import SimpleNamespace
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -45,21 +46,20 @@ _STRUCTURE = {
 _METHOD_STATE = ("moe_kernel",)
 
 
-def _reload_api():
+def _reload_api() -> SimpleNamespace:
     """vLLM's reload metadata and the post-load dispatch it follows (vLLM 0.32, 0.33)."""
     from vllm.model_executor.layers.attention import is_deferred_attention_layer
     from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
     from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
-    from vllm.model_executor.model_loader.reload.meta import SKIP_TENSORS, materialize_meta_tensor
+    from vllm.model_executor.model_loader.reload.meta import materialize_meta_tensor
     from vllm.model_executor.model_loader.reload.sanitize import restore_layer_refs
 
-    return (
-        LAYERWISE_INFO,
-        SKIP_TENSORS,
-        materialize_meta_tensor,
-        restore_layer_refs,
-        QuantizeMethodBase,
-        (is_deferred_attention_layer),
+    return SimpleNamespace(
+        recorded=LAYERWISE_INFO,
+        materialize=materialize_meta_tensor,
+        restore_refs=restore_layer_refs,
+        quantize_base=QuantizeMethodBase,
+        deferred=is_deferred_attention_layer,
     )
 
 
@@ -101,8 +101,7 @@ class ServedModel:
     what it holds into the live model."""
 
     def __init__(self, model: torch.nn.Module, act_dtype: torch.dtype) -> None:
-        api = _reload_api()
-        self._api = api
+        self._api = _reload_api()
         self.live = model
         self.act_dtype = act_dtype
         if "process_weights_after_loading" in vars(type(model)):
@@ -118,14 +117,14 @@ class ServedModel:
         self.derive(apply=False)  # refuses at once what cannot be followed
 
     def _mirror(self, live: torch.nn.Module, prefix: str) -> torch.nn.Module:
-        info_of, skip, materialize, restore_refs, *_ = self._api
+        api = self._api
         if id(live) in self._made:
             return self._made[id(live)]
         out = _bare_copy(live)
         self._made[id(live)] = out
         for name, child in live._modules.items():
             out._modules[name] = None if child is None else self._mirror(child, f"{prefix}{name}.")
-        info = info_of.get(live)
+        info = api.recorded.get(live)
         params, buffers = info.restore_metadata if info is not None else ({}, {})
         device = info.restore_device if info is not None else torch.device("cpu")
         own = {n for n, t in live._parameters.items() if t is not None}
@@ -137,10 +136,12 @@ class ServedModel:
         with device:
             for name, meta in params.items():
                 out._parameters[name] = _seeded(
-                    restore_refs(materialize(meta), out), live._parameters.get(name)
+                    api.restore_refs(api.materialize(meta), out), live._parameters.get(name)
                 )
             for name, meta in buffers.items():
-                out._buffers[name] = _seeded(restore_refs(materialize(meta), out), live._buffers.get(name))
+                out._buffers[name] = _seeded(
+                    api.restore_refs(api.materialize(meta), out), live._buffers.get(name)
+                )
         for name, tensor in live._parameters.items():
             if name not in out._parameters and tensor is not None:
                 out._parameters[name] = _own_clone(tensor)  # kept live by vLLM's reload (bias, ...)
@@ -157,7 +158,7 @@ class ServedModel:
     def _processed(self, live: torch.nn.Module, mirror: torch.nn.Module) -> torch.nn.Module:
         """``live``'s post-load step, as vLLM's ``process_weights_after_loading`` runs it, on a
         copy of the layer holding copies of the mirror's loader-format tensors."""
-        *_, quantize_base, deferred = self._api
+        api = self._api
         proc = _bare_copy(live)
         proc._modules = dict(mirror._modules)
         for name, tensor in mirror._parameters.items():
@@ -167,7 +168,7 @@ class ServedModel:
         method = getattr(proc, "quant_method", None)
         kept = {}
         with torch.no_grad():
-            if isinstance(method, quantize_base):
+            if isinstance(method, api.quantize_base):
                 # the step runs as it ran when the server loaded the model: what the method
                 # keeps between calls (a fused-MoE kernel, which skips the CPU's prepacking on
                 # a second call) is set aside, and its new value is the layer's from now on
@@ -182,7 +183,7 @@ class ServedModel:
                         setattr(method, key, value)
                 if hasattr(proc, "update_param_tp_status"):
                     proc.update_param_tp_status()
-            if deferred(proc):
+            if api.deferred(proc):
                 proc.process_weights_after_loading(self.act_dtype)
         return proc
 
@@ -191,7 +192,6 @@ class ServedModel:
         where the result is a tensor the live layer holds). With ``apply`` False nothing live
         changes: the steps run and each result is checked against the live layer, and one
         that cannot be carried is refused naming the parameter. Returns the layers derived."""
-        *_, quantize_base, deferred = self._api
         plans = []
         for name, live, mirror in self._layers:
             before = dict(vars(live))
@@ -234,16 +234,6 @@ class ServedModel:
                     setattr(method, key, value)
                 self._kept[name] = proc
         return len(plans)
-
-    def mirror_digest(self) -> Dict[str, str]:
-        """A digest of every loader-format parameter of the mirror (what the refit wrote)."""
-        import hashlib
-
-        out = {}
-        for name, tensor in self.mirror.named_parameters():
-            data = tensor.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
-            out[name] = hashlib.sha256(data).hexdigest()
-        return out
 
 
 _MISSING = object()

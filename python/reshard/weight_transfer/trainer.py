@@ -19,9 +19,10 @@ import torch
 from vllm.distributed.weight_transfer.base import TrainerWeightTransferEngine
 
 from .. import engine as _engine
+from ..transfer.checks import torch_dtype
 from .._core import ArgumentError, Refit, ReshardError
 from .colocated import ColocatedClient
-from .info import OPEN_ROUND, OUTBOX, ReshardTrainerInitInfo, group_name, introduce, torch_dtype_of
+from .info import OPEN_ROUND, OUTBOX, ReshardTrainerInitInfo, group_name, introduce
 
 logger = logging.getLogger(__name__)
 
@@ -345,7 +346,7 @@ class ReshardTrainer(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
             for name in self.refit.names:
                 p = params[name]
                 full = p.full_tensor() if hasattr(p, "full_tensor") else p
-                full = full.detach().to(torch_dtype_of(self.refit.layouts(name)[0].dtype)).contiguous()
+                full = full.detach().to(torch_dtype(self.refit.layouts(name)[0])).contiguous()
                 dist.broadcast(full, src=root, group=self.group)
 
         with self._paused(times):

@@ -14,6 +14,7 @@ import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
 from .. import engine as _engine
+from ..transfer.checks import torch_dtype
 from .._core import ArgumentError, Refit, ReshardError
 from .info import (
     OPEN_ROUND,
@@ -22,7 +23,6 @@ from .info import (
     ReshardUpdateInfo,
     group_name,
     introduce,
-    torch_dtype_of,
 )
 
 logger = logging.getLogger(__name__)
@@ -313,7 +313,7 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         def tensors():
             for name in self.refit.names:
                 layout = self.refit.layouts(name)[0]
-                full = torch.empty(layout.shape, dtype=torch_dtype_of(layout.dtype), device=self.device)
+                full = torch.empty(layout.shape, dtype=torch_dtype(layout), device=self.device)
                 dist.broadcast(full, src=root, group=group)
                 yield name, full
 
