@@ -113,7 +113,7 @@ def _refused(rank, world, path, how):
     src = {n: t for n, t in src.items() if t is not None}
     want = {
         "shuffle": (ArgumentError, r"qkv: the engine's loader puts .*k_proj.* in more than"),
-        "unfilled": (ArgumentError, r"fills no value into extra \(3 of 3 elements\)"),
+        "unfilled": (ArgumentError, r"unfilled: extra \(3 of 3 elements\): the trainer holds no extra"),
     }[how]
     error, text = want if rank == 1 else (AgreementError, r"rank 1 could not record")
     with pytest.raises(error, match=text):

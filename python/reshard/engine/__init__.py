@@ -100,7 +100,7 @@ def engine_params(
 
 
 def refit_engine_(
-    refit: Refit,
+    refit: Optional[Refit],
     src: Optional[Mapping[str, torch.Tensor]],
     engine,
     group=None,
@@ -112,10 +112,18 @@ def refit_engine_(
     recorded: Optional[bool] = None,
     **options,
 ):
-    """:func:`reshard.torch.reshard_many_` of ``refit`` into an engine's own parameters,
-    written in place; ``src`` is this rank's training shards by the checkpoint's names
-    (DTensors too; a tied ``lm_head.weight`` that aliases the embedding is left out). Every
-    rank of ``group`` calls it; ``engine`` is None on a rank that holds none.
+    """:func:`reshard.torch.reshard_many_` of the trainer's tensors into an engine's own
+    parameters, written in place; ``src`` is this rank's training shards by the checkpoint's
+    names (DTensors too; a tied ``lm_head.weight`` that aliases the embedding is left out).
+    Every rank of ``group`` calls it; ``engine`` is None on a rank that holds none, ``src``
+    None on a rank that trains nothing.
+
+    ``refit`` None: the training side is what the trainer ranks hold
+    (:mod:`reshard.engine.trained`): every tensor's name, global shape, dtype and layout
+    read from its DTensor (FSDP2, tensor parallelism, HSDP, ``_StridedShard``), a plain
+    tensor being a whole one (replicas where several ranks hold it). No model family and no
+    config: the engine side is its recorded loader (below). ``refit`` a :class:`Refit`: the
+    training layouts are its, and the trainer's tensors are checked against them.
 
     ``engine`` is the engine's model (a vLLM or SGLang ``torch.nn.Module``), or its
     ``dict(named_parameters())`` with the model as ``loader``: where each slice of each
@@ -142,7 +150,7 @@ def refit_engine_(
     if rank < 0:
         return None
     if recorded is None:
-        recorded = isinstance(engine, torch.nn.Module) or loader is not None
+        recorded = refit is None or isinstance(engine, torch.nn.Module) or loader is not None
     if recorded:
         return _refit_recorded(refit, src, engine, loader, group, rank, options)
     names = set(refit.names)
@@ -207,27 +215,45 @@ def refit_engine_(
 
 
 def _recorded_pairs(refit, src, engine, loader, group, rank):
-    """The recorded refit's :class:`reshard.engine.recorded.Recorded` on this rank; a bad
+    """The recorded refit's :class:`reshard.engine.recorded.Recorded` on this rank (``refit``
+    None: the training side read from the trainer's own tensors, :mod:`.trained`); a bad
     argument is refused on every rank."""
+    from ..dtensor import unwrap_refit
     from ..transfer import arguments as args
     from . import recorded as er
+    from .trained import trained
 
     model = engine if isinstance(engine, torch.nn.Module) else loader
     if engine is None:
         model = None
     problem = None
+    if engine is not None and model is None:
+        problem = (
+            f"loader: None, and engine is a {type(engine).__name__}: give the engine's model "
+            "(whose load_weights is recorded), or a Refit for engine_params' buffers"
+        )
     if model is not None and isinstance(engine, Mapping):
         own = dict(model.named_parameters())
         stray = [n for n, t in engine.items() if own.get(n) is not t]
         if stray:
             problem = f"engine: {stray[0]} is not a parameter of the loader's model"
-    if refit.quant is not None:
-        problem = problem or "infer_quant: an fp8 refit goes into engine_params' buffers (no loader)"
-    emap = er.engine_map(refit, None if problem else model, group, rank)
+    if refit is None:
+        side, local = trained(src, group, rank)
+        layouts = dict(side.tensors)
+        token = ("trained", side.tensors)
+    else:
+        if refit.quant is not None:
+            problem = problem or "infer_quant: an fp8 refit goes into engine_params' buffers (no loader)"
+        layouts = {name: refit.layouts(name)[0] for name in refit.names}
+        token, local = refit.model, None
+    checkpoint = {name: tuple(layout.shape) for name, layout in layouts.items()}
+    emap = er.engine_map(checkpoint, token, None if problem else model, group, rank)
     try:
         if problem is not None:
             raise ArgumentError(problem)
-        recorded = er.recorded_pairs(emap, refit, src, model, group, rank)
+        if refit is not None and src is not None:
+            local = args.train_sources(refit, unwrap_refit(refit, src, rank, "src", group), rank)
+        recorded = er.recorded_pairs(emap, layouts, local, model, rank)
     except ArgumentError as e:
         args.refuse(e, {}, group, rank)
     return recorded

@@ -58,12 +58,24 @@ class RankMap:
 
 
 _STACKED = re.compile(r"^(.*\.experts)\.(gate_proj|up_proj|down_proj)(?:\.weight)?$")
+# transformers 5's stacked experts with gate and up in one tensor, [E, 2 I, H]
+_GATE_UP = re.compile(r"^(.*\.experts)\.gate_up_proj(?:\.weight)?$")
 
 
 def as_checkpoint(name: str, tensor: torch.Tensor) -> Iterator[Tuple[str, torch.Tensor]]:
     """``tensor`` as a checkpoint on disk holds it: stacked routed experts (``[E, out, in]``,
     as trainers hold them) one tensor per expert (``...experts.{e}.gate_proj.weight``), the
-    names every engine's loader reads; any other tensor as it is."""
+    names every engine's loader reads; transformers 5's ``experts.gate_up_proj``
+    (``[E, 2 I, H]``) as each expert's ``gate_proj`` (the first ``I`` rows) and ``up_proj``;
+    any other tensor as it is."""
+    if tensor.dim() == 3:
+        fused = _GATE_UP.match(name)
+        if fused is not None and tensor.shape[1] % 2 == 0:
+            half = tensor.shape[1] // 2
+            for e in range(tensor.shape[0]):
+                yield f"{fused.group(1)}.{e}.gate_proj.weight", tensor[e, :half]
+                yield f"{fused.group(1)}.{e}.up_proj.weight", tensor[e, half:]
+            return
     stacked = _STACKED.match(name) if tensor.dim() == 3 else None
     if stacked is None:
         yield name, tensor
@@ -89,11 +101,15 @@ def record(
     params = dict(model.named_parameters())
     info = {name: (tuple(p.shape), str(p.dtype).removeprefix("torch.")) for name, p in params.items()}
 
+    fed: List[str] = []
+
     def probes() -> Iterator[Tuple[str, torch.Tensor]]:
         for i, (name, shape) in enumerate(zip(names, shapes)):
             first = int(bases[i]) + 1
             codes = torch.arange(first, first + int(bases[i + 1] - bases[i])).view(shape)
-            yield from as_checkpoint(name, codes)
+            for given, probe in as_checkpoint(name, codes):
+                fed.append(given)
+                yield given, probe
 
     saved = {}
     try:
@@ -102,7 +118,15 @@ def record(
             p.requires_grad_(False)
             p.data = torch.full(tuple(p.shape), -1, dtype=torch.int64)
         with torch.no_grad():
-            load(probes())
+            try:
+                load(probes())
+            except (KeyError, ValueError, AssertionError, IndexError, RuntimeError, AttributeError) as e:
+                last = f" at {fed[-1]}" if fed else ""
+                raise ArgumentError(
+                    f"the engine's loader ({type(model).__name__}.load_weights) refused the trainer's "
+                    f"tensors{last}: {type(e).__name__}: {str(e)[:300]} (a name or shape the loader "
+                    "does not take: export the tensors as the engine's checkpoint names them)"
+                ) from None
         codes = {name: p.data.numpy() for name, p in params.items()}
     finally:
         for name, (data, grad) in saved.items():
@@ -117,7 +141,7 @@ def record(
             raise ArgumentError(f"{param}: the loader replaced the parameter's tensor ({code.dtype})")
         missing = int((code == -1).sum())
         if missing:
-            unfilled.append(f"{param} ({missing} of {code.size} elements)")
+            unfilled.append((param, missing, code.size))
             continue
         for at, size in _mask_boxes(code == 0):
             zeros.append((param, at, size))
@@ -131,13 +155,56 @@ def record(
             _pieces(code, lo, hi, names[i], shapes[i], param, found)
             pieces += found
     if unfilled:
-        raise ArgumentError(
-            "the engine's loader fills no value into "
-            + ", ".join(unfilled[:8])
-            + (f" and {len(unfilled) - 8} more" if len(unfilled) > 8 else "")
-            + ": a refit cannot derive where these parameters' weights come from"
-        )
+        raise ArgumentError(_unfilled(unfilled, names))
     return RankMap(tuple(pieces), tuple(zeros), info)
+
+
+_LAYER = re.compile(r"\.(\d+)\.")
+
+
+def _unfilled(unfilled, names: Sequence[str]) -> str:
+    """Why parameters are left unfilled, naming the side: a tensor the trainer lacks (another
+    layer has it, or the trainer holds nothing of the parameter's module) is the trainer's;
+    a parameter whose module the trainer feeds but the loader leaves empty is the engine's."""
+    given = set(names)
+    lacking, engines = [], []
+    for param, missing, size in unfilled:
+        what = f"{param} ({missing} of {size} elements)"
+        layer = _LAYER.search(param)
+        absent = []
+        if layer is not None:
+            for name in names:
+                other = _LAYER.search(name)
+                if other is None or other.group(1) == layer.group(1) or name[: other.start()] != param[: layer.start()]:
+                    continue
+                mine = name[: other.start()] + f".{layer.group(1)}." + name[other.end() :]
+                if mine not in given and mine not in absent:
+                    absent.append(mine)
+        parts = param.split(".")
+        module, leaf = ".".join(parts[:-2]), parts[-1]
+        related = [n for n in names if n.startswith(module + ".") and n.endswith("." + leaf)] if module else []
+        if absent and missing < size:
+            lacking.append(f"{what}: the trainer holds no {', '.join(absent[:3])}, which other layers have")
+        elif absent or not related:
+            detail = ", ".join(absent[:3]) if absent else (f"{module}.*.{leaf}" if module else param)
+            detail = "no " + detail
+            lacking.append(f"{what}: the trainer holds {detail}")
+        else:
+            engines.append(f"{what}, though the trainer gives {', '.join(related[:3])}")
+    parts = []
+    if lacking:
+        parts.append(
+            "the trainer's tensors leave engine parameters unfilled: "
+            + "; ".join(lacking[:4])
+            + (f"; and {len(lacking) - 4} more" if len(lacking) > 4 else "")
+        )
+    if engines:
+        parts.append(
+            "the engine's loader fills no value into "
+            + "; ".join(engines[:4])
+            + (f"; and {len(engines) - 4} more" if len(engines) > 4 else "")
+        )
+    return "; ".join(parts) + ": a refit cannot derive where these parameters' weights come from"
 
 
 def _bounding(mask: np.ndarray) -> Optional[Tuple[Tuple[int, ...], Tuple[int, ...]]]:

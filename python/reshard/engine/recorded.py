@@ -25,7 +25,7 @@ from typing import Dict, List, Mapping, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from .._core import AgreementError, ArgumentError, Layout, Refit, Replicate, Shard
+from .._core import AgreementError, ArgumentError, Layout, Replicate, Shard
 from ..transfer.checks import collective, group_key
 from . import loader_map as em
 
@@ -115,10 +115,6 @@ def split_layout(shape: Tuple[int, ...], dtype, boxes: Dict[int, Box]) -> Option
     return layout
 
 
-def _checkpoint(refit: Refit) -> Dict[str, Tuple[int, ...]]:
-    return {name: tuple(refit.layouts(name)[0].shape) for name in refit.names}
-
-
 def _recorded(model: torch.nn.Module, checkpoint) -> em.RankMap:
     key = tuple(checkpoint.items())
     kept = _RECORDED.setdefault(model, {})
@@ -128,13 +124,16 @@ def _recorded(model: torch.nn.Module, checkpoint) -> em.RankMap:
     return kept[key]
 
 
-def engine_map(refit: Refit, model: Optional[torch.nn.Module], group, rank: int) -> EngineMap:
-    """Every rank's recording (this rank's from ``model``, None where it holds no engine).
+def engine_map(
+    checkpoint: Dict[str, Tuple[int, ...]], token, model: Optional[torch.nn.Module], group, rank: int
+) -> EngineMap:
+    """Every rank's recording of its loader fed ``checkpoint`` (name -> full shape): this
+    rank's from ``model``, None where it holds no engine; ``token`` names the training side
+    (the same on every rank).
 
     A recording that fails on one rank fails on every rank: the ranks exchange it (or its
     error) before anything else; this rank raises its own :class:`ArgumentError`, the others
     an :class:`AgreementError` naming it."""
-    checkpoint = _checkpoint(refit)
     mine: object = None
     if model is not None:
         try:
@@ -142,7 +141,7 @@ def engine_map(refit: Refit, model: Optional[torch.nn.Module], group, rank: int)
         except ArgumentError as e:
             mine = e
     # the ranks agree whether they all hold what they recorded last time
-    token = (refit.model, tuple(checkpoint.items()), None if model is None else id(model))
+    token = (token, tuple(checkpoint.items()), None if model is None else id(model))
     key = (group_key(group), token)
     fresh = torch.tensor([0 if key in _GATHERED and not isinstance(mine, ArgumentError) else 1])
     with collective(group, "the engines' recordings"):
@@ -210,21 +209,16 @@ _SCRATCH: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 def recorded_pairs(
     emap: EngineMap,
-    refit: Refit,
+    train: Mapping[str, Layout],
     src: Optional[Mapping[str, torch.Tensor]],
     model: Optional[torch.nn.Module],
-    group,
     rank: int,
 ) -> Recorded:
-    """The pairs of a refit of ``refit``'s training shards (``src``: tensors or DTensors, a
-    tied alias left out) into ``model``'s live parameters, by every rank's recording
-    (:func:`engine_map`). Raises :class:`ArgumentError` naming what is wrong on this rank,
-    having run no collective (the caller refuses it on every rank)."""
-    from ..dtensor import unwrap_refit
-    from ..transfer.arguments import train_sources
-
-    if src is not None:
-        src = train_sources(refit, unwrap_refit(refit, src, rank, "src", group), rank)
+    """The pairs of a refit of the training shards (``src``: this rank's local tensors by
+    name; ``train``: every tensor's training layout, in order) into ``model``'s live
+    parameters, by every rank's recording (:func:`engine_map`). Raises
+    :class:`ArgumentError` naming what is wrong on this rank, having run no collective (the
+    caller refuses it on every rank)."""
     mine = emap.ranks.get(rank)
     params = dict(model.named_parameters()) if model is not None else {}
     if mine is not None:
@@ -235,8 +229,7 @@ def recorded_pairs(
     scratch = _SCRATCH.setdefault(model, {}) if model is not None else {}
     pairs: Dict[str, tuple] = {}
     copies, skipped, fresh = [], [], False
-    for name in refit.names:
-        src_layout = refit.layouts(name)[0]
+    for name, src_layout in train.items():
         holders = emap.holders(name)
         if not holders:
             skipped.append(name)
