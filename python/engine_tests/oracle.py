@@ -39,6 +39,71 @@ QWEN3_MOE = dict(
 )
 
 
+# Architectures the package has no rules or family code for, refit from the trainer's own
+# tensors (transformers' model of the same config) into vLLM's classes: each config is BASE
+# with what the architecture needs.
+ARCHITECTURES = {
+    "qwen2": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", tie_word_embeddings=False),
+    "mistral": dict(architectures=["MistralForCausalLM"], model_type="mistral", tie_word_embeddings=False),
+    "phi3": dict(architectures=["Phi3ForCausalLM"], model_type="phi3", tie_word_embeddings=False, pad_token_id=0),
+    "gemma2": dict(
+        architectures=["Gemma2ForCausalLM"],
+        model_type="gemma2",
+        tie_word_embeddings=True,
+        query_pre_attn_scalar=16,
+        sliding_window=64,
+    ),
+    "gemma3": dict(
+        architectures=["Gemma3ForCausalLM"],
+        model_type="gemma3_text",
+        tie_word_embeddings=True,
+        query_pre_attn_scalar=16,
+        sliding_window=64,
+    ),
+    "qwen2_moe": dict(
+        architectures=["Qwen2MoeForCausalLM"],
+        model_type="qwen2_moe",
+        tie_word_embeddings=False,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=64,
+    ),
+    "deepseek_v2": dict(
+        architectures=["DeepseekV2ForCausalLM"],
+        model_type="deepseek_v2",
+        tie_word_embeddings=False,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        kv_lora_rank=32,
+        q_lora_rank=None,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        topk_method="greedy",
+        n_group=1,
+        topk_group=1,
+    ),
+    "olmo2": dict(architectures=["Olmo2ForCausalLM"], model_type="olmo2", tie_word_embeddings=False),
+    "granite": dict(architectures=["GraniteForCausalLM"], model_type="granite", tie_word_embeddings=False),
+    "gpt_neox": dict(architectures=["GPTNeoXForCausalLM"], model_type="gpt_neox", tie_word_embeddings=False),
+    "cohere": dict(architectures=["CohereForCausalLM"], model_type="cohere", tie_word_embeddings=True),
+    "stablelm": dict(architectures=["StableLmForCausalLM"], model_type="stablelm", tie_word_embeddings=False),
+    "glm": dict(architectures=["GlmForCausalLM"], model_type="glm", tie_word_embeddings=False, pad_token_id=0),
+    "llama_biases": dict(LLAMA, attention_bias=True, mlp_bias=True),
+}
+MOE_ARCHITECTURES = ("qwen2_moe", "deepseek_v2")
+
+
+def architecture(name: str) -> dict:
+    """The config of ``ARCHITECTURES[name]``."""
+    extra = ARCHITECTURES[name]
+    return dict(extra) if "hidden_size" in extra else dict(BASE, **extra)
+
+
 def write_config(directory: Path, config: dict) -> str:
     """``directory/config.json``, written whole at once: every rank writes it while the others
     may be reading it, so each writes a file of its own and renames it into place."""

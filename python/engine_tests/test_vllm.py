@@ -11,7 +11,7 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 pytest.importorskip("vllm")
 
 from launch import run  # noqa: E402
-from oracle import LLAMA, QWEN3, QWEN3_MOE, QWEN3_TIED, case  # noqa: E402
+from oracle import ARCHITECTURES, LLAMA, MOE_ARCHITECTURES, QWEN3, QWEN3_MOE, QWEN3_TIED, case  # noqa: E402
 
 
 DENSE = [
@@ -46,6 +46,52 @@ def test_moe(tmp_path, world):
 def test_moe_expert_parallel(tmp_path):
     out = run(2, _at(MOE[:1], 2, ep=True), tmp_path)
     assert out.count(" exact ") == 2, out
+
+
+DENSE_ARCHITECTURES = [a for a in ARCHITECTURES if a not in MOE_ARCHITECTURES]
+
+
+def _trained(arches, train, **kw):
+    return [dict(kw, name=f"{a} from {train}", arch=a, train=train) for a in arches]
+
+
+@pytest.mark.parametrize("world, train", [(2, "fsdp2"), (4, "whole")])
+def test_architectures_from_the_trainers_own_tensors(tmp_path, world, train):
+    """Architectures with no family code, no Refit and no config on the refit's side: the
+    trainer's tensors (FSDP2's DTensors, or whole tensors on rank 0) give the training side,
+    vLLM's recorded loader the engine side; f32 into bf16, equal to vLLM's own load of the
+    checkpoint transformers saves."""
+    out = run(world, _trained(DENSE_ARCHITECTURES, train), tmp_path)
+    assert out.count(" exact ") == world * len(DENSE_ARCHITECTURES), out
+
+
+@pytest.mark.parametrize("world, train, ep", [(2, "fsdp2", False), (4, "whole", False), (2, "fsdp2", True)])
+def test_moe_architectures_from_the_trainers_own_tensors(tmp_path, world, train, ep):
+    out = run(world, _trained(MOE_ARCHITECTURES, train, ep=ep), tmp_path)
+    assert out.count(" exact ") == world * len(MOE_ARCHITECTURES), out
+
+
+def test_refusals_name_the_side_at_fault(tmp_path):
+    """A tensor the trainer lacks is named as the trainer's (also where the side comes from
+    a config: Llama's family has no MLP bias), on every rank, before anything moves."""
+    cases = [
+        dict(
+            name="qwen2 without one k_proj",
+            arch="qwen2",
+            train="fsdp2",
+            drop="model.layers.1.self_attn.k_proj.weight",
+            expect=r"the trainer holds no model\.layers\.1\.self_attn\.k_proj\.weight, which other layers have",
+        ),
+        dict(
+            name="llama with mlp_bias by its config's family",
+            arch="llama_biases",
+            train="fsdp2",
+            config_refit=True,
+            expect=r"the trainer holds no model\.layers\.\d\.mlp\.\*\.bias",
+        ),
+    ]
+    out = run(2, cases, tmp_path)
+    assert out.count("refused as expected") == 2 * 2, out
 
 
 BACKEND = [

@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import vllm_engine  # noqa: E402
 from oracle import (  # noqa: E402
     against_the_loader,
+    architecture,
     bits,
     check_the_table,
     checkpoint,
@@ -82,6 +83,75 @@ def run_case(case: dict, rank: int, world: int, tmp: Path) -> None:
     checked = against_the_loader(
         case["name"], model, rank, inputs, lambda src: refit_engine_(refit, src, model)
     )
+    print(f"rank {rank}: {case['name']} exact ({checked} parameters)", flush=True)
+
+
+def saved_checkpoint(trainer, directory: Path):
+    """The trainer's model as transformers writes it to disk (its own names and conversions:
+    the checkpoint vLLM loads), read back by name on every rank (transformers writes it on
+    rank 0 of the default group)."""
+    from safetensors.torch import load_file
+
+    trainer.save_pretrained(directory)
+    dist.barrier()
+    out = {}
+    for f in sorted(directory.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+def run_trained_case(case: dict, rank: int, world: int, tmp: Path) -> None:
+    """An architecture with no family code: the trainer is transformers' model of the config
+    (FSDP2's DTensors over every rank, or whole tensors on rank 0 alone), the refit takes its
+    tensors as they are (``refit_engine_(None, ...)``), and vLLM's own ``load_weights`` of
+    the checkpoint transformers saves is the oracle, byte for byte."""
+    import transformers
+
+    where = tmp / case["name"].replace(" ", "_")
+    config_dir = write_config(where, architecture(case["arch"]))
+    from vllm.config import set_current_vllm_config
+
+    cfg, model = vllm_engine.build(config_dir, world, rank, dtype="bfloat16", ep=case.get("ep", False))
+    config = transformers.AutoConfig.from_pretrained(config_dir)
+
+    def inputs(step):
+        torch.manual_seed(step)
+        # vLLM's import of some architectures wraps transformers' model class with its compile
+        # decorator, which wants vLLM's config (the trainer runs eagerly all the same)
+        with set_current_vllm_config(cfg):
+            trainer = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        with torch.no_grad():
+            for p in trainer.parameters():  # biases and norms too, all distinct
+                p.normal_(0, 0.02)
+        full = saved_checkpoint(trainer, where / f"checkpoint-{step}")
+        if case["train"] == "fsdp2":
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+
+            fully_shard(trainer, mesh=init_device_mesh("cpu", (world,)))
+            return full, trainer.state_dict()
+        return full, (trainer.state_dict() if rank == 0 else None)
+
+    if "expect" in case:  # a refit that must be refused on every rank, naming the cause
+        import re
+
+        from reshard import ReshardError
+
+        if case.get("config_refit"):
+            refit = Refit(str(Path(config_dir) / "config.json"), "fsdp=2", f"tp={world}", colocated=True)
+            src = shards(refit, rank, checkpoint(refit, seed=0))
+        else:
+            _, src = inputs(0)
+            src = {n: t for n, t in src.items() if n != case.get("drop")}
+        try:
+            refit_engine_(refit if case.get("config_refit") else None, src, model)
+        except ReshardError as e:
+            if not re.search(case["expect"], str(e)):
+                raise AssertionError(f"{case['name']}: refused, but not as expected: {e}") from e
+            print(f"rank {rank}: {case['name']} refused as expected", flush=True)
+            return
+        raise AssertionError(f"{case['name']}: not refused on rank {rank}")
+    checked = against_the_loader(case["name"], model, rank, inputs, lambda src: refit_engine_(None, src, model))
     print(f"rank {rank}: {case['name']} exact ({checked} parameters)", flush=True)
 
 
@@ -156,7 +226,10 @@ def main() -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     tmp = Path(sys.argv[2])
     for case in cases:
-        (run_backend_case if "mode" in case else run_case)(case, rank, world, tmp)
+        if "arch" in case:
+            run_trained_case(case, rank, world, tmp)
+        else:
+            (run_backend_case if "mode" in case else run_case)(case, rank, world, tmp)
     dist.barrier()
 
 
