@@ -20,6 +20,7 @@ NOISE = (
     "inductor",
     "opaque",
     "deprecated",
+    "writing model shards",
 )
 
 

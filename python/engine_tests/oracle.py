@@ -45,7 +45,9 @@ QWEN3_MOE = dict(
 ARCHITECTURES = {
     "qwen2": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", tie_word_embeddings=False),
     "mistral": dict(architectures=["MistralForCausalLM"], model_type="mistral", tie_word_embeddings=False),
-    "phi3": dict(architectures=["Phi3ForCausalLM"], model_type="phi3", tie_word_embeddings=False, pad_token_id=0),
+    "phi3": dict(
+        architectures=["Phi3ForCausalLM"], model_type="phi3", tie_word_embeddings=False, pad_token_id=0
+    ),
     "gemma2": dict(
         architectures=["Gemma2ForCausalLM"],
         model_type="gemma2",
@@ -92,7 +94,9 @@ ARCHITECTURES = {
     "gpt_neox": dict(architectures=["GPTNeoXForCausalLM"], model_type="gpt_neox", tie_word_embeddings=False),
     "cohere": dict(architectures=["CohereForCausalLM"], model_type="cohere", tie_word_embeddings=True),
     "stablelm": dict(architectures=["StableLmForCausalLM"], model_type="stablelm", tie_word_embeddings=False),
-    "glm": dict(architectures=["GlmForCausalLM"], model_type="glm", tie_word_embeddings=False, pad_token_id=0),
+    "glm": dict(
+        architectures=["GlmForCausalLM"], model_type="glm", tie_word_embeddings=False, pad_token_id=0
+    ),
     "llama_biases": dict(LLAMA, attention_bias=True, mlp_bias=True),
 }
 MOE_ARCHITECTURES = ("qwen2_moe", "deepseek_v2")

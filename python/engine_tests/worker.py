@@ -151,7 +151,9 @@ def run_trained_case(case: dict, rank: int, world: int, tmp: Path) -> None:
             print(f"rank {rank}: {case['name']} refused as expected", flush=True)
             return
         raise AssertionError(f"{case['name']}: not refused on rank {rank}")
-    checked = against_the_loader(case["name"], model, rank, inputs, lambda src: refit_engine_(None, src, model))
+    checked = against_the_loader(
+        case["name"], model, rank, inputs, lambda src: refit_engine_(None, src, model)
+    )
     print(f"rank {rank}: {case['name']} exact ({checked} parameters)", flush=True)
 
 

@@ -175,14 +175,16 @@ def _unfilled(unfilled, names: Sequence[str]) -> str:
         if layer is not None:
             for name in names:
                 other = _LAYER.search(name)
-                if other is None or other.group(1) == layer.group(1) or name[: other.start()] != param[: layer.start()]:
+                if other is None or other.group(1) == layer.group(1):
+                    continue
+                if name[: other.start()] != param[: layer.start()]:
                     continue
                 mine = name[: other.start()] + f".{layer.group(1)}." + name[other.end() :]
                 if mine not in given and mine not in absent:
                     absent.append(mine)
         parts = param.split(".")
         module, leaf = ".".join(parts[:-2]), parts[-1]
-        related = [n for n in names if n.startswith(module + ".") and n.endswith("." + leaf)] if module else []
+        related = [n for n in names if module and n.startswith(module + ".") and n.endswith("." + leaf)]
         if absent and missing < size:
             lacking.append(f"{what}: the trainer holds no {', '.join(absent[:3])}, which other layers have")
         elif absent or not related:
