@@ -172,7 +172,12 @@ impl ModelConfig {
                 });
             }
         }
-        serde_json::from_value(Value::Object(map)).map_err(json)
+        let named = unsupported(&map, path);
+        serde_json::from_value(Value::Object(map)).map_err(|e| match named {
+            // a field it lacks is the family's, not the config's: name the architecture
+            Some(arch) if e.to_string().starts_with("missing field") => arch,
+            _ => json(e),
+        })
     }
 
     /// Reads and parses a `config.json` file.
@@ -189,27 +194,13 @@ impl ModelConfig {
 
     /// The family, from `architectures` first, then `model_type`.
     pub fn architecture(&self, path: &str) -> Result<Architecture, ModelError> {
-        let by_class = self.architectures.iter().find_map(|a| match a.as_str() {
-            "LlamaForCausalLM" => Some(Architecture::Llama),
-            "Qwen3ForCausalLM" => Some(Architecture::Qwen3),
-            "Qwen3MoeForCausalLM" => Some(Architecture::Qwen3Moe),
-            "DeepseekV3ForCausalLM" => Some(Architecture::DeepseekV3),
-            _ => None,
-        });
-        let by_type = || match self.model_type.as_str() {
-            "llama" => Some(Architecture::Llama),
-            "qwen3" => Some(Architecture::Qwen3),
-            "qwen3_moe" => Some(Architecture::Qwen3Moe),
-            "deepseek_v3" | "kimi_k2" => Some(Architecture::DeepseekV3),
-            _ => None,
-        };
-        by_class
-            .or_else(by_type)
-            .ok_or_else(|| ModelError::UnsupportedArchitecture {
+        family(&self.architectures, &self.model_type).ok_or_else(|| {
+            ModelError::UnsupportedArchitecture {
                 path: path.to_string(),
                 model_type: self.model_type.clone(),
                 architectures: self.architectures.clone(),
-            })
+            }
+        })
     }
 
     /// The parameter dtype: `torch_dtype` or `dtype` (both given must agree); without either,
@@ -295,6 +286,51 @@ impl ModelConfig {
     pub fn kv_heads(&self) -> u64 {
         self.num_key_value_heads.unwrap_or(self.num_attention_heads)
     }
+}
+
+/// The family a config's `architectures` (first) or `model_type` names, if any.
+fn family(architectures: &[String], model_type: &str) -> Option<Architecture> {
+    let by_class = architectures.iter().find_map(|a| match a.as_str() {
+        "LlamaForCausalLM" => Some(Architecture::Llama),
+        "Qwen3ForCausalLM" => Some(Architecture::Qwen3),
+        "Qwen3MoeForCausalLM" => Some(Architecture::Qwen3Moe),
+        "DeepseekV3ForCausalLM" => Some(Architecture::DeepseekV3),
+        _ => None,
+    });
+    by_class.or(match model_type {
+        "llama" => Some(Architecture::Llama),
+        "qwen3" => Some(Architecture::Qwen3),
+        "qwen3_moe" => Some(Architecture::Qwen3Moe),
+        "deepseek_v3" | "kimi_k2" => Some(Architecture::DeepseekV3),
+        _ => None,
+    })
+}
+
+/// A config of an architecture no family lays out, that names its architecture: its
+/// [`ModelError::UnsupportedArchitecture`] (the cause a missing field would hide: GPT-2's
+/// config has `n_embd`, not `hidden_size`).
+fn unsupported(map: &serde_json::Map<String, Value>, path: &str) -> Option<ModelError> {
+    let model_type = map.get("model_type").and_then(Value::as_str).unwrap_or("");
+    let architectures: Vec<String> = map
+        .get("architectures")
+        .and_then(Value::as_array)
+        .map(|a| {
+            a.iter()
+                .filter_map(Value::as_str)
+                .map(String::from)
+                .collect()
+        })
+        .unwrap_or_default();
+    if (model_type.is_empty() && architectures.is_empty())
+        || family(&architectures, model_type).is_some()
+    {
+        return None;
+    }
+    Some(ModelError::UnsupportedArchitecture {
+        path: path.to_string(),
+        model_type: model_type.to_string(),
+        architectures,
+    })
 }
 
 /// One count written under two names: the one given, or both if they agree.

@@ -47,7 +47,7 @@ pub enum ModelError {
 
     /// A config whose `architectures` and `model_type` name no family this crate lays out.
     #[error(
-        "{path}: unsupported architecture (model_type `{model_type}`, architectures [{}]); supported: llama, qwen3, qwen3_moe, deepseek_v3 / kimi_k2",
+        "{path}: unsupported architecture (model_type `{model_type}`, architectures [{}]); a config alone lays out llama, qwen3, qwen3_moe, deepseek_v3 / kimi_k2: give the checkpoint folder (its safetensors headers name the tensors), or refit an engine from the trainer's own tensors (reshard.engine.refit_engine_(None, ...))",
         .architectures.join(", ")
     )]
     UnsupportedArchitecture {

@@ -73,7 +73,7 @@ fn name_of(path: &Path) -> String {
 fn load_dir(dir: &Path, dtype: Option<DType>) -> Result<Model, ModelError> {
     let config_path = dir.join("config.json");
     let config = if config_path.is_file() {
-        Some(ModelConfig::read(&config_path)?)
+        Some(ModelConfig::read(&config_path))
     } else {
         None
     };
@@ -81,7 +81,14 @@ fn load_dir(dir: &Path, dtype: Option<DType>) -> Result<Model, ModelError> {
         || dir.display().to_string(),
         |n| n.to_string_lossy().into_owned(),
     );
-    let Some(tensors) = read_checkpoint(dir)? else {
+    let tensors = read_checkpoint(dir)?;
+    // beside its tensors, the config of an architecture no family knows only says nothing
+    // (its layers are counted from the names); any other fault in it is refused
+    let config = match config {
+        Some(Err(ModelError::UnsupportedArchitecture { .. })) if tensors.is_some() => None,
+        other => other.transpose()?,
+    };
+    let Some(tensors) = tensors else {
         return match config {
             Some(config) => Model::from_config_with_dtype(&config, &name, dtype),
             None => Err(ModelError::Checkpoint {
@@ -171,6 +178,45 @@ mod tests {
         let file = dir.join("tiny.config.json");
         std::fs::write(&file, config).unwrap();
         assert_eq!(Model::load(file.to_str().unwrap()).unwrap().name, "tiny");
+    }
+
+    #[test]
+    fn an_architecture_no_family_knows_is_named_and_its_checkpoint_loads() {
+        let scratch_dir = temp_dir("gpt2");
+        let dir = scratch_dir.path();
+        let config = r#"{"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"],
+            "n_embd": 8, "n_layer": 2, "n_head": 2, "vocab_size": 32}"#;
+        std::fs::write(dir.join("config.json"), config).unwrap();
+        // the config alone: refused naming the architecture, not a field GPT-2 calls otherwise
+        let err = Model::load(dir.to_str().unwrap()).unwrap_err().to_string();
+        assert!(
+            err.contains(
+                "unsupported architecture (model_type `gpt2`, architectures [GPT2LMHeadModel])"
+            ),
+            "{err}"
+        );
+        assert!(err.contains("give the checkpoint folder"), "{err}");
+        // with its tensors (Conv1D weights stored [in, out]): the headers are the model
+        write(
+            &dir.join("model.safetensors"),
+            &[
+                ("transformer.wte.weight", "F32", &[32, 8]),
+                ("transformer.h.0.attn.c_attn.weight", "F32", &[8, 24]),
+                ("transformer.h.1.mlp.c_fc.weight", "F32", &[8, 32]),
+            ],
+        );
+        let m = Model::load(dir.to_str().unwrap()).unwrap();
+        assert_eq!(m.params.len(), 3);
+        assert_eq!(m.heads, None);
+        let attn = m.params.iter().find(|p| p.name.ends_with("c_attn.weight"));
+        assert_eq!(attn.unwrap().shape, [8, 24]);
+        // a config that is broken otherwise is still refused beside tensors
+        std::fs::write(
+            dir.join("config.json"),
+            r#"{"model_type": "gpt2", "vocab_size": null}"#,
+        )
+        .unwrap();
+        assert!(Model::load(dir.to_str().unwrap()).is_err());
     }
 
     #[test]
