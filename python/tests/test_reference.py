@@ -16,6 +16,7 @@ MODULES = [
     ("reshard", "_core.pyi"),
     ("reshard.torch", "torch.py"),
     ("reshard.engine", "engine/__init__.py"),
+    ("reshard.engine.trained", "engine/trained.py"),
     ("reshard.vllm_backend", "vllm_backend.py"),
     ("reshard.weight_transfer.info", "weight_transfer/info.py"),
     ("reshard.weight_transfer.worker", "weight_transfer/worker.py"),
