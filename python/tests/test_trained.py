@@ -176,3 +176,47 @@ def _refused(rank, world, how):
 @pytest.mark.parametrize("how", ["shape", "meta", "lacks", "engine"])
 def test_refusals_name_the_side_on_every_rank(how):
     run_ranks(_refused, 2, how, timeout=60)
+
+
+def _staged_and_delta(rank, world):
+    """A staged refit (prepare, then commit or abort) and a delta refit, both with the
+    training side from FSDP2's DTensors: committed versions equal the loader's, an aborted
+    one leaves the parameters as they were."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from reshard.engine import abort_engine_, commit_engine_, prepare_engine_
+    from reshard.torch import DeltaSession
+
+    mesh = init_device_mesh("cpu", (world,))
+    engine = Engine(world, rank)
+    ptrs = {n: p.data_ptr() for n, p in engine.named_parameters()}
+    session = DeltaSession()
+    served = None
+    for version, commit in ((1, True), (2, False), (3, True)):
+        full = checkpoint(version)
+        want = _oracle(engine, full) if commit else served
+        if served is not None:
+            for n, p in engine.named_parameters():
+                p.data.copy_(served[n])
+        src = {n: distribute_tensor(t, mesh, [Shard(0)]) for n, t in full.items()}
+        prepare_engine_(None, src, engine, session, version)
+        (commit_engine_ if commit else abort_engine_)(session, version)
+        _check(engine, want, ptrs)
+        served = {n: p.detach().clone() for n, p in engine.named_parameters()}
+    for seed in (4, 5):
+        full = checkpoint(seed)
+        if seed == 5:
+            full["model.norm.weight"] += 1  # one tensor changed, the rest as before
+            full = {n: (t if n == "model.norm.weight" else checkpoint(4)[n]) for n, t in full.items()}
+        want = _oracle(engine, full)
+        for n, p in engine.named_parameters():
+            p.data.copy_(served[n])
+        src = {n: distribute_tensor(t, mesh, [Shard(0)]) for n, t in full.items()}
+        refit_engine_(None, src, engine, delta=True)
+        _check(engine, want, ptrs)
+        served = want
+
+
+def test_staged_and_delta_refits_from_the_trainers_tensors():
+    run_ranks(_staged_and_delta, 2, timeout=90)
