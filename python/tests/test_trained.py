@@ -149,6 +149,8 @@ def _refused(rank, world, how):
     src = {n: t.clone() for n, t in full.items()}
     if how == "shape" and rank == 1:
         src["model.norm.weight"] = torch.zeros(HIDDEN + 1)
+    if how == "shards":  # FSDP's shards as plain tensors: not replicas, refused
+        src = {n: t.chunk(world)[rank].clone() if n.endswith("q_proj.weight") else t for n, t in src.items()}
     if how == "meta" and rank == 1:
         src["model.norm.weight"] = torch.empty(HIDDEN, device="meta")
     if how == "lacks":
@@ -157,6 +159,7 @@ def _refused(rank, world, how):
     mine = {
         "shape": r"model.norm.weight: rank 0 holds a tensor \[16\] float32, rank 1 a tensor \[17\]",
         "meta": r"src: model.norm.weight is a meta tensor",
+        "shards": r"src: model.layers.0.self_attn.q_proj.weight: ranks 0 and 1 hold plain tensors of one",
         "lacks": r"the trainer holds no model.layers.1.self_attn.k_proj.weight, which other layers have",
         "engine": r"the engine's loader fills no value into model.norm.weight .*though the trainer gives",
     }[how]
@@ -173,7 +176,7 @@ def _refused(rank, world, how):
     dist.barrier()
 
 
-@pytest.mark.parametrize("how", ["shape", "meta", "lacks", "engine"])
+@pytest.mark.parametrize("how", ["shape", "shards", "meta", "lacks", "engine"])
 def test_refusals_name_the_side_on_every_rank(how):
     run_ranks(_refused, 2, how, timeout=60)
 

@@ -4,9 +4,10 @@ and no config.
 Each rank says what it holds (one ``all_gather_object``): a DTensor's global shape, dtype,
 mesh and placements (FSDP2, tensor parallelism, HSDP, ``_StridedShard``), or a plain tensor's
 shape and dtype (a whole tensor, as a trainer without sharding holds it: the ranks that hold
-one of a name hold replicas). Every rank then builds the same :class:`Trained`: each tensor's
-name, global shape, dtype and layout over the group's ranks, in the order the ranks gave
-them. Where the ranks disagree (two DTensors of one name that differ, a DTensor beside a
+one of a name hold replicas, checked on a sample of their elements: shards passed as plain
+tensors are refused, not taken for whole ones). Every rank then builds the same
+:class:`Trained`: each tensor's name, global shape, dtype and layout over the group's ranks,
+in the order the ranks gave them. Where the ranks disagree (two DTensors of one name that differ, a DTensor beside a
 plain tensor, two plain tensors of other shapes), every rank refuses the call naming the
 tensor and the ranks.
 
@@ -69,7 +70,21 @@ def _describe(name: str, t) -> tuple:
         return ("refuse", f"src: {name} is a {type(t).__name__}, not a tensor or a DTensor")
     if t.device.type == "meta":
         return ("refuse", f"src: {name} is a meta tensor (it holds no values)")
-    return ("whole", tuple(t.shape), str(t.dtype).removeprefix("torch."))
+    return ("whole", tuple(t.shape), str(t.dtype).removeprefix("torch."), _sample(t))
+
+
+# Elements of a plain tensor compared across the ranks that hold one of a name.
+_SAMPLED = 64
+
+
+def _sample(t: torch.Tensor) -> bytes:
+    """A few of ``t``'s elements, evenly spaced, as bytes: replicas hold the same, while
+    shards passed as plain tensors (which would be taken for whole ones) differ."""
+    flat = t.detach().reshape(-1)
+    if flat.numel() == 0:
+        return b""
+    at = torch.linspace(0, flat.numel() - 1, min(_SAMPLED, flat.numel()), device=flat.device).long()
+    return flat[at].cpu().contiguous().view(torch.uint8).numpy().tobytes()
 
 
 def trained(src, group, rank: int) -> Tuple[Trained, Dict[str, torch.Tensor]]:
@@ -118,6 +133,12 @@ def _merge(heard: List[Dict[str, tuple]], group) -> Dict[str, Layout]:
     for name, said in holders.items():
         (first_rank, first), *rest = said
         for other, desc in rest:
+            if desc[:3] == first[:3] and desc != first:
+                raise ArgumentError(
+                    f"src: {name}: ranks {first_rank} and {other} hold plain tensors of one shape "
+                    "but other values: a plain tensor is a whole one (replicas hold the same); "
+                    "pass shards as DTensors, or give a Refit with their layout"
+                )
             if desc != first:
                 raise ArgumentError(
                     f"src: {name}: rank {first_rank} holds {_shown(first)}, rank {other} {_shown(desc)}: "
@@ -134,7 +155,7 @@ def _merge(heard: List[Dict[str, tuple]], group) -> Dict[str, Layout]:
                 )
             out[name] = layout
         else:
-            _, shape, dtype = first
+            _, shape, dtype, _ = first
             ranks = [r for r, _ in said]
             out[name] = Layout(shape, dtype, len(ranks), ranks, "R")
     return out
