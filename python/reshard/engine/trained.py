@@ -7,9 +7,9 @@ shape and dtype (a whole tensor, as a trainer without sharding holds it: the ran
 one of a name hold replicas, checked on a sample of their elements: shards passed as plain
 tensors are refused, not taken for whole ones). Every rank then builds the same
 :class:`Trained`: each tensor's name, global shape, dtype and layout over the group's ranks,
-in the order the ranks gave them. Where the ranks disagree (two DTensors of one name that differ, a DTensor beside a
-plain tensor, two plain tensors of other shapes), every rank refuses the call naming the
-tensor and the ranks.
+in the order the ranks gave them. Where the ranks disagree (two DTensors of one name that
+differ, a DTensor beside a plain tensor, two plain tensors of other shapes), every rank
+refuses the call naming the tensor and the ranks.
 
 A tensor that is another one under a second name (the tied ``lm_head.weight`` a
 ``state_dict()`` holds beside the embedding) is left out: the engine loads the one.
