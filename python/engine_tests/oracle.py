@@ -39,6 +39,14 @@ QWEN3_MOE = dict(
 )
 
 
+GEMMA2 = dict(
+    architectures=["Gemma2ForCausalLM"],
+    model_type="gemma2",
+    tie_word_embeddings=True,
+    query_pre_attn_scalar=16,
+    sliding_window=64,
+)
+
 # Architectures the package has no rules or family code for, refit from the trainer's own
 # tensors (transformers' model of the same config) into vLLM's classes: each config is BASE
 # with what the architecture needs.
@@ -48,20 +56,8 @@ ARCHITECTURES = {
     "phi3": dict(
         architectures=["Phi3ForCausalLM"], model_type="phi3", tie_word_embeddings=False, pad_token_id=0
     ),
-    "gemma2": dict(
-        architectures=["Gemma2ForCausalLM"],
-        model_type="gemma2",
-        tie_word_embeddings=True,
-        query_pre_attn_scalar=16,
-        sliding_window=64,
-    ),
-    "gemma3": dict(
-        architectures=["Gemma3ForCausalLM"],
-        model_type="gemma3_text",
-        tie_word_embeddings=True,
-        query_pre_attn_scalar=16,
-        sliding_window=64,
-    ),
+    "gemma2": GEMMA2,
+    "gemma3": dict(GEMMA2, architectures=["Gemma3ForCausalLM"], model_type="gemma3_text"),
     "qwen2_moe": dict(
         architectures=["Qwen2MoeForCausalLM"],
         model_type="qwen2_moe",

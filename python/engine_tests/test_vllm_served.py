@@ -38,12 +38,17 @@ def _exact(rounds, n):
     assert all(r["changed"] for r in rounds if r["commit"]), rounds
 
 
-@pytest.fixture(scope="class")
-def qwen3(tmp_path_factory):
-    root = tmp_path_factory.mktemp("qwen3")
-    srv = live.Server(tiny.model(root / "model", "qwen3"), root / "server.log")
+def _served(tmp_path_factory, name: str, kind: str, tp: int = 1, dtype: str = "float32"):
+    """A live server of the tiny ``kind`` model for a class of tests, stopped after them."""
+    root = tmp_path_factory.mktemp(name)
+    srv = live.Server(tiny.model(root / "model", kind, dtype=dtype), root / "server.log", tp=tp, dtype=dtype)
     yield srv
     srv.stop()
+
+
+@pytest.fixture(scope="class")
+def qwen3(tmp_path_factory):
+    yield from _served(tmp_path_factory, "qwen3", "qwen3")
 
 
 class TestQwen3:
@@ -107,10 +112,7 @@ class TestQwen3:
 
 @pytest.fixture(scope="class")
 def qwen3_moe(tmp_path_factory):
-    root = tmp_path_factory.mktemp("qwen3_moe")
-    srv = live.Server(tiny.model(root / "model", "qwen3_moe"), root / "server.log", tp=2)
-    yield srv
-    srv.stop()
+    yield from _served(tmp_path_factory, "qwen3_moe", "qwen3_moe", tp=2)
 
 
 class TestQwen3Moe:
@@ -136,10 +138,7 @@ class TestQwen3Moe:
 
 @pytest.fixture(scope="class")
 def llama(tmp_path_factory):
-    root = tmp_path_factory.mktemp("llama")
-    srv = live.Server(tiny.model(root / "model", "llama"), root / "server.log")
-    yield srv
-    srv.stop()
+    yield from _served(tmp_path_factory, "llama", "llama")
 
 
 class TestLlama:
@@ -206,12 +205,7 @@ def test_the_mirror_follows_vllms_own_reload(tmp_path):
 
 @pytest.fixture(scope="class")
 def qwen3_bf16(tmp_path_factory):
-    root = tmp_path_factory.mktemp("qwen3_bf16")
-    srv = live.Server(
-        tiny.model(root / "model", "qwen3", dtype="bfloat16"), root / "server.log", tp=2, dtype="bfloat16"
-    )
-    yield srv
-    srv.stop()
+    yield from _served(tmp_path_factory, "qwen3_bf16", "qwen3", tp=2, dtype="bfloat16")
 
 
 class TestQwen3Bf16:

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from .._core import AgreementError, ArgumentError, Layout
 from ..dtensor import describe, is_dtensor, layout_of, local_of, state_dict_of
+from ..transfer.arguments import memory_key
 from ..transfer.checks import collective
 
 
@@ -55,7 +56,7 @@ def _aliases(tensors: Mapping[str, object]) -> Dict[str, str]:
         local = local_of(t)
         if not isinstance(local, torch.Tensor) or local.device.type == "meta" or local.numel() == 0:
             continue
-        key = (local.data_ptr(), tuple(local.shape), local.stride(), local.dtype)
+        key = memory_key(local)
         if key in seen:
             out[name] = seen[key]
         else:

@@ -155,13 +155,13 @@ def train_sources(refit: Refit, src, rank: int) -> Dict[str, torch.Tensor]:
     return kept
 
 
+def memory_key(t: torch.Tensor) -> tuple:
+    """What makes two tensors the same one under two names (a tied ``lm_head.weight``)."""
+    return (t.data_ptr(), tuple(t.shape), t.dtype, t.stride())
+
+
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (a.data_ptr(), tuple(a.shape), a.dtype, a.stride()) == (
-        b.data_ptr(),
-        tuple(b.shape),
-        b.dtype,
-        b.stride(),
-    )
+    return memory_key(a) == memory_key(b)
 
 
 def _refit_pairs(refit: Refit, src, dst, rank: int):
